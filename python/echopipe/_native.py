@@ -40,7 +40,6 @@ def build_config() -> dict[str, Any]:
     return raw
 
 
-
 def native_dir() -> Path:
     """Folder holding ``_C`` and its sibling shared objects (core library, DALI plugin)."""
     return Path(_C.__file__).resolve().parent

@@ -296,7 +296,10 @@ def _write_synthetic(out: Path, params: dict[str, Any]) -> dict[str, Any]:
         for c, name in enumerate(names):
             folder = out / split / name
             folder.mkdir(parents=True)
-            other_hues = [s.hue for k, s in enumerate(styles) if s.hue != styles[c].hue]
+            # With two classes both share one hue; clutter then takes the complementary hue.
+            other_hues = [s.hue for s in styles if s.hue != styles[c].hue] or [
+                (styles[c].hue + 0.5) % 1.0
+            ]
             for i in range(count):
                 # One RNG stream per image keeps every image independent of the loop order.
                 rng = np.random.default_rng([params["seed"], split_id, c, i])
@@ -468,14 +471,14 @@ class ImageFolderIndex:
 
     Classes are the sorted names of ``root``'s sub-folders; ``labels[i]`` is the index in
     ``classes`` of ``files[i]``'s class. ``skipped`` lists ``(path, reason)`` for files left
-    out by ``on_corrupt="skip"``.
+    out by ``on_corrupt="skip"``. ``root`` is the scanned folder.
     """
 
-    root: str
     files: list[str] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)
     classes: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    root: str = ""
 
     def __len__(self) -> int:
         return len(self.files)
