@@ -1,4 +1,4 @@
-"""echopipe: faster image training when the input pipeline or a single accelerator is the bottleneck.
+"""echopipe: faster image training when input or a single accelerator is the bottleneck.
 
 Two mechanisms, usable separately or together:
 
