@@ -1,0 +1,452 @@
+// CPU backends of the echopipe DALI operators, their schemas, and the plugin's C entry points.
+//
+// EchopipeEchoSink ends the upstream pipeline (reader + decode [+ augment]): it copies every
+// sample of its 1..4 inputs (image, label, metadata...) into a named echo cache that Python
+// created, blocking while the cache is full. EchopipeEchoSource starts the downstream pipeline: it
+// has no inputs, so DALI gives it the pipeline's batch size, and it draws that many samples from
+// the same cache, each fresh sample floor(e) or ceil(e) times. The pair lets the downstream part
+// run e times as many iterations as the upstream part without breaking DALI's fixed-batch-size
+// rule. Both are stateless for DALI's own checkpointing: the cache state is saved by echopipe in
+// Python.
+#include "dali/echo_ops.h"
+
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
+#include "dali/pipeline/operator/checkpointing/stateless_operator.h"
+
+#ifndef ECHOPIPE_DALI_BUILT_VERSION
+#error "ECHOPIPE_DALI_BUILT_VERSION must name the DALI version the plugin is compiled against"
+#endif
+
+#define ECHOPIPE_DALI_EXPORT extern "C" __attribute__((visibility("default")))
+
+// Read from the file's bytes by Python before the library is loaded, so a plugin built for another
+// DALI is rejected without running its static initialisers inside the wrong libdali.
+ECHOPIPE_DALI_EXPORT __attribute__((used)) const char echopipe_dali_version_marker[] =
+    "ECHOPIPE_DALI_BUILT_VERSION=" ECHOPIPE_DALI_BUILT_VERSION "\n";
+
+namespace echopipe_dali {
+namespace {
+
+struct CacheSideState {
+  std::vector<std::string> layouts;
+  int64_t quota = -1;
+};
+
+std::mutex g_side_mutex;
+std::unordered_map<std::string, CacheSideState>& SideStates() {
+  static auto* states = new std::unordered_map<std::string, CacheSideState>();
+  return *states;
+}
+
+}  // namespace
+
+echopipe::DType ToEchoDType(dali::DALIDataType type, int field) {
+  using echopipe::DType;
+  switch (type) {
+    case DALI_UINT8:
+      return DType::kUInt8;
+    case DALI_INT8:
+      return DType::kInt8;
+    case DALI_UINT16:
+      return DType::kUInt16;
+    case DALI_INT16:
+      return DType::kInt16;
+    case DALI_INT32:
+      return DType::kInt32;
+    case DALI_INT64:
+      return DType::kInt64;
+    case DALI_FLOAT16:
+      return DType::kFloat16;
+    case DALI_FLOAT:
+      return DType::kFloat32;
+    case DALI_FLOAT64:
+      return DType::kFloat64;
+    case DALI_BOOL:
+      return DType::kBool;
+    default:
+      DALI_FAIL(dali::make_string("echopipe echo sink: input ", field, " has element type ",
+                                  dali::TypeTable::GetTypeInfo(type).name(),
+                                  ", which the echo cache cannot store (supported: uint8, int8, "
+                                  "uint16, int16, int32, int64, float16, float, float64, bool)"));
+  }
+}
+
+dali::DALIDataType ToDaliDType(echopipe::DType type) {
+  using echopipe::DType;
+  switch (type) {
+    case DType::kUInt8:
+      return DALI_UINT8;
+    case DType::kInt8:
+      return DALI_INT8;
+    case DType::kUInt16:
+      return DALI_UINT16;
+    case DType::kInt16:
+      return DALI_INT16;
+    case DType::kInt32:
+      return DALI_INT32;
+    case DType::kInt64:
+      return DALI_INT64;
+    case DType::kFloat16:
+      return DALI_FLOAT16;
+    case DType::kFloat32:
+      return DALI_FLOAT;
+    case DType::kFloat64:
+      return DALI_FLOAT64;
+    case DType::kBool:
+      return DALI_BOOL;
+    default:
+      DALI_FAIL(dali::make_string("echopipe echo source: the cache holds element type ",
+                                  echopipe::dtype_name(type), ", which DALI has no type for"));
+  }
+}
+
+std::shared_ptr<echopipe::EchoCache> FindCacheOrFail(const std::string& name, const char* op) {
+  auto cache = echopipe::find_cache(name);
+  DALI_ENFORCE(cache != nullptr,
+               dali::make_string(op, ": no echo cache named '", name,
+                                 "' is registered in this process; create it from Python "
+                                 "(echopipe.EchoCache / echopipe.dali.EchoPipeline) before "
+                                 "building the pipeline"));
+  return cache;
+}
+
+void RecordLayout(const std::string& name, int field, const dali::TensorLayout& layout) {
+  std::lock_guard<std::mutex> lock(g_side_mutex);
+  auto& layouts = SideStates()[name].layouts;
+  if (static_cast<int>(layouts.size()) <= field) layouts.resize(field + 1);
+  if (layouts[field] != layout.c_str()) layouts[field] = layout.c_str();
+}
+
+dali::TensorLayout RecordedLayout(const std::string& name, int field) {
+  std::lock_guard<std::mutex> lock(g_side_mutex);
+  auto it = SideStates().find(name);
+  if (it == SideStates().end() || static_cast<int>(it->second.layouts.size()) <= field) return {};
+  return dali::TensorLayout(it->second.layouts[field]);
+}
+
+bool TakeQuota(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_side_mutex);
+  auto& state = SideStates()[name];
+  if (state.quota < 0) return true;
+  if (state.quota == 0) return false;
+  --state.quota;
+  return true;
+}
+
+DrawnBatch DrawBatch(echopipe::EchoCache& cache, int batch_size, const SampleCopy* padding,
+                     const std::string& cache_name) {
+  DrawnBatch batch;
+  batch.leases.reserve(batch_size);
+  bool ended = false;
+  while (static_cast<int>(batch.leases.size()) < batch_size) {
+    size_t want = batch_size - batch.leases.size();
+    // Bounded waits: close() from Python (interpreter exit included) ends this loop in <= 100 ms.
+    auto status = cache.take(want, batch.leases, 0.1);
+    if (status == echopipe::TakeStatus::kOk || status == echopipe::TakeStatus::kTimeout) continue;
+    if (status == echopipe::TakeStatus::kClosed)
+      DALI_FAIL(dali::make_string("echopipe echo source: echo cache '", cache_name,
+                                  "' was closed while the pipeline was drawing from it"));
+    ended = true;  // kEnd: every ticket was emitted
+    break;
+  }
+  batch.valid = static_cast<int>(batch.leases.size());
+  batch.source_index.resize(batch_size);
+  for (int i = 0; i < batch_size; ++i) {
+    if (i < batch.valid) {
+      batch.source_index[i] = i;
+    } else if (batch.valid > 0) {
+      batch.source_index[i] = i % batch.valid;
+    } else {
+      batch.source_index[i] = -1;
+    }
+  }
+  if (ended && batch.valid == 0 && padding == nullptr) {
+    DALI_FAIL(dali::make_string("echopipe echo source: the input of echo cache '", cache_name,
+                                "' ended before any sample was stored (empty data set?)"));
+  }
+  return batch;
+}
+
+static const echopipe::SampleDesc& DescAt(const DrawnBatch& batch, const SampleCopy* padding,
+                                          int i) {
+  int src = batch.source_index[i];
+  return src >= 0 ? batch.leases[src].desc() : padding->desc;
+}
+
+void DescribeOutputs(const DrawnBatch& batch, const SampleCopy* padding, int num_fields,
+                     std::vector<dali::OutputDesc>& out, const std::string& cache_name) {
+  int n = static_cast<int>(batch.source_index.size());
+  out.resize(num_fields + 1);
+  const auto& first = DescAt(batch, padding, 0);
+  DALI_ENFORCE(
+      first.num_fields == num_fields,
+      dali::make_string("echopipe echo source: echo cache '", cache_name, "' holds samples with ",
+                        first.num_fields,
+                        " fields but the source was created with num_fields=", num_fields));
+  for (int f = 0; f < num_fields; ++f) {
+    const auto& fd = first.fields[f];
+    dali::TensorListShape<> shape(n, fd.ndim);
+    for (int i = 0; i < n; ++i) {
+      const auto& d = DescAt(batch, padding, i).fields[f];
+      DALI_ENFORCE(
+          d.ndim == fd.ndim && d.dtype == fd.dtype,
+          dali::make_string("echopipe echo source: field ", f, " differs between samples (ndim ",
+                            fd.ndim, " vs ", d.ndim, ", dtype ", echopipe::dtype_name(fd.dtype),
+                            " vs ", echopipe::dtype_name(d.dtype), ")"));
+      dali::TensorShape<> ts;
+      ts.resize(d.ndim);
+      for (int k = 0; k < d.ndim; ++k) ts[k] = d.shape[k];
+      shape.set_tensor_shape(i, ts);
+    }
+    out[f].shape = std::move(shape);
+    out[f].type = ToDaliDType(fd.dtype);
+  }
+  out[num_fields].shape = dali::uniform_list_shape(n, dali::TensorShape<1>(3));
+  out[num_fields].type = DALI_INT64;
+}
+
+void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding) {
+  if (padding || batch.valid == 0) return;
+  auto copy = std::make_unique<SampleCopy>();
+  const auto& lease = batch.leases[0];
+  copy->desc = lease.desc();
+  for (int f = 0; f < copy->desc.num_fields; ++f) {
+    const auto* p = static_cast<const uint8_t*>(lease.data(f));
+    copy->fields.emplace_back(p, p + lease.nbytes(f));
+  }
+  padding = std::move(copy);
+}
+
+const void* FieldData(const DrawnBatch& batch, const SampleCopy* padding, int i, int f,
+                      size_t* nbytes) {
+  int src = batch.source_index[i];
+  if (src >= 0) {
+    *nbytes = batch.leases[src].nbytes(f);
+    return batch.leases[src].data(f);
+  }
+  *nbytes = padding->fields[f].size();
+  return padding->fields[f].data();
+}
+
+void WriteInfo(const DrawnBatch& batch, int64_t* dst, int batch_size) {
+  for (int i = 0; i < batch_size; ++i) {
+    int src = batch.source_index[i];
+    bool valid = i < batch.valid;
+    dst[3 * i + 0] = valid ? 1 : 0;
+    dst[3 * i + 1] = src >= 0 ? static_cast<int64_t>(batch.leases[src].sample_id()) : -1;
+    dst[3 * i + 2] = valid ? static_cast<int64_t>(batch.leases[src].emission()) : -1;
+  }
+}
+
+}  // namespace echopipe_dali
+
+// ---- C entry points (ctypes) -----------------------------------------------------------------
+
+ECHOPIPE_DALI_EXPORT const char* echopipe_dali_built_version() {
+  return ECHOPIPE_DALI_BUILT_VERSION;
+}
+
+ECHOPIPE_DALI_EXPORT int echopipe_dali_gpu_backend() {
+#if defined(ECHOPIPE_DALI_GPU) && ECHOPIPE_DALI_GPU
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/// remaining < 0: unlimited; otherwise the sink stores at most `remaining` more samples.
+ECHOPIPE_DALI_EXPORT void echopipe_dali_set_quota(const char* cache, int64_t remaining) {
+  std::lock_guard<std::mutex> lock(echopipe_dali::g_side_mutex);
+  echopipe_dali::SideStates()[cache].quota = remaining;
+}
+
+ECHOPIPE_DALI_EXPORT int64_t echopipe_dali_get_quota(const char* cache) {
+  std::lock_guard<std::mutex> lock(echopipe_dali::g_side_mutex);
+  return echopipe_dali::SideStates()[cache].quota;
+}
+
+/// Writes the recorded layouts joined by ';' into buf; returns the full length (without NUL).
+ECHOPIPE_DALI_EXPORT int echopipe_dali_get_layouts(const char* cache, char* buf, int size) {
+  std::string joined;
+  {
+    std::lock_guard<std::mutex> lock(echopipe_dali::g_side_mutex);
+    const auto& layouts = echopipe_dali::SideStates()[cache].layouts;
+    for (size_t i = 0; i < layouts.size(); ++i) joined += (i ? ";" : "") + layouts[i];
+  }
+  if (buf != nullptr && size > 0) {
+    size_t n = std::min<size_t>(joined.size(), static_cast<size_t>(size - 1));
+    std::memcpy(buf, joined.data(), n);
+    buf[n] = '\0';
+  }
+  return static_cast<int>(joined.size());
+}
+
+ECHOPIPE_DALI_EXPORT void echopipe_dali_set_layouts(const char* cache, const char* joined) {
+  std::vector<std::string> layouts;
+  std::string all(joined), cur;
+  for (char c : all) {
+    if (c == ';') {
+      layouts.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  if (!all.empty()) layouts.push_back(cur);
+  std::lock_guard<std::mutex> lock(echopipe_dali::g_side_mutex);
+  echopipe_dali::SideStates()[cache].layouts = std::move(layouts);
+}
+
+ECHOPIPE_DALI_EXPORT void echopipe_dali_forget(const char* cache) {
+  std::lock_guard<std::mutex> lock(echopipe_dali::g_side_mutex);
+  echopipe_dali::SideStates().erase(cache);
+}
+
+// ---- operators ---------------------------------------------------------------------------------
+
+namespace dali {
+
+class EchoSinkCPU : public StatelessOperator<CPUBackend> {
+ public:
+  explicit EchoSinkCPU(const OpSpec& spec)
+      : StatelessOperator<CPUBackend>(spec),
+        cache_name_(spec.GetArgument<std::string>("cache_name")),
+        cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo sink")) {}
+
+ protected:
+  bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
+    out.resize(1);
+    out[0].shape = uniform_list_shape(ws.GetInputBatchSize(0), TensorShape<0>());
+    out[0].type = DALI_INT32;
+    return true;
+  }
+
+  void RunImpl(Workspace& ws) override {
+    int num_fields = ws.NumInput();
+    int n = ws.GetInputBatchSize(0);
+    for (int f = 0; f < num_fields; ++f)
+      echopipe_dali::RecordLayout(cache_name_, f, ws.Input<CPUBackend>(f).GetLayout());
+    auto& stored = ws.Output<CPUBackend>(0);
+    for (int i = 0; i < n; ++i) {
+      *stored.mutable_tensor<int32_t>(i) = 0;
+      if (!echopipe_dali::TakeQuota(cache_name_)) continue;
+      echopipe::SampleDesc desc;
+      desc.num_fields = num_fields;
+      for (int f = 0; f < num_fields; ++f) {
+        const auto& in = ws.Input<CPUBackend>(f);
+        auto shape = in.tensor_shape_span(i);
+        DALI_ENFORCE(
+            static_cast<int>(shape.size()) <= echopipe::kMaxDims,
+            make_string("echopipe echo sink: input ", f, " has ", shape.size(),
+                        " dimensions; the echo cache stores at most ", echopipe::kMaxDims));
+        desc.fields[f].dtype = echopipe_dali::ToEchoDType(in.type(), f);
+        desc.fields[f].ndim = static_cast<int>(shape.size());
+        for (int k = 0; k < desc.fields[f].ndim; ++k) desc.fields[f].shape[k] = shape[k];
+      }
+      echopipe::PutReservation reservation;
+      if (!Reserve(desc, reservation)) continue;
+      for (int f = 0; f < num_fields; ++f) {
+        const auto& in = ws.Input<CPUBackend>(f);
+        std::memcpy(reservation.field_data(f), in.raw_tensor(i), desc.fields[f].nbytes());
+      }
+      if (cache_->commit(reservation) == echopipe::PutStatus::kOk)
+        *stored.mutable_tensor<int32_t>(i) = 1;
+    }
+  }
+
+ private:
+  /// Waits for space (back-pressure), polling close every 100 ms; false when input has ended.
+  bool Reserve(const echopipe::SampleDesc& desc, echopipe::PutReservation& reservation) {
+    for (;;) {
+      auto status = cache_->reserve(desc, reservation, 0.1);
+      if (status == echopipe::PutStatus::kOk) return true;
+      if (status == echopipe::PutStatus::kTimeout) continue;
+      if (status == echopipe::PutStatus::kEnded) return false;
+      DALI_FAIL(make_string("echopipe echo sink: echo cache '", cache_name_,
+                            "' was closed while the pipeline was storing into it"));
+    }
+  }
+
+  std::string cache_name_;
+  std::shared_ptr<echopipe::EchoCache> cache_;
+};
+
+class EchoSourceCPU : public StatelessOperator<CPUBackend> {
+ public:
+  explicit EchoSourceCPU(const OpSpec& spec)
+      : StatelessOperator<CPUBackend>(spec),
+        cache_name_(spec.GetArgument<std::string>("cache_name")),
+        num_fields_(spec.GetArgument<int>("num_fields")),
+        cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo source")) {}
+
+ protected:
+  bool HasContiguousOutputs() const override { return true; }
+
+  bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
+    int batch_size = ws.GetRequestedBatchSize(0);
+    batch_ = echopipe_dali::DrawBatch(*cache_, batch_size, padding_.get(), cache_name_);
+    echopipe_dali::UpdatePadding(batch_, padding_);
+    echopipe_dali::DescribeOutputs(batch_, padding_.get(), num_fields_, out, cache_name_);
+    return true;
+  }
+
+  void RunImpl(Workspace& ws) override {
+    int n = static_cast<int>(batch_.source_index.size());
+    auto& pool = ws.GetThreadPool();
+    for (int f = 0; f < num_fields_; ++f) {
+      auto& out = ws.Output<CPUBackend>(f);
+      out.SetLayout(echopipe_dali::RecordedLayout(cache_name_, f));
+      for (int i = 0; i < n; ++i) {
+        pool.AddWork([this, &out, i, f](int) {
+          size_t nbytes = 0;
+          const void* src = echopipe_dali::FieldData(batch_, padding_.get(), i, f, &nbytes);
+          std::memcpy(out.raw_mutable_tensor(i), src, nbytes);
+        });
+      }
+    }
+    pool.RunAll();
+    auto& info = ws.Output<CPUBackend>(num_fields_);
+    echopipe_dali::WriteInfo(batch_, info.mutable_tensor<int64_t>(0), n);
+    batch_ = {};  // drops the leases: the slots may be reused once every copy is out
+  }
+
+ private:
+  std::string cache_name_;
+  int num_fields_;
+  std::shared_ptr<echopipe::EchoCache> cache_;
+  echopipe_dali::DrawnBatch batch_;
+  std::unique_ptr<echopipe_dali::SampleCopy> padding_;
+};
+
+DALI_SCHEMA(EchopipeEchoSink)
+    .DocStr(R"(Stores every input sample (all inputs together form one sample) into the echopipe
+echo cache named `cache_name`, blocking while the cache is full. Ends the upstream part of an
+echoing pipeline; `EchopipeEchoSource` draws the samples back. Output: per sample int32, 1 if the
+sample was stored, 0 if it was dropped because the run's quota of fresh samples was reached.)")
+    .NumInput(1, echopipe::kMaxFields)
+    .InputDevice(0, echopipe::kMaxFields, InputDevice::MatchBackendOrCPU)
+    .NumOutput(1)
+    .AddArg("cache_name", "Name of an echo cache created from Python.", DALI_STRING)
+    .MakeStateful()
+    .NoPrune();
+
+DALI_SCHEMA(EchopipeEchoSource)
+    .DocStr(R"(Draws a batch of the pipeline's batch size from the echopipe echo cache named
+`cache_name`; every fresh sample is emitted floor(e) or ceil(e) times. Outputs: the `num_fields`
+fields the sink stored, then per sample int64 [valid, sample_id, emission]. After the end of input
+the last batches are padded (valid = 0) instead of blocking.)")
+    .NumInput(0)
+    .OutputFn([](const OpSpec& spec) { return spec.GetArgument<int>("num_fields") + 1; })
+    .AddArg("cache_name", "Name of an echo cache created from Python.", DALI_STRING)
+    .AddArg("num_fields", "How many inputs the matching sink has (1..4).", DALI_INT32)
+    .MakeStateful()
+    .NoPrune();
+
+DALI_REGISTER_OPERATOR(EchopipeEchoSink, EchoSinkCPU, CPU);
+DALI_REGISTER_OPERATOR(EchopipeEchoSource, EchoSourceCPU, CPU);
+
+}  // namespace dali

@@ -1,0 +1,70 @@
+// Shared pieces of the echopipe DALI plugin (libechopipe_dali.so): the mapping between DALI and
+// echo-cache element types, the lookup of a cache that Python registered by name, and two small
+// per-cache side channels that live in the plugin because the echo cache core does not carry them:
+// the tensor layout of each field (so the source restores "HWC" etc.) and the sink's quota of fresh
+// samples (so a finite run stores exactly N samples even when the reader's last batch wraps into
+// the next epoch). Python reaches the side channels through the extern "C" functions in
+// echo_ops.cc via ctypes.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dali/pipeline/operator/operator.h"
+#include "echo/echo_cache.h"
+
+namespace echopipe_dali {
+
+/// DALI element type -> echo cache element type; DALI error naming the type if unsupported.
+echopipe::DType ToEchoDType(dali::DALIDataType type, int field);
+/// Echo cache element type -> DALI element type.
+dali::DALIDataType ToDaliDType(echopipe::DType type);
+
+/// The registered cache called `name`; DALI error naming it when Python did not create it.
+std::shared_ptr<echopipe::EchoCache> FindCacheOrFail(const std::string& name, const char* op);
+
+/// Records the layout of field `field` for cache `name` (cheap when unchanged).
+void RecordLayout(const std::string& name, int field, const dali::TensorLayout& layout);
+/// Layout recorded for field `field` of cache `name`, or an empty layout.
+dali::TensorLayout RecordedLayout(const std::string& name, int field);
+
+/// Takes one unit of the sink quota for cache `name`: true if the sample may be stored.
+/// A negative quota (the default) means unlimited.
+bool TakeQuota(const std::string& name);
+
+/// Copy of one sample, kept by a source to pad the batches it emits after the end of input.
+struct SampleCopy {
+  echopipe::SampleDesc desc;
+  std::vector<std::vector<uint8_t>> fields;
+};
+
+/// Outcome of drawing one downstream batch: leases for the real samples, and for each output
+/// position the index of the lease (or of the template when no lease exists) it copies from.
+struct DrawnBatch {
+  std::vector<echopipe::SampleLease> leases;
+  std::vector<int> source_index;  ///< per output sample: lease index, or -1 = template
+  int valid = 0;                  ///< the first `valid` output samples are real draws
+};
+
+/// Draws `batch_size` samples (blocking, polling close every 100 ms). After the end of input
+/// the batch is padded by repeating its own samples, or `padding` when it drew nothing.
+DrawnBatch DrawBatch(echopipe::EchoCache& cache, int batch_size, const SampleCopy* padding,
+                     const std::string& cache_name);
+
+/// Fills `out` (num_fields + 1 descriptors) from a drawn batch; checks the fields agree.
+void DescribeOutputs(const DrawnBatch& batch, const SampleCopy* padding, int num_fields,
+                     std::vector<dali::OutputDesc>& out, const std::string& cache_name);
+
+/// Keeps a host copy of the first drawn sample as the padding template.
+void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding);
+
+/// Host pointer and size of field `f` for output sample `i`.
+const void* FieldData(const DrawnBatch& batch, const SampleCopy* padding, int i, int f,
+                      size_t* nbytes);
+
+/// Writes the info output: per sample int64 [valid, sample_id, emission].
+void WriteInfo(const DrawnBatch& batch, int64_t* dst, int batch_size);
+
+}  // namespace echopipe_dali

@@ -1,0 +1,135 @@
+"""Finds, checks and loads the echopipe DALI plugin (``libechopipe_dali.so``) once per process.
+
+The plugin is compiled against one DALI release; DALI's C++ operator API is not stable across
+releases, so loading it into another one can crash inside DALI. The version the plugin was built
+for is embedded in the file as a marker string and read from the bytes *before* the library is
+loaded, so a mismatch becomes a clear ``DaliVersionMismatchError`` instead of a crash. After
+loading, the exported ``echopipe_dali_built_version()`` confirms the marker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from pathlib import Path
+
+PLUGIN_FILENAME = "libechopipe_dali.so"
+_MARKER = re.compile(rb"ECHOPIPE_DALI_BUILT_VERSION=([0-9A-Za-z.+_-]+)\n")
+
+
+class DaliVersionMismatchError(ImportError):
+    """The echopipe DALI plugin was built for a different DALI than the one importable now."""
+
+
+class DaliPluginMissingError(ImportError):
+    """The echopipe DALI plugin was not built (no DALI at build time) or cannot be found."""
+
+
+def check_dali_version(built: str, installed: str) -> None:
+    """Raises :class:`DaliVersionMismatchError` naming both versions when they differ.
+
+    The check is exact on ``major.minor.patch``: DALI does not promise a stable C++ operator ABI
+    even between patch releases.
+    """
+    if built.strip() != installed.strip():
+        raise DaliVersionMismatchError(
+            f"the echopipe DALI plugin was built against DALI {built} but DALI {installed} is "
+            "installed; rebuild echopipe with the installed DALI "
+            "(`pip install --no-build-isolation .`) or install nvidia-dali "
+            f"{built}"
+        )
+
+
+def read_built_version(path: Path) -> str:
+    """DALI version recorded in the plugin file at ``path`` (read from its bytes, not loaded)."""
+    data = Path(path).read_bytes()
+    match = _MARKER.search(data)
+    if match is None:
+        raise DaliPluginMissingError(
+            f"{path} carries no ECHOPIPE_DALI_BUILT_VERSION marker; it is not an echopipe DALI "
+            "plugin, or it is corrupt. Rebuild echopipe."
+        )
+    return match.group(1).decode()
+
+
+def plugin_path() -> Path:
+    """Path of the plugin next to ``echopipe._C`` (raises if it was not built)."""
+    from .._native import build_config, native_dir
+
+    path = native_dir() / PLUGIN_FILENAME
+    if not path.exists():
+        built = build_config().get("dali_plugin_built")
+        raise DaliPluginMissingError(
+            f"echopipe's DALI plugin {path} does not exist (build recorded dali_plugin_built="
+            f"{built}); install NVIDIA DALI and rebuild echopipe"
+        )
+    return path
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def load() -> ctypes.CDLL:
+    """Checks the version and loads the plugin into DALI (idempotent); returns its ctypes handle."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        import nvidia.dali as dali
+        from nvidia.dali import plugin_manager
+
+        path = plugin_path()
+        check_dali_version(read_built_version(path), dali.__version__)
+        plugin_manager.load_library(str(path))
+        # DALI has loaded it (RTLD_GLOBAL); this dlopen returns the same handle.
+        lib = ctypes.CDLL(str(path))
+        lib.echopipe_dali_built_version.restype = ctypes.c_char_p
+        lib.echopipe_dali_gpu_backend.restype = ctypes.c_int
+        lib.echopipe_dali_set_quota.argtypes = [ctypes.c_char_p, ctypes.c_int64]
+        lib.echopipe_dali_get_quota.argtypes = [ctypes.c_char_p]
+        lib.echopipe_dali_get_quota.restype = ctypes.c_int64
+        lib.echopipe_dali_get_layouts.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
+        lib.echopipe_dali_get_layouts.restype = ctypes.c_int
+        lib.echopipe_dali_set_layouts.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        lib.echopipe_dali_forget.argtypes = [ctypes.c_char_p]
+        check_dali_version(lib.echopipe_dali_built_version().decode(), dali.__version__)
+        _lib = lib
+        return lib
+
+
+def set_quota(cache_name: str, remaining: int) -> None:
+    """The sink for ``cache_name`` stores at most ``remaining`` more samples (< 0: unlimited)."""
+    load().echopipe_dali_set_quota(cache_name.encode(), int(remaining))
+
+
+def get_quota(cache_name: str) -> int:
+    return int(load().echopipe_dali_get_quota(cache_name.encode()))
+
+
+def get_layouts(cache_name: str) -> list[str]:
+    """Layouts the sink saw for each field of ``cache_name`` ("" where none)."""
+    lib = load()
+    size = lib.echopipe_dali_get_layouts(cache_name.encode(), None, 0)
+    buf = ctypes.create_string_buffer(size + 1)
+    lib.echopipe_dali_get_layouts(cache_name.encode(), buf, size + 1)
+    text = buf.value.decode()
+    return text.split(";") if text else []
+
+
+def set_layouts(cache_name: str, layouts: list[str]) -> None:
+    if any(";" in layout for layout in layouts):
+        raise ValueError(f"a layout may not contain ';': {layouts!r}")
+    load().echopipe_dali_set_layouts(cache_name.encode(), ";".join(layouts).encode())
+
+
+def forget(cache_name: str) -> None:
+    """Drops the plugin's side state (quota, layouts) for ``cache_name``."""
+    if _lib is not None:
+        _lib.echopipe_dali_forget(cache_name.encode())
+
+
+def gpu_backend_compiled() -> bool:
+    """True when the plugin registered the GPU backends of the echo operators."""
+    return bool(load().echopipe_dali_gpu_backend())

@@ -1,0 +1,803 @@
+"""Echoing DALI pipelines: write the pipeline once, mark the echo point, get two pipelines.
+
+``@echo_pipeline_def`` turns a DALI-style pipeline function into an :class:`EchoPipeline`. The
+function is traced twice:
+
+* **upstream** (reader, decode, and whatever precedes :func:`echo`): ``echo(*fields)`` becomes an
+  ``echopipe_echo_sink`` that stores each sample in a native echo cache. The upstream pipeline
+  runs at ``upstream_batch_size`` on its own thread (or, with ``deterministic=True``, in lock-step
+  with the consumer), so the reader keeps its fixed batch size.
+* **downstream** (everything after :func:`echo`): ``echo(*fields)`` returns the outputs of an
+  ``echopipe_echo_source`` that draws ``batch_size`` samples per iteration from the cache; each
+  fresh sample is emitted floor(e) or ceil(e) times. The downstream pipeline therefore runs e
+  times as many iterations as the upstream one. An extra output, ``info`` (per sample int64
+  ``[valid, sample_id, emission]``), tells the consumer which samples are fresh and where a finite
+  stream ends (padded samples have ``valid == 0``).
+
+Everything that waits (the sink on a full cache, the source on an empty one, the runner thread)
+polls for close at least every 100 ms, and every pipeline is closed by ``close()``, by the context
+manager, or at interpreter exit (``weakref.finalize``), so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _plugin
+
+_ECHO_MODES = ("example", "batch")
+_STATE_VERSION = 1
+_POLL_S = 0.005
+_name_counter = itertools.count()
+
+
+# ---- tracing -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Trace:
+    stage: str  # "upstream" | "downstream"
+    cache_name: str
+    calls: int = 0
+    num_fields: int = 0
+    devices: list[str] = field(default_factory=list)
+    sink: Any = None
+    info: Any = None
+    source_device: str | None = None
+
+
+_trace = threading.local()
+
+
+def echo(*fields: Any, device: str | None = None) -> tuple[Any, ...]:
+    """Marks the echo point inside an ``@echo_pipeline_def`` function.
+
+    Args:
+        *fields: 1 to 4 DALI data nodes that make up one sample (e.g. images, labels, metadata).
+            Each may be CPU or GPU; they travel together and come back in the same order, with
+            dtype, shape and layout preserved.
+        device: where the fields come out downstream: ``"cpu"`` or ``"gpu"``. Default: ``"gpu"``
+            if any input is on the GPU (after a ``"mixed"`` decoder), else ``"cpu"``.
+
+    Returns:
+        A tuple with one node per input field (call it as ``images, labels = echo(images,
+        labels)``). In the upstream trace these are the inputs themselves; in the downstream trace
+        they are the echo source's outputs.
+    """
+    state: _Trace | None = getattr(_trace, "state", None)
+    if state is None:
+        raise RuntimeError(
+            "echopipe.dali.echo() can only be called inside a function decorated with "
+            "@echopipe.dali.echo_pipeline_def (while echopipe traces it)"
+        )
+    if not 1 <= len(fields) <= 4:
+        raise ValueError(f"echo() takes 1 to 4 fields per sample, got {len(fields)}")
+    if device not in (None, "cpu", "gpu"):
+        raise ValueError(f"echo(device=...) must be 'cpu', 'gpu' or None, got {device!r}")
+    state.calls += 1
+    if state.calls > 1:
+        raise RuntimeError("echo() was called more than once; a pipeline has one echo point")
+    from nvidia.dali import fn
+
+    devices = [getattr(node, "device", "cpu") for node in fields]
+    state.num_fields = len(fields)
+    state.devices = devices
+    upstream_gpu = any(d == "gpu" for d in devices)
+    if state.stage == "upstream":
+        state.sink = fn.echopipe_echo_sink(
+            *fields, cache_name=state.cache_name, device="gpu" if upstream_gpu else "cpu"
+        )
+        return tuple(fields)
+    source_device = device or ("gpu" if upstream_gpu else "cpu")
+    state.source_device = source_device
+    outputs = fn.echopipe_echo_source(
+        cache_name=state.cache_name, num_fields=len(fields), device=source_device
+    )
+    state.info = outputs[-1]
+    return tuple(outputs[:-1])
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EchoConfig:
+    """How an :class:`EchoPipeline` echoes (see :func:`echo_pipeline_def` for each field)."""
+
+    batch_size: int
+    echo_factor: float = 2.0
+    mode: str = "example"
+    shuffle_buffer: int | None = None
+    cache_samples: int | None = None
+    cache_bytes: int = 256 << 20
+    upstream_batch_size: int | None = None
+    epochs: int | None = None
+    deterministic: bool = False
+    seed: int = 0
+    memory: str = "auto"
+
+    def resolved(self) -> EchoConfig:
+        """Validates the values and fills the defaults; errors name the bad value."""
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        e = float(self.echo_factor)
+        if not math.isfinite(e) or e < 1.0:
+            raise ValueError(f"echo_factor must be a finite number >= 1, got {self.echo_factor!r}")
+        if self.mode not in _ECHO_MODES:
+            raise ValueError(f"mode must be one of {_ECHO_MODES}, got {self.mode!r}")
+        up = self.upstream_batch_size or self.batch_size
+        if not isinstance(up, int) or up < 1:
+            raise ValueError(f"upstream_batch_size must be a positive int, got {up!r}")
+        if self.mode == "batch" and self.batch_size % up != 0:
+            raise ValueError(
+                f"batch echoing repeats whole upstream batches, so batch_size ({self.batch_size}) "
+                f"must be a multiple of upstream_batch_size ({up})"
+            )
+        fill = self.shuffle_buffer if self.shuffle_buffer is not None else self.batch_size
+        if not isinstance(fill, int) or fill < 0:
+            raise ValueError(f"shuffle_buffer must be an int >= 0, got {fill!r}")
+        need = max(fill, self.batch_size) + up
+        samples = self.cache_samples if self.cache_samples is not None else max(2 * need, 256)
+        if not isinstance(samples, int) or samples < need:
+            raise ValueError(
+                f"cache_samples={samples!r} is too small: it must hold max(shuffle_buffer, "
+                f"batch_size) + upstream_batch_size = {need} samples so that neither side stalls"
+            )
+        if not isinstance(self.cache_bytes, int) or self.cache_bytes < 64:
+            raise ValueError(f"cache_bytes must be an int >= 64, got {self.cache_bytes!r}")
+        if self.epochs is not None and (not isinstance(self.epochs, int) or self.epochs < 1):
+            raise ValueError(f"epochs must be None (endless) or an int >= 1, got {self.epochs!r}")
+        if self.memory not in ("auto", "pageable", "pinned"):
+            raise ValueError(f"memory must be 'auto', 'pageable' or 'pinned', got {self.memory!r}")
+        return EchoConfig(
+            batch_size=self.batch_size,
+            echo_factor=e,
+            mode=self.mode,
+            shuffle_buffer=fill,
+            cache_samples=samples,
+            cache_bytes=self.cache_bytes,
+            upstream_batch_size=up,
+            epochs=self.epochs,
+            deterministic=bool(self.deterministic),
+            seed=int(self.seed),
+            memory=self.memory,
+        )
+
+
+def _make_cache(config: EchoConfig, name: str) -> Any:
+    from ..echo import EchoCache
+
+    return EchoCache(
+        capacity_bytes=config.cache_bytes,
+        capacity_samples=config.cache_samples,
+        echo_factor=config.echo_factor,
+        min_fill=config.shuffle_buffer,
+        seed=config.seed,
+        mode=config.mode,
+        batch_size=config.upstream_batch_size if config.mode == "batch" else None,
+        memory=config.memory,
+        name=name,
+    )
+
+
+# ---- the upstream runner -------------------------------------------------------------------
+
+
+class _UpstreamRunner:
+    """Runs the upstream DALI pipeline: one iteration = one upstream batch into the cache.
+
+    Free-running mode uses a daemon thread that only starts an iteration when the cache has room
+    for a whole upstream batch, so the sink never blocks mid-batch and a pause (for a checkpoint)
+    is reached within one iteration. Deterministic mode runs iterations on demand from the
+    consumer's thread while no downstream iteration is in flight, which fixes the interleaving of
+    puts and draws and so makes the stream a pure function of the seed and the input order.
+    """
+
+    def __init__(self, owner: EchoPipeline) -> None:
+        self._owner = owner
+        self.fresh_in = 0
+        self.iterations = 0
+        self.epoch_index = 0
+        self.iter_in_epoch = 0
+        self.ended = False
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._pause_requested = threading.Event()
+        self._paused = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- bookkeeping shared by both modes --
+
+    def step(self) -> bool:
+        """Runs one upstream iteration; False (and end_of_input) once a finite run is complete."""
+        owner = self._owner
+        cfg = owner.config
+        if self.ended:
+            return False
+        if cfg.epochs is not None and self.iter_in_epoch == 0:
+            _plugin.set_quota(owner.cache_name, owner.shard_size)
+        outputs = owner.upstream.run()
+        stored = int(np.asarray(outputs[0].as_tensor()).sum())
+        self.fresh_in += stored
+        self.iterations += 1
+        self.iter_in_epoch += 1
+        if self.iter_in_epoch >= owner.iterations_per_epoch:
+            self.iter_in_epoch = 0
+            self.epoch_index += 1
+            if cfg.epochs is not None and self.epoch_index % cfg.epochs == 0:
+                self.ended = True
+                owner.cache.end_of_input()
+        return True
+
+    def room_for_batch(self) -> bool:
+        stats = self._owner.cache.stats()
+        return stats.capacity_samples - stats.resident >= self._owner.config.upstream_batch_size
+
+    def fill(self) -> None:
+        """Deterministic mode: runs upstream iterations until the cache has no room for another."""
+        while not self.ended and self.room_for_batch():
+            self.step()
+
+    # -- free-running thread --
+
+    def start(self) -> None:
+        if self._owner.config.deterministic or self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._loop, name=f"echopipe-upstream-{self._owner.cache_name}", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._pause_requested.is_set():
+                    self._paused.set()
+                    self._stop.wait(_POLL_S)
+                    continue
+                self._paused.clear()
+                if self.ended or not self.room_for_batch():
+                    self._stop.wait(_POLL_S)
+                    continue
+                self.step()
+        except BaseException as exc:  # reported to the consumer, which re-raises it
+            if not self._stop.is_set():
+                self.error = exc
+                self._owner.cache.close()
+        finally:
+            self._paused.set()
+
+    def pause(self, timeout_s: float = 60.0) -> None:
+        """Stops the thread between two iterations (returns at once in deterministic mode)."""
+        if self._thread is None:
+            return
+        self._paused.clear()
+        self._pause_requested.set()
+        if not self._paused.wait(timeout_s):
+            raise TimeoutError(
+                f"the upstream pipeline did not reach an iteration boundary within {timeout_s} s "
+                "(is the cache full by bytes? raise cache_bytes)"
+            )
+
+    def resume(self) -> None:
+        self._pause_requested.clear()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def state(self) -> dict[str, int | bool]:
+        return {
+            "fresh_in": self.fresh_in,
+            "iterations": self.iterations,
+            "epoch_index": self.epoch_index,
+            "iter_in_epoch": self.iter_in_epoch,
+            "ended": self.ended,
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.fresh_in = int(state["fresh_in"])
+        self.iterations = int(state["iterations"])
+        self.epoch_index = int(state["epoch_index"])
+        self.iter_in_epoch = int(state["iter_in_epoch"])
+        self.ended = bool(state["ended"])
+
+
+# ---- the pipeline pair ---------------------------------------------------------------------
+
+
+def _close_resources(cache: Any, runner: _UpstreamRunner, cache_name: str) -> None:
+    # Closing the cache first wakes a sink or source blocked inside DALI; then the thread can end.
+    with contextlib.suppress(Exception):
+        cache.close()
+    runner.stop()
+    _plugin.forget(cache_name)
+
+
+class EchoPipeline:
+    """An upstream and a downstream DALI pipeline joined by a native echo cache.
+
+    Create it with :func:`echo_pipeline_def`. Iterate it with :class:`~echopipe.dali.EchoIterator`
+    (PyTorch), or call :meth:`next_batch` for raw DALI outputs. DALI pipelines are built lazily, on
+    the first batch, so :meth:`load_state_dict` can restore a checkpoint before anything runs.
+
+    Attributes:
+        config: the resolved :class:`EchoConfig`.
+        cache_name: name of the native cache in echopipe's process-wide registry.
+        cache: the :class:`echopipe.EchoCache` itself.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        fn_args: Sequence[Any] = (),
+        fn_kwargs: dict[str, Any] | None = None,
+        *,
+        config: EchoConfig,
+        num_threads: int = 2,
+        device_id: int | None = None,
+        upstream_num_threads: int | None = None,
+        prefetch_queue_depth: int = 2,
+        enable_checkpointing: bool = False,
+        pipeline_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        _plugin.load()
+        self.config = config.resolved()
+        if self.config.deterministic:
+            prefetch_queue_depth = 1
+        if not isinstance(prefetch_queue_depth, int) or prefetch_queue_depth < 1:
+            raise ValueError(
+                f"prefetch_queue_depth must be an int >= 1, got {prefetch_queue_depth!r}"
+            )
+        self._fn = fn
+        self._fn_args = tuple(fn_args)
+        self._fn_kwargs = dict(fn_kwargs or {})
+        self._num_threads = num_threads
+        self._upstream_num_threads = upstream_num_threads or num_threads
+        self._device_id = device_id
+        self._prefetch = prefetch_queue_depth
+        self._enable_checkpointing = enable_checkpointing
+        self._pipeline_kwargs = dict(pipeline_kwargs or {})
+        self.cache_name = f"echopipe-dali-{os.getpid()}-{next(_name_counter)}"
+        self.cache = _make_cache(self.config, self.cache_name)
+        _plugin.set_quota(self.cache_name, -1)
+        self._runner = _UpstreamRunner(self)
+        self._finalizer = weakref.finalize(
+            self, _close_resources, self.cache, self._runner, self.cache_name
+        )
+        self.upstream: Any = None
+        self.downstream: Any = None
+        self.num_fields = 0
+        self.num_outputs = 0
+        self.shard_size = 0
+        self.iterations_per_epoch = 0
+        self._scheduled = 0
+        self._dali_prefetched = False
+        self._input_done = False
+        self._exhausted = False
+        self._stash: list[tuple[list[np.ndarray], np.ndarray]] = []
+        self._restore: dict[str, Any] | None = None
+        self._started = False
+        self._closed = False
+        self.t_up = 0.0
+        self.t_down = 0.0
+
+    # -- building --
+
+    def _trace(self, stage: str, pipe: Any) -> tuple[_Trace, list[Any]]:
+        state = _Trace(stage=stage, cache_name=self.cache_name)
+        _trace.state = state
+        try:
+            with pipe:
+                result = self._fn(*self._fn_args, **self._fn_kwargs)
+        finally:
+            _trace.state = None
+        if state.calls == 0:
+            raise RuntimeError(
+                f"{getattr(self._fn, '__name__', self._fn)} never called echopipe.dali.echo(); "
+                "mark the echo point with `images, labels = echo(images, labels)`"
+            )
+        outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+        return state, outputs
+
+    def _build(self) -> None:
+        if self.upstream is not None:
+            return
+        from nvidia.dali import Pipeline
+
+        cfg = self.config
+        restore = self._restore or {}
+        extra = dict(self._pipeline_kwargs)
+        seed = int(extra.pop("seed", cfg.seed))
+        up_kwargs: dict[str, Any] = dict(device_id=self._device_id, seed=seed, **extra)
+        # Its own seed, so downstream augmentations do not replay the upstream's random numbers.
+        down_kwargs: dict[str, Any] = dict(device_id=self._device_id, seed=seed + 1, **extra)
+        if self._enable_checkpointing:
+            up_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_upstream"))
+            down_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_downstream"))
+        # Depth 1 upstream: when run() returns, no later iteration has touched the cache yet.
+        upstream = Pipeline(
+            batch_size=cfg.upstream_batch_size,
+            num_threads=self._upstream_num_threads,
+            prefetch_queue_depth=1,
+            **up_kwargs,
+        )
+        up_state, _ = self._trace("upstream", upstream)
+        upstream.set_outputs(up_state.sink)
+        downstream = Pipeline(
+            batch_size=cfg.batch_size,
+            num_threads=self._num_threads,
+            prefetch_queue_depth=self._prefetch,
+            **down_kwargs,
+        )
+        down_state, outputs = self._trace("downstream", downstream)
+        downstream.set_outputs(*outputs, down_state.info)
+        upstream.build()
+        downstream.build()
+        self.upstream, self.downstream = upstream, downstream
+        self.num_fields = up_state.num_fields
+        self.num_outputs = len(outputs)
+        self.shard_size, self.iterations_per_epoch = self._epoch_geometry(upstream)
+
+    def _epoch_geometry(self, upstream: Any) -> tuple[int, int]:
+        """Fresh samples per epoch of this shard, and upstream iterations per epoch."""
+        meta = upstream.reader_meta()
+        if not meta:
+            if self.config.epochs is not None:
+                raise ValueError(
+                    "epochs= needs a DALI reader (fn.readers.*) before echo() to know the epoch "
+                    "size; without one, leave epochs=None for an endless stream"
+                )
+            return 0, 1 << 62
+        if len(meta) > 1:
+            raise ValueError(
+                f"the upstream part has {len(meta)} readers ({sorted(meta)}); echopipe needs "
+                "exactly one to count epochs"
+            )
+        ((name, m),) = meta.items()
+        size, shards, shard = int(m["epoch_size"]), int(m["number_of_shards"]), int(m["shard_id"])
+        shard_size = size * (shard + 1) // shards - size * shard // shards
+        if self.config.epochs is not None and not m.get("pad_last_batch"):
+            raise ValueError(
+                f"epochs={self.config.epochs} needs the reader {name!r} to be created with "
+                "pad_last_batch=True, so every epoch starts on a batch boundary and no sample of "
+                "the next epoch is pulled into the last batch"
+            )
+        return shard_size, max(1, math.ceil(shard_size / self.config.upstream_batch_size))
+
+    def start(self) -> None:
+        """Builds both DALI pipelines and starts the upstream runner (idempotent)."""
+        if self._closed:
+            raise RuntimeError("this EchoPipeline was closed")
+        if self._started:
+            return
+        self._build()
+        if self._restore is not None:
+            self._apply_restore(self._restore)
+            self._restore = None
+        self._started = True
+        self._runner.start()
+
+    # -- running --
+
+    def _raise_runner_error(self) -> None:
+        if self._runner.error is not None:
+            raise RuntimeError(
+                f"the upstream DALI pipeline failed: {self._runner.error}"
+            ) from self._runner.error
+
+    def next_batch(self) -> tuple[list[Any], np.ndarray]:
+        """Next downstream batch: (pipeline outputs, info ``int64[batch, 3]``).
+
+        Outputs are DALI TensorLists, or numpy arrays for batches restored from a checkpoint.
+        Raises StopIteration once a finite stream (``epochs=N``) is exhausted; call
+        :meth:`reset` to start the next pass.
+        """
+        self.start()
+        if self._stash:
+            outputs, info = self._stash.pop(0)
+            return outputs, info
+        if self._exhausted:
+            raise StopIteration
+        self._raise_runner_error()
+        t0 = time.perf_counter()
+        if self.config.deterministic:
+            self._runner.fill()
+            self.t_up += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self.downstream.schedule_run()
+            self._scheduled += 1
+        elif self._scheduled == 0 and not self._input_done:
+            # DALI prefetches the whole queue on its first schedule_run() only.
+            first = not self._dali_prefetched
+            self._dali_prefetched = True
+            for _ in range(1 if first else self._prefetch):
+                self.downstream.schedule_run()
+            self._scheduled = self._prefetch
+        if self._scheduled == 0:
+            self._exhausted = True
+            raise StopIteration
+        try:
+            outputs = list(self.downstream.outputs())
+        except Exception:
+            self._raise_runner_error()
+            raise
+        self._scheduled -= 1
+        self.t_down += time.perf_counter() - t0
+        info = np.array(outputs[-1].as_tensor())
+        valid = int(info[:, 0].sum())
+        if valid < self.config.batch_size:
+            self._input_done = True
+        elif not self.config.deterministic:
+            self.downstream.schedule_run()
+            self._scheduled += 1
+        if valid == 0:
+            self._exhausted = True
+            raise StopIteration
+        return outputs[:-1], info
+
+    def reset(self) -> None:
+        """Starts the next pass of a finite stream (no-op for an endless one before its end)."""
+        if not self._input_done:
+            return
+        # Iterations scheduled after the end hold padding only; consume them before going on.
+        while self._scheduled > 0:
+            self.downstream.outputs()
+            self._scheduled -= 1
+        self._stash.clear()
+        self._input_done = False
+        self._exhausted = False
+        self._runner.ended = False
+        self.cache.reset_input()
+
+    # -- checkpointing --
+
+    def state_dict(self) -> dict[str, Any]:
+        """Echo state aligned with the batches handed out so far.
+
+        Holds the cache contents (samples with tickets left, RNG and counters), the upstream
+        position, batches DALI already prepared but nobody has consumed (kept as numpy arrays and
+        replayed first after a restore), and DALI's own checkpoints of both pipelines when
+        ``enable_checkpointing=True``. With ``deterministic=True`` a restored pipeline continues
+        with exactly the same stream; otherwise it continues with no sample lost or repeated.
+        """
+        self.start()
+        self._raise_runner_error()
+        # Take DALI's prepared batches out first, while the upstream still feeds the cache.
+        while self._scheduled > 0:
+            outputs = list(self.downstream.outputs())
+            self._scheduled -= 1
+            info = np.array(outputs[-1].as_tensor())
+            arrays = [_to_numpy(o) for o in outputs[:-1]]
+            if int(info[:, 0].sum()) > 0:
+                self._stash.append((arrays, info))
+        self._runner.pause()
+        try:
+            state: dict[str, Any] = {
+                "version": _STATE_VERSION,
+                "config": asdict(self.config),
+                "num_fields": self.num_fields,
+                "cache": self.cache.state_dict(),
+                "layouts": _plugin.get_layouts(self.cache_name),
+                "quota": _plugin.get_quota(self.cache_name),
+                "runner": self._runner.state(),
+                "stash": [
+                    ([a.copy() for a in arrays], info.copy()) for arrays, info in self._stash
+                ],
+                "input_done": self._input_done,
+                "t_up": self.t_up,
+                "t_down": self.t_down,
+            }
+            if self._enable_checkpointing:
+                state["dali_upstream"] = self.upstream.checkpoint()
+                state["dali_downstream"] = self.downstream.checkpoint()
+        finally:
+            self._runner.resume()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` output; must be called before the first batch."""
+        if self._started:
+            raise RuntimeError(
+                "load_state_dict() must be called before the first batch (the DALI pipelines are "
+                "built with the checkpoint)"
+            )
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported echo state version {state.get('version')!r}")
+        saved = state["config"]
+        mine = asdict(self.config)
+        for key in ("echo_factor", "mode", "batch_size", "upstream_batch_size", "epochs"):
+            if saved.get(key) != mine.get(key):
+                raise ValueError(
+                    f"checkpoint has {key}={saved.get(key)!r} but this pipeline has "
+                    f"{key}={mine.get(key)!r}"
+                )
+        if self._enable_checkpointing and "dali_upstream" not in state:
+            raise ValueError(
+                "this pipeline has enable_checkpointing=True but the checkpoint carries no DALI "
+                "state (it was saved with enable_checkpointing=False)"
+            )
+        self._restore = state
+
+    def _apply_restore(self, state: dict[str, Any]) -> None:
+        self.cache.load_state_dict(state["cache"])
+        _plugin.set_layouts(self.cache_name, list(state["layouts"]))
+        _plugin.set_quota(self.cache_name, int(state["quota"]))
+        self._runner.load(state["runner"])
+        self._stash = [(list(arrays), info) for arrays, info in state["stash"]]
+        self._input_done = bool(state["input_done"])
+        if self._runner.ended:
+            self.cache.end_of_input()
+        self.t_up = float(state.get("t_up", 0.0))
+        self.t_down = float(state.get("t_down", 0.0))
+
+    # -- info and lifetime --
+
+    def stats(self) -> dict[str, Any]:
+        """Cache statistics plus upstream counters (fresh samples stored, iterations, epochs)."""
+        s = self.cache.stats()
+        return {
+            "fresh_in": int(s.fresh_in),
+            "emitted": int(s.emitted),
+            "resident": int(s.resident),
+            "tickets_left": int(s.tickets_left),
+            "upstream_iterations": self._runner.iterations,
+            "upstream_epochs": self._runner.epoch_index,
+            "upstream_fresh_stored": self._runner.fresh_in,
+            "t_up": self.t_up,
+            "t_down": self.t_down,
+            "emit_histogram": list(s.emit_histogram),
+        }
+
+    @property
+    def upstream_alive(self) -> bool:
+        """True while the free-running upstream thread is alive."""
+        return self._runner.alive
+
+    def close(self) -> None:
+        """Closes the cache (waking every blocked operator) and joins the upstream thread."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> EchoPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _to_numpy(tensor_list: Any) -> np.ndarray | list[np.ndarray]:
+    """Host copy of a DALI TensorList: one array when dense, else a list of samples."""
+    if hasattr(tensor_list, "as_cpu"):
+        tensor_list = tensor_list.as_cpu()
+    if tensor_list.is_dense_tensor():
+        return np.array(tensor_list.as_tensor())
+    return [np.array(tensor_list.at(i)) for i in range(len(tensor_list))]
+
+
+def echo_pipeline_def(
+    fn: Callable[..., Any] | None = None,
+    *,
+    batch_size: int,
+    num_threads: int = 2,
+    device_id: int | None = None,
+    echo_factor: float = 2.0,
+    mode: str = "example",
+    shuffle_buffer: int | None = None,
+    cache_samples: int | None = None,
+    cache_bytes: int = 256 << 20,
+    upstream_batch_size: int | None = None,
+    upstream_num_threads: int | None = None,
+    epochs: int | None = None,
+    deterministic: bool = False,
+    seed: int = 0,
+    memory: str = "auto",
+    prefetch_queue_depth: int = 2,
+    enable_checkpointing: bool = False,
+    **pipeline_kwargs: Any,
+) -> Any:
+    """Decorator: a DALI pipeline function with one :func:`echo` call becomes an echoing pipeline.
+
+    Calling the decorated function returns an :class:`EchoPipeline` (nothing runs until the
+    first batch). Decorator arguments can be overridden per call with the same keywords.
+
+    Args:
+        batch_size: downstream batch size (what the training loop sees).
+        num_threads, device_id: as in DALI (``device_id=None`` for CPU-only pipelines).
+        echo_factor: e >= 1; each fresh sample is emitted floor(e) or ceil(e) times (ceil with
+            probability frac(e)), e.g. 2.0 or 1.5.
+        mode: ``"example"`` echoes samples; ``"batch"`` echoes whole upstream batches (requires
+            ``batch_size`` to be a multiple of ``upstream_batch_size``).
+        shuffle_buffer: samples the cache must hold before the first draw (its min fill);
+            default ``batch_size``.
+        cache_samples, cache_bytes: capacity of the cache, in samples and bytes.
+        upstream_batch_size: batch size of the reader part (default ``batch_size``).
+        upstream_num_threads: DALI threads of the upstream pipeline (default ``num_threads``).
+        epochs: None for an endless stream; N to read N epochs of the reader and then end the
+            stream (the reader needs ``pad_last_batch=True``).
+        deterministic: run the upstream in lock-step with the consumer, so the output is a pure
+            function of ``seed`` and the input order (also what makes checkpoints replay exactly).
+        seed: seeds the cache's tickets and draws, and both DALI pipelines.
+        memory: cache arena: ``"auto"`` (pinned when a GPU is present), ``"pageable"`` or
+            ``"pinned"``.
+        prefetch_queue_depth: downstream DALI prefetch (forced to 1 when deterministic).
+        enable_checkpointing: also checkpoint DALI's own operator states (reader position,
+            random augmentation state), so :meth:`EchoPipeline.state_dict` resumes exactly.
+        **pipeline_kwargs: passed to both ``nvidia.dali.Pipeline`` objects.
+    """
+    defaults = dict(
+        batch_size=batch_size,
+        num_threads=num_threads,
+        device_id=device_id,
+        echo_factor=echo_factor,
+        mode=mode,
+        shuffle_buffer=shuffle_buffer,
+        cache_samples=cache_samples,
+        cache_bytes=cache_bytes,
+        upstream_batch_size=upstream_batch_size,
+        upstream_num_threads=upstream_num_threads,
+        epochs=epochs,
+        deterministic=deterministic,
+        seed=seed,
+        memory=memory,
+        prefetch_queue_depth=prefetch_queue_depth,
+        enable_checkpointing=enable_checkpointing,
+    )
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., EchoPipeline]:
+        @functools.wraps(func)
+        def create(*args: Any, **kwargs: Any) -> EchoPipeline:
+            opts = dict(defaults)
+            extra = dict(pipeline_kwargs)
+            for key in list(kwargs):
+                if key in opts:
+                    opts[key] = kwargs.pop(key)
+            config = EchoConfig(
+                batch_size=opts["batch_size"],
+                echo_factor=opts["echo_factor"],
+                mode=opts["mode"],
+                shuffle_buffer=opts["shuffle_buffer"],
+                cache_samples=opts["cache_samples"],
+                cache_bytes=opts["cache_bytes"],
+                upstream_batch_size=opts["upstream_batch_size"],
+                epochs=opts["epochs"],
+                deterministic=opts["deterministic"],
+                seed=opts["seed"],
+                memory=opts["memory"],
+            )
+            return EchoPipeline(
+                func,
+                args,
+                kwargs,
+                config=config,
+                num_threads=opts["num_threads"],
+                device_id=opts["device_id"],
+                upstream_num_threads=opts["upstream_num_threads"],
+                prefetch_queue_depth=opts["prefetch_queue_depth"],
+                enable_checkpointing=opts["enable_checkpointing"],
+                pipeline_kwargs=extra,
+            )
+
+        return create
+
+    if fn is not None:
+        return decorate(fn)
+    return decorate

@@ -1,0 +1,385 @@
+"""echopipe.dali: the echo sink/source operators inside real DALI CPU pipelines on real JPEGs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nvidia.dali")
+pytestmark = pytest.mark.dali
+
+from nvidia.dali import fn  # noqa: E402
+
+import echopipe.dali as edali  # noqa: E402
+from echopipe.dali import _plugin  # noqa: E402
+
+LBP = edali.LastBatchPolicy
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """24 small real JPEGs of different sizes; file i is filled with value 10 * i."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("dali_jpegs")
+    files = []
+    for i in range(24):
+        path = root / f"img_{i:02d}.jpg"
+        Image.fromarray(np.full((12 + i % 5, 16, 3), 10 * i, np.uint8)).save(path, quality=95)
+        files.append(str(path))
+    return files
+
+
+def _labels_of(it: edali.EchoIterator) -> list[int]:
+    out: list[int] = []
+    for batch in it:
+        out += batch[0]["label"].reshape(-1).tolist()
+    return out
+
+
+def _make(files, *, after="decode", **opts):
+    n = len(files)
+
+    @edali.echo_pipeline_def(num_threads=1, device_id=None, **opts)
+    def pipe(files):
+        jpegs, labels = fn.readers.file(
+            files=files, labels=list(range(n)), random_shuffle=True, pad_last_batch=True
+        )
+        images = fn.decoders.image(jpegs, device="cpu")
+        if after == "augment":
+            images = fn.resize(images, size=(8, 8))
+        images, labels = edali.echo(images, labels)
+        if after == "decode":
+            images = fn.resize(images, size=(8, 8))
+        images = fn.flip(images, horizontal=fn.random.coin_flip())
+        return images, labels
+
+    return pipe(files)
+
+
+# ---- plugin and version check ----------------------------------------------------------------
+
+
+def test_plugin_records_the_installed_dali_version() -> None:
+    import nvidia.dali
+
+    assert _plugin.read_built_version(_plugin.plugin_path()) == nvidia.dali.__version__
+    assert edali.built_dali_version() == nvidia.dali.__version__
+
+
+def test_version_mismatch_names_both_versions(tmp_path: Path) -> None:
+    with pytest.raises(edali.DaliVersionMismatchError, match=r"DALI 2\.1\.0.*DALI 2\.4\.0"):
+        edali.check_dali_version("2.1.0", "2.4.0")
+    edali.check_dali_version("2.4.0", "2.4.0")
+    # The real path: a plugin file whose marker says another version.
+    fake = tmp_path / "libechopipe_dali.so"
+    fake.write_bytes(b"\x7fELF...ECHOPIPE_DALI_BUILT_VERSION=1.99.0\n...")
+    with pytest.raises(edali.DaliVersionMismatchError, match=r"1\.99\.0.*2\.4\.0"):
+        edali.check_dali_version(_plugin.read_built_version(fake), "2.4.0")
+    fake.write_bytes(b"not a plugin")
+    with pytest.raises(edali.DaliPluginMissingError, match=r"libechopipe_dali\.so"):
+        _plugin.read_built_version(fake)
+
+
+def test_gpu_backend_registered_when_cuda_compiled() -> None:
+    from nvidia.dali.ops import _registry
+
+    from echopipe._native import build_config
+
+    assert "EchopipeEchoSink" in _registry.cpu_ops()
+    assert "EchopipeEchoSource" in _registry.cpu_ops()
+    if build_config().get("cuda_compiled"):
+        assert edali.gpu_backend_compiled()
+        assert "EchopipeEchoSource" in _registry.gpu_ops()
+        assert "EchopipeEchoSink" in _registry.gpu_ops()
+
+
+# ---- exact accounting --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("after", ["decode", "augment"])
+@pytest.mark.parametrize("e", [2.0, 1.5])
+def test_each_sample_is_emitted_floor_or_ceil_e_times(
+    jpegs: list[str], after: str, e: float
+) -> None:
+    pipe = _make(
+        jpegs,
+        after=after,
+        batch_size=5,
+        upstream_batch_size=4,
+        echo_factor=e,
+        epochs=1,
+        shuffle_buffer=4,
+        cache_samples=16,
+        seed=3,
+    )
+    with edali.EchoIterator(pipe, ["data", "label"], last_batch_policy=LBP.PARTIAL) as it:
+        labels = _labels_of(it)
+        stats = pipe.stats()
+        counts = Counter(labels)
+        assert set(counts) == set(range(len(jpegs)))
+        assert set(counts.values()) <= {int(np.floor(e)), int(np.ceil(e))}
+        assert len(labels) == stats["emitted"] == it.stats.samples
+        assert stats["fresh_in"] == len(jpegs) == it.stats.fresh
+        assert it.stats.echoed == len(labels) - len(jpegs)
+        hist = stats["emit_histogram"]
+        assert sum(k * c for k, c in enumerate(hist)) == len(labels)
+    assert not pipe.upstream_alive
+
+
+def test_batch_echoing_repeats_whole_upstream_batches(jpegs: list[str]) -> None:
+    pipe = _make(
+        jpegs,
+        batch_size=8,
+        upstream_batch_size=4,
+        echo_factor=2.0,
+        mode="batch",
+        epochs=1,
+        shuffle_buffer=8,
+        cache_samples=24,
+    )
+    blocks = []
+    while True:
+        try:
+            outputs, info = pipe.next_batch()
+        except StopIteration:
+            break
+        valid = info[:, 0] == 1
+        labels = np.array(outputs[1].as_tensor()).reshape(-1)[valid]
+        for start in range(0, len(labels), 4):
+            blocks.append(tuple(labels[start : start + 4]))
+        ids = info[valid, 1]
+        for start in range(0, len(ids), 4):  # each unit comes back whole, in put order
+            assert list(ids[start : start + 4]) == list(range(ids[start], ids[start] + 4))
+    pipe.close()
+    counts = Counter(blocks)
+    assert len(counts) == len(jpegs) // 4 and set(counts.values()) == {2}
+    assert sorted(x for b in counts for x in b) == list(range(len(jpegs)))
+
+
+def test_fields_keep_dtype_shape_and_layout(jpegs: list[str]) -> None:
+    @edali.echo_pipeline_def(batch_size=4, num_threads=1, device_id=None, epochs=1)
+    def three_fields(files):
+        jpegs, labels = fn.readers.file(
+            files=files, labels=list(range(len(files))), pad_last_batch=True
+        )
+        images = fn.decoders.image(jpegs)
+        shapes = images.shape()
+        images, labels, shapes = edali.echo(images, labels, shapes)
+        return images, labels, shapes
+
+    with three_fields(jpegs) as pipe:
+        outputs, info = pipe.next_batch()
+        images, labels, shapes = outputs
+        assert images.layout() == "HWC"
+        for i in range(4):
+            image = np.array(images.at(i))
+            assert image.dtype == np.uint8 and image.shape == tuple(np.array(shapes.at(i)))
+            label = int(np.array(labels.at(i)).reshape(-1)[0])
+            # JPEG i was filled with 10 * i: decoding round-trips it within a few levels.
+            assert abs(float(image.mean()) - 10 * label) < 3
+        assert np.array(labels.at(0)).dtype == np.int32
+        assert (info[:, 0] == 1).all()
+
+
+# ---- end of input and last-batch policies ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "sizes"), [(LBP.FILL, [4, 4, 4]), (LBP.PARTIAL, [4, 4, 2]), (LBP.DROP, [4, 4])]
+)
+def test_finite_stream_drains_and_respects_last_batch_policy(
+    jpegs: list[str], policy: LBP, sizes: list[int]
+) -> None:
+    files = jpegs[:10]
+    pipe = _make(files, batch_size=4, echo_factor=1.0, epochs=1, shuffle_buffer=4, cache_samples=16)
+    with edali.EchoIterator(pipe, ["data", "label"], last_batch_policy=policy) as it:
+        for _ in range(2):  # two passes: reset() starts the next one
+            got = [len(b[0]["label"]) for b in it]
+            assert got == sizes
+            with pytest.raises(StopIteration):
+                next(it)
+            it.reset()
+        assert it.stats.fresh == (20 if policy != LBP.DROP else 16)
+        assert it.stats.padded == (4 if policy == LBP.FILL else 0)
+        assert it.stats.dropped == (4 if policy == LBP.DROP else 0)
+
+
+def test_endless_stream_epochs_have_fixed_length(jpegs: list[str]) -> None:
+    pipe = _make(jpegs, batch_size=6, echo_factor=2.0, shuffle_buffer=6, cache_samples=32)
+    with edali.EchoIterator(pipe, ["data", "label"], auto_reset=True) as it:
+        assert len(it) == 8  # 24 fresh * e=2 / 6
+        first = _labels_of(it)
+        second = _labels_of(it)
+        assert len(first) == len(second) == 48
+        assert it.stats.epochs == 2 and it.stats.steps == 16
+
+
+# ---- determinism, shutdown, checkpoints --------------------------------------------------------
+
+
+def _stream(jpegs: list[str], steps: int, seed: int) -> tuple[list[int], list[np.ndarray]]:
+    pipe = _make(
+        jpegs,
+        batch_size=4,
+        echo_factor=1.5,
+        deterministic=True,
+        seed=seed,
+        shuffle_buffer=4,
+        cache_samples=16,
+    )
+    with edali.EchoIterator(pipe, ["data", "label"], steps_per_epoch=steps) as it:
+        batches = list(it)
+    return (
+        [x for b in batches for x in b[0]["label"].reshape(-1).tolist()],
+        [b[0]["data"].numpy() for b in batches],
+    )
+
+
+def test_same_seed_gives_the_same_stream(jpegs: list[str]) -> None:
+    labels_a, data_a = _stream(jpegs, 10, seed=7)
+    labels_b, data_b = _stream(jpegs, 10, seed=7)
+    labels_c, _ = _stream(jpegs, 10, seed=8)
+    assert labels_a == labels_b
+    assert all(np.array_equal(a, b) for a, b in zip(data_a, data_b, strict=True))
+    assert labels_a != labels_c
+
+
+def test_close_during_a_run_joins_the_upstream_thread(jpegs: list[str]) -> None:
+    # A cache that is almost always full: the upstream thread waits for room when closed.
+    pipe = _make(jpegs, batch_size=4, echo_factor=3.0, shuffle_buffer=4, cache_samples=8)
+    it = edali.EchoIterator(pipe, ["data", "label"], steps_per_epoch=1000)
+    next(it)
+    assert pipe.upstream_alive
+    closer = threading.Timer(0.2, it.close)
+    closer.start()
+    t0 = time.monotonic()
+    with pytest.raises((RuntimeError, StopIteration)):
+        while True:
+            next(it)
+    closer.join()
+    assert time.monotonic() - t0 < 10
+    assert not pipe.upstream_alive
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.next_batch()
+
+
+def test_interpreter_exit_without_close_does_not_hang(jpegs: list[str]) -> None:
+    script = textwrap.dedent(
+        f"""
+        import echopipe.dali as edali
+        from nvidia.dali import fn
+        files = {jpegs!r}
+        @edali.echo_pipeline_def(batch_size=4, num_threads=1, device_id=None, cache_samples=8,
+                                 shuffle_buffer=4, echo_factor=2.0)
+        def pipe(files):
+            j, l = fn.readers.file(files=files, labels=list(range(len(files))))
+            images, labels = edali.echo(fn.decoders.image(j), l)
+            return images, labels
+        p = pipe(files)
+        p.next_batch()
+        print("ok", flush=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ok" in done.stdout
+
+
+def test_checkpoint_resume_continues_the_same_stream(jpegs: list[str]) -> None:
+    def make() -> edali.EchoIterator:
+        pipe = _make(
+            jpegs,
+            batch_size=4,
+            echo_factor=2.0,
+            deterministic=True,
+            seed=11,
+            shuffle_buffer=4,
+            cache_samples=16,
+            enable_checkpointing=True,
+        )
+        return edali.EchoIterator(pipe, ["data", "label"], steps_per_epoch=100)
+
+    def take(it: edali.EchoIterator, m: int) -> list[tuple[list[int], np.ndarray]]:
+        out = []
+        for _ in range(m):
+            b = next(it)[0]
+            out.append((b["label"].reshape(-1).tolist(), b["data"].numpy().copy()))
+        return out
+
+    with make() as it:
+        take(it, 5)
+        state = it.state_dict()
+        expected = take(it, 8)
+        stats_before = it.stats.steps
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        got = take(resumed, 8)
+        assert resumed.stats.steps == stats_before
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    assert all(np.array_equal(g[1], e[1]) for g, e in zip(got, expected, strict=True))
+
+
+def test_checkpoint_of_a_free_running_pipeline_loses_no_sample(jpegs: list[str]) -> None:
+    def make():
+        return _make(
+            jpegs,
+            batch_size=4,
+            echo_factor=1.0,
+            epochs=1,
+            seed=2,
+            shuffle_buffer=4,
+            cache_samples=16,
+            prefetch_queue_depth=3,
+            enable_checkpointing=True,
+        )
+
+    with make() as pipe, edali.EchoIterator(pipe, ["d", "label"]) as it:
+        first = [
+            x
+            for _, b in zip(range(2), it, strict=False)
+            for x in b[0]["label"].reshape(-1).tolist()
+        ]
+        state = it.state_dict()
+    with make() as pipe2, edali.EchoIterator(pipe2, ["d", "label"]) as it2:
+        it2.load_state_dict(state)
+        rest = _labels_of(it2)
+    assert sorted(first + rest) == list(range(len(jpegs)))
+
+
+# ---- usage errors ------------------------------------------------------------------------------
+
+
+def test_usage_errors_name_the_problem(jpegs: list[str]) -> None:
+    with pytest.raises(RuntimeError, match="echo_pipeline_def"):
+        edali.echo(None)
+    with pytest.raises(ValueError, match="cache_samples=5"):
+        _make(jpegs, batch_size=4, cache_samples=5)
+    with pytest.raises(ValueError, match="multiple of upstream_batch_size"):
+        _make(jpegs, batch_size=6, upstream_batch_size=4, mode="batch")
+
+    @edali.echo_pipeline_def(batch_size=4, num_threads=1, device_id=None)
+    def no_echo():
+        jpegs_, labels = fn.readers.file(files=jpegs)
+        return fn.decoders.image(jpegs_), labels
+
+    with pytest.raises(RuntimeError, match="never called"), no_echo() as p:
+        p.next_batch()
+
+    @edali.echo_pipeline_def(batch_size=4, num_threads=1, device_id=None, epochs=1)
+    def unpadded():
+        jpegs_, labels = fn.readers.file(files=jpegs)
+        return edali.echo(fn.decoders.image(jpegs_), labels)
+
+    with pytest.raises(ValueError, match="pad_last_batch=True"), unpadded() as p:
+        p.next_batch()
