@@ -1,0 +1,396 @@
+"""Throughput of stale-weight pipelined training against its peers, all measured in one run.
+
+Rows (samples/s of full training steps: forward, backward, optimizer step):
+
+* ``sequential, 1 thread``: one process, one intra-op thread, plain SGD loop (the 1-device run).
+* ``sequential, all threads``: one process using every core through intra-op threads.
+* ``stale pipeline K=2 / K=4 (threads)``: :class:`echopipe.pipeline.StalePipeline`, one worker
+  thread per stage, the cores divided among the stages.
+* ``stale pipeline K=2 (2 Gloo procs)``: :class:`echopipe.pipeline.DistributedStalePipeline`.
+* ``torch pipelining GPipe / 1F1B K=2``: ``torch.distributed.pipelining`` with the same stages,
+  one Gloo process per stage, ``--microbatches`` microbatches.
+* On CUDA (when present): sequential on one GPU; stale pipeline with both stages on one GPU
+  (separate streams); and on two GPUs.
+
+Prints a table and writes ``bench/results/pipeline.json`` with the machine, the command and
+the ratios. ``--quick`` keeps it under ~40 s. Run: ``python bench/pipeline.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+
+from echopipe.pipeline import (
+    DistributedStalePipeline,
+    StalePipeline,
+    partition_balance,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
+
+
+def bench_cnn(width: int = 16, num_classes: int = 10) -> nn.Sequential:
+    """An 8-conv CNN for 32x32 RGB, 11 children (one per conv block)."""
+
+    def block(cin: int, cout: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU())
+
+    w = width
+    torch.manual_seed(0)
+    return nn.Sequential(
+        block(3, w), block(w, w), block(w, w), block(w, w),
+        nn.MaxPool2d(2),
+        block(w, 2 * w), block(2 * w, 2 * w), block(2 * w, 2 * w), block(2 * w, 2 * w),
+        nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()),
+        nn.Linear(2 * w, num_classes),
+    )  # fmt: skip
+
+
+def make_data(batch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+loss_fn = nn.functional.cross_entropy
+
+
+# Single-process rows ----------------------------------------------------------------------------
+def run_sequential(args: argparse.Namespace, threads: int, device: str = "cpu") -> float:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = bench_cnn(args.width).to(device)
+        opt = sgd(list(model.parameters()))
+        data = make_data(args.batch, 1)
+        x, y = data[0][0].to(device), data[0][1].to(device)
+
+        def step() -> None:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(args.warmup):
+            step()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return args.steps * args.batch / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_stale_threads(
+    args: argparse.Namespace, balance: Sequence[int], devices: Sequence[str]
+) -> float:
+    model = bench_cnn(args.width)
+    x, y = make_data(args.batch, 1)[0]
+    with StalePipeline(
+        model, balance=list(balance), devices=list(devices), optimizer=sgd, loss_fn=loss_fn
+    ) as pipe:
+        for _ in range(args.warmup):
+            pipe.train_step(x, y)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            pipe.train_step(x, y)
+        # Count only finished work: the measured minibatches are all applied after the drain.
+        pipe.drain()
+        elapsed = time.perf_counter() - start
+        assert pipe.steps_applied == args.warmup + args.steps
+    return args.steps * args.batch / elapsed
+
+
+# Multi-process rows -----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _dist_worker(
+    rank: int, world: int, port: int, kind: str, cfg: dict[str, Any], out_dir: str
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = bench_cnn(cfg["width"])
+        x, y = make_data(cfg["batch"], 1)[0]
+        balance = cfg["balance"]
+        if kind == "stale":
+            pipe = DistributedStalePipeline(model, balance=balance, optimizer=sgd, loss_fn=loss_fn)
+
+            def step() -> None:
+                pipe.train_step(x, y)
+
+            def finish() -> None:
+                pipe.drain()
+        else:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            start = sum(balance[:rank])
+            stage_module = nn.Sequential(*list(model.children())[start : start + balance[rank]])
+            stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+            schedule_cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+            schedule = schedule_cls(stage, cfg["microbatches"], loss_fn=loss_fn)
+            opt = sgd(list(stage_module.parameters()))
+
+            def step() -> None:
+                if rank == 0:
+                    schedule.step(x)
+                elif rank == world - 1:
+                    schedule.step(target=y, losses=[])
+                else:
+                    schedule.step()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            def finish() -> None:
+                pass
+
+        for _ in range(cfg["warmup"]):
+            step()
+        finish()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(cfg["steps"]):
+            step()
+        finish()
+        dist.barrier()
+        elapsed = time.perf_counter() - t0
+        if rank == 0:
+            Path(out_dir, "result.json").write_text(json.dumps({"seconds": elapsed}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(args: argparse.Namespace, kind: str, balance: Sequence[int]) -> float:
+    world = len(balance)
+    cfg = {
+        "width": args.width,
+        "batch": args.batch,
+        "balance": list(balance),
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "microbatches": args.microbatches,
+        "threads": max(1, (os.cpu_count() or 1) // world),
+    }
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _dist_worker,
+            args=(world, _free_port(), kind, cfg, out_dir),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
+        seconds = json.loads(Path(out_dir, "result.json").read_text())["seconds"]
+    return args.steps * args.batch / seconds
+
+
+# Driver -----------------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        # Other work on the machine skews every row; the load average makes that visible.
+        "load_average_1_5_15": [round(v, 2) for v in os.getloadavg()],
+    }
+    try:
+        from nvidia import dali
+
+        info["dali"] = dali.__version__
+    except ImportError:
+        info["dali"] = None
+    if info["cuda_devices"]:
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(info["cuda_devices"])]
+    return info
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns the results dict that is also written to JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short run (< ~40 s)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=None, help="measured minibatches per row")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.steps is None:
+        args.steps = 10 if args.quick else 60
+    if args.warmup is None:
+        args.warmup = 2 if args.quick else 8
+
+    cores = os.cpu_count() or 1
+    model = bench_cnn(args.width)
+    sample = make_data(args.batch, 1)[0][0]
+    balance2 = partition_balance(model, sample, 2, repeats=3)
+    balance4 = partition_balance(model, sample, 4, repeats=3) if not args.quick else None
+    rows: list[dict[str, Any]] = []
+
+    def add(name: str, fn: Any, **meta: Any) -> None:
+        try:
+            value = fn()
+            rows.append({"name": name, "samples_per_s": round(value, 1), **meta})
+        except Exception as exc:  # a peer that cannot run here is reported, not hidden
+            rows.append({"name": name, "samples_per_s": None, "error": repr(exc), **meta})
+        print(f"  {name:<44} {rows[-1]['samples_per_s']}", flush=True)
+
+    print(f"balance K=2 {balance2}, K=4 {balance4}, batch {args.batch}, {cores} cores")
+    add("sequential, 1 thread", lambda: run_sequential(args, 1), threads=1)
+    add(
+        f"sequential, all {cores} threads",
+        lambda: run_sequential(args, cores),
+        threads=cores,
+    )
+    add(
+        "stale pipeline K=2 (threads)",
+        lambda: run_stale_threads(args, balance2, ["cpu"] * 2),
+        balance=balance2,
+    )
+    if not args.quick:
+        add(
+            "stale pipeline K=4 (threads)",
+            lambda: run_stale_threads(args, balance4, ["cpu"] * 4),
+            balance=balance4,
+        )
+    add(
+        "stale pipeline K=2 (2 Gloo procs)",
+        lambda: run_distributed(args, "stale", balance2),
+        balance=balance2,
+    )
+    add(
+        f"torch pipelining GPipe K=2 ({args.microbatches} mb)",
+        lambda: run_distributed(args, "gpipe", balance2),
+        balance=balance2,
+    )
+    add(
+        f"torch pipelining 1F1B K=2 ({args.microbatches} mb)",
+        lambda: run_distributed(args, "1f1b", balance2),
+        balance=balance2,
+    )
+    if not args.quick:
+        add(
+            f"torch pipelining GPipe K=4 ({args.microbatches} mb)",
+            lambda: run_distributed(args, "gpipe", balance4),
+            balance=balance4,
+        )
+        add(
+            f"torch pipelining 1F1B K=4 ({args.microbatches} mb)",
+            lambda: run_distributed(args, "1f1b", balance4),
+            balance=balance4,
+        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= 1:
+        add("CUDA sequential, 1 GPU", lambda: run_sequential(args, 1, "cuda:0"))
+        add(
+            "CUDA stale pipeline K=2, 1 GPU (2 streams)",
+            lambda: run_stale_threads(args, balance2, ["cuda:0", "cuda:0"]),
+        )
+    if gpus >= 2:
+        add(
+            "CUDA stale pipeline K=2, 2 GPUs",
+            lambda: run_stale_threads(args, balance2, ["cuda:0", "cuda:1"]),
+        )
+
+    by_name = {r["name"]: r["samples_per_s"] for r in rows}
+    base = by_name["sequential, 1 thread"]
+    k2 = by_name["stale pipeline K=2 (threads)"]
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    gpipe = by_name.get(f"torch pipelining GPipe K=2 ({args.microbatches} mb)")
+    f1b = by_name.get(f"torch pipelining 1F1B K=2 ({args.microbatches} mb)")
+    ratios = {
+        "K2_over_1thread": ratio(k2, base),
+        "K2_over_all_threads": ratio(k2, by_name[f"sequential, all {cores} threads"]),
+        "K2_over_gpipe": ratio(k2, gpipe),
+        "K2_over_1f1b": ratio(k2, f1b),
+        # The physical limit of a K=2 split over 2 equal cores is 2x the 1-thread run.
+        "K2_fraction_of_ideal_2x": ratio(k2, 2 * base) if base else None,
+    }
+    targets = {
+        "K2 >= 1.8x 1-device": (ratios["K2_over_1thread"] or 0) >= 1.8,
+        "K2 >= 1.2x GPipe": (ratios["K2_over_gpipe"] or 0) >= 1.2,
+        "K2 >= 1.2x 1F1B": (ratios["K2_over_1f1b"] or 0) >= 1.2,
+    }
+    for row in rows:
+        row["x_1thread"] = ratio(row["samples_per_s"], base)
+    print()
+    print(f"{'configuration':<46} {'samples/s':>10} {'x 1 thread':>11}")
+    for row in rows:
+        value = "n/a" if row["samples_per_s"] is None else f"{row['samples_per_s']:.1f}"
+        x = "" if row["x_1thread"] is None else f"{row['x_1thread']:.2f}"
+        print(f"{row['name']:<46} {value:>10} {x:>11}")
+    print()
+    for key, value in ratios.items():
+        print(f"{key:<28} {value}")
+    for key, ok in targets.items():
+        print(f"target {key:<24} {'met' if ok else 'NOT met'}")
+    results = {
+        "benchmark": "pipeline",
+        "command": "python bench/pipeline.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine_info(),
+        "config": {
+            "model": f"8-conv CNN width {args.width}, 32x32x3, 11 children",
+            "batch": args.batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "microbatches": args.microbatches,
+            "optimizer": "SGD lr 0.01 momentum 0.9",
+            "balance_K2": balance2,
+            "balance_K4": balance4,
+        },
+        "rows": rows,
+        "ratios": ratios,
+        "targets_met": targets,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.output.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp, args.output)
+    print(f"wrote {args.output}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

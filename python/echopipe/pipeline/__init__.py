@@ -1,0 +1,42 @@
+"""Stale-weight pipelined backprop (PPL-SGD, Zhang & Abdelrahman 2019) for ``nn.Sequential``.
+
+* :class:`StalePipeline`: one process, one worker thread per stage, CUDA streams or CPU threads.
+* :class:`DistributedStalePipeline`: one stage per rank over torch.distributed point-to-point
+  (Gloo on CPU, NCCL on GPU), launched with torchrun; optional data parallelism across
+  pipeline replicas.
+* :func:`partition_balance`: choose a balance by profiling each layer.
+* :class:`HybridSchedule`: pipelined for the first steps, synchronous afterwards.
+
+See ``docs/pipeline.md`` for the schedule, the staleness of each stage and the weight rules.
+"""
+
+from __future__ import annotations
+
+from .distributed import DistributedStalePipeline
+from .engine import EpochResult, LossRecord, PipelineError, StalePipeline, StepResult
+from .partition import (
+    LayerProfile,
+    parse_devices,
+    partition_balance,
+    profile_layers,
+    split_sequential,
+    validate_balance,
+)
+from .schedule import HybridSchedule, stage_staleness
+
+__all__ = [
+    "DistributedStalePipeline",
+    "EpochResult",
+    "HybridSchedule",
+    "LayerProfile",
+    "LossRecord",
+    "PipelineError",
+    "StalePipeline",
+    "StepResult",
+    "parse_devices",
+    "partition_balance",
+    "profile_layers",
+    "split_sequential",
+    "stage_staleness",
+    "validate_balance",
+]

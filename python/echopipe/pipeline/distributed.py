@@ -1,0 +1,422 @@
+"""One pipeline stage per rank, over torch.distributed point-to-point (Gloo on CPU, NCCL on GPU).
+
+Launch with ``torchrun --nproc_per_node=P``. With ``P = K * R`` ranks and ``K`` stages, rank
+``r`` runs stage ``r % K`` of pipeline replica ``r // K``. Activations and targets go forward
+with ``isend``/``recv``, gradients go backward; each message is a small header (rank count,
+dtype, shape) followed by the data, so shapes may change between minibatches (a short last
+batch). With ``R > 1`` replicas, each stage all-reduces (averages) its gradients within its
+data-parallel group of ``R`` ranks right before its optimizer step.
+
+Every rank executes the same fixed operation order as :class:`~echopipe.pipeline.StalePipeline`
+(see ``schedule.py``), so results equal the single-process engine's. All ranks call
+:meth:`DistributedStalePipeline.train_step` once per minibatch; only stage 0 of each replica
+reads ``x`` and ``target`` (others may pass ``None``); stage 0 sends the target to the last
+stage. Sends are asynchronous and reaped lazily; receives block, bounded by the process
+group's timeout. A rank that raises exits non-zero and torchrun then stops the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import atomic_save, load_file
+from .engine import CHECKPOINT_FORMAT, LossFn, OptimizerFactory, SchedulerFactory, _stage_optimizer
+from .partition import DeviceLike, parse_devices, split_sequential
+from .schedule import HybridSchedule, stage_staleness
+from .stage import StageCore
+
+__all__ = ["DistributedStalePipeline"]
+
+_TAG_ACT = 1
+_TAG_GRAD = 2
+_TAG_TARGET = 3
+_TAG_EVAL = 4
+_MAX_DIMS = 8
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
+
+
+class DistributedStalePipeline:
+    """Stale-weight pipeline with one stage per rank (see the module docstring).
+
+    ``torch.distributed`` must be initialised. Every rank builds the same full model (same
+    seed) and passes the same ``balance``; each keeps only its stage. The schedule, staleness,
+    weight rules and BatchNorm behaviour are those of :class:`~echopipe.pipeline.StalePipeline`.
+
+    Args:
+        module: the full ``nn.Sequential`` (identical on every rank).
+        balance: children per stage; ``len(balance)`` must divide the world size.
+        optimizer, scheduler, scheduler_interval, loss_fn, recompute, pipelined, hybrid: as for
+            :class:`~echopipe.pipeline.StalePipeline`.
+        device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        *,
+        balance: Sequence[int],
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn,
+        scheduler: SchedulerFactory | None = None,
+        scheduler_interval: Literal["epoch", "step"] = "epoch",
+        recompute: bool = False,
+        pipelined: bool = True,
+        hybrid: HybridSchedule | None = None,
+        device: DeviceLike | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedStalePipeline needs torch.distributed initialised "
+                "(launch with torchrun and call torch.distributed.init_process_group)"
+            )
+        stages = split_sequential(module, balance)
+        self.num_stages = len(stages)
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        if self.world_size % self.num_stages != 0:
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of the {self.num_stages} stages "
+                f"in balance {list(balance)!r}"
+            )
+        self.num_replicas = self.world_size // self.num_stages
+        self.stage_index = self.rank % self.num_stages
+        self.replica = self.rank // self.num_stages
+        if device is None:
+            backend = dist.get_backend()
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            device = f"cuda:{local}" if backend == "nccl" else "cpu"
+        (self.device,) = parse_devices([device], 1)
+        self.balance = [len(s) for s in stages]
+        self.stage = stages[self.stage_index].to(self.device)
+        self.stage.train()
+        self.hybrid = hybrid
+        self._pipelined = bool(pipelined) and not (
+            hybrid is not None and hybrid.pipelined_steps == 0
+        )
+        self.recompute = bool(recompute)
+
+        # Every rank must create every group, in the same order.
+        self._dp_group: Any = None
+        if self.num_replicas > 1:
+            for k in range(self.num_stages):
+                ranks = [rep * self.num_stages + k for rep in range(self.num_replicas)]
+                group = dist.new_group(ranks)
+                if k == self.stage_index:
+                    self._dp_group = group
+
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        opt = _stage_optimizer(optimizer, params)
+        sched = scheduler(opt) if (scheduler is not None and opt is not None) else None
+        last = self.stage_index == self.num_stages - 1
+        self._core = StageCore(
+            self.stage_index, self.num_stages, self.stage, self.device, opt, sched,
+            scheduler_interval, loss_fn if last else None, self.recompute,
+            grad_hook=self._all_reduce if self.num_replicas > 1 else None,
+        )  # fmt: skip
+        self._core.staleness = stage_staleness(self.num_stages, self._pipelined)[self.stage_index]
+        self._base = self.replica * self.num_stages
+        self._prev = self.rank - 1 if self.stage_index > 0 else None
+        self._next = self.rank + 1 if not last else None
+        self._last_rank = self._base + self.num_stages - 1
+        self._pending_sends: deque[tuple[Any, list[torch.Tensor]]] = deque()
+        self._inputs: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+        self._losses: list[tuple[int, float]] = []
+        self.steps_fed = 0
+        self.samples_seen = 0
+
+    # Properties ----------------------------------------------------------------------------
+    def staleness(self) -> list[int]:
+        """Staleness ``D_k`` of every stage (``2(K-1-k)`` pipelined, 0 synchronous)."""
+        return stage_staleness(self.num_stages, self._pipelined)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the pipeline currently runs in pipelined mode."""
+        return self._pipelined
+
+    @property
+    def updates_applied(self) -> int:
+        """Updates this rank's stage has applied."""
+        return self._core.updates_applied
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs stage 0 (the one that reads the data)."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage (the one that computes losses)."""
+        return self.stage_index == self.num_stages - 1
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """This rank's stage optimizer."""
+        return self._core.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """This rank's stage LR scheduler."""
+        return self._core.scheduler
+
+    # Messaging -----------------------------------------------------------------------------
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        if self.device.type == "cuda" and not tensor.is_cuda:
+            tensor = tensor.to(self.device)
+        if tensor.dim() > _MAX_DIMS:
+            raise ValueError(f"cannot send a tensor with {tensor.dim()} > {_MAX_DIMS} dims")
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"cannot send dtype {tensor.dtype}")
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        header[0] = tensor.dim()
+        header[1] = _DTYPES.index(tensor.dtype)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        header = header.to(tensor.device)
+        works = [dist.isend(header, dst, tag=tag), dist.isend(tensor, dst, tag=tag)]
+        for work in works:
+            self._pending_sends.append((work, [header, tensor]))
+        self._reap_sends()
+
+    def _recv(self, src: int, tag: int) -> torch.Tensor:
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+        dist.recv(header, src, tag=tag)
+        values = header.tolist()
+        ndim, dtype = int(values[0]), _DTYPES[int(values[1])]
+        shape = [int(v) for v in values[2 : 2 + ndim]]
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(tensor, src, tag=tag)
+        return tensor
+
+    def _reap_sends(self, wait_all: bool = False) -> None:
+        while self._pending_sends:
+            work, _ = self._pending_sends[0]
+            if wait_all:
+                work.wait()
+            elif not work.is_completed():
+                return
+            self._pending_sends.popleft()
+
+    def _all_reduce(self, grads: list[torch.Tensor | None]) -> None:
+        filled = [
+            g if g is not None else torch.zeros_like(p)
+            for g, p in zip(grads, self._core.params, strict=True)
+        ]
+        if not filled:
+            return
+        flat = torch.cat([g.reshape(-1) for g in filled])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._dp_group)
+        flat.div_(self.num_replicas)
+        offset = 0
+        for i, g in enumerate(filled):
+            n = g.numel()
+            grads[i] = flat[offset : offset + n].view_as(g)
+            offset += n
+
+    # Schedule ------------------------------------------------------------------------------
+    def _forward_one(self) -> None:
+        core = self._core
+        index = core.last_forward_index + 1
+        target: torch.Tensor | None = None
+        if self.is_first:
+            x, tgt = self._inputs.popleft()
+            x = x.to(self.device)
+            if self.is_last:
+                target = tgt.to(self.device)
+            else:
+                self._send(tgt, self._last_rank, _TAG_TARGET)
+        else:
+            assert self._prev is not None
+            x = self._recv(self._prev, _TAG_ACT)
+            if self.is_last:
+                target = self._recv(self._base, _TAG_TARGET)
+        out, loss = core.forward(index, x, target)
+        if self.is_last:
+            assert loss is not None
+            self._losses.append((index, float(loss.item())))
+        else:
+            assert self._next is not None
+            self._send(out, self._next, _TAG_ACT)
+
+    def _backward_one(self) -> None:
+        core = self._core
+        index = core.in_flight[0].index
+        grad = None
+        if not self.is_last:
+            assert self._next is not None
+            grad = self._recv(self._next, _TAG_GRAD)
+        grad_in = core.backward(index, grad)
+        if not self.is_first:
+            assert self._prev is not None and grad_in is not None
+            self._send(grad_in, self._prev, _TAG_GRAD)
+
+    def _advance(self, drain: bool) -> None:
+        core = self._core
+        while True:
+            can_forward = core.last_forward_index + 1 < self.steps_fed
+            if len(core.in_flight) <= core.staleness:
+                if can_forward:
+                    self._forward_one()
+                elif drain and core.in_flight:
+                    self._backward_one()
+                else:
+                    return
+            else:
+                self._backward_one()
+
+    # Public --------------------------------------------------------------------------------
+    def train_step(
+        self, x: torch.Tensor | None = None, target: torch.Tensor | None = None
+    ) -> list[tuple[int, float]]:
+        """Feed one minibatch (collective: every rank calls it once per minibatch).
+
+        Stage 0 needs ``x`` and ``target``; other ranks ignore them. Returns, on the last
+        stage, ``(index, loss)`` of minibatches finished during this call (empty elsewhere).
+        """
+        index = self.steps_fed
+        if self.hybrid is not None and self._pipelined and not self.hybrid.pipelined_at(index):
+            self.set_pipelined(False)
+        if self.is_first:
+            if x is None or target is None:
+                raise ValueError("stage 0 needs x and target in train_step")
+            self._inputs.append((x, target))
+            self.samples_seen += int(x.shape[0])
+        self.steps_fed += 1
+        self._advance(drain=False)
+        finished, self._losses = self._losses, []
+        return finished
+
+    def drain(self) -> list[tuple[int, float]]:
+        """Finish all in-flight minibatches on this rank (collective); returns finished losses."""
+        self._advance(drain=True)
+        self._reap_sends(wait_all=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        finished, self._losses = self._losses, []
+        return finished
+
+    def set_pipelined(self, pipelined: bool) -> None:
+        """Drain, then switch between pipelined and synchronous mode (collective)."""
+        self.drain()
+        self._pipelined = bool(pipelined)
+        self._core.staleness = stage_staleness(self.num_stages, self._pipelined)[self.stage_index]
+
+    def step_schedulers(self) -> None:
+        """Step this stage's scheduler after its update of the newest minibatch fed so far."""
+        core = self._core
+        if core.last_forward_index + 1 < self.steps_fed:
+            # Not yet forwarded here: remember the minibatch index the step belongs after.
+            core.pending_scheduler_steps.append(self.steps_fed - 1)
+        else:
+            core.schedule_scheduler_step()
+
+    def evaluate(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """Eval-mode forward through the stages (collective; drains first).
+
+        Stage 0 passes ``x``; the last stage returns the output on CPU, other ranks ``None``.
+        """
+        self.drain()
+        was = self.stage.training
+        self.stage.eval()
+        try:
+            with torch.no_grad():
+                if self.is_first:
+                    if x is None:
+                        raise ValueError("stage 0 needs x in evaluate")
+                    h = x.to(self.device)
+                else:
+                    assert self._prev is not None
+                    h = self._recv(self._prev, _TAG_EVAL)
+                h = self.stage(h)
+                if not self.is_last:
+                    assert self._next is not None
+                    self._send(h, self._next, _TAG_EVAL)
+                    self._reap_sends(wait_all=True)
+                    return None
+                return h.cpu()
+        finally:
+            self.stage.train(was)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's stage state (drains first)."""
+        self.drain()
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "balance": list(self.balance),
+            "stage_index": self.stage_index,
+            "stage": self.stage.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "updates_applied": self._core.updates_applied,
+            "scheduler_steps": self._core.scheduler_steps,
+            "steps_fed": self.steps_fed,
+            "samples_seen": self.samples_seen,
+            "pipelined": self._pipelined,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's stage from :meth:`state_dict` output."""
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError("not an echopipe pipeline checkpoint (missing or unknown 'format')")
+        if list(state["balance"]) != self.balance or state["stage_index"] != self.stage_index:
+            raise ValueError(
+                f"checkpoint is stage {state['stage_index']} of balance {state['balance']!r}; "
+                f"this rank runs stage {self.stage_index} of {self.balance!r}"
+            )
+        self.drain()
+        self.stage.load_state_dict(state["stage"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        core = self._core
+        core.updates_applied = int(state["updates_applied"])
+        core.scheduler_steps = int(state["scheduler_steps"])
+        self.steps_fed = int(state["steps_fed"])
+        self.samples_seen = int(state["samples_seen"])
+        core.last_forward_index = core.last_backward_index = self.steps_fed - 1
+        self._pipelined = bool(state["pipelined"])
+        core.staleness = stage_staleness(self.num_stages, self._pipelined)[self.stage_index]
+
+    def checkpoint_path(self, path: str | os.PathLike[str]) -> str:
+        """The file this rank's stage uses for checkpoint ``path``: ``<path>.stage<k>``."""
+        return f"{os.fspath(path)}.stage{self.stage_index}"
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Drain, then write one file per stage (replica 0 writes; collective barrier after)."""
+        state = self.state_dict()
+        if self.replica == 0:
+            atomic_save(state, self.checkpoint_path(path))
+        dist.barrier()
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Load this rank's stage file written by :meth:`save_checkpoint`."""
+        self.load_state_dict(load_file(self.checkpoint_path(path)))
+
+    def close(self) -> None:
+        """Wait for outstanding sends. The process group stays up (the caller owns it)."""
+        with contextlib.suppress(Exception):
+            self._reap_sends(wait_all=True)
+
+    def __enter__(self) -> DistributedStalePipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

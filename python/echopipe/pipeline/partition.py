@@ -1,0 +1,266 @@
+"""Splitting an ``nn.Sequential`` into pipeline stages and placing them on devices.
+
+A stage is a contiguous run of the sequential's children. ``balance`` follows the torchgpipe
+convention: ``balance[k]`` is the number of children in stage ``k``. :func:`partition_balance`
+chooses a balance automatically by timing each child's forward and backward on a sample input
+and minimising the slowest stage (the pipeline's throughput is set by its slowest stage), with
+optional per-stage memory caps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = [
+    "LayerProfile",
+    "parse_devices",
+    "partition_balance",
+    "profile_layers",
+    "split_sequential",
+    "validate_balance",
+]
+
+DeviceLike = str | int | torch.device
+
+
+def parse_devices(devices: Sequence[DeviceLike] | None, num_stages: int) -> list[torch.device]:
+    """Turn user device specs into ``torch.device`` objects, one per stage.
+
+    ``None`` places every stage on the CPU. A device that does not exist on this machine (an
+    unknown type, or a CUDA index beyond ``torch.cuda.device_count()``) raises ``ValueError``
+    naming it.
+    """
+    if devices is None:
+        return [torch.device("cpu")] * num_stages
+    if isinstance(devices, str | torch.device | int):
+        raise TypeError(f"devices must be a list with one device per stage, got {devices!r}")
+    parsed: list[torch.device] = []
+    for spec in devices:
+        try:
+            device = torch.device(f"cuda:{spec}" if isinstance(spec, int) else spec)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"unknown device {spec!r}: {exc}") from exc
+        if device.type == "cuda":
+            available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = 0 if device.index is None else device.index
+            if index >= available:
+                raise ValueError(
+                    f"unknown device {spec!r}: this machine has {available} CUDA device(s)"
+                )
+            device = torch.device("cuda", index)
+        elif device.type != "cpu":
+            raise ValueError(
+                f"unsupported device {spec!r}: pipeline stages run on 'cpu' or 'cuda[:i]'"
+            )
+        parsed.append(device)
+    if len(parsed) != num_stages:
+        raise ValueError(
+            f"got {len(parsed)} device(s) {[str(d) for d in parsed]} for {num_stages} stage(s); "
+            "give exactly one device per stage"
+        )
+    return parsed
+
+
+def validate_balance(module: nn.Module, balance: Sequence[int]) -> list[int]:
+    """Check that ``balance`` splits ``module`` (an ``nn.Sequential``) into non-empty stages."""
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"the pipeline needs an nn.Sequential (one child per block), got "
+            f"{type(module).__name__}; wrap your layers in nn.Sequential"
+        )
+    if isinstance(balance, str | bytes) or not isinstance(balance, Sequence):
+        raise TypeError(f"balance must be a sequence of ints, got {balance!r}")
+    values: list[int] = []
+    for entry in balance:
+        if isinstance(entry, bool) or not isinstance(entry, int):
+            raise TypeError(f"balance entries must be ints, got {entry!r} in {list(balance)!r}")
+        if entry < 1:
+            raise ValueError(f"every stage needs at least one layer, got balance={list(balance)!r}")
+        values.append(entry)
+    if not values:
+        raise ValueError("balance is empty: give at least one stage")
+    if sum(values) != len(module):
+        raise ValueError(
+            f"balance {values!r} sums to {sum(values)} but the model has {len(module)} layers"
+        )
+    return values
+
+
+def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """Cut ``module`` into stages of ``balance[k]`` children each, sharing the child modules."""
+    values = validate_balance(module, balance)
+    children = list(module.children())
+    if len(children) != len(module):  # pragma: no cover - nn.Sequential keeps them equal
+        raise ValueError("the sequential's children and length disagree")
+    stages: list[nn.Sequential] = []
+    start = 0
+    for count in values:
+        stages.append(nn.Sequential(*children[start : start + count]))
+        start += count
+    return stages
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Measured cost of one child of the sequential.
+
+    Attributes:
+        seconds: median forward + backward wall time.
+        param_bytes: bytes of parameters and buffers.
+        activation_bytes: bytes of the child's output for the sample batch (a stage keeps one
+            such output per in-flight minibatch).
+    """
+
+    seconds: float
+    param_bytes: int
+    activation_bytes: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_layers(
+    module: nn.Sequential, sample_input: torch.Tensor, device: DeviceLike = "cpu", repeats: int = 3
+) -> list[LayerProfile]:
+    """Time each child's forward and backward on ``sample_input`` (a representative batch).
+
+    The module is moved to ``device`` for the measurement and moved back afterwards. Running
+    statistics of normalisation layers are saved and restored so profiling leaves no trace.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"profile_layers needs an nn.Sequential, got {type(module).__name__}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    (target,) = parse_devices([device], 1)
+    original_device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    saved_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    was_training = module.training
+    module.to(target).train()
+    profiles: list[LayerProfile] = []
+    try:
+        x = sample_input.to(target)
+        for layer in module:
+            times: list[float] = []
+            out = None
+            for _ in range(repeats):
+                inp = x.detach().requires_grad_(x.is_floating_point())
+                _sync(target)
+                start = time.perf_counter()
+                out = layer(inp.clone() if inp.requires_grad else inp)
+                if out.requires_grad:
+                    out.backward(torch.ones_like(out))
+                _sync(target)
+                times.append(time.perf_counter() - start)
+            layer.zero_grad(set_to_none=True)
+            assert out is not None
+            times.sort()
+            param_bytes = sum(
+                t.numel() * t.element_size()
+                for t in list(layer.parameters()) + list(layer.buffers())
+            )
+            profiles.append(
+                LayerProfile(
+                    seconds=times[len(times) // 2],
+                    param_bytes=param_bytes,
+                    activation_bytes=out.numel() * out.element_size(),
+                )
+            )
+            x = out.detach()
+    finally:
+        module.to(original_device)
+        module.load_state_dict(saved_state)
+        module.train(was_training)
+    return profiles
+
+
+def _min_max_partition(
+    costs: Sequence[float],
+    num_stages: int,
+    stage_fits: Callable[[int, int, int], bool] | None = None,
+) -> list[int]:
+    """Contiguous split of ``costs`` into ``num_stages`` non-empty parts minimising the max sum.
+
+    Dynamic programming over (layers used, stages used); ties keep the split found first, so
+    the result is deterministic. ``stage_fits(stage, start, stop)``, when given, rules out
+    stages whose layers ``start:stop`` do not fit the memory of the stage's device.
+    """
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: minimal max-stage cost of splitting the first i layers into s stages.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                if best[s - 1][j] == inf:
+                    continue
+                if stage_fits is not None and not stage_fits(s - 1, j, i):
+                    continue
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i] = value
+                    cut[s][i] = j
+    if best[num_stages][n] == inf:
+        raise ValueError(f"no split of {n} layers into {num_stages} stages fits the memory caps")
+    balance: list[int] = []
+    i = n
+    for s in range(num_stages, 0, -1):
+        j = cut[s][i]
+        balance.append(i - j)
+        i = j
+    return balance[::-1]
+
+
+def partition_balance(
+    module: nn.Sequential,
+    sample_input: torch.Tensor,
+    num_stages: int,
+    devices: Sequence[DeviceLike] | None = None,
+    *,
+    memory_caps: Sequence[int] | None = None,
+    repeats: int = 3,
+) -> list[int]:
+    """Choose a balance for ``num_stages`` stages by profiling each layer.
+
+    Each child is timed (forward + backward, median of ``repeats``) on the first device of
+    ``devices`` (CPU when ``None``); the split minimises the slowest stage's time. When
+    ``memory_caps`` (bytes per stage) is given, a stage's parameters plus the activations it
+    keeps in flight must fit: stage ``k`` of ``K`` holds up to ``2(K-1-k)+1`` outputs in flight
+    under the stale-weight schedule.
+
+    Returns:
+        ``balance``, a list of ``num_stages`` positive ints summing to ``len(module)``.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"partition_balance needs an nn.Sequential, got {type(module).__name__}")
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    if num_stages > len(module):
+        raise ValueError(f"cannot split {len(module)} layers into {num_stages} non-empty stages")
+    if memory_caps is not None and len(memory_caps) != num_stages:
+        raise ValueError(f"memory_caps needs {num_stages} entries, got {list(memory_caps)!r}")
+    device = parse_devices(devices, num_stages)[0] if devices is not None else "cpu"
+    profiles = profile_layers(module, sample_input, device, repeats=repeats)
+    costs = [p.seconds for p in profiles]
+    if memory_caps is None:
+        return _min_max_partition(costs, num_stages)
+    params = [p.param_bytes for p in profiles]
+    activations = [p.activation_bytes for p in profiles]
+
+    def stage_fits(stage: int, start: int, stop: int) -> bool:
+        in_flight = 2 * (num_stages - 1 - stage) + 1
+        need = sum(params[start:stop]) + in_flight * sum(activations[start:stop])
+        return need <= memory_caps[stage]
+
+    return _min_max_partition(costs, num_stages, stage_fits)

@@ -1,0 +1,223 @@
+"""What one pipeline stage computes: forward, backward and the immediate weight update.
+
+Both engines (threads in one process, and one rank per stage over torch.distributed) drive a
+:class:`StageCore`; they differ only in how tensors reach it. The core implements the two
+weight rules documented in ``docs/pipeline.md``:
+
+* ``recompute=False`` (saved activations + live weights): forward runs through
+  ``torch.func.functional_call`` with per-parameter aliases made by ``p.data``. An alias shares
+  the parameter's storage but has its own version counter (``p.detach()`` would share the
+  counter and trip autograd's check once the optimizer updates ``p`` in place). Backward
+  therefore uses the activations saved at forward time, and wherever an op saved a weight
+  tensor itself, the live weight as it is at backward time.
+* ``recompute=True``: forward runs without a graph and keeps only the stage input; backward
+  reruns the stage's forward with the live weights (running statistics untouched) and
+  differentiates that.
+
+In both, the stage's optimizer steps right after its backward, so the next op sees new weights.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+__all__ = ["StageCore"]
+
+GradHook = Callable[[list[torch.Tensor | None]], None]
+
+
+@dataclass
+class _InFlight:
+    index: int
+    leaf: torch.Tensor | None  # the stage input as a graph leaf (stages > 0)
+    output: torch.Tensor | None  # stage output (or the loss on the last stage)
+    aliases: list[torch.Tensor] = field(default_factory=list)
+    saved_input: torch.Tensor | None = None  # recompute mode
+    target: torch.Tensor | None = None
+
+
+class StageCore:
+    """Forward/backward/update of one stage, in the order the engine calls them.
+
+    Args:
+        index: stage index ``k`` (0 = input side).
+        num_stages: ``K``.
+        module: the stage's layers, already on ``device``.
+        optimizer: this stage's optimizer (``None`` when the stage has no trainable weights).
+        scheduler: optional LR scheduler stepped per update (``interval="step"``) or by the
+            engine at epoch ends.
+        loss_fn: ``loss_fn(output, target)``; used by the last stage only.
+        recompute: choose the recompute rule instead of saved activations + live weights.
+        grad_hook: called with the parameter gradients before the optimizer step (used for
+            data-parallel all-reduce).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        num_stages: int,
+        module: nn.Module,
+        device: torch.device,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        scheduler_interval: str,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        recompute: bool,
+        grad_hook: GradHook | None = None,
+    ) -> None:
+        self.index = index
+        self.num_stages = num_stages
+        self.module = module
+        self.device = device
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scheduler_interval = scheduler_interval
+        self.loss_fn = loss_fn
+        self.recompute = recompute
+        self.grad_hook = grad_hook
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.in_flight: deque[_InFlight] = deque()
+        self.forwards_done = 0
+        self.updates_applied = 0
+        self.last_forward_index = -1
+        self.last_backward_index = -1
+        self.pending_scheduler_steps: deque[int] = deque()
+        self.scheduler_steps = 0
+        # Depth of the in-flight window: D+1 outputs kept, D = staleness of this stage.
+        self.staleness = 0
+
+    # ----------------------------------------------------------------------------------------
+    def forward(
+        self, index: int, x: torch.Tensor, target: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run forward of minibatch ``index``.
+
+        Returns ``(output, loss)``: the tensor to send downstream (detached), and on the last
+        stage the detached loss.
+        """
+        needs_input_grad = (not self.is_first) and x.is_floating_point()
+        leaf: torch.Tensor | None = None
+        if needs_input_grad:
+            leaf = x.detach().requires_grad_(True)
+            # A clone keeps in-place first layers (ReLU(inplace=True)) off the leaf and off the
+            # sender's saved tensors.
+            inp = leaf.clone()
+        else:
+            inp = x
+        recompute_here = self.recompute and self.staleness > 0
+        if recompute_here:
+            with torch.no_grad():
+                out = self.module(inp)
+            record = _InFlight(index, None, None, saved_input=x.detach(), target=target)
+            self.in_flight.append(record)
+            self.forwards_done += 1
+            self.last_forward_index = index
+            return out.detach(), None
+        aliases = [p.data.requires_grad_(True) for p in self.params]
+        with torch.enable_grad():
+            out = functional_call(
+                self.module, dict(zip(self.param_names, aliases, strict=True)), (inp,)
+            )
+            loss = None
+            if self.is_last:
+                if self.loss_fn is None or target is None:
+                    raise RuntimeError("the last stage needs loss_fn and a target")
+                loss = self.loss_fn(out, target)
+        record = _InFlight(index, leaf, loss if self.is_last else out, aliases, target=target)
+        self.in_flight.append(record)
+        self.forwards_done += 1
+        self.last_forward_index = index
+        return out.detach(), (loss.detach() if loss is not None else None)
+
+    # ----------------------------------------------------------------------------------------
+    def backward(self, index: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """Backward of minibatch ``index`` (the oldest in flight), then update the weights.
+
+        Returns the gradient with respect to the stage input (``None`` on the first stage).
+        """
+        record = self.in_flight.popleft()
+        if record.index != index:
+            raise RuntimeError(
+                f"stage {self.index}: backward for minibatch {index} but the oldest in flight "
+                f"is {record.index}"
+            )
+        if record.saved_input is not None:
+            record = self._rebuild_graph(record)
+        inputs: list[torch.Tensor] = []
+        if record.leaf is not None:
+            inputs.append(record.leaf)
+        inputs.extend(record.aliases)
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        output = record.output
+        if inputs and output is not None and output.requires_grad:
+            if self.is_last:
+                grads = list(torch.autograd.grad(output, inputs, allow_unused=True))
+            else:
+                if grad_output is None:
+                    raise RuntimeError(f"stage {self.index} got no gradient for {index}")
+                grads = list(torch.autograd.grad(output, inputs, grad_output, allow_unused=True))
+        grad_input = grads[0] if record.leaf is not None else None
+        param_grads = grads[1:] if record.leaf is not None else grads
+        self._apply_update(param_grads)
+        self.last_backward_index = index
+        while self.pending_scheduler_steps and self.pending_scheduler_steps[0] <= index:
+            self.pending_scheduler_steps.popleft()
+            self.step_scheduler()
+        return grad_input
+
+    def _rebuild_graph(self, record: _InFlight) -> _InFlight:
+        x = record.saved_input
+        assert x is not None
+        leaf: torch.Tensor | None = None
+        if not self.is_first and x.is_floating_point():
+            leaf = x.detach().requires_grad_(True)
+            inp = leaf.clone()
+        else:
+            inp = x
+        # Running statistics were updated by the real forward; the recomputation must not
+        # update them a second time, so it runs on throw-away copies of the buffers.
+        buffers = {n: b.clone() for n, b in self.module.named_buffers()}
+        with torch.enable_grad():
+            mapping: dict[str, torch.Tensor] = dict(zip(self.param_names, self.params, strict=True))
+            mapping.update(buffers)
+            out = functional_call(self.module, mapping, (inp,))
+            if self.is_last:
+                assert self.loss_fn is not None and record.target is not None
+                out = self.loss_fn(out, record.target)
+        return _InFlight(record.index, leaf, out, list(self.params), target=record.target)
+
+    def _apply_update(self, param_grads: list[torch.Tensor | None]) -> None:
+        if self.grad_hook is not None:
+            self.grad_hook(param_grads)
+        for p, g in zip(self.params, param_grads, strict=True):
+            p.grad = g
+        if self.optimizer is not None:
+            self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+        self.updates_applied += 1
+        if self.scheduler is not None and self.scheduler_interval == "step":
+            self.step_scheduler()
+
+    def step_scheduler(self) -> None:
+        """Step this stage's LR scheduler once (no-op without one)."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.scheduler_steps += 1
+
+    def schedule_scheduler_step(self) -> None:
+        """Step the scheduler right after the update of the newest minibatch forwarded so far."""
+        if self.last_backward_index >= self.last_forward_index:
+            self.step_scheduler()
+        else:
+            self.pending_scheduler_steps.append(self.last_forward_index)

@@ -1,0 +1,1 @@
+"""Helpers for the pipeline tests: a step-by-step reference simulator and a torchrun worker."""

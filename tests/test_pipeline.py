@@ -1,0 +1,557 @@
+"""Stale-weight pipeline engine (threads, CPU) against a step-by-step reference simulator."""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from echopipe.pipeline import (
+    HybridSchedule,
+    PipelineError,
+    StalePipeline,
+    partition_balance,
+    profile_layers,
+    split_sequential,
+    stage_staleness,
+)
+from echopipe.pipeline.checkpoint import atomic_save
+from echopipe.pipeline.partition import _min_max_partition
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_support.models import BALANCES, adam, loss_fn, make_batches, sgd, small_cnn
+from pipeline_support.reference import ReferencePipeline
+
+
+def reference_for(model: nn.Sequential, balance, opt_factory, recompute=False, scheduler=None):
+    stages = split_sequential(model, balance)
+    opts = [opt_factory(list(s.parameters())) if list(s.parameters()) else None for s in stages]
+    scheds = [scheduler(o) if (scheduler and o) else None for o in opts]
+    return ReferencePipeline(stages, opts, loss_fn, recompute=recompute, schedulers=scheds)
+
+
+def max_rel_error(a: nn.Module, b: nn.Module) -> float:
+    worst = 0.0
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        x, y = sa[key].double(), sb[key].double()
+        scale = max(float(y.abs().max()), 1e-30)
+        worst = max(worst, float((x - y).abs().max()) / scale)
+    return worst
+
+
+@pytest.fixture
+def one_thread():
+    """Run the reference with one intra-op thread, like each engine stage on 2 cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# Schedule and staleness -----------------------------------------------------------------------
+def test_staleness_formula() -> None:
+    assert stage_staleness(1) == [0]
+    assert stage_staleness(4) == [6, 4, 2, 0]
+    assert stage_staleness(3, pipelined=False) == [0, 0, 0]
+    with StalePipeline(small_cnn(), balance=[3, 3, 2], optimizer=sgd, loss_fn=loss_fn) as pipe:
+        assert pipe.staleness() == [4, 2, 0]
+        pipe.set_pipelined(False)
+        assert pipe.staleness() == [0, 0, 0]
+
+
+def test_reference_tick_schedule_matches_documented_staleness() -> None:
+    """In the tick simulation, forward of m on stage k comes after exactly max(0, m-D_k)
+    backwards of that stage: the forward misses D_k updates in steady state."""
+    K, n = 4, 12
+    ref = reference_for(small_cnn(), BALANCES[K], sgd)
+    ref.run_pipelined(make_batches(n))
+    for k in range(K):
+        ops = [(op, m) for (_, op, s, m) in ref.log if s == k]
+        done = 0
+        for op, m in ops:
+            if op == "fwd":
+                assert done == max(0, m - 2 * (K - 1 - k)), (k, m, done)
+            else:
+                assert m == done
+                done += 1
+        assert done == n
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+@pytest.mark.parametrize("opt_factory", [sgd, adam], ids=["sgd_momentum", "adam"])
+def test_engine_equals_reference(num_stages: int, opt_factory, one_thread) -> None:
+    batches = make_batches(14)
+    ref_model = small_cnn()
+    ref = reference_for(ref_model, BALANCES[num_stages], opt_factory)
+    ref_losses = ref.run_pipelined(batches)
+
+    model = small_cnn()
+    with StalePipeline(
+        model, balance=BALANCES[num_stages], optimizer=opt_factory, loss_fn=loss_fn
+    ) as pipe:
+        losses = []
+        for x, y in batches:
+            losses.extend(pipe.train_step(x, y).losses)
+        losses.extend(r.value for r in pipe.drain())
+        assert pipe.steps_applied == len(batches)
+        assert pipe.updates_per_stage == [len(batches)] * num_stages
+        assert pipe.samples_seen == 6 * len(batches)
+    assert max_rel_error(model, ref_model) <= 1e-12
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    # The check can fail: the pipelined run is measurably different from plain SGD.
+    sgd_model = small_cnn()
+    reference_for(sgd_model, BALANCES[num_stages], opt_factory).run_sync(batches)
+    assert max_rel_error(model, sgd_model) > 1e-6
+
+
+def test_engine_equals_reference_with_recompute(one_thread) -> None:
+    batches = make_batches(12)
+    ref_model = small_cnn()
+    reference_for(ref_model, BALANCES[3], sgd, recompute=True).run_pipelined(batches)
+    saved_model = small_cnn()
+    reference_for(saved_model, BALANCES[3], sgd).run_pipelined(batches)
+    model = small_cnn()
+    with StalePipeline(
+        model, balance=BALANCES[3], optimizer=sgd, loss_fn=loss_fn, recompute=True
+    ) as pipe:
+        for x, y in batches:
+            pipe.train_step(x, y)
+        pipe.drain()
+    assert max_rel_error(model, ref_model) <= 1e-12
+    # The two rules differ (otherwise the recompute option would be pointless to offer).
+    assert max_rel_error(model, saved_model) > 1e-9
+    # Running statistics were updated once per minibatch, not again by the recomputation.
+    assert int(model[0][1].num_batches_tracked) == len(batches)
+
+
+def test_single_stage_is_plain_sgd() -> None:
+    batches = make_batches(10)
+    plain = small_cnn()
+    opt = sgd(list(plain.parameters()))
+    for x, y in batches:
+        loss_fn(plain(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model = small_cnn()
+    with StalePipeline(model, optimizer=sgd, loss_fn=loss_fn) as pipe:
+        assert pipe.staleness() == [0]
+        for x, y in batches:
+            pipe.train_step(x, y)
+        pipe.drain()
+    for a, b in zip(model.state_dict().values(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_synchronous_mode_is_plain_sgd(one_thread) -> None:
+    batches = make_batches(8)
+    ref_model = small_cnn()
+    reference_for(ref_model, BALANCES[3], sgd).run_sync(batches)
+    model = small_cnn()
+    with StalePipeline(
+        model, balance=BALANCES[3], optimizer=sgd, loss_fn=loss_fn, pipelined=False
+    ) as pipe:
+        for x, y in batches:
+            pipe.train_step(x, y)
+        pipe.drain()
+    assert max_rel_error(model, ref_model) <= 1e-12
+
+
+class _Jitter(nn.Module):
+    """Sleeps a random short time: perturbs thread timing without changing values."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = random.Random(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.rng.random() * 0.004)
+        return x
+
+
+def test_result_is_independent_of_thread_timing(one_thread) -> None:
+    batches = make_batches(12)
+    ref_model = small_cnn()
+    reference_for(ref_model, BALANCES[3], sgd).run_pipelined(batches)
+    for seed in range(2):
+        model = small_cnn()
+        jittered = nn.Sequential(
+            *[nn.Sequential(layer, _Jitter(seed * 10 + i)) for i, layer in enumerate(model)]
+        )
+        with StalePipeline(jittered, balance=BALANCES[3], optimizer=sgd, loss_fn=loss_fn) as pipe:
+            for x, y in batches:
+                pipe.train_step(x, y)
+            pipe.drain()
+        assert max_rel_error(model, ref_model) <= 1e-12
+
+
+def test_documented_weight_rule_by_hand() -> None:
+    """Independent of autograd aliasing: a 3-stage tanh MLP with hand-written gradients.
+
+    Forward of m on stage k uses the weights after max(0, m - D_k) updates; backward uses the
+    forward-time activations and the live weights (after m updates) for the input gradient.
+    """
+    torch.manual_seed(3)
+    dims = [3, 5, 4, 2]
+    K, lr, n = 3, 0.1, 9
+    layers = [nn.Linear(dims[i], dims[i + 1]).double() for i in range(K)]
+    model = nn.Sequential(layers[0], nn.Tanh(), layers[1], nn.Tanh(), layers[2])
+    history = [[(lay.weight.detach().clone(), lay.bias.detach().clone())] for lay in layers]
+    g = torch.Generator().manual_seed(4)
+    batches = [
+        (torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(4, 2, generator=g))
+        for _ in range(n)
+    ]
+    batches = [(x, y.double()) for x, y in batches]
+    D = [4, 2, 0]
+    for m, (x, y) in enumerate(batches):
+        hs = [x]
+        for k in range(K):
+            w, b = history[k][max(0, m - D[k])]
+            z = hs[-1] @ w.T + b
+            hs.append(torch.tanh(z) if k < K - 1 else z)
+        grad = 2 * (hs[-1] - y) / y.numel()
+        for k in reversed(range(K)):
+            if k < K - 1:
+                grad = grad * (1 - hs[k + 1] ** 2)  # tanh saved its forward-time output
+            w_live, b_live = history[k][m]
+            assert len(history[k]) == m + 1
+            grad_w, grad_b = grad.T @ hs[k], grad.sum(0)
+            grad = grad @ w_live  # input gradient through the live weight
+            history[k].append((w_live - lr * grad_w, b_live - lr * grad_b))
+    with StalePipeline(
+        model,
+        balance=[2, 2, 1],
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=lr),
+        loss_fn=nn.functional.mse_loss,
+    ) as pipe:
+        for x, y in batches:
+            pipe.train_step(x, y)
+        pipe.drain()
+    for k, lay in enumerate(layers):
+        w, b = history[k][-1]
+        torch.testing.assert_close(lay.weight.detach(), w, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(lay.bias.detach(), b, rtol=1e-12, atol=1e-14)
+
+
+# Hybrid, drains, schedulers ------------------------------------------------------------------
+def test_mid_run_drain_and_hybrid_switch(one_thread) -> None:
+    batches = make_batches(16)
+    ref_model = small_cnn()
+    ref = reference_for(ref_model, BALANCES[2], sgd)
+    ref.run_pipelined(batches[:5])
+    ref.run_pipelined(batches[5:10])
+    ref.run_sync(batches[10:])
+    model = small_cnn()
+    with StalePipeline(
+        model, balance=BALANCES[2], optimizer=sgd, loss_fn=loss_fn, hybrid=HybridSchedule(10)
+    ) as pipe:
+        seen = []
+        for i, (x, y) in enumerate(batches):
+            if i == 5:
+                seen.extend(r.index for r in pipe.drain())
+            seen.extend(r.index for r in pipe.train_step(x, y).finished)
+            assert pipe.pipelined == (i < 10)
+        seen.extend(r.index for r in pipe.drain())
+        # Every minibatch finished exactly once across the drain and the switch.
+        assert seen == list(range(16))
+        assert pipe.steps_applied == 16
+        assert pipe.staleness() == [0, 0]
+    assert max_rel_error(model, ref_model) <= 1e-12
+
+
+def test_hybrid_schedule_constructors() -> None:
+    assert HybridSchedule.from_epochs(3, 40).pipelined_steps == 120
+    assert HybridSchedule.from_fraction(0.5, 101).pipelined_steps == 50
+    with pytest.raises(ValueError, match="fraction"):
+        HybridSchedule.from_fraction(1.5, 10)
+    with pytest.raises(ValueError, match="pipelined_steps"):
+        HybridSchedule(-1)
+
+
+def test_epoch_scheduler_steps_after_each_stage_update_of_last_minibatch(one_thread) -> None:
+    batches = make_batches(15)
+    epochs = [batches[0:5], batches[5:10], batches[10:15]]
+
+    def step_lr(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    ref_model = small_cnn()
+    ref = reference_for(ref_model, BALANCES[3], sgd, scheduler=step_lr)
+    ref.run_pipelined(batches, scheduler_after={4, 9, 14})
+    model = small_cnn()
+    with StalePipeline(
+        model, balance=BALANCES[3], optimizer=sgd, loss_fn=loss_fn, scheduler=step_lr
+    ) as pipe:
+        for epoch in epochs:
+            result = pipe.run_epoch(epoch)
+            assert result.steps == 5 and result.samples == 30
+        pipe.drain()
+        assert [s.last_epoch for s in pipe.schedulers] == [3, 3, 3]
+    assert max_rel_error(model, ref_model) <= 1e-12
+
+
+# BatchNorm -----------------------------------------------------------------------------------
+def test_batchnorm_running_stats_follow_forward_order() -> None:
+    """Running statistics of a stage's BN are the EMA of that stage's forward-time batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    bn = model[2]
+    seen: list[torch.Tensor] = []
+    bn.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().clone()))
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(8, 3, generator=g, dtype=torch.float64), torch.randint(0, 2, (8,)))
+        for _ in range(10)
+    ]
+    with StalePipeline(model, balance=[2, 2], optimizer=sgd, loss_fn=loss_fn) as pipe:
+        for x, y in batches:
+            pipe.train_step(x, y)
+        pipe.drain()
+        mean = torch.zeros(4, dtype=torch.float64)
+        var = torch.ones(4, dtype=torch.float64)
+        for inp in seen:
+            mean = 0.9 * mean + 0.1 * inp.mean(0)
+            var = 0.9 * var + 0.1 * inp.var(0, unbiased=True)
+        assert len(seen) == 10
+        torch.testing.assert_close(bn.running_mean, mean, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(bn.running_var, var, rtol=1e-12, atol=1e-14)
+        assert int(bn.num_batches_tracked) == 10
+        # Evaluation uses the running statistics and leaves the modules in training mode.
+        x = batches[0][0]
+        expected = model[3](
+            (model[1](model[0](x)) - mean) / torch.sqrt(var + bn.eps) * bn.weight + bn.bias
+        )
+        torch.testing.assert_close(pipe.evaluate(x), expected.detach(), rtol=1e-10, atol=1e-12)
+        assert model.training and bn.training
+
+
+# Checkpoints ---------------------------------------------------------------------------------
+def test_checkpoint_resume_equals_uninterrupted_run(tmp_path: Path, one_thread) -> None:
+    batches = make_batches(14)
+
+    def step_lr(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+    def build(model):
+        return StalePipeline(
+            model,
+            balance=BALANCES[3],
+            optimizer=sgd,
+            loss_fn=loss_fn,
+            scheduler=step_lr,
+            scheduler_interval="step",
+        )
+
+    full = small_cnn()
+    with build(full) as pipe:
+        for i, (x, y) in enumerate(batches):
+            if i == 8:
+                pipe.drain()  # the checkpoint policy: drain, then save
+            pipe.train_step(x, y)
+        pipe.drain()
+
+    path = tmp_path / "pipe.ckpt"
+    first = small_cnn()
+    with build(first) as pipe:
+        for x, y in batches[:8]:
+            pipe.train_step(x, y)
+        pipe.save_checkpoint(path)
+        assert pipe.steps_applied == 8  # saving drained the in-flight minibatches
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe.ckpt"]  # no temp file left
+
+    resumed = small_cnn(seed=99)  # different initial weights, overwritten by the checkpoint
+    with build(resumed) as pipe:
+        pipe.load_checkpoint(path)
+        assert pipe.steps_fed == 8 and pipe.samples_seen == 48
+        assert pipe.updates_per_stage == [8, 8, 8]
+        for x, y in batches[8:]:
+            pipe.train_step(x, y)
+        pipe.drain()
+        assert [s.last_epoch for s in pipe.schedulers] == [14, 14, 14]
+    assert max_rel_error(resumed, full) <= 1e-12
+
+
+def test_checkpoint_errors_and_atomic_write(tmp_path: Path) -> None:
+    path = tmp_path / "ck.pt"
+    with StalePipeline(small_cnn(), balance=[4, 4], optimizer=sgd, loss_fn=loss_fn) as pipe:
+        with pytest.raises(FileNotFoundError, match=r"missing\.pt"):
+            pipe.load_checkpoint(tmp_path / "missing.pt")
+        pipe.save_checkpoint(path)
+        before = path.read_bytes()
+    other = StalePipeline(small_cnn(), balance=[3, 5], optimizer=sgd, loss_fn=loss_fn)
+    with other, pytest.raises(ValueError, match="balance"):
+        other.load_checkpoint(path)
+    # A failed write leaves the old file untouched and no temporary file behind.
+    with pytest.raises(Exception, match=r"pickle|lambda|local"):
+        atomic_save({"not": lambda: None}, path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
+
+
+# Errors --------------------------------------------------------------------------------------
+class _Boom(nn.Module):
+    def __init__(self, after: int, where: str = "forward") -> None:
+        super().__init__()
+        self.after, self.where, self.calls = after, where, 0
+        self.raised_at: float | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > self.after:
+            if self.where == "forward":
+                self.raised_at = time.monotonic()
+                raise RuntimeError("boom in forward")
+            return _RaiseInBackward.apply(x, self)
+        return x
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, owner):  # type: ignore[override]
+        ctx.owner = owner
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.owner.raised_at = time.monotonic()
+        raise RuntimeError("boom in backward")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_stage_exception_reaches_caller_fast_and_stops_workers(where: str) -> None:
+    boom = _Boom(after=3, where=where)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), boom, nn.Linear(4, 4), nn.Linear(4, 2))
+    pipe = StalePipeline(model, balance=[2, 2, 1], optimizer=sgd, loss_fn=loss_fn)
+    x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
+    with pytest.raises(PipelineError, match=f"stage 1 failed.*boom in {where}") as info:
+        for _ in range(1000):
+            pipe.train_step(x, y)
+        pipe.drain()
+    caught = time.monotonic()
+    assert info.value.stage == 1
+    assert boom.raised_at is not None and caught - boom.raised_at < 1.0
+    for t in pipe._threads:
+        t.join(timeout=1.0)
+        assert not t.is_alive()
+    # The failure is sticky: later calls raise it again instead of hanging.
+    with pytest.raises(PipelineError, match=f"boom in {where}"):
+        pipe.train_step(x, y)
+    pipe.close()
+
+
+def test_error_while_caller_waits_in_drain() -> None:
+    boom = _Boom(after=1, where="backward")
+    model = nn.Sequential(nn.Linear(4, 4), boom, nn.Linear(4, 2))
+    pipe = StalePipeline(model, balance=[2, 1], optimizer=sgd, loss_fn=loss_fn)
+    x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
+    pipe.train_step(x, y)
+    pipe.train_step(x, y)
+    start = time.monotonic()
+    with pytest.raises(PipelineError, match="stage 0"):
+        pipe.drain()
+    assert time.monotonic() - start < 1.0
+    pipe.close()
+    assert threading.active_count() < 50
+
+
+def test_bad_configuration_errors() -> None:
+    with pytest.raises(ValueError, match=r"sums to 7 but the model has 8 layers"):
+        StalePipeline(small_cnn(), balance=[4, 3], optimizer=sgd, loss_fn=loss_fn)
+    with pytest.raises(ValueError, match="at least one layer"):
+        StalePipeline(small_cnn(), balance=[8, 0], optimizer=sgd, loss_fn=loss_fn)
+    with pytest.raises(ValueError, match="unknown device 'cuda:7'"):
+        StalePipeline(
+            small_cnn(), balance=[4, 4], devices=["cpu", "cuda:7"], optimizer=sgd, loss_fn=loss_fn
+        )
+    with pytest.raises(ValueError, match="unknown device 'warp-drive'"):
+        StalePipeline(
+            small_cnn(),
+            balance=[4, 4],
+            devices=["cpu", "warp-drive"],
+            optimizer=sgd,
+            loss_fn=loss_fn,
+        )
+    with pytest.raises(ValueError, match=r"1 device.*2 stage"):
+        StalePipeline(small_cnn(), balance=[4, 4], devices=["cpu"], optimizer=sgd, loss_fn=loss_fn)
+    with pytest.raises(TypeError, match=r"nn\.Sequential.*Linear"):
+        StalePipeline(nn.Linear(2, 2), optimizer=sgd, loss_fn=loss_fn)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="balance entries must be ints"):
+        StalePipeline(small_cnn(), balance=[4.0, 4], optimizer=sgd, loss_fn=loss_fn)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="sample_input"):
+        StalePipeline(small_cnn(), balance="auto", num_stages=2, optimizer=sgd, loss_fn=loss_fn)
+
+
+# Partitioning --------------------------------------------------------------------------------
+def test_min_max_partition_is_optimal_and_respects_memory() -> None:
+    assert _min_max_partition([1.0, 1.0, 20.0, 1.0, 1.0], 3) == [2, 1, 2]
+    assert _min_max_partition([1.0] * 8, 4) == [2, 2, 2, 2]
+    assert _min_max_partition([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == [1, 5]
+    # Forbid a first stage with more than one layer: the split has to adapt.
+    assert _min_max_partition([1.0] * 4, 2, lambda k, a, b: k != 0 or b - a <= 1) == [1, 3]
+
+
+def test_auto_balance_profiles_layers() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 64),
+        nn.Linear(64, 64),
+        nn.Sequential(*[nn.Linear(64, 64) for _ in range(30)]),  # much heavier than the rest
+        nn.Linear(64, 64),
+        nn.Linear(64, 64),
+    )
+    before = copy.deepcopy(model.state_dict())
+    profiles = profile_layers(model, torch.randn(256, 64), repeats=5)
+    assert max(range(5), key=lambda i: profiles[i].seconds) == 2
+    assert profiles[2].param_bytes == 30 * profiles[0].param_bytes
+    assert profiles[0].activation_bytes == 256 * 64 * 4
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])  # profiling leaves the weights untouched
+    balance = partition_balance(model, torch.randn(256, 64), 3, repeats=5)
+    assert sum(balance) == 5 and len(balance) == 3
+    with StalePipeline(
+        model, balance="auto", num_stages=3, sample_input=torch.randn(64, 64),
+        optimizer=sgd, loss_fn=nn.functional.mse_loss,
+    ) as pipe:  # fmt: skip
+        assert len(pipe.balance) == 3 and sum(pipe.balance) == 5
+
+
+def test_memory_caps_constrain_auto_balance() -> None:
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+    per_layer = 32 * 32 * 4 + 32 * 4
+    with pytest.raises(ValueError, match="memory caps"):
+        partition_balance(model, torch.randn(4, 32), 2, memory_caps=[per_layer, per_layer])
+    balance = partition_balance(model, torch.randn(4, 32), 2, memory_caps=[10**6, 10**6])
+    assert sum(balance) == 6
+
+
+def test_intra_op_threads_are_divided_among_cpu_stages() -> None:
+    before = torch.get_num_threads()
+    seen: dict[int, int] = {}
+
+    class Probe(nn.Module):
+        def __init__(self, k: int) -> None:
+            super().__init__()
+            self.k = k
+
+        def forward(self, x):
+            seen[self.k] = torch.get_num_threads()
+            return x
+
+    model = nn.Sequential(nn.Linear(2, 2), Probe(0), nn.Linear(2, 2), Probe(1))
+    with StalePipeline(
+        model, balance=[2, 2], optimizer=sgd, loss_fn=nn.functional.mse_loss,
+        intra_op_threads=[1, 1],
+    ) as pipe:  # fmt: skip
+        pipe.train_step(torch.randn(2, 2), torch.randn(2, 2))
+        pipe.drain()
+    assert seen == {0: 1, 1: 1}
+    assert torch.get_num_threads() == before

@@ -1,0 +1,113 @@
+"""DistributedStalePipeline over 2 Gloo processes (torchrun), against the threaded engine."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from echopipe.pipeline import DistributedStalePipeline, HybridSchedule, StalePipeline
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_support.models import loss_fn, make_batches, sgd, small_cnn
+
+WORKER = Path(__file__).parent / "pipeline_support" / "dist_worker.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _assert_close(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        a, e = actual[key].double(), expected[key].double()
+        scale = max(float(e.abs().max()), 1e-30)
+        assert float((a - e).abs().max()) / scale <= 1e-12, key
+
+
+@pytest.fixture(scope="module")
+def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    env = dict(os.environ)
+    python_dir = Path(__file__).resolve().parent.parent / "python"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [str(python_dir), env.get("PYTHONPATH", "")] if p
+    )
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER), str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out
+
+
+def _threaded_reference():
+    batches = make_batches(15)
+    model = small_cnn(0)
+    pipe = StalePipeline(
+        model, balance=[4, 4], optimizer=sgd, loss_fn=loss_fn, hybrid=HybridSchedule(8)
+    )
+    losses = []
+    for x, y in batches[:12]:
+        losses.extend(r.value for r in pipe.train_step(x, y).finished)
+    losses.extend(r.value for r in pipe.drain())
+    after_12 = [{k: v.clone() for k, v in s.state_dict().items()} for s in pipe.stages]
+    logits = pipe.evaluate(batches[0][0])
+    for x, y in batches[12:]:
+        losses.extend(r.value for r in pipe.train_step(x, y).finished)
+    losses.extend(r.value for r in pipe.drain())
+    final = [s.state_dict() for s in pipe.stages]
+    pipe.close()
+    return after_12, final, losses, logits
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_equal_the_threaded_engine(torchrun_results: Path) -> None:
+    torch.set_num_threads(torch.get_num_threads())
+    after_12, final, losses, logits = _threaded_reference()
+    ranks = [torch.load(torchrun_results / f"pipeline_rank{r}.pt") for r in range(2)]
+    for r, result in enumerate(ranks):
+        assert result["stage_index"] == r
+        assert result["updates"] == 15
+        _assert_close(result["after_12"], after_12[r])
+        _assert_close(result["final"], final[r])
+        # A fresh pipeline resumed from the checkpoint continues exactly like the original.
+        _assert_close(result["resumed"], final[r])
+    assert ranks[0]["samples_seen"] == 15 * 6
+    assert ranks[0]["losses"] == [] and ranks[0]["logits"] is None
+    assert [i for i, _ in ranks[1]["losses"]] == list(range(15))
+    assert [v for _, v in ranks[1]["losses"]] == pytest.approx(losses, rel=1e-12)
+    torch.testing.assert_close(ranks[1]["logits"], logits, rtol=1e-12, atol=1e-12)
+    assert (torchrun_results / "ck.stage0").is_file() and (torchrun_results / "ck.stage1").is_file()
+
+
+@pytest.mark.distributed
+def test_data_parallel_replicas_equal_full_batch_sgd(torchrun_results: Path) -> None:
+    model = small_cnn(0)
+    opt = sgd(list(model.parameters()))
+    for x, y in make_batches(15)[:6]:
+        # Mean over each half, averaged over replicas: the full-batch mean for equal halves.
+        loss = 0.5 * (loss_fn(model(x[:3]), y[:3]) + loss_fn(model(x[3:]), y[3:]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ranks = [torch.load(torchrun_results / f"dp_rank{r}.pt")["final"] for r in range(2)]
+    for sd in ranks:
+        params_only = {k: v for k, v in sd.items() if "running" not in k and "num_batches" not in k}
+        expected = {k: v for k, v in model.state_dict().items() if k in params_only}
+        _assert_close(params_only, expected)
+
+
+def test_distributed_pipeline_needs_an_initialised_process_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        DistributedStalePipeline(small_cnn(), balance=[4, 4], optimizer=sgd, loss_fn=loss_fn)
