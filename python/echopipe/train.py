@@ -1,0 +1,1125 @@
+"""``echopipe train``: DALI input with data echoing feeding a stale-weight pipelined model.
+
+One run goes like this:
+
+1. The data: ``--data`` (an ImageNet-layout folder with ``train/`` and ``val/``) or, by default,
+   the synthetic ImageNet-style JPEG set from :func:`echopipe.data.ensure_synthetic_imagenet`,
+   generated once and cached.
+2. The input: :func:`echopipe.dali.imagenet_train_pipeline` reads and decodes JPEGs (upstream),
+   stores each sample in the native echo cache, and draws ``e`` copies of it downstream for
+   augmentation; :class:`echopipe.dali.EchoIterator` hands out torch tensors and counts fresh
+   versus echoed samples. Validation uses :func:`echopipe.dali.imagenet_val_pipeline`.
+3. The model: a flat ``nn.Sequential`` from :func:`echopipe.models.build_model` split into
+   stages by :class:`echopipe.pipeline.StalePipeline` (one thread per stage; GPUs when present,
+   otherwise CPU stages), trained with PPL-SGD: every stage updates right after its own
+   backward, with no flush between minibatches.
+4. Under ``torchrun``, each process runs a replica of the whole pipeline on its own data shard,
+   and each stage averages its gradients with the same stage of the other replicas before its
+   update (one process group per stage, so stage threads never share a communicator).
+5. Every epoch ends with a drain, validation, a metrics row, plots and a checkpoint.
+
+Timing the echo factor (``--echo auto``): ``t_up`` is the upstream time per fresh batch
+(reading, decoding and the simulated read delay, measured around each upstream iteration,
+scaled to the downstream batch size) and ``t_down`` is the trainer's own time per step, without
+the time it spent waiting for data. :class:`echopipe.adaptive.EchoController` sets ``e`` close to
+``R = t_up / t_down``. The native cache fixes ``e`` when it is created, so a new factor takes
+effect at the next epoch boundary, where the input pipeline is rebuilt with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from .adaptive import EchoController
+from .train_io import CheckpointManager, write_metrics, write_plots
+
+__all__ = [
+    "DistContext",
+    "TrainConfig",
+    "TrainSummary",
+    "default_devices",
+    "format_summary",
+    "train",
+]
+
+EchoInsert = Literal["after_decode", "after_augment"]
+EchoMode = Literal["example", "batch"]
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``echopipe train`` needs; the CLI options map one to one onto these fields.
+
+    ``None`` for ``data`` means the cached synthetic set; ``None`` for ``stages``/``devices``
+    means: one stage per GPU when there are two or more, two stages on the only GPU when there is
+    one, otherwise two CPU stages.
+    """
+
+    data: Path | None = None
+    model: str = "resnet_small"
+    image_size: int = 64
+    epochs: int = 8
+    batch_size: int = 32
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    warmup_epochs: float = 0.5
+    workers: int = 1
+    seed: int = 0
+    synthetic_classes: int = 10
+    synthetic_per_class: int = 100
+    echo: float | Literal["auto"] = 2.0
+    echo_max: float = 4.0
+    echo_insert: EchoInsert = "after_decode"
+    echo_mode: EchoMode = "example"
+    shuffle_buffer: int | None = None
+    read_delay_ms: float = 0.0
+    stages: int | None = None
+    balance: list[int] | Literal["auto"] | None = None
+    devices: list[str] | None = None
+    hybrid_switch: int | None = None
+    amp: bool = False
+    checkpoint_dir: Path | None = None  # None: <output folder>/checkpoints
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool | Path = False
+    output: Path = Path("echopipe-train/metrics.json")
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Raise ``ValueError``/``FileNotFoundError`` naming the first bad value."""
+        if self.data is not None:
+            if not Path(self.data).is_dir():
+                what = "is not a folder" if Path(self.data).exists() else "does not exist"
+                raise FileNotFoundError(f"--data {str(self.data)!r} {what}")
+            if not (Path(self.data) / "train").is_dir():
+                raise FileNotFoundError(
+                    f"--data {str(self.data)!r} has no train/ folder (ImageNet layout expected: "
+                    "train/<class>/*.JPEG and val/<class>/*.JPEG)"
+                )
+            if not (Path(self.data) / "val").is_dir():
+                raise FileNotFoundError(f"--data {str(self.data)!r} has no val/ folder")
+        from .models import MODEL_NAMES
+
+        if self.model not in MODEL_NAMES:
+            raise ValueError(f"--model {self.model!r} is unknown; choose from {list(MODEL_NAMES)}")
+        for name in ("image_size", "epochs", "batch_size", "workers", "keep_checkpoints"):
+            _positive_int(name, getattr(self, name))
+        for name in ("synthetic_classes", "synthetic_per_class"):
+            _positive_int(name, getattr(self, name), minimum=2 if "classes" in name else 1)
+        if self.image_size < 16:
+            raise ValueError(f"--image-size must be >= 16, got {self.image_size}")
+        _finite("lr", self.lr, positive=True)
+        _finite("momentum", self.momentum)
+        _finite("weight_decay", self.weight_decay)
+        _finite("warmup_epochs", self.warmup_epochs)
+        _finite("read_delay_ms", self.read_delay_ms)
+        _finite("echo_max", self.echo_max)
+        if self.echo_max < 1:
+            raise ValueError(f"--echo-max must be >= 1, got {self.echo_max:g}")
+        if self.echo != "auto":
+            if not isinstance(self.echo, int | float) or not math.isfinite(self.echo):
+                raise ValueError(f"--echo must be a number >= 1 or 'auto', got {self.echo!r}")
+            if self.echo < 1:
+                raise ValueError(f"--echo must be >= 1 (e < 1 would drop data), got {self.echo:g}")
+        if self.echo_insert not in ("after_decode", "after_augment"):
+            raise ValueError(f"--echo-insert {self.echo_insert!r} is not one of after_decode, "
+                             "after_augment")  # fmt: skip
+        if self.echo_mode not in ("example", "batch"):
+            raise ValueError(f"--echo-mode {self.echo_mode!r} is not one of example, batch")
+        if self.shuffle_buffer is not None:
+            _positive_int("shuffle_buffer", self.shuffle_buffer, minimum=0)
+        if self.stages is not None:
+            _positive_int("stages", self.stages)
+        if self.hybrid_switch is not None:
+            _positive_int("hybrid_switch", self.hybrid_switch, minimum=0)
+        _positive_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        if isinstance(self.balance, list):
+            if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.balance):
+                raise ValueError(f"--balance entries must be ints >= 1, got {self.balance}")
+            if self.stages is not None and len(self.balance) != self.stages:
+                raise ValueError(
+                    f"--balance {self.balance} has {len(self.balance)} stages but --stages is "
+                    f"{self.stages}"
+                )
+        elif self.balance not in (None, "auto"):
+            raise ValueError(f"--balance must be a list of ints or 'auto', got {self.balance!r}")
+        if self.devices is not None:
+            from .pipeline import parse_devices
+
+            parse_devices(list(self.devices), len(self.devices))
+            if self.stages is not None and len(self.devices) not in (1, self.stages):
+                raise ValueError(
+                    f"--devices {','.join(self.devices)} gives {len(self.devices)} devices for "
+                    f"{self.stages} stages; give one device, or one per stage"
+                )
+        if isinstance(self.resume, Path) and not self.resume.is_file():
+            raise FileNotFoundError(f"--resume checkpoint {str(self.resume)!r} does not exist")
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{flag} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+    return value
+
+
+def _finite(name: str, value: object, positive: bool = False) -> float:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{flag} must be a finite number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"{flag} must be {'> 0' if positive else '>= 0'}, got {value:g}")
+    return float(value)
+
+
+def default_devices(stages: int | None) -> tuple[int, list[str]]:
+    """``(stages, devices)`` for this process when ``--devices`` is not given.
+
+    GPUs are shared out among the processes of this machine (``LOCAL_WORLD_SIZE`` under
+    torchrun); a process with two or more GPUs puts one stage on each, a process with one GPU
+    puts ``stages`` (default 2) stages on it, and without GPUs there are ``stages`` (default 2)
+    CPU stages.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        k = stages or 2
+        return k, ["cpu"] * k
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    per = max(1, gpus // local_world)
+    mine = [(local * per + i) % gpus for i in range(per)]
+    k = stages or (per if per >= 2 else 2)
+    return k, [f"cuda:{mine[i % len(mine)]}" for i in range(k)]
+
+
+# --------------------------------------------------------------------------------------------
+# torch.distributed (torchrun)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DistContext:
+    """This process's place among the data-parallel replicas (``world_size == 1`` alone)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    stage_groups: list[Any] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        """True under torchrun with more than one process."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes metrics, plots and the summary."""
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> DistContext:
+        """Join the process group that ``torchrun`` describes in the environment, if any.
+
+        NCCL when this process has a GPU, Gloo otherwise.
+        """
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if backend == "nccl":
+            torch.cuda.set_device(local)
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend)
+        return cls(dist.get_rank(), dist.get_world_size(), local, backend)
+
+    def make_stage_groups(self, num_stages: int) -> None:
+        """One process group per stage (every rank creates all of them, in the same order)."""
+        if not self.enabled:
+            return
+        import torch.distributed as dist
+
+        ranks = list(range(self.world_size))
+        self.stage_groups = [dist.new_group(ranks) for _ in range(num_stages)]
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        """Sum of ``values`` over ranks (identity when alone)."""
+        if not self.enabled:
+            return list(values)
+        import torch.distributed as dist
+
+        t = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def all_reduce_min(self, value: int) -> int:
+        """Minimum of ``value`` over ranks."""
+        if not self.enabled:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.enabled:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        """Leave the process group (only if this module joined it)."""
+        if self.enabled:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _all_reduce_optimizer(
+    base: Callable[[list[nn.Parameter]], torch.optim.Optimizer], ctx: DistContext
+) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """Optimizer factory whose ``step`` first averages the gradients over the replicas.
+
+    The engine calls the factory once per stage, in stage order, so the ``i``-th call belongs
+    to stage ``i`` and gets that stage's process group. The average runs in the stage's worker
+    thread right before the update, on one flat buffer per step.
+    """
+    if not ctx.enabled:
+        return base
+    import torch.distributed as dist
+
+    counter = iter(range(1 << 30))
+
+    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        optimizer = base(params)
+        group = ctx.stage_groups[next(counter)]
+        world = float(ctx.world_size)
+        base_cls = type(optimizer)
+
+        def step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p)
+                offset += n
+            return base_cls.step(self, closure)
+
+        # A subclass rather than a patched attribute: LR schedulers wrap the bound ``step``.
+        optimizer.__class__ = type(f"AllReduce{base_cls.__name__}", (base_cls,), {"step": step})
+        return optimizer
+
+    return factory
+
+
+# --------------------------------------------------------------------------------------------
+# Model pieces
+# --------------------------------------------------------------------------------------------
+
+
+class _Autocast(nn.Module):
+    """Runs the wrapped block under ``torch.autocast`` in bfloat16 (``--amp``).
+
+    Autocast state is per thread, and every pipeline stage runs in its own thread, so the
+    wrapper enters it inside each block's forward rather than around the training loop.
+    bfloat16 keeps float32's exponent range, so no loss scaling is needed per stage.
+    """
+
+    def __init__(self, block: nn.Module, device_type: str) -> None:
+        super().__init__()
+        self.block = block
+        self.device_type = device_type
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            out = self.block(x)
+        return out.float() if out.is_floating_point() else out
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+class _StageClock:
+    """Downstream seconds per step: ``3 x`` the slowest stage's mean training forward time.
+
+    ``train_step`` returns as soon as the minibatch is queued, so the caller cannot see how long
+    the stages compute; forward hooks on each stage module (they run in the stage's thread)
+    time its forward, and backward is taken as twice the forward, the usual ratio for conv
+    nets. The slowest stage sets the pipeline's pace.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        self.seconds = [0.0] * len(stages)
+        self.calls = [0] * len(stages)
+        self._starts: dict[tuple[int, int], float] = {}
+        import threading
+
+        self._ident = threading.get_ident
+        for k, stage in enumerate(stages):
+            stage.register_forward_pre_hook(self._pre(k))
+            stage.register_forward_hook(self._post(k))
+
+    def _pre(self, k: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if module.training:
+                self._starts[(k, self._ident())] = time.perf_counter()
+
+        return hook
+
+    def _post(self, k: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            t0 = self._starts.pop((k, self._ident()), None)
+            if t0 is not None:
+                self.seconds[k] += time.perf_counter() - t0
+                self.calls[k] += 1
+
+        return hook
+
+    def step_seconds(self) -> float | None:
+        """Estimated seconds per training step, or ``None`` before every stage ran once."""
+        if min(self.calls) == 0:
+            return None
+        return 3.0 * max(s / c for s, c in zip(self.seconds, self.calls, strict=True))
+
+
+class _UpstreamClock:
+    """Seconds the upstream DALI pipeline spends per iteration, and fresh samples it stores.
+
+    The echo pipeline's runner thread runs one upstream iteration per ``step()``; this wraps
+    that call on the instance to time it (the pipeline's own ``t_up`` counts only in
+    deterministic mode).
+    """
+
+    def __init__(self, pipe: Any) -> None:
+        self.seconds = 0.0
+        self.iterations = 0
+        runner = getattr(pipe, "_runner", None)
+        step = getattr(runner, "step", None)
+        if step is None:
+            return
+
+        def timed_step() -> bool:
+            t0 = time.perf_counter()
+            ran = step()
+            if ran:
+                self.seconds += time.perf_counter() - t0
+                self.iterations += 1
+            return ran
+
+        runner.step = timed_step
+
+
+class _TrainInput:
+    """The echoing DALI training input of one replica, rebuilt when the echo factor changes."""
+
+    def __init__(self, cfg: TrainConfig, data_dir: Path, ctx: DistContext, device_id: int | None):
+        self.cfg = cfg
+        self.data_dir = data_dir
+        self.ctx = ctx
+        self.device_id = device_id
+        self.iterator: Any = None
+        self.pipe: Any = None
+        self.clock: _UpstreamClock | None = None
+        self.factor = 0.0
+        self.builds = 0
+        # Counters of earlier pipelines (rebuilds and resumed runs), added to the live one's.
+        self.base = {"fresh": 0, "echoed": 0, "samples": 0, "up_s": 0.0, "up_iters": 0}
+
+    def build(self, factor: float, steps_per_epoch: int | None, state: Any = None) -> None:
+        from . import dali as edali
+
+        self.close()
+        cfg = self.cfg
+        builder = getattr(edali, "imagenet_train_pipeline", None)
+        if builder is None:
+            from .dali.builders import imagenet_train_pipeline as builder
+        self.pipe = builder(
+            self.data_dir,
+            batch_size=cfg.batch_size,
+            image_size=cfg.image_size,
+            echo_factor=factor,
+            echo_insert=cfg.echo_insert,
+            echo_mode=cfg.echo_mode,
+            shuffle_buffer=cfg.shuffle_buffer,
+            read_delay_ms=cfg.read_delay_ms,
+            shard_id=self.ctx.rank,
+            num_shards=self.ctx.world_size,
+            # A rebuilt or resumed pipeline must not replay the same shuffle and draws.
+            seed=cfg.seed + 7919 * self.builds + 104729 * self.ctx.rank,
+            device_id=self.device_id,
+            num_threads=cfg.workers,
+        )
+        self.clock = _UpstreamClock(self.pipe)
+        self.iterator = edali.EchoIterator(
+            self.pipe, ["data", "label"], steps_per_epoch=steps_per_epoch
+        )
+        if state is not None:
+            self.iterator.load_state_dict(state)
+        self.factor = factor
+        self.builds += 1
+
+    def natural_steps(self) -> int:
+        """Steps of one epoch for this shard at the current factor."""
+        return len(self.iterator)
+
+    def set_steps(self, steps: int) -> None:
+        """Fix the epoch length (all replicas must run the same number of steps)."""
+        self.iterator._steps_per_epoch = steps
+
+    def counters(self) -> dict[str, float]:
+        s = self.iterator.stats if self.iterator is not None else None
+        clock = self.clock
+        return {
+            "fresh": self.base["fresh"] + (s.fresh if s else 0),
+            "echoed": self.base["echoed"] + (s.echoed if s else 0),
+            "samples": self.base["samples"] + (s.samples if s else 0),
+            "up_s": self.base["up_s"] + (clock.seconds if clock else 0.0),
+            "up_iters": self.base["up_iters"] + (clock.iterations if clock else 0),
+        }
+
+    @property
+    def upstream_batch_size(self) -> int:
+        """Samples per upstream (reader) iteration."""
+        return int(self.pipe.config.upstream_batch_size)
+
+    def clock_state(self) -> tuple[float, int]:
+        """The live pipeline's upstream timing, for checkpoints."""
+        return (self.clock.seconds, self.clock.iterations) if self.clock else (0.0, 0)
+
+    def load_clock_state(self, saved: Sequence[float]) -> None:
+        """Restore :meth:`clock_state` into the live pipeline's clock."""
+        if self.clock is not None:
+            self.clock.seconds, self.clock.iterations = float(saved[0]), int(saved[1])
+
+    def upstream_batch_seconds(self) -> float | None:
+        """Mean upstream seconds per upstream iteration so far (live pipeline), or ``None``."""
+        if self.clock is None or self.clock.iterations == 0:
+            return None
+        return self.clock.seconds / self.clock.iterations
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.iterator.state_dict()
+
+    def close(self) -> None:
+        """Close the live pipeline; its counters are kept in ``base``."""
+        if self.iterator is not None:
+            self.base = self.counters()  # type: ignore[assignment]
+            with contextlib.suppress(Exception):
+                self.iterator.close()
+        self.iterator = self.pipe = None
+        self.clock = None
+
+
+def _evaluate(pipeline: Any, cfg: TrainConfig, data_dir: Path, ctx: DistContext,
+              device_id: int | None, val_iter: list[Any]) -> tuple[float, float, int]:  # fmt: skip
+    """``(top1, mean loss, images)`` over this rank's validation shard, summed over ranks."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    from . import dali as edali
+
+    if not val_iter:
+        builder = getattr(edali, "imagenet_val_pipeline", None)
+        if builder is None:
+            from .dali.builders import imagenet_val_pipeline as builder
+        pipe = builder(
+            data_dir,
+            batch_size=min(cfg.batch_size * 4, 256),
+            image_size=cfg.image_size,
+            shard_id=ctx.rank,
+            num_shards=ctx.world_size,
+            num_threads=cfg.workers,
+            device_id=device_id,
+        )
+        pipe.build()
+        val_iter.append(
+            DALIGenericIterator(
+                [pipe],
+                ["data", "label"],
+                reader_name=pipe.reader_name,
+                last_batch_policy=LastBatchPolicy.PARTIAL,
+                auto_reset=True,
+            )
+        )
+    correct = 0.0
+    loss_sum = 0.0
+    count = 0
+    for batch in val_iter[0]:
+        x = batch[0]["data"]
+        y = batch[0]["label"].reshape(-1).long()
+        logits = pipeline.evaluate(x).float()
+        correct += float((logits.argmax(1) == y.cpu()).sum())
+        loss_sum += float(nn.functional.cross_entropy(logits, y.cpu(), reduction="sum"))
+        count += int(y.numel())
+    correct, loss_sum, total = ctx.all_reduce_sum([correct, loss_sum, float(count)])
+    return correct / max(total, 1.0), loss_sum / max(total, 1.0), int(total)
+
+
+# --------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainSummary:
+    """What a finished run reports (also the ``summary`` block of the metrics JSON)."""
+
+    top1: float
+    best_top1: float
+    epochs: int
+    steps: int
+    images_per_s: float
+    fresh_samples: int
+    echoed_samples: int
+    t_up_ms: float
+    t_down_ms: float
+    ratio: float
+    echo_factor: float
+    echo_factors_used: list[float]
+    staleness: list[int]
+    balance: list[int]
+    devices: list[str]
+    world_size: int
+    checkpoints_written: int
+    wall_s: float
+    metrics_path: str | None
+    plots: list[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The summary as plain JSON-able values."""
+        return dataclasses.asdict(self)
+
+
+def format_summary(s: TrainSummary) -> str:
+    """The human-readable summary block printed at the end of ``echopipe train``."""
+    total = s.fresh_samples + s.echoed_samples
+    used = ", ".join(f"{e:g}" for e in s.echo_factors_used)
+    lines = [
+        "echopipe train: summary",
+        f"  top-1 (val)         {100 * s.top1:.1f} %  (best {100 * s.best_top1:.1f} %)",
+        f"  images/s (train)    {s.images_per_s:.0f}  ({s.steps} steps, {s.epochs} epochs, "
+        f"{s.wall_s:.1f} s, {s.world_size} replica(s))",
+        f"  samples             {total} = {s.fresh_samples} fresh + {s.echoed_samples} echoed "
+        f"(realised echo {total / s.fresh_samples if s.fresh_samples else float('nan'):.2f}x)",
+        f"  t_up / t_down       {s.t_up_ms:.1f} ms / {s.t_down_ms:.1f} ms per step  "
+        f"(R = {s.ratio:.2f})",
+        f"  echo factor         {s.echo_factor:g}  (used: {used})",
+        f"  stages              balance {s.balance} on {', '.join(s.devices)}; staleness per "
+        f"stage {s.staleness}",
+        f"  checkpoints written {s.checkpoints_written}",
+    ]
+    if s.metrics_path:
+        lines.append(f"  metrics             {s.metrics_path}")
+    for p in s.plots:
+        lines.append(f"  plot                {p}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def _lr_lambda(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.02 + 0.98 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class _Progress:
+    """tqdm bars for epochs and steps (rank 0 only; silent when disabled)."""
+
+    def __init__(self, enabled: bool, epochs: int, start_epoch: int) -> None:
+        self.enabled = enabled
+        self.epoch_bar: Any = None
+        self.step_bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._tqdm = tqdm
+            self.epoch_bar = tqdm(
+                total=epochs, initial=start_epoch, desc="epochs", unit="ep", position=0,
+                dynamic_ncols=True, file=sys.stderr,
+            )  # fmt: skip
+
+    def start_epoch(self, epoch: int, steps: int, done: int) -> None:
+        if self.enabled:
+            self.step_bar = self._tqdm(
+                total=steps, initial=done, desc=f"epoch {epoch + 1}", unit="step", position=1,
+                leave=False, dynamic_ncols=True, file=sys.stderr,
+            )  # fmt: skip
+
+    def step(self, images_per_s: float, echo_ratio: float, loss: float | None, e: float) -> None:
+        if self.enabled and self.step_bar is not None:
+            post = {"img/s": f"{images_per_s:.0f}", "echo": f"{echo_ratio:.2f}x", "e": f"{e:g}"}
+            if loss is not None:
+                post["loss"] = f"{loss:.3f}"
+            self.step_bar.set_postfix(post, refresh=False)
+            self.step_bar.update(1)
+
+    def end_epoch(self, top1: float) -> None:
+        if self.enabled:
+            if self.step_bar is not None:
+                self.step_bar.close()
+            self.epoch_bar.set_postfix({"val top-1": f"{100 * top1:.1f}%"})
+            self.epoch_bar.update(1)
+
+    def close(self) -> None:
+        if self.enabled:
+            if self.step_bar is not None:
+                self.step_bar.close()
+            self.epoch_bar.close()
+
+
+def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> TrainSummary:
+    """Run ``echopipe train`` with ``cfg`` and return its summary.
+
+    Writes the metrics JSON and plots (rank 0) and checkpoints (every rank, into its own
+    folder when there are several). Raises ``ValueError``/``FileNotFoundError`` for bad settings
+    before anything heavy starts.
+    """
+    cfg.validate()
+    ctx = DistContext.from_env()
+    try:
+        return _train(cfg, ctx, log or (lambda m: print(m, file=sys.stderr, flush=True)))
+    finally:
+        ctx.close()
+
+
+def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> TrainSummary:
+    from .models import build_model
+    from .pipeline import StalePipeline
+
+    wall0 = time.perf_counter()
+    say = log if ctx.is_main else (lambda m: None)
+
+    # ---- data ---------------------------------------------------------------------------
+    if cfg.data is None:
+        from .data import ensure_synthetic_imagenet
+
+        t0 = time.perf_counter()
+        data_dir = ensure_synthetic_imagenet(
+            classes=cfg.synthetic_classes, per_class=cfg.synthetic_per_class
+        )
+        say(f"data: synthetic set {data_dir} ({time.perf_counter() - t0:.1f} s)")
+    else:
+        data_dir = Path(cfg.data)
+    classes = sorted(p.name for p in (data_dir / "train").iterdir() if p.is_dir())
+    if len(classes) < 2:
+        raise ValueError(f"--data {str(data_dir)!r}: train/ has {len(classes)} class folder(s)")
+
+    # ---- checkpoints to resume from -------------------------------------------------------
+    implicit = cfg.checkpoint_dir is None
+    ckpt_root = Path(cfg.output).parent / "checkpoints" if implicit else Path(cfg.checkpoint_dir)
+    ckpt_dir = ckpt_root / f"rank{ctx.rank}" if ctx.enabled else ckpt_root
+    manager = CheckpointManager(ckpt_dir, keep=cfg.keep_checkpoints)
+    state: dict[str, Any] | None = None
+    if not cfg.resume and manager.list():
+        if not implicit:
+            raise FileExistsError(
+                f"--checkpoint-dir {str(ckpt_root)!r} holds checkpoints of an earlier run; pass "
+                "--resume to continue it, or choose another folder"
+            )
+        # The default folder belongs to the last default run; a new run starts it afresh.
+        old = manager.list()
+        for p in old:
+            p.unlink()
+        say(f"checkpoints: removed {len(old)} of an earlier run from {ckpt_dir} (no --resume)")
+    if cfg.resume:
+        path = cfg.resume if isinstance(cfg.resume, Path) else None
+        if path is None:
+            path = manager.latest()
+            if path is None:
+                raise FileNotFoundError(f"--resume: no checkpoint in {str(ckpt_dir)!r}")
+        state = CheckpointManager.load(path)
+        say(f"resume: {path} (step {state['global_step']}, epoch {state['epoch']})")
+
+    # ---- model and pipeline ---------------------------------------------------------------
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    random.seed(cfg.seed)
+    stages, devices = default_devices(cfg.stages)
+    if cfg.devices is not None:
+        devices = list(cfg.devices) * (stages if len(cfg.devices) == 1 else 1)
+        stages = len(devices)
+    if isinstance(cfg.balance, list):
+        stages = len(cfg.balance)
+        if len(devices) != stages:
+            devices = [devices[i % len(devices)] for i in range(stages)]
+    model = build_model(cfg.model, num_classes=len(classes))
+    if stages > len(model):
+        raise ValueError(f"--stages {stages}: {cfg.model} has only {len(model)} blocks")
+    if cfg.amp:
+        model = nn.Sequential(*[_Autocast(b, torch.device(devices[0]).type) for b in model])
+    if state is not None:
+        balance: list[int] | Literal["auto"] = list(state["pipeline"]["balance"])
+    elif isinstance(cfg.balance, list):
+        balance = list(cfg.balance)
+    else:
+        balance = "auto"
+    if balance == "auto":
+        from .pipeline import partition_balance
+
+        sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+        balance = partition_balance(model, sample, stages, devices)
+        # Timing-based: every replica must use rank 0's choice.
+        balance = ctx.broadcast_object(balance)
+    ctx.make_stage_groups(stages)
+    device_id = None
+    if any(d.startswith("cuda") for d in devices):
+        device_id = torch.device(devices[0]).index or 0
+
+    base_optimizer = _sgd_factory(cfg)
+    steps_planned: list[int] = []  # filled once the epoch length is known
+
+    def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        total = steps_planned[0] * cfg.epochs
+        warmup = max(1, int(cfg.warmup_epochs * steps_planned[0]))
+        return torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup, total))
+
+    # ---- input ----------------------------------------------------------------------------
+    controller: EchoController | None = None
+    if cfg.echo == "auto":
+        controller = EchoController(1.0, e_max=cfg.echo_max)
+        if state is not None:
+            controller.load_state_dict(state["controller"])
+    factor = float(state["echo_factor"]) if state is not None else (
+        controller.factor if controller is not None else float(cfg.echo))  # fmt: skip
+    data = _TrainInput(cfg, data_dir, ctx, device_id)
+    if state is not None:
+        data.builds = int(state["input_builds"])
+        data.base = dict(state["input_counters"])
+    data.build(factor, None, state["input"] if state is not None else None)
+    if state is not None:
+        data.load_clock_state(state["input_clock"])
+    steps_per_epoch = (
+        int(state["steps_per_epoch"]) if state is not None
+        else ctx.all_reduce_min(data.natural_steps())
+    )  # fmt: skip
+    data.set_steps(steps_per_epoch)
+    steps_planned.append(steps_per_epoch)
+
+    pipeline = StalePipeline(
+        model,
+        optimizer=_all_reduce_optimizer(base_optimizer, ctx),
+        scheduler=scheduler,
+        scheduler_interval="step",
+        loss_fn=nn.CrossEntropyLoss(),
+        balance=balance,
+        devices=devices,
+    )
+    stage_clock = _StageClock(pipeline.stages)
+    rows: list[dict[str, Any]] = []
+    epoch = 0
+    global_step = 0
+    step_in_epoch = 0
+    checkpoints_before = 0
+    wall_before = 0.0
+    train_time = 0.0
+    samples_trained = 0
+    step_time_total = 0.0
+    step_count_timed = 0
+    factors_used: list[float] = [factor]
+    if state is not None:
+        pipeline.load_state_dict(state["pipeline"])
+        _set_rng_state(state["rng"])
+        rows = list(state["rows"])
+        epoch = int(state["epoch"])
+        global_step = int(state["global_step"])
+        step_in_epoch = int(state["step_in_epoch"])
+        checkpoints_before = int(state["checkpoints_written"])
+        wall_before = float(state["wall_s"])
+        train_time = float(state["train_time"])
+        samples_trained = int(state["samples_trained"])
+        step_time_total = float(state["step_time_total"])
+        step_count_timed = int(state["step_count_timed"])
+        factors_used = list(state["factors_used"])
+
+    say(
+        f"train: {cfg.model} on {len(classes)} classes, {stages} stage(s) balance {balance} "
+        f"on {', '.join(devices)}, staleness {pipeline.staleness()}, {ctx.world_size} "
+        f"replica(s); echo {cfg.echo if cfg.echo == 'auto' else f'{factor:g}'} "
+        f"({cfg.echo_insert}, {cfg.echo_mode}); {steps_per_epoch} steps/epoch of "
+        f"{cfg.batch_size}"
+    )
+
+    def save_checkpoint() -> None:
+        # state_dict() drains the pipeline first: no minibatch is in flight in a checkpoint.
+        payload = {
+            "kind": "echopipe-train",
+            "config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()},
+            "pipeline": pipeline.state_dict(),
+            "input": data.state_dict(),
+            "input_builds": data.builds,
+            "input_counters": data.base,
+            "input_clock": data.clock_state(),
+            "echo_factor": data.factor,
+            "controller": controller.state_dict() if controller is not None else None,
+            "rng": _rng_state(),
+            "rows": rows,
+            "epoch": epoch,
+            "global_step": global_step,
+            "step_in_epoch": step_in_epoch,
+            "steps_per_epoch": steps_per_epoch,
+            "checkpoints_written": checkpoints_before + manager.written + 1,
+            "wall_s": wall_before + time.perf_counter() - wall0,
+            "train_time": train_time,
+            "samples_trained": samples_trained,
+            "step_time_total": step_time_total,
+            "step_count_timed": step_count_timed,
+            "factors_used": factors_used,
+            "world_size": ctx.world_size,
+        }
+        manager.save(payload, global_step)
+
+    if state is not None and state["world_size"] != ctx.world_size:
+        raise ValueError(
+            f"--resume: the checkpoint was written by {state['world_size']} replica(s), this "
+            f"run has {ctx.world_size}"
+        )
+
+    progress = _Progress(cfg.progress and ctx.is_main, cfg.epochs, epoch)
+    val_iter: list[Any] = []
+    output = Path(cfg.output)
+    plots: list[str] = []
+    last_loss: float | None = None
+    try:
+        while epoch < cfg.epochs:
+            if cfg.hybrid_switch is not None and epoch >= cfg.hybrid_switch and pipeline.pipelined:
+                pipeline.set_pipelined(False)
+                say(f"hybrid: synchronous from epoch {epoch + 1} (staleness now 0)")
+            progress.start_epoch(epoch, steps_per_epoch, step_in_epoch)
+            epoch_t0 = time.perf_counter()
+            epoch_samples = 0
+            losses: list[float] = []
+            fresh0 = data.counters()
+            it = data.iterator
+            while step_in_epoch < steps_per_epoch:
+                batch = next(it)[0]
+                x, y = batch["data"], batch["label"].reshape(-1).long()
+                result = pipeline.train_step(x, y)
+                losses.extend(result.losses)
+                global_step += 1
+                step_in_epoch += 1
+                epoch_samples += int(x.shape[0])
+                busy = stage_clock.step_seconds()
+                if busy is not None:
+                    step_time_total += busy
+                    step_count_timed += 1
+                if losses:
+                    last_loss = losses[-1]
+                if controller is not None and busy is not None:
+                    up = data.upstream_batch_seconds()
+                    if up is not None:
+                        # Upstream seconds for one downstream batch's worth of fresh samples.
+                        t_up = up * cfg.batch_size / data.upstream_batch_size
+                        controller.observe(t_up, busy, global_step)
+                if cfg.checkpoint_every and (
+                    global_step % cfg.checkpoint_every == 0 and step_in_epoch < steps_per_epoch
+                ):
+                    save_checkpoint()
+                elapsed = time.perf_counter() - epoch_t0
+                c = data.counters()
+                total = c["samples"] - fresh0["samples"]
+                fresh = c["fresh"] - fresh0["fresh"]
+                progress.step(
+                    epoch_samples / max(elapsed, 1e-9),
+                    total / fresh if fresh else float("nan"),
+                    last_loss,
+                    data.factor,
+                )
+            pipeline.drain()
+            _average_buffers(model, ctx)
+            epoch_time = time.perf_counter() - epoch_t0
+            train_time += epoch_time
+            samples_trained += epoch_samples
+            top1, val_loss, val_n = _evaluate(pipeline, cfg, data_dir, ctx, device_id, val_iter)
+            epoch += 1
+            step_in_epoch = 0
+            c = data.counters()
+            fresh_all, echoed_all, up_s, up_n = ctx.all_reduce_sum(
+                [c["fresh"], c["echoed"], c["up_s"], c["up_iters"]]
+            )
+            t_down = step_time_total / max(step_count_timed, 1)
+            t_up = up_s / up_n if up_n else math.nan
+            lr = pipeline.optimizers[0].param_groups[0]["lr"] if pipeline.optimizers[0] else 0.0
+            row = {
+                "epoch": epoch,
+                "step": global_step,
+                "wall_s": wall_before + time.perf_counter() - wall0,
+                "train_loss": float(np.mean(losses)) if losses else None,
+                "val_top1": top1,
+                "val_loss": val_loss,
+                "val_images": val_n,
+                "fresh_samples": int(fresh_all),
+                "echoed_samples": int(echoed_all),
+                "images_per_s": ctx.world_size * epoch_samples / max(epoch_time, 1e-9),
+                "echo_factor": data.factor,
+                "echo_ratio": (fresh_all + echoed_all) / fresh_all if fresh_all else None,
+                "t_up_ms": 1000 * t_up,
+                "t_down_ms": 1000 * t_down,
+                "R": t_up / t_down if t_down > 0 else None,
+                "pipelined": pipeline.pipelined,
+                "lr": lr,
+            }
+            rows.append(row)
+            progress.end_epoch(top1)
+            if not cfg.progress:
+                loss_text = "n/a" if row["train_loss"] is None else f"{row['train_loss']:.3f}"
+                say(
+                    f"epoch {epoch}/{cfg.epochs}: val top-1 {100 * top1:.1f} %, loss "
+                    f"{loss_text}, {row['images_per_s']:.0f} img/s, e={data.factor:g}"
+                )
+            # The adaptive factor takes effect at the epoch boundary: a new cache is built.
+            if controller is not None and epoch < cfg.epochs:
+                wanted = ctx.broadcast_object(controller.factor)
+                if wanted != data.factor:
+                    data.build(wanted, None)
+                    steps_per_epoch_new = ctx.all_reduce_min(data.natural_steps())
+                    data.set_steps(steps_per_epoch_new)
+                    steps_per_epoch = steps_per_epoch_new
+                    factors_used.append(wanted)
+                    ratio = controller.ratio
+                    say(f"echo: factor {wanted:g} from epoch {epoch + 1} (R = {ratio:.2f})")
+            data.iterator.reset()
+            save_checkpoint()
+            if ctx.is_main:
+                plots = [str(p) for p in write_plots(rows, output.with_suffix(""))]
+                write_metrics(output, {"config": _config_json(cfg), "epochs": rows})
+    finally:
+        progress.close()
+        pipeline.close()
+        data.close()
+
+    c = data.counters()
+    fresh_all, echoed_all, up_s, up_n = ctx.all_reduce_sum(
+        [c["fresh"], c["echoed"], c["up_s"], c["up_iters"]]
+    )
+    t_down = step_time_total / max(step_count_timed, 1)
+    t_up = up_s / up_n if up_n else math.nan
+    summary = TrainSummary(
+        top1=rows[-1]["val_top1"] if rows else math.nan,
+        best_top1=max((r["val_top1"] for r in rows), default=math.nan),
+        epochs=epoch,
+        steps=global_step,
+        images_per_s=ctx.world_size * samples_trained / max(train_time, 1e-9),
+        fresh_samples=int(fresh_all),
+        echoed_samples=int(echoed_all),
+        t_up_ms=1000 * t_up,
+        t_down_ms=1000 * t_down,
+        ratio=t_up / t_down if t_down > 0 else math.nan,
+        echo_factor=data.factor,
+        echo_factors_used=factors_used,
+        staleness=_stale_list(cfg, stages),
+        balance=list(pipeline.balance),
+        devices=[str(d) for d in pipeline.devices],
+        world_size=ctx.world_size,
+        checkpoints_written=checkpoints_before + manager.written,
+        wall_s=wall_before + time.perf_counter() - wall0,
+        metrics_path=str(output) if ctx.is_main else None,
+        plots=plots,
+    )
+    if ctx.is_main:
+        history = [dataclasses.asdict(h) for h in controller.history] if controller else []
+        write_metrics(
+            output,
+            {
+                "config": _config_json(cfg),
+                "epochs": rows,
+                "echo_history": history,
+                "summary": summary.as_dict(),
+            },
+        )
+    return summary
+
+
+def _stale_list(cfg: TrainConfig, stages: int) -> list[int]:
+    from .pipeline import stage_staleness
+
+    # The staleness of the pipelined phase, also after a hybrid switch ended it; a run that was
+    # never pipelined (--hybrid-switch 0) had none.
+    return stage_staleness(stages, cfg.hybrid_switch != 0)
+
+
+def _average_buffers(model: nn.Module, ctx: DistContext) -> None:
+    """Average BatchNorm running statistics over the replicas (each saw only its shard)."""
+    if not ctx.enabled:
+        return
+    import torch.distributed as dist
+
+    for buf in model.buffers():
+        if buf.is_floating_point():
+            dist.all_reduce(buf)
+            buf.div_(ctx.world_size)
+
+
+def _sgd_factory(cfg: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        decay = [p for p in params if p.ndim > 1]
+        no_decay = [p for p in params if p.ndim <= 1]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+
+    return make
+
+
+def _config_json(cfg: TrainConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in dataclasses.asdict(cfg).items():
+        out[k] = str(v) if isinstance(v, Path) else v
+    return out

@@ -1,0 +1,115 @@
+"""The ``echopipe`` command line: help, bad arguments (one line, exit 2), a run, ``bench``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from echopipe.cli import BENCH_SUITES, build_parser, main
+
+
+def _bad(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("echopipe train: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--data", "/no/such/folder"], "/no/such/folder"),
+        (["--echo", "0.5"], "'0.5'"),
+        (["--echo", "often"], "'often'"),
+        (["--devices", "tpu:0"], "tpu:0"),
+        (["--devices", "cuda:7"], "cuda:7"),
+        (["--balance", "3,x"], "3,x"),
+        (["--balance", "4,4", "--stages", "3"], "[4, 4]"),
+        (["--epochs", "0"], "--epochs"),
+        (["--batch-size", "-2"], "-2"),
+        (["--lr", "0"], "--lr"),
+        (["--echo-insert", "before_read"], "before_read"),
+        (["--model", "vgg"], "'vgg'"),
+        (["--read-delay-ms", "-1"], "--read-delay-ms"),
+    ],
+)
+def test_bad_train_arguments_give_one_line_and_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _bad(["train", *argv], capsys)
+    assert needle in line
+
+
+def test_data_folder_without_train_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _bad(["train", "--data", str(tmp_path)], capsys)
+    assert str(tmp_path) in line and "train/" in line
+
+
+def test_resume_file_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _bad(["train", "--resume", str(tmp_path / "gone.pt")], capsys)
+    assert "gone.pt" in line
+
+
+def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--data", "--epochs", "--batch-size", "--lr", "--workers", "--seed", "--echo",
+                 "--echo-insert", "--echo-mode", "--read-delay-ms", "--stages", "--balance",
+                 "--hybrid-switch", "--devices", "--amp", "--checkpoint-dir", "--resume",
+                 "--checkpoint-every", "--output"):  # fmt: skip
+        assert flag in out
+    parser = build_parser()
+    assert parser.parse_args(["train"]).echo == 2.0
+    assert parser.parse_args(["train", "--echo", "auto"]).echo == "auto"
+    assert parser.parse_args(["train", "--balance", "3,5"]).balance == [3, 5]
+
+
+def test_cli_train_runs_with_amp_and_hybrid(tiny_imagenet: Path, tmp_path: Path) -> None:
+    """The console entry point as a user runs it, with bfloat16 autocast, a hybrid switch,
+    explicit devices and balance, batch echoing after augmentation."""
+    out = tmp_path / "metrics.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    import echopipe
+
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "echopipe.cli", "train", "--data", str(tiny_imagenet),
+         "--batch-size", "8", "--image-size", "32", "--epochs", "2", "--amp",
+         "--hybrid-switch", "1", "--devices", "cpu,cpu", "--balance", "4,4",
+         "--echo-insert", "after_augment", "--echo-mode", "batch", "--output", str(out)],
+        env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "echopipe train: summary" in done.stdout
+    assert "staleness per stage [2, 0]" in done.stdout
+    assert "epochs" in done.stderr  # tqdm bars go to stderr
+    doc = json.loads(out.read_text())
+    assert [r["pipelined"] for r in doc["epochs"]] == [True, False]
+    assert doc["summary"]["balance"] == [4, 4]
+    assert doc["config"]["amp"] is True
+    assert (tmp_path / "metrics_acc_vs_fresh.png").is_file()
+    assert (tmp_path / "metrics_acc_vs_time.png").is_file()
+
+
+def test_bench_unknown_suite_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--only", "nosuch"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nosuch" in err[0]
+    assert set(BENCH_SUITES) >= {"echo_cache", "dali_echo", "pipeline"}

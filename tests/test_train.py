@@ -1,0 +1,276 @@
+"""``echopipe train`` end to end on a tiny real JPEG set: DALI + echo cache + stale pipeline.
+
+Every run here is real: Pillow-written JPEGs, DALI CPU pipelines with the echopipe plugin, the
+thread-per-stage engine, torchrun with Gloo, and a SIGKILL in the middle of training.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from echopipe.train_io import CheckpointManager, atomic_write_bytes, write_metrics
+
+pytestmark = pytest.mark.dali
+
+TINY = ["--batch-size", "8", "--image-size", "32", "--no-progress", "--warmup-epochs", "0"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The child imports the same echopipe as this test process, and keeps to one thread per
+    # stage so that two CPU cores are enough.
+    import echopipe
+
+    pkg_parent = str(Path(echopipe.__file__).resolve().parent.parent)
+    if Path(echopipe.__file__).parent.is_symlink() or "site-packages" not in pkg_parent:
+        pkg_parent = str(Path(echopipe.__file__).parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([pkg_parent, env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _cli(args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "echopipe.cli", *args],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint files
+# --------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_manager_keeps_newest_and_ignores_partial_writes(tmp_path: Path) -> None:
+    m = CheckpointManager(tmp_path / "ck", keep=2)
+    for step in (3, 7, 11):
+        m.save({"kind": "echopipe-train", "step": step, "w": torch.arange(step)}, step)
+    assert m.written == 3
+    assert [p.name for p in m.list()] == ["ckpt-000000007.pt", "ckpt-000000011.pt"]
+    # A write killed mid-way leaves only a temporary file, which is never taken for a checkpoint.
+    (tmp_path / "ck" / ".ckpt-000000015.pt.abc.tmp").write_bytes(b"\x80half a pickle")
+    latest = m.latest()
+    assert latest is not None and latest.name == "ckpt-000000011.pt"
+    assert CheckpointManager.load(latest)["step"] == 11
+    assert torch.equal(CheckpointManager.load(latest)["w"], torch.arange(11))
+    m.save({"kind": "echopipe-train", "step": 20}, 20)
+    assert not list((tmp_path / "ck").glob(".*.tmp"))
+
+
+def test_checkpoint_load_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"nope\.pt"):
+        CheckpointManager.load(tmp_path / "nope.pt")
+    other = tmp_path / "other.pt"
+    torch.save({"weights": 1}, other)
+    with pytest.raises(ValueError, match=r"other\.pt"):
+        CheckpointManager.load(other)
+    with pytest.raises(ValueError, match="keep"):
+        CheckpointManager(tmp_path, keep=0)
+
+
+def test_atomic_write_and_metrics_json(tmp_path: Path) -> None:
+    target = atomic_write_bytes(tmp_path / "a" / "b.bin", b"123")
+    assert target.read_bytes() == b"123"
+    path = write_metrics(tmp_path / "m.json", {"epochs": [{"R": float("nan"), "x": 1.5}]})
+    assert json.loads(path.read_text()) == {"epochs": [{"R": None, "x": 1.5}]}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+# --------------------------------------------------------------------------------------------
+# End to end, in process
+# --------------------------------------------------------------------------------------------
+
+
+def test_train_end_to_end_writes_metrics_plots_and_checkpoints(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    from echopipe.train import TrainConfig, format_summary, train
+
+    out = tmp_path / "run" / "metrics.json"
+    cfg = TrainConfig(
+        data=tiny_imagenet, image_size=32, batch_size=8, epochs=3, echo=2.0, lr=0.05,
+        warmup_epochs=0, checkpoint_dir=tmp_path / "ck", output=out, progress=False,
+    )  # fmt: skip
+    s = train(cfg, log=lambda m: None)
+    # 32 training images, e = 2, batch 8: 8 steps per epoch.
+    assert s.steps == 3 * 8 and s.epochs == 3
+    assert s.fresh_samples + s.echoed_samples == s.steps * 8
+    # Each fresh sample is emitted floor(e) = ceil(e) = 2 times, so there is at most one repeat
+    # per first copy (copies still in the cache when the run ends were never drawn).
+    assert 0 < s.echoed_samples <= s.fresh_samples
+    assert s.echo_factor == 2.0 and s.echo_factors_used == [2.0]
+    assert s.staleness == [2, 0] and len(s.balance) == 2 and sum(s.balance) == 8
+    assert s.devices == ["cpu", "cpu"]
+    assert 0.0 <= s.top1 <= 1.0 and s.images_per_s > 0 and s.t_up_ms > 0 and s.t_down_ms > 0
+    assert s.checkpoints_written == 3
+    assert sorted(p.name for p in (tmp_path / "ck").glob("ckpt-*.pt")) == [
+        "ckpt-000000016.pt",
+        "ckpt-000000024.pt",
+    ]
+    doc = json.loads(out.read_text())
+    assert [r["epoch"] for r in doc["epochs"]] == [1, 2, 3]
+    assert [r["step"] for r in doc["epochs"]] == [8, 16, 24]
+    fresh = [r["fresh_samples"] for r in doc["epochs"]]
+    assert fresh == sorted(fresh) and fresh[-1] == s.fresh_samples
+    assert all(r["val_images"] == 8 for r in doc["epochs"])
+    assert doc["summary"]["steps"] == 24 and doc["summary"]["checkpoints_written"] == 3
+    for png in s.plots:
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {Path(p).name for p in s.plots} == {
+        "metrics_acc_vs_fresh.png",
+        "metrics_acc_vs_time.png",
+    }
+    text = format_summary(s)
+    for needle in ("top-1", "images/s", "fresh", "echoed", "R =", "echo factor", "staleness"):
+        assert needle in text
+
+
+@pytest.mark.slow
+def test_default_run_learns_well_above_chance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --data: the synthetic set (10 classes) is generated into the cache folder and the
+    default model learns it well above the 10 % of chance (shortened: 30 images per class)."""
+    from echopipe.train import TrainConfig, train
+
+    monkeypatch.setenv("ECHOPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = TrainConfig(
+        epochs=2, synthetic_per_class=30, output=tmp_path / "m.json", progress=False,
+    )  # fmt: skip
+    s = train(cfg, log=lambda m: None)
+    assert len(list((tmp_path / "cache").glob("synthetic-imagenet-c10-n30-*"))) == 1
+    assert s.top1 > 0.3
+
+
+def test_echo_auto_raises_the_factor_when_reading_is_slow(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """A 15 ms/sample read delay makes upstream ~0.12 s per batch of 8, far slower than a
+    training step on 32 px: R > 1, so the controller must raise e above 1 (up to e_max)."""
+    from echopipe.train import TrainConfig, train
+
+    out = tmp_path / "m.json"
+    cfg = TrainConfig(
+        data=tiny_imagenet, image_size=32, batch_size=8, epochs=3, echo="auto", echo_max=3.0,
+        read_delay_ms=15.0, warmup_epochs=0, output=out, progress=False,
+    )  # fmt: skip
+    s = train(cfg, log=lambda m: None)
+    assert s.ratio > 1.0
+    assert s.echo_factors_used[0] == 1.0 and len(s.echo_factors_used) >= 2
+    assert 1.0 < s.echo_factor <= 3.0
+    doc = json.loads(out.read_text())
+    assert doc["epochs"][0]["echo_factor"] == 1.0
+    assert doc["epochs"][-1]["echo_factor"] == s.echo_factor
+    assert len(doc["echo_history"]) >= 2 and doc["echo_history"][0]["factor"] == 1.0
+    # An epoch at factor e draws about one shard of fresh samples: 32 * e / 8 steps.
+    steps = [0] + [r["step"] for r in doc["epochs"]]
+    per_epoch = [b - a for a, b in itertools.pairwise(steps)]
+    assert per_epoch[0] == 4
+    assert per_epoch[-1] == -(-32 * doc["epochs"][-1]["echo_factor"] // 8)
+    # With e = 1 in the first epoch nothing is echoed; afterwards repeats appear.
+    assert doc["epochs"][0]["echoed_samples"] == 0 < doc["epochs"][-1]["echoed_samples"]
+
+
+# --------------------------------------------------------------------------------------------
+# Subprocesses: kill + resume, torchrun
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_continues_and_steps_add_up(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    ck = tmp_path / "ck"
+    out = tmp_path / "m.json"
+    args = ["train", "--data", str(tiny_imagenet), *TINY, "--epochs", "3",
+            "--checkpoint-dir", str(ck), "--checkpoint-every", "3", "--output", str(out),
+            "--read-delay-ms", "2"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "echopipe.cli", *args],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(ck.glob("ckpt-*.pt")):
+            assert proc.poll() is None, f"run ended before its first checkpoint: {proc.stderr}"
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert "summary" not in err
+    first = CheckpointManager(ck).latest()
+    assert first is not None
+    killed_at = CheckpointManager.load(first)["global_step"]
+    assert 0 < killed_at < 24
+
+    done = _cli([*args, "--resume"])
+    assert done.returncode == 0, done.stderr
+    assert f"resume: {first}" in done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["steps"] == 24 and doc["summary"]["epochs"] == 3
+    assert [r["step"] for r in doc["epochs"]] == [8, 16, 24]
+    assert doc["summary"]["fresh_samples"] + doc["summary"]["echoed_samples"] >= 24 * 8
+    # The checkpoints of both runs are counted.
+    written = doc["summary"]["checkpoints_written"]
+    assert written >= 1 + 3
+    latest = CheckpointManager(ck).latest()
+    assert latest is not None and CheckpointManager.load(latest)["checkpoints_written"] == written
+    assert len(list(ck.glob("ckpt-*.pt"))) == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_two_gloo_replicas(tiny_imagenet: Path, tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+        "-m", "echopipe.cli", "train", "--data", str(tiny_imagenet), *TINY, "--epochs", "2",
+        "--checkpoint-dir", str(tmp_path / "ck"), "--output", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("echopipe train: summary") == 1  # rank 0 only
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert s["world_size"] == 2
+    # Each replica reads its own half (16 images), echoes it twice: 4 steps of 8 per epoch.
+    assert s["steps"] == 2 * 4
+    assert s["fresh_samples"] + s["echoed_samples"] == 2 * 2 * 4 * 8
+    assert all(r["val_images"] == 8 for r in doc["epochs"])
+    # Replicas average gradients and BN statistics, so their weights agree.
+    w = [CheckpointManager.load(CheckpointManager(tmp_path / "ck" / f"rank{r}").latest())
+         for r in (0, 1)]  # fmt: skip
+    for a, b in zip(w[0]["pipeline"]["stages"], w[1]["pipeline"]["stages"], strict=True):
+        for key in a:
+            assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
