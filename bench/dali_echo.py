@@ -1,0 +1,328 @@
+"""Data echoing in DALI on an upstream slowed to mimic a network: echopipe vs ideal vs Python echo.
+
+What it measures, all in one run on the synthetic JPEG set (``ensure_synthetic_imagenet``):
+
+1. ``downstream alone``: the echo pipeline's downstream (echo source -> random resized crop ->
+   flip + normalise) drawing from a warm cache with a huge echo factor, so the upstream is idle.
+2. ``decode alone``: the upstream (reader -> decode) with no read delay.
+3. The read delay is then chosen so that R = t_up / t_down (per sample) is about ``--ratio``
+   (6): ``delay = R * t_down - t_decode``; ``upstream alone`` is re-measured with it.
+4. ``plain DALI``: the whole training pipeline without echo, with the same delay.
+5. ``echopipe`` with e in {1, 2, 4, 6}, the ``ideal`` min(e * upstream_rate, downstream_rate),
+   and the Python echo peer (:mod:`echopipe.dali.peer`) at the same e.
+
+Rates are training (downstream) images per second, each batch copied out to a torch tensor as
+a training loop would. Thread split on this 2-core machine: upstream DALI pipelines get
+``--upstream-threads`` (1), downstream ones ``--threads`` (2); plain DALI gets ``--threads``.
+Writes ``bench/results/dali_echo.json``. ``--quick`` finishes in well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results" / "dali_echo.json"
+
+
+def _to_torch(tensor_list: Any) -> torch.Tensor:
+    return torch.from_numpy(np.array(tensor_list.as_tensor()))
+
+
+def _rate(step: Callable[[], int], *, warmup: int, seconds: float, min_steps: int = 5) -> float:
+    """Images per second of ``step`` (returns images per call) after ``warmup`` calls."""
+    for _ in range(warmup):
+        step()
+    images, steps = 0, 0
+    start = time.perf_counter()
+    while True:
+        images += step()
+        steps += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds and steps >= min_steps:
+            return images / elapsed
+
+
+def _dali_step(pipe: Any, *, to_torch: bool = True) -> Callable[[], int]:
+    """One ``run()``; training outputs are copied to torch, decoded (ragged) ones are not."""
+    pipe.build()
+
+    def step() -> int:
+        outputs = pipe.run()
+        if not to_torch:
+            return len(outputs[0])
+        tensors = [_to_torch(o) for o in outputs[:2]]
+        return int(tensors[0].shape[0])
+
+    return step
+
+
+def _echo_rate(pipe: Any, *, warmup: int, seconds: float) -> tuple[float, dict[str, Any]]:
+    """Rate of ``pipe.next_batch()`` with the same torch copy as the plain and peer runs.
+
+    (Not through ``EchoIterator``: its tensor conversion is timed separately, see the report.)
+    """
+    counts = {"fresh": 0, "echoed": 0}
+
+    def step() -> int:
+        outputs, info = pipe.next_batch()
+        tensors = [_to_torch(o) for o in outputs[:2]]
+        emission = info[:, 2][info[:, 0] == 1]
+        counts["fresh"] += int(np.count_nonzero(emission == 0))
+        counts["echoed"] += int(np.count_nonzero(emission > 0))
+        return int(tensors[0].shape[0])
+
+    try:
+        rate = _rate(step, warmup=warmup, seconds=seconds)
+        fresh = counts["fresh"]
+        info = {
+            **counts,
+            "realised_echo": (fresh + counts["echoed"]) / fresh if fresh else None,
+            "upstream_iterations": pipe.stats()["upstream_iterations"],
+        }
+    finally:
+        pipe.close()
+    return rate, info
+
+
+def _machine() -> dict[str, Any]:
+    import nvidia.dali
+
+    import echopipe
+
+    try:
+        build = echopipe.build_info()
+    except Exception as exc:  # the benchmark still reports where the build info is missing
+        build = {"error": str(exc)}
+    return {
+        "load_average_1_5_15_at_end": list(os.getloadavg()),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "dali": nvidia.dali.__version__,
+        "echopipe": build,
+    }
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="short measurements (< 40 s)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--image-size", type=int, default=64, help="random-resized-crop output side")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--per-class", type=int, default=100)
+    p.add_argument("--size", type=int, nargs=2, default=(48, 96), metavar=("MIN", "MAX"))
+    p.add_argument("--data-root", type=Path, default=None, help="cache folder for the data set")
+    p.add_argument("--ratio", type=float, default=6.0, help="target R = t_up / t_down")
+    p.add_argument("--read-delay-ms", type=float, default=None, help="fix the delay instead")
+    p.add_argument("--echo-factors", type=float, nargs="+", default=(1.0, 2.0, 4.0, 6.0))
+    p.add_argument("--threads", type=int, default=2, help="DALI threads, downstream / plain")
+    p.add_argument("--upstream-threads", type=int, default=1, help="DALI threads, upstream")
+    p.add_argument("--seconds", type=float, default=None, help="per measurement")
+    p.add_argument("--repeat", type=int, default=None, help="repeats (median); 3, quick 1")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark; returns 0 (the aims are reported, not enforced)."""
+    args = _parse(argv)
+    from echopipe.dali.builders import (
+        imagenet_decode_pipeline,
+        imagenet_train_pipeline,
+    )
+    from echopipe.dali.peer import python_echo_train_pipeline
+    from echopipe.data import ensure_synthetic_imagenet
+
+    seconds = args.seconds or (1.2 if args.quick else 5.0)
+    warmup = 3 if args.quick else 8
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
+    b, size = args.batch_size, args.image_size
+    wall0 = time.perf_counter()
+    load_start = list(os.getloadavg())
+    data = ensure_synthetic_imagenet(
+        args.data_root, classes=args.classes, per_class=args.per_class, size=tuple(args.size)
+    )
+    common = dict(batch_size=b, image_size=size, seed=0)
+    shuffle_buffer = b
+    cache_samples = max(4 * b, 256)
+
+    def echo_pipe(e: float, delay: float) -> Any:
+        return imagenet_train_pipeline(
+            data, echo_factor=e, read_delay_ms=delay, num_threads=args.threads,
+            upstream_threads=args.upstream_threads, shuffle_buffer=shuffle_buffer,
+            cache_samples=cache_samples, **common,
+        )  # fmt: skip
+
+    print(f"data: {data}  batch {b}, crop {size}, threads up/down {args.upstream_threads}/"
+          f"{args.threads}, {seconds:.1f} s per measurement")  # fmt: skip
+
+    def measure_down() -> float:
+        # Downstream alone from a warm cache: e so large the upstream idles once it is full.
+        rate, _ = _echo_rate(echo_pipe(10_000.0, 0.0), warmup=warmup + 4, seconds=seconds)
+        return rate
+
+    def measure_peer(e: float, delay: float) -> tuple[float, dict[str, Any]]:
+        with python_echo_train_pipeline(
+            data, echo_factor=e, read_delay_ms=delay, num_threads=args.threads,
+            upstream_threads=args.upstream_threads, shuffle_buffer=cache_samples,
+            min_fill=shuffle_buffer, **common,
+        ) as peer:  # fmt: skip
+            rate = _rate(_dali_step(peer), warmup=warmup + (4 if e > 100 else 0), seconds=seconds)
+            stats = peer.stats()
+        return rate, {"fresh": stats["fresh"], "emitted": stats["emitted"]}
+
+    def measure_up(delay: float) -> float:
+        pipe = imagenet_decode_pipeline(
+            data, batch_size=b, num_threads=args.upstream_threads, read_delay_ms=delay
+        )
+        return _rate(_dali_step(pipe, to_torch=False), warmup=2, seconds=seconds)
+
+    # Calibration: the delay that makes R = t_up / t_down about args.ratio.
+    measure_down()  # the first pipeline of the process pays one-off start-up costs
+    down0, decode_rate = measure_down(), measure_up(0.0)
+    if args.read_delay_ms is None:
+        delay_ms = max(0.0, (args.ratio / down0 - 1.0 / decode_rate) * 1000.0)
+    else:
+        delay_ms = args.read_delay_ms
+    print(f"calibration: downstream alone {down0:.0f} img/s, decode alone {decode_rate:.0f} "
+          f"img/s -> read delay {delay_ms:.3f} ms/sample")  # fmt: skip
+
+    # Every figure is measured `repeat` times, interleaved, and the median is reported: the
+    # machine is shared, and a slow moment should not land on one configuration only.
+    samples: dict[str, list[float]] = {}
+    counts: dict[float, dict[str, Any]] = {}
+
+    def record(key: str, value: float) -> None:
+        samples.setdefault(key, []).append(value)
+
+    for rep in range(args.repeat):
+        record("downstream_alone", measure_down())
+        # The same for the Python echo: its ceiling when the upstream is not the limit.
+        record("python_echo_downstream_alone", measure_peer(10_000.0, 0.0)[0])
+        record("upstream_alone", measure_up(delay_ms))
+        plain = imagenet_train_pipeline(
+            data, echo_factor=None, read_delay_ms=delay_ms, num_threads=args.threads, **common
+        )
+        record("plain_dali", _rate(_dali_step(plain), warmup=2, seconds=seconds))
+        del plain
+        for e in args.echo_factors:
+            rate, info = _echo_rate(echo_pipe(e, delay_ms), warmup=warmup, seconds=seconds)
+            record(f"echopipe_e{e:g}", rate)
+            peer_rate, peer_info = measure_peer(e, delay_ms)
+            record(f"python_echo_e{e:g}", peer_rate)
+            counts[e] = {"echopipe": info, "python_echo": peer_info}
+        print(f"repeat {rep + 1}/{args.repeat} done ({time.perf_counter() - wall0:.0f} s)")
+
+    med = {key: float(np.median(values)) for key, values in samples.items()}
+    down_rate, up_rate, plain_rate = (
+        med["downstream_alone"], med["upstream_alone"], med["plain_dali"],
+    )  # fmt: skip
+    ratio = down_rate / up_rate
+    peer_down = med["python_echo_downstream_alone"]
+    print(f"downstream alone {down_rate:.0f} img/s (Python echo: {peer_down:.0f}) | upstream "
+          f"alone {up_rate:.0f} img/s | R = t_up/t_down = {ratio:.2f} | plain DALI "
+          f"{plain_rate:.0f} img/s")  # fmt: skip
+    rows = []
+    for e in args.echo_factors:
+        echo_rate, peer_rate = med[f"echopipe_e{e:g}"], med[f"python_echo_e{e:g}"]
+        ideal = min(e * up_rate, down_rate)
+        rows.append(
+            {
+                "echo_factor": e,
+                "echopipe_img_s": echo_rate,
+                "ideal_img_s": ideal,
+                "python_echo_img_s": peer_rate,
+                "plain_dali_img_s": plain_rate,
+                "echopipe_vs_ideal": echo_rate / ideal,
+                "echopipe_vs_python_echo": echo_rate / peer_rate,
+                "echopipe_vs_plain": echo_rate / plain_rate,
+                "python_echo_vs_ideal": peer_rate / ideal,
+                "counts_last_repeat": counts[e],
+            }
+        )
+
+    header = f"{'e':>4} {'plain DALI':>11} {'echopipe':>10} {'ideal':>10} {'python echo':>12}"
+    header += f" {'vs ideal':>9} {'vs python':>10}"
+    print(header)
+    for r in rows:
+        print(
+            f"{r['echo_factor']:>4g} {r['plain_dali_img_s']:>11.0f} {r['echopipe_img_s']:>10.0f}"
+            f" {r['ideal_img_s']:>10.0f} {r['python_echo_img_s']:>12.0f}"
+            f" {r['echopipe_vs_ideal']:>9.2f} {r['echopipe_vs_python_echo']:>10.2f}"
+        )
+    min_ideal = min(r["echopipe_vs_ideal"] for r in rows)
+    min_peer = min(r["echopipe_vs_python_echo"] for r in rows)
+    aims = {
+        "vs_ideal_at_least_0.9": {"min_ratio": min_ideal, "met": min_ideal >= 0.9},
+        "vs_python_echo_at_least_3": {"min_ratio": min_peer, "met": min_peer >= 3.0},
+    }
+    load_end = os.getloadavg()[0]
+    if max(load_start[0], load_end) > (os.cpu_count() or 1) + 0.5:
+        print(f"note: load average {load_start[0]:.1f} -> {load_end:.1f} on {os.cpu_count()} "
+              "CPUs: other processes competed for the CPUs, figures are noisy")  # fmt: skip
+    verdict = {True: "met", False: "NOT met"}
+    print(
+        f"aim >= 0.9x ideal: {verdict[min_ideal >= 0.9]} (min {min_ideal:.2f}); "
+        f"aim >= 3x python echo: {verdict[min_peer >= 3.0]} (min {min_peer:.2f})"
+    )
+    result = {
+        "benchmark": "dali_echo",
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "argv": list(sys.argv[1:]) if argv is None else list(argv),
+        "machine": _machine(),
+        "config": {
+            "data": str(data),
+            "images": args.classes * args.per_class,
+            "image_side_range": list(args.size),
+            "batch_size": b,
+            "crop": size,
+            "threads_downstream": args.threads,
+            "threads_upstream": args.upstream_threads,
+            "shuffle_buffer_min_fill": shuffle_buffer,
+            "cache_samples": cache_samples,
+            "seconds_per_measurement": seconds,
+            "repeats": args.repeat,
+            "quick": args.quick,
+        },
+        "measured": {
+            "calibration_downstream_alone_img_s": down0,
+            "decode_alone_img_s": decode_rate,
+            "read_delay_ms_per_sample": delay_ms,
+            "downstream_alone_img_s": down_rate,
+            "python_echo_downstream_alone_img_s": med["python_echo_downstream_alone"],
+            "echopipe_vs_python_echo_downstream_alone": down_rate
+            / med["python_echo_downstream_alone"],
+            "upstream_alone_img_s": up_rate,
+            "R_t_up_over_t_down": ratio,
+            "plain_dali_img_s": plain_rate,
+            "medians_img_s": med,
+            "all_repeats_img_s": samples,
+        },
+        "rows": rows,
+        "aims": aims,
+        "wall_s": time.perf_counter() - wall0,
+        "load_average_1_5_15_at_start": load_start,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
