@@ -1,0 +1,378 @@
+"""Shared plumbing of the convergence, wall-clock and staleness studies (bench/*.py).
+
+Machine description, exact command, JSON output and plain-text tables, plus the two small
+training set-ups the studies share: scikit-learn's digits with random affine augmentation, and
+the synthetic ImageNet-style JPEG set decoded once to uint8 tensors with random-resized-crop and
+flip done in torch. Augmentations are batched (one ``affine_grid`` + ``grid_sample`` per batch,
+per-sample random parameters), so the studies spend their CPU time on training, not on Python.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+REPO = BENCH_DIR.parent
+if str(REPO / "python") not in sys.path:
+    sys.path.insert(0, str(REPO / "python"))
+
+
+def machine_info() -> dict[str, Any]:
+    """Platform, cores, load and library versions (the load average shows shared-machine noise)."""
+    info: dict[str, Any] = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "load_average_1_5_15": [round(v, 2) for v in os.getloadavg()],
+    }
+    try:
+        import numpy
+
+        info["numpy"] = numpy.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from nvidia import dali
+
+        info["dali"] = dali.__version__
+    except ImportError:
+        info["dali"] = None
+    try:
+        import echopipe
+
+        info["echopipe"] = echopipe.__version__
+    except ImportError:  # pragma: no cover
+        info["echopipe"] = None
+    if info["cuda_devices"]:
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(info["cuda_devices"])]
+    return info
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command that reproduces this run (``argv`` None means the process's own)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return shlex.join(["python", f"bench/{script}", *args])
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Writes ``payload`` atomically (temp file + rename), creating the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=False, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-markdown table (also readable as plain text)."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
+    ]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells
+    ]
+    return "\n".join([line, sep, *body])
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
+    """Mean and sample standard deviation of the values that are not None, and their count."""
+    got = [float(v) for v in values if v is not None]
+    if not got:
+        return None, None, 0
+    sd = statistics.stdev(got) if len(got) > 1 else 0.0
+    return statistics.fmean(got), sd, len(got)
+
+
+def fmt_ms(mean: float | None, sd: float | None, n: int, total: int, scale: float = 1.0) -> str:
+    """``mean ± sd`` (scaled), with ``(k/n reached)`` when some runs did not reach the target."""
+    if mean is None:
+        return f"not reached (0/{total})"
+    text = (
+        f"{mean * scale:.0f} ± {sd * scale:.0f}"
+        if scale != 1.0 or mean >= 100
+        else (f"{mean:.3g} ± {sd:.2g}")
+    )
+    if n < total:
+        text += f" ({n}/{total} reached)"
+    return text
+
+
+def set_threads(threads: int | None) -> None:
+    """Caps torch's intra-op threads (this machine is shared by several jobs)."""
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+# ----------------------------------------------------------------------------------------------
+# Data sets
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Dataset:
+    """A small image classification set held in memory.
+
+    ``train_x`` is what the reader hands out (float32 normalised for digits; uint8 NCHW of side
+    ``stored_size`` for the synthetic set); :meth:`augment` maps a batch of it to the model's
+    float32 input; :meth:`prepare` does the deterministic part only (for validation).
+    """
+
+    name: str
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    val_x: torch.Tensor
+    val_y: torch.Tensor
+    num_classes: int
+    in_channels: int
+    image_size: int
+    kind: str  # "digits" | "synthetic"
+    mean: torch.Tensor | None = None
+    std: torch.Tensor | None = None
+    description: str = ""
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """Deterministic input transform (validation, and the non-augmented part of training)."""
+        if self.kind == "digits":
+            return x.float()
+        x = x.float().div_(255.0)
+        if x.shape[-1] != self.image_size:
+            x = F.interpolate(
+                x,
+                size=(self.image_size, self.image_size),
+                mode="bilinear",
+                align_corners=False,
+                antialias=True,
+            )
+        assert self.mean is not None and self.std is not None
+        return (x - self.mean) / self.std
+
+    def augment(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Random augmentation of one batch (new randomness on every call)."""
+        if self.kind == "digits":
+            return random_affine(x.float(), generator)
+        x = x.float().div_(255.0)
+        x = random_resized_crop_flip(x, self.image_size, generator)
+        assert self.mean is not None and self.std is not None
+        return (x - self.mean) / self.std
+
+
+def random_affine(
+    x: torch.Tensor,
+    generator: torch.Generator,
+    max_shift: float = 0.125,
+    max_rotate_deg: float = 12.0,
+    scale: tuple[float, float] = (0.9, 1.1),
+) -> torch.Tensor:
+    """Random shift (fraction of the side), rotation and zoom per sample; one grid_sample call.
+
+    Pixels moved in from outside take the border value (the normalised background of digits).
+    """
+    n = x.shape[0]
+    u = torch.rand(n, 4, generator=generator)
+    angle = (u[:, 0] * 2 - 1) * math.radians(max_rotate_deg)
+    s = scale[0] + (scale[1] - scale[0]) * u[:, 1]
+    tx = (u[:, 2] * 2 - 1) * max_shift * 2  # affine_grid coordinates span [-1, 1]
+    ty = (u[:, 3] * 2 - 1) * max_shift * 2
+    cos, sin = torch.cos(angle) / s, torch.sin(angle) / s
+    theta = torch.stack(
+        [torch.stack([cos, -sin, tx], 1), torch.stack([sin, cos, ty], 1)], 1
+    )  # (n, 2, 3)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def random_resized_crop_flip(
+    x: torch.Tensor,
+    size: int,
+    generator: torch.Generator,
+    area: tuple[float, float] = (0.25, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> torch.Tensor:
+    """Random-resized-crop (area fraction and log-uniform aspect ratio, as torchvision's) to
+    ``size`` plus a horizontal flip with probability 1/2, per sample, as one grid_sample call.
+
+    Crop sides are clamped to the image, so extreme aspect draws shrink instead of being redrawn.
+    """
+    n = x.shape[0]
+    u = torch.rand(n, 5, generator=generator)
+    a = area[0] + (area[1] - area[0]) * u[:, 0]
+    log_r = math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * u[:, 1]
+    r = torch.exp(log_r)
+    w = torch.sqrt(a * r).clamp(max=1.0)  # crop width / image width
+    h = torch.sqrt(a / r).clamp(max=1.0)
+    cx = (u[:, 2] * 2 - 1) * (1 - w)  # crop centre in [-1, 1] coordinates, crop stays inside
+    cy = (u[:, 3] * 2 - 1) * (1 - h)
+    flip = torch.where(u[:, 4] < 0.5, -1.0, 1.0)
+    zeros = torch.zeros(n)
+    theta = torch.stack([torch.stack([w * flip, zeros, cx], 1), torch.stack([zeros, h, cy], 1)], 1)
+    grid = F.affine_grid(theta, [n, x.shape[1], size, size], align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def load_digits_set(seed: int = 0) -> Dataset:
+    """scikit-learn digits at 32x32 (1347 train / 450 validation), normalised."""
+    from echopipe.data import load_digits
+
+    xtr, ytr, xte, yte = load_digits(image_size=32, test_fraction=0.25, seed=seed)
+    return Dataset(
+        "digits",
+        xtr,
+        ytr,
+        xte,
+        yte,
+        num_classes=10,
+        in_channels=1,
+        image_size=32,
+        kind="digits",
+        description="sklearn digits 8x8 -> 32x32 bilinear, 1347 train / 450 val (stratified)",
+    )
+
+
+def load_synthetic_set(
+    classes: int = 10,
+    per_class: int = 100,
+    val_per_class: int = 20,
+    stored_size: int = 40,
+    image_size: int = 32,
+    data_root: Path | None = None,
+) -> Dataset:
+    """The embedded synthetic JPEG set, generated once (cached) and decoded once with Pillow.
+
+    Each JPEG is decoded and resized (bilinear) to ``stored_size`` square uint8 pixels, so the
+    studies pay for JPEG decoding once instead of on every fresh read; the reader then hands out
+    these tensors and training applies random-resized-crop + flip to ``image_size``.
+    """
+    from PIL import Image
+
+    from echopipe.data import ensure_synthetic_imagenet
+
+    root = ensure_synthetic_imagenet(
+        data_root, classes=classes, per_class=per_class, val_per_class=val_per_class
+    )
+    cache = root / f"decoded_{stored_size}.pt"
+    if cache.exists():
+        blob = torch.load(cache, weights_only=True)
+    else:
+        blob = {}
+        for split in ("train", "val"):
+            names = sorted(p.name for p in (root / split).iterdir() if p.is_dir())
+            xs, ys = [], []
+            for label, name in enumerate(names):
+                for f in sorted((root / split / name).iterdir()):
+                    with Image.open(f) as im:
+                        im = im.convert("RGB").resize((stored_size, stored_size), Image.BILINEAR)
+                        xs.append(np.asarray(im, dtype=np.uint8))
+                    ys.append(label)
+            blob[f"{split}_x"] = torch.from_numpy(np.stack(xs)).permute(0, 3, 1, 2).contiguous()
+            blob[f"{split}_y"] = torch.tensor(ys, dtype=torch.int64)
+        tmp = cache.with_suffix(".tmp")
+        torch.save(blob, tmp)
+        os.replace(tmp, cache)
+    xtr = blob["train_x"]
+    scaled = F.interpolate(
+        xtr.float() / 255.0,
+        size=(image_size, image_size),
+        mode="bilinear",
+        align_corners=False,
+        antialias=True,
+    )
+    mean = scaled.mean(dim=(0, 2, 3)).view(1, 3, 1, 1)
+    std = scaled.std(dim=(0, 2, 3)).view(1, 3, 1, 1)
+    return Dataset(
+        "synthetic",
+        xtr,
+        blob["train_y"],
+        blob["val_x"],
+        blob["val_y"],
+        num_classes=classes,
+        in_channels=3,
+        image_size=image_size,
+        kind="synthetic",
+        mean=mean,
+        std=std,
+        description=(
+            f"echopipe synthetic ImageNet-style JPEGs: {classes} classes x {per_class} train / "
+            f"{val_per_class} val, decoded once with Pillow to {stored_size}x{stored_size} uint8; "
+            f"random-resized-crop (area 0.25-1) + flip to {image_size}x{image_size} in torch"
+        ),
+    )
+
+
+def load_dataset(name: str, **kw: Any) -> Dataset:
+    """``"digits"`` or ``"synthetic"``."""
+    if name == "digits":
+        return load_digits_set()
+    if name == "synthetic":
+        return load_synthetic_set(**kw)
+    raise ValueError(f"unknown data set {name!r}; choose 'digits' or 'synthetic'")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: Dataset, batch: int = 512) -> float:
+    """Top-1 accuracy on the validation split (model put back in training mode)."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for i in range(0, len(data.val_y), batch):
+        x = data.prepare(data.val_x[i : i + batch])
+        correct += int((model(x).argmax(1) == data.val_y[i : i + batch]).sum())
+    model.train(was_training)
+    return correct / len(data.val_y)
+
+
+def save_plot(path: Path, draw: Any) -> str | None:
+    """Calls ``draw(plt)`` on a fresh Agg figure and saves it; returns the path or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is a dependency
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = draw(plt)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)

@@ -1,0 +1,129 @@
+"""DALI on the GPU: mixed (nvJPEG) decode -> echo -> GPU augmentation, in training images/s.
+
+Runs only where NVIDIA DALI and the echopipe DALI plugin are importable (``bench/gpu/run.sh``
+puts ``.gpu/site`` on ``PYTHONPATH`` when it exists). Rows, all on the synthetic JPEG set:
+
+* ``plain DALI``: reader -> mixed decode -> random-resized-crop -> normalise (no echo);
+* ``echopipe e=1 / 2 / 4``: the same graph with the echo point after decode
+  (:func:`echopipe.dali.builders.imagenet_train_pipeline`, ``decode_device="mixed"``).
+
+No read delay: this measures the GPU path's own throughput (and the cost of the echo hop). Echo
+rows copy each batch into a CUDA torch tensor (EchoIterator); the plain row keeps DALI's own
+GPU outputs (``pipe.run()``), so it is not charged that copy. Writes ``<out>/dali_gpu.json``.
+Usage: ``python bench/gpu/dali_gpu.py --out DIR [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def plain_rate(pipe: Any, seconds: float) -> dict[str, float]:
+    """Plain DALI: ``pipe.run()`` (outputs stay DALI GPU tensors; no copy into torch)."""
+    pipe.build()
+    for _ in range(5):
+        pipe.run()
+    images = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        out = pipe.run()
+        images += len(out[0])
+    torch.cuda.synchronize()
+    return {"images_per_s": images / (time.perf_counter() - start), "echo_ratio": 1.0}
+
+
+def rate(pipe: Any, seconds: float) -> dict[str, float]:
+    """echopipe: through :class:`EchoIterator`, each batch copied into a CUDA torch tensor."""
+    from echopipe.dali import EchoIterator
+
+    with EchoIterator(pipe, ["data", "label"], steps_per_epoch=10**9) as it:
+        stream = iter(it)
+        for _ in range(5):
+            next(stream)
+        torch.cuda.synchronize()
+        images = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            batch = next(stream)
+            images += int(batch[0]["data"].shape[0])
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        stats = it.stats
+    return {"images_per_s": images / elapsed, "echo_ratio": stats.echo_ratio}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--threads", type=int, default=4)
+    args = p.parse_args(argv)
+    from nvidia import dali
+
+    from echopipe.dali.builders import imagenet_train_pipeline
+    from echopipe.data import ensure_synthetic_imagenet
+
+    data = ensure_synthetic_imagenet(
+        args.out / "data", classes=10, per_class=100, size=(256, 512), val_per_class=1
+    )
+    seconds = 4.0 if args.quick else 10.0
+    rows = []
+    for echo in (None, 1.0, 2.0, 4.0):
+        pipe = imagenet_train_pipeline(
+            data,
+            batch_size=args.batch_size,
+            image_size=args.image_size,
+            echo_factor=echo,
+            decode_device="mixed",
+            device_id=0,
+            num_threads=args.threads,
+            upstream_threads=args.threads,
+            seed=0,
+            random_area=(0.08, 1.0),
+            cache_bytes=2 << 30,
+        )
+        r = plain_rate(pipe, seconds) if echo is None else rate(pipe, seconds)
+        r["row"] = "plain DALI" if echo is None else f"echopipe e={echo:g}"
+        rows.append(r)
+        print(
+            f"{r['row']:>16}: {r['images_per_s']:9.0f} images/s  echo ratio {r['echo_ratio']:.2f}",
+            flush=True,
+        )
+        del pipe
+    base = rows[0]["images_per_s"]
+    for r in rows:
+        r["vs_plain"] = r["images_per_s"] / base if base else None
+    payload = {
+        "benchmark": "dali_gpu",
+        "command": "python bench/gpu/dali_gpu.py " + " ".join(argv or sys.argv[1:]),
+        "machine": {
+            "gpu": torch.cuda.get_device_name(0),
+            "dali": dali.__version__,
+            "torch": torch.__version__,
+        },
+        "setup": {
+            "batch_size": args.batch_size,
+            "image_size": args.image_size,
+            "threads": args.threads,
+            "images": "synthetic JPEGs, sides 256-512 px",
+            "graph": "file reader -> mixed decode -> [echo] -> random resized crop -> "
+            "crop_mirror_normalize (GPU)",
+        },
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "dali_gpu.json").write_text(json.dumps(payload, indent=1))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

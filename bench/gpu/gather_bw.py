@@ -1,0 +1,172 @@
+"""Host-to-device gather bandwidth of the echo cache against plain cudaMemcpy from pinned memory.
+
+On a CUDA machine (``bench/gpu/run.sh`` runs it), for each sample size:
+
+* ``gather kernel``: ``echopipe._C.gather_to_device``: one kernel reads a batch of leased
+  samples straight from the pinned, GPU-mapped cache arena (zero-copy over the bus) and writes
+  them back to back into a device buffer. Timed with CUDA events around the launch only.
+* ``gather + normalise``: ``gather_normalize_to_device`` on uint8 HWC images (CHW float out);
+  bandwidth counts the bytes read from the host.
+* ``cudaMemcpy (pinned)``: one ``cudaMemcpyAsync`` of the same number of bytes from a pinned
+  torch tensor (``tensor.to('cuda', non_blocking=True)``): the physical limit of the link.
+* ``take + gather``: the host side included (drawing the batch from the cache, then the
+  kernel), as a training loop would pay it.
+
+Prints a table and writes ``<out>/gather_bw.json``. Usage:
+``python bench/gpu/gather_bw.py --out DIR [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _events_ms(fn: Any, iters: int, stream: torch.cuda.Stream) -> float:
+    """Mean milliseconds of ``fn()`` on ``stream`` between two CUDA events."""
+    for _ in range(3):
+        fn()
+    stream.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    for _ in range(iters):
+        fn()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def measure(side: int, batch: int, iters: int) -> dict[str, Any]:
+    from echopipe._native import _C
+    from echopipe.echo import EchoCache
+
+    sample_bytes = side * side * 3
+    resident = max(2 * batch, 64)
+    cache = EchoCache(
+        capacity_bytes=resident * (sample_bytes + 4096) + (16 << 20),
+        capacity_samples=resident,
+        echo_factor=1e6,  # never runs dry: every sample has plenty of tickets
+        memory="pinned",
+        seed=0,
+    )
+    try:
+        rng = np.random.default_rng(0)
+        images = rng.integers(0, 256, size=(resident, side, side, 3), dtype=np.uint8)
+        cache.put_many(images)
+        stream = torch.cuda.Stream()
+        dst = torch.empty(batch * sample_bytes, dtype=torch.uint8, device="cuda")
+        norm_dst = torch.empty((batch, 3, side, side), dtype=torch.float32, device="cuda")
+        samples = cache.take(batch, timeout=10)
+        leases = [s._lease for s in samples]
+        handle = stream.cuda_stream
+
+        def gather() -> None:
+            _C.gather_to_device(leases, 0, dst.data_ptr(), handle)
+
+        def gather_norm() -> None:
+            _C.gather_normalize_to_device(
+                leases,
+                0,
+                [123.7, 116.3, 103.5],
+                [58.4, 57.1, 57.4],
+                True,
+                norm_dst.data_ptr(),
+                handle,
+            )
+
+        pinned = torch.empty(batch * sample_bytes, dtype=torch.uint8).pin_memory()
+        pinned.copy_(torch.from_numpy(images[:batch].reshape(-1)))
+
+        def memcpy() -> None:
+            with torch.cuda.stream(stream):
+                dst.copy_(pinned, non_blocking=True)
+
+        ms_gather = _events_ms(gather, iters, stream)
+        # Correctness of what was timed: the device batch equals the drawn samples.
+        stream.synchronize()
+        expected = np.concatenate([s.array.reshape(-1) for s in samples])
+        correct = bool(np.array_equal(dst.cpu().numpy(), expected))
+        ms_norm = _events_ms(gather_norm, iters, stream)
+        ms_copy = _events_ms(memcpy, iters, stream)
+        leases.clear()  # release the leased slots before the end-to-end loop
+        samples.clear()
+
+        # End to end: take (host) + gather (device), synchronised each batch.
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            got = cache.take(batch, timeout=10)
+            _C.gather_to_device([s._lease for s in got], 0, dst.data_ptr(), handle)
+            stream.synchronize()
+            del got
+        e2e_s = (time.perf_counter() - t0) / iters
+    finally:
+        cache.close()
+    nbytes = batch * sample_bytes
+    gbps = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
+    return {
+        "image": f"{side}x{side}x3 uint8",
+        "sample_bytes": sample_bytes,
+        "batch": batch,
+        "batch_bytes": nbytes,
+        "gather_GBps": gbps(ms_gather),
+        "gather_normalize_GBps": gbps(ms_norm),
+        "memcpy_pinned_GBps": gbps(ms_copy),
+        "take_plus_gather_GBps": nbytes / e2e_s / 1e9,
+        "gather_vs_memcpy": ms_copy / ms_gather,
+        "gather_matches_cpu": correct,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gather_bw: no CUDA device", file=sys.stderr)
+        raise SystemExit(2)
+    iters = 10 if args.quick else 50
+    rows = [measure(side, batch, iters) for side, batch in ((32, 1024), (128, 256), (224, 256))]
+    header = (
+        f"{'image':>16} {'batch MB':>9} {'gather':>8} {'+norm':>8} {'memcpy':>8} "
+        f"{'take+g':>8} {'g/memcpy':>9} ok"
+    )
+    print(header)
+    for r in rows:
+        print(
+            f"{r['image']:>16} {r['batch_bytes'] / 1e6:9.1f} {r['gather_GBps']:8.1f} "
+            f"{r['gather_normalize_GBps']:8.1f} {r['memcpy_pinned_GBps']:8.1f} "
+            f"{r['take_plus_gather_GBps']:8.1f} {r['gather_vs_memcpy']:9.2f} "
+            f"{r['gather_matches_cpu']}"
+        )
+    payload = {
+        "benchmark": "gpu_gather_bandwidth",
+        "command": "python bench/gpu/gather_bw.py " + " ".join(argv or sys.argv[1:]),
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0),
+            "cuda_runtime": torch.version.cuda,
+        },
+        "units": "GB/s (1e9 bytes/s) of host bytes moved to the device",
+        "limit": "memcpy_pinned_GBps: cudaMemcpyAsync of the same bytes from pinned memory",
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gather_bw.json").write_text(json.dumps(payload, indent=1))
+    if not all(r["gather_matches_cpu"] for r in rows):
+        print("gather_bw: device batch differs from the CPU samples", file=sys.stderr)
+        raise SystemExit(1)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

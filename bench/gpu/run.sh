@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Every CUDA check and GPU benchmark of echopipe in one short run (about 8 minutes at most).
+#
+#   bench/gpu/run.sh OUT_DIR
+#
+# Run from anywhere on a CUDA machine with torch, nvcc, cmake, pybind11 and scikit-build-core.
+# DALI is optional: when `.gpu/site` exists (see /work/shared/gpu/README.md; `.gpu/unpack-dali`
+# is run first if only the parts are there) it is put on PYTHONPATH, and the DALI plugin is then
+# built and tested too. Steps: environment, build with CUDA required, tests/test_gpu.py (gather
+# kernels vs CPU, pinned + mapped memory, stale pipeline on GPU streams, proof of stream
+# overlap, DALI mixed decode), the echo cache's own tests with a GPU present, the H2D gather
+# bandwidth against cudaMemcpy, bench/pipeline.py on CUDA, DALI GPU throughput, and a summary
+# (OUT_DIR/gpu_results.json, with date, GPU and driver) printed last.
+#
+# Every step has a timeout and its own log in OUT_DIR/logs/. A failed step is recorded and the
+# script goes on; it exits non-zero at the end if any step failed. Exit status 77 from a step
+# means "skipped" (e.g. no DALI) and is not a failure.
+set -uo pipefail
+
+if [[ $# -ne 1 ]]; then
+  echo "usage: $0 OUT_DIR" >&2
+  exit 2
+fi
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+mkdir -p "$1/logs"
+OUT="$(cd "$1" && pwd)"
+cd "$REPO" || exit 2
+: > "$OUT/steps.tsv"
+
+BUDGET_S=${ECHOPIPE_GPU_BUDGET_S:-470}  # leaves room for the summary inside 8 minutes
+START_S=$SECONDS
+PY=${PYTHON:-python}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+
+# step NAME TIMEOUT_S COMMAND...: runs COMMAND with its output in logs/NAME.log, bounded by its
+# own timeout and by what is left of the total budget; records "name rc seconds log".
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET_S - (SECONDS - START_S)))
+  if ((left < 10)); then
+    echo "== $name: no time left in the ${BUDGET_S}s budget" | tee "$OUT/logs/$name.log"
+    printf '%s\t%s\t%s\t%s\n' "$name" 124 0 "logs/$name.log" >> "$OUT/steps.tsv"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  echo "== $name (timeout ${limit}s)"
+  # timeout(1) runs programs, not shell functions: run an exported function through bash -c.
+  if declare -F "$1" > /dev/null; then
+    set -- bash -c "$1"
+  fi
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "logs/$name.log" >> "$OUT/steps.tsv"
+  if ((rc == 0)); then
+    echo "   ok ($((SECONDS - t0))s)"
+  elif ((rc == 77)); then
+    echo "   skipped: $(tail -n 1 "$OUT/logs/$name.log")"
+  else
+    echo "   FAILED rc=$rc ($((SECONDS - t0))s); last lines:"
+    tail -n 15 "$OUT/logs/$name.log" | sed 's/^/   | /'
+  fi
+}
+
+# ---- DALI (optional) --------------------------------------------------------------------------
+if [[ ! -d .gpu/site && -x .gpu/unpack-dali && -e .gpu/dali.tar.xz.part-0 ]]; then
+  step unpack_dali 120 .gpu/unpack-dali
+fi
+if [[ -d .gpu/site ]]; then
+  export PYTHONPATH="$REPO/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+HAVE_DALI=0
+if "$PY" -c "import nvidia.dali" > /dev/null 2>&1; then
+  HAVE_DALI=1
+fi
+export PY OUT REPO HAVE_DALI
+
+# ---- environment ------------------------------------------------------------------------------
+env_info() {
+  date -u +%FT%TZ
+  uname -a
+  nvidia-smi
+  nvcc --version
+  "$PY" - << 'EOF'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"  cuda:{i} {p.name} cc {p.major}.{p.minor} {p.total_memory / 2**30:.0f} GiB")
+try:
+    import nvidia.dali as d
+    print("dali", d.__version__)
+except ImportError:
+    print("dali: not importable")
+assert torch.cuda.is_available(), "torch sees no CUDA device"
+EOF
+}
+export -f env_info
+step environment 60 env_info
+
+# ---- build: CUDA required (and the DALI plugin when DALI is importable) ------------------------
+build() {
+  local require_dali=OFF
+  ((HAVE_DALI)) && require_dali=ON
+  ECHOPIPE_REQUIRE_CUDA=ON ECHOPIPE_REQUIRE_DALI=$require_dali \
+    "$PY" -m pip install --no-build-isolation --no-deps --no-index -v . || return 1
+  # Import from outside the source tree so the installed package (with _C) is the one checked.
+  (cd "$OUT" && "$PY" -c "
+import json, echopipe
+info = echopipe.build_info()
+print(json.dumps(info, indent=1))
+open('build_info.json', 'w').write(json.dumps(info, indent=1))
+assert info['cuda_compiled'], 'built without CUDA kernels'
+assert info['cuda_devices'] > 0, 'the native core sees no CUDA device'
+assert info['dali_plugin_built'] or not $HAVE_DALI, 'DALI is importable but the plugin was not built'
+")
+}
+export -f build
+step build 240 build
+
+# ---- tests that need CUDA ---------------------------------------------------------------------
+export ECHOPIPE_GPU_EVIDENCE="$OUT"
+# The installed echopipe is used (not python/ of the checkout): pytest runs from the repo root,
+# which does not put python/ on sys.path.
+step test_gpu 150 "$PY" -m pytest tests/test_gpu.py -v -rs -p no:cacheprovider \
+  --junitxml="$OUT/test_gpu.xml"
+
+# With a GPU present, caches default to pinned, mapped memory: run the cache's own tests there.
+echo_tests() {
+  local files=()
+  for f in tests/test_echo.py tests/test_echo_cache.py; do
+    [[ -f $f ]] && files+=("$f")
+  done
+  if ((${#files[@]} == 0)); then
+    echo "no echo cache test file in tests/"
+    return 77
+  fi
+  "$PY" -m pytest "${files[@]}" -q -rs -p no:cacheprovider --junitxml="$OUT/test_echo_pinned.xml"
+}
+export -f echo_tests
+step test_echo_pinned 90 echo_tests
+
+# ---- benchmarks -------------------------------------------------------------------------------
+step bench_gather_bw 90 "$PY" bench/gpu/gather_bw.py --out "$OUT" --quick
+step bench_pipeline 150 "$PY" bench/pipeline.py --quick --output "$OUT/pipeline.json"
+dali_bench() {
+  if ((!HAVE_DALI)); then
+    echo "DALI is not importable (no .gpu/site): DALI GPU benchmark skipped"
+    return 77
+  fi
+  "$PY" bench/gpu/dali_gpu.py --out "$OUT" --quick
+}
+export -f dali_bench
+step bench_dali_gpu 120 dali_bench
+
+# ---- summary (always runs; prints the table last) ---------------------------------------------
+timeout 60 "$PY" bench/gpu/summarize.py "$OUT"
+summary_rc=$?
+echo "total ${SECONDS}s; logs and JSON in $OUT"
+if ((summary_rc != 0)); then
+  exit 1
+fi
+exit 0

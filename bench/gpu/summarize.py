@@ -1,0 +1,124 @@
+"""Collects one ``bench/gpu/run.sh`` run into ``<out>/gpu_results.json`` and prints the last table.
+
+Reads ``<out>/steps.tsv`` (one line per step: name, exit status, seconds, log file), the JSON
+files the steps wrote, and ``nvidia-smi`` (GPU name, driver, memory), and records the date, so
+the results can be copied to ``bench/results/`` with everything needed to judge them.
+Usage: ``python bench/gpu/summarize.py OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def nvidia_smi() -> list[dict[str, str]]:
+    fields = "name,driver_version,memory.total,pci.bus_id,compute_cap"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return [{"error": str(exc)}]
+    keys = fields.split(",")
+    return [
+        dict(zip(keys, (v.strip() for v in line.split(",")), strict=False))
+        for line in out.strip().splitlines()
+    ]
+
+
+def load(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: summarize.py OUT_DIR", file=sys.stderr)
+        return 2
+    out = Path(args[0])
+    steps = []
+    steps_file = out / "steps.tsv"
+    if steps_file.exists():
+        for line in steps_file.read_text().splitlines():
+            name, rc, secs, log = [*line.split("\t"), "", "", ""][:4]
+            steps.append({"step": name, "rc": int(rc), "seconds": float(secs), "log": log})
+    results = {
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "gpus": nvidia_smi(),
+        "build_info": load(out / "build_info.json"),
+        "steps": steps,
+        "gather_bw": load(out / "gather_bw.json"),
+        "stream_overlap": load(out / "stream_overlap.json"),
+        "pipeline": load(out / "pipeline.json"),
+        "dali_gpu": load(out / "dali_gpu.json"),
+    }
+    try:
+        import torch
+
+        results["torch"] = torch.__version__
+        results["torch_cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    (out / "gpu_results.json").write_text(json.dumps(results, indent=1))
+
+    print("\n==== echopipe GPU run summary ====")
+    gpu = results["gpus"][0] if results["gpus"] else {}
+    if "error" in gpu:
+        print(f"nvidia-smi failed: {gpu['error']}")
+    print(
+        f"GPU: {gpu.get('name', '?')}  driver {gpu.get('driver_version', '?')}  "
+        f"({len(results['gpus'])} device(s))  {results['date_utc']}"
+    )
+    print(f"{'step':<24}{'status':>8}{'seconds':>9}")
+    for s in steps:
+        status = "ok" if s["rc"] == 0 else ("skipped" if s["rc"] == 77 else f"FAIL {s['rc']}")
+        print(f"{s['step']:<24}{status:>8}{s['seconds']:>9.1f}")
+    bw = results["gather_bw"]
+    if bw:
+        print(f"\n{'H2D gather (GB/s)':<24}{'gather':>8}{'+norm':>8}{'memcpy':>8}{'ratio':>7}")
+        for r in bw["rows"]:
+            print(
+                f"{r['image']:<24}{r['gather_GBps']:8.1f}{r['gather_normalize_GBps']:8.1f}"
+                f"{r['memcpy_pinned_GBps']:8.1f}{r['gather_vs_memcpy']:7.2f}"
+            )
+    ov = results["stream_overlap"]
+    if ov:
+        print(
+            f"\nstage streams overlap: {ov['overlap_us']:.0f} us of {ov['busy_us']:.0f} us busy "
+            f"({100 * ov['overlap_fraction_of_busy']:.0f}%)"
+        )
+    pl = results["pipeline"]
+    if pl and isinstance(pl.get("rows"), list):
+        print("\npipeline (samples/s):")
+        for r in pl["rows"]:
+            if isinstance(r, dict):
+                name = r.get("name") or r.get("row") or r.get("config")
+                val = r.get("samples_per_s") or r.get("rate")
+                print(f"  {name!s:<40} {val}")
+    dg = results["dali_gpu"]
+    if dg:
+        print("\nDALI mixed decode -> echo -> GPU augment (images/s):")
+        for r in dg["rows"]:
+            print(f"  {r['row']:<20}{r['images_per_s']:10.0f}  (x{r['vs_plain']:.2f} vs plain)")
+    failed = [s["step"] for s in steps if s["rc"] not in (0, 77)]
+    print(f"\nfailed steps: {', '.join(failed) if failed else 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,407 @@
+"""CUDA paths: gather kernels against the CPU, pinned + mapped arenas, the stale pipeline on GPU
+streams (one GPU, and several when present) with proof that the stage streams overlap, and the
+DALI mixed-decode -> echo -> GPU augmentation path when DALI is importable.
+
+Every test here needs a CUDA device and skips without one (the development machine has none).
+``bench/gpu/run.sh`` runs this file for real on a CUDA machine, after building with
+``ECHOPIPE_REQUIRE_CUDA=ON``. When ``ECHOPIPE_GPU_EVIDENCE`` names a folder, the overlap test
+writes the measured kernel intervals there (``stream_overlap.json``) as the evidence of overlap.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device (these run for real in bench/gpu/run.sh on a GPU machine)",
+)
+
+needs_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs at least two CUDA devices"
+)
+
+
+def _native() -> Any:
+    from echopipe._native import _C
+
+    return _C
+
+
+def _cache(**kw: Any) -> Any:
+    from echopipe.echo import EchoCache
+
+    args: dict[str, Any] = dict(capacity_bytes=8 << 20, capacity_samples=256, echo_factor=2.0)
+    args.update(kw)
+    return EchoCache(**args)
+
+
+def _leases(samples: list[Any]) -> list[Any]:
+    # EchoSample keeps its native lease private; the gather bindings take the leases.
+    return [s._lease for s in samples]
+
+
+# ---------------------------------------------------------------------------------------------
+# Build and memory
+# ---------------------------------------------------------------------------------------------
+
+
+def test_native_core_was_built_with_cuda_and_sees_the_devices() -> None:
+    import echopipe
+
+    _C = _native()
+    assert _C.built_with_cuda(), "echopipe was built without CUDA kernels on a CUDA machine"
+    assert _C.cuda_device_count() == torch.cuda.device_count()
+    info = echopipe.build_info()
+    assert info["cuda_compiled"] is True
+    assert info["memory_kind"] == "pinned"
+
+
+class _Driver:
+    """The CUDA driver API through ctypes (libcuda ships with the driver)."""
+
+    CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+    CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
+    CU_MEMORYTYPE_HOST = 1
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        self.lib.cuPointerGetAttribute.restype = ctypes.c_int
+
+    def memory_type(self, ptr: int) -> int:
+        out = ctypes.c_uint(0)
+        err = self.lib.cuPointerGetAttribute(
+            ctypes.byref(out), self.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr
+        )
+        assert err == 0, f"cuPointerGetAttribute(MEMORY_TYPE, {ptr:#x}) failed with {err}"
+        return int(out.value)
+
+    def device_pointer(self, ptr: int) -> int:
+        out = ctypes.c_uint64(0)
+        err = self.lib.cuPointerGetAttribute(
+            ctypes.byref(out), self.CU_POINTER_ATTRIBUTE_DEVICE_POINTER, ptr
+        )
+        assert err == 0, f"cuPointerGetAttribute(DEVICE_POINTER, {ptr:#x}) failed with {err}"
+        return int(out.value)
+
+
+def test_auto_memory_is_pinned_and_mapped_into_the_device() -> None:
+    torch.zeros(1, device="cuda")  # make the primary context current in this thread
+    cache = _cache(memory="auto")
+    try:
+        assert cache.memory_kind == "pinned"
+        assert cache.arena_device_ptr != 0
+        cache.put(np.arange(4096, dtype=np.uint8).reshape(64, 64))
+        (sample,) = cache.take(1, timeout=5)
+        lease = sample._lease
+        host, dev = lease.data_ptr(0), lease.device_ptr(0)
+        assert dev != 0
+        driver = _Driver()
+        # The driver itself says: page-locked host memory, mapped at exactly this device address.
+        assert driver.memory_type(host) == _Driver.CU_MEMORYTYPE_HOST
+        assert driver.device_pointer(host) == dev
+        # torch agrees that the zero-copy view lives in pinned memory.
+        assert sample.torch(0).is_pinned()
+        np.testing.assert_array_equal(sample.array, np.arange(4096, dtype=np.uint8).reshape(64, 64))
+        del sample, lease
+    finally:
+        cache.close()
+
+
+def test_pageable_cache_is_rejected_by_the_device_gather() -> None:
+    cache = _cache(memory="pageable")
+    try:
+        assert cache.memory_kind == "pageable" and cache.arena_device_ptr == 0
+        cache.put(np.ones(128, dtype=np.uint8))
+        samples = cache.take(1, timeout=5)
+        dst = torch.empty(128, dtype=torch.uint8, device="cuda")
+        with pytest.raises(RuntimeError, match="pinned"):
+            _native().gather_to_device(_leases(samples), 0, dst.data_ptr(), 0)
+    finally:
+        cache.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Gather kernels against the CPU
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_side_stream", [False, True])
+def test_gather_bytes_matches_cpu_for_ragged_unaligned_samples(use_side_stream: bool) -> None:
+    rng = np.random.default_rng(0)
+    cache = _cache(memory="pinned", echo_factor=2.0, capacity_samples=512)
+    try:
+        # Sizes 1..5000 bytes, most not multiples of 16, so both kernel paths (16-byte vectors
+        # and the byte tail, aligned and unaligned starts) are exercised.
+        sizes = rng.integers(1, 5000, size=200)
+        for i, n in enumerate(sizes):
+            cache.put((rng.integers(0, 256, size=int(n), dtype=np.uint8), np.int64(i)))
+        samples = cache.take(300, timeout=5)
+        expected = np.concatenate([s[0] for s in samples])
+        dst = torch.full((expected.size,), 7, dtype=torch.uint8, device="cuda")
+        stream = torch.cuda.Stream() if use_side_stream else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())  # the fill above must land first
+        with torch.cuda.stream(stream):
+            _native().gather_to_device(_leases(samples), 0, dst.data_ptr(), stream.cuda_stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(dst.cpu().numpy(), expected)
+        # Field 1 (the int64 labels) through the same kernel.
+        labels = torch.empty(len(samples), dtype=torch.int64, device="cuda")
+        _native().gather_to_device(_leases(samples), 1, labels.data_ptr(), 0)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(labels.cpu().numpy(), [int(s[1]) for s in samples])
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("to_chw", [True, False])
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_gather_normalize_matches_cpu(to_chw: bool, channels: int) -> None:
+    rng = np.random.default_rng(channels)
+    h, w = 37, 29  # odd sizes: no pixel count is a multiple of the block size
+    cache = _cache(memory="pinned", echo_factor=1.0)
+    try:
+        images = rng.integers(0, 256, size=(40, h, w, channels), dtype=np.uint8)
+        cache.put_many(images)
+        samples = cache.take(40, timeout=5)
+        mean = [float(v) for v in rng.uniform(0, 255, channels)]
+        std = [float(v) for v in rng.uniform(10, 80, channels)]
+        got = torch.empty(
+            (40, channels, h, w) if to_chw else (40, h, w, channels),
+            dtype=torch.float32,
+            device="cuda",
+        )
+        _native().gather_normalize_to_device(
+            _leases(samples), 0, mean, std, to_chw, got.data_ptr(), 0
+        )
+        torch.cuda.synchronize()
+        drawn = np.stack([s.array for s in samples]).astype(np.float32)
+        expected = (drawn - np.float32(mean)) / np.float32(std)
+        if to_chw:
+            expected = expected.transpose(0, 3, 1, 2)
+        np.testing.assert_allclose(got.cpu().numpy(), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        cache.close()
+
+
+def test_gather_normalize_rejects_bad_inputs_with_clear_errors() -> None:
+    cache = _cache(memory="pinned", echo_factor=1.0)
+    try:
+        cache.put_many(np.zeros((2, 4, 4, 3), dtype=np.uint8))
+        samples = cache.take(2, timeout=5)
+        dst = torch.empty((2, 3, 4, 4), device="cuda")
+        with pytest.raises(ValueError, match="one per channel"):
+            _native().gather_normalize_to_device(
+                _leases(samples), 0, [0.0], [1.0], True, dst.data_ptr(), 0
+            )
+        with pytest.raises(ValueError, match="non-zero"):
+            _native().gather_normalize_to_device(
+                _leases(samples), 0, [0.0] * 3, [1.0, 0.0, 1.0], True, dst.data_ptr(), 0
+            )
+    finally:
+        cache.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Stale pipeline on GPU streams
+# ---------------------------------------------------------------------------------------------
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(16, 32), nn.Tanh()),
+        nn.Sequential(nn.Linear(32, 32), nn.Tanh()),
+        nn.Sequential(nn.Linear(32, 32), nn.Tanh()),
+        nn.Linear(32, 4),
+    ).double()
+
+
+def _train(devices: list[str], balance: list[int], steps: int = 12) -> dict[str, torch.Tensor]:
+    from echopipe.pipeline import StalePipeline
+
+    model = _mlp()
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (
+            torch.randn(8, 16, generator=g, dtype=torch.float64),
+            torch.randint(0, 4, (8,), generator=g),
+        )
+        for _ in range(steps)
+    ]
+    with StalePipeline(
+        model,
+        balance=balance,
+        devices=devices,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        loss_fn=nn.functional.cross_entropy,
+    ) as pipe:
+        assert pipe.staleness()[0] == 2 * (len(balance) - 1)
+        pipe.run_epoch(batches, step_schedulers=False)
+        pipe.drain()
+        assert pipe.steps_applied == steps
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-9, atol=1e-11, msg=f"parameter {k}")
+
+
+def test_stale_pipeline_on_two_streams_of_one_gpu_matches_cpu() -> None:
+    cpu = _train(["cpu", "cpu"], [2, 2])
+    gpu = _train(["cuda:0", "cuda:0"], [2, 2])
+    _assert_same_weights(cpu, gpu)
+
+
+def test_stale_pipeline_four_stages_on_one_gpu_matches_cpu() -> None:
+    cpu = _train(["cpu"] * 4, [1, 1, 1, 1])
+    gpu = _train(["cuda:0"] * 4, [1, 1, 1, 1])
+    _assert_same_weights(cpu, gpu)
+
+
+@needs_two_gpus
+def test_stale_pipeline_across_gpus_matches_cpu() -> None:
+    n = min(torch.cuda.device_count(), 4)
+    balance = [1] * n if n == 4 else ([2, 2] if n == 2 else [2, 1, 1])
+    cpu = _train(["cpu"] * n, balance)
+    gpu = _train([f"cuda:{i}" for i in range(n)], balance)
+    _assert_same_weights(cpu, gpu)
+
+
+class _Spin(nn.Module):
+    """A linear layer whose forward first keeps its stream busy for ``cycles`` GPU clock cycles
+    with a single-block kernel, so two stages' kernels can only overlap by running concurrently.
+    """
+
+    def __init__(self, cycles: int) -> None:
+        super().__init__()
+        self.cycles = cycles
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(self.cycles)
+        return self.fc(x)
+
+
+def _kernel_intervals(trace: dict[str, Any]) -> list[tuple[int, float, float, str]]:
+    out = []
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and ev.get("cat") == "kernel":
+            stream = int(ev.get("args", {}).get("stream", -1))
+            out.append((stream, float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]), ev["name"]))
+    return out
+
+
+def _overlap_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total = 0.0
+    for s0, e0 in a:
+        for s1, e1 in b:
+            total += max(0.0, min(e0, e1) - max(s0, s1))
+    return total
+
+
+def test_stage_streams_overlap_on_one_gpu(tmp_path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from echopipe.pipeline import StalePipeline
+
+    # About 2 ms of spinning per stage forward at ~1.5-2 GHz.
+    cycles = 3_000_000
+    model = nn.Sequential(_Spin(cycles), _Spin(cycles), nn.Linear(64, 4)).cuda()
+    x = torch.randn(32, 64)
+    y = torch.randint(0, 4, (32,))
+    batches = [(x, y)] * 16
+    with StalePipeline(
+        model,
+        balance=[1, 2],
+        devices=["cuda:0", "cuda:0"],
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+        loss_fn=nn.functional.cross_entropy,
+    ) as pipe:
+        pipe.run_epoch(batches[:4], step_schedulers=False)  # warm up (allocator, cuBLAS)
+        pipe.drain()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            pipe.run_epoch(batches, step_schedulers=False)
+            pipe.drain()
+            torch.cuda.synchronize()
+    trace_path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace_path))
+    kernels = _kernel_intervals(json.loads(trace_path.read_text()))
+    spins = [k for k in kernels if "spin" in k[3].lower() or "sleep" in k[3].lower()]
+    by_stream: dict[int, list[tuple[float, float]]] = {}
+    for stream, start, end, _ in spins:
+        by_stream.setdefault(stream, []).append((start, end))
+    assert len(by_stream) >= 2, f"spin kernels ran on streams {sorted(by_stream)}, expected 2"
+    s0, s1 = sorted(by_stream, key=lambda s: -len(by_stream[s]))[:2]
+    overlap = _overlap_us(by_stream[s0], by_stream[s1])
+    busy = sum(e - s for s, e in by_stream[s0]) + sum(e - s for s, e in by_stream[s1])
+    evidence = {
+        "streams": {str(s): len(v) for s, v in by_stream.items()},
+        "spin_kernels": len(spins),
+        "busy_us": busy,
+        "overlap_us": overlap,
+        "overlap_fraction_of_busy": overlap / busy if busy else 0.0,
+        "device": torch.cuda.get_device_name(0),
+    }
+    out_dir = os.environ.get("ECHOPIPE_GPU_EVIDENCE")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "stream_overlap.json").write_text(json.dumps(evidence, indent=1))
+    # Each stage's forward spins on its own stream; pipelining must run them at the same time.
+    assert overlap > 0.2 * min(
+        sum(e - s for s, e in by_stream[s0]), sum(e - s for s, e in by_stream[s1])
+    ), evidence
+
+
+# ---------------------------------------------------------------------------------------------
+# DALI on the GPU (only where DALI and the plugin are present)
+# ---------------------------------------------------------------------------------------------
+
+
+def _dali_or_skip() -> Any:
+    pytest.importorskip("nvidia.dali")
+    import echopipe
+
+    if not echopipe.build_info()["dali_plugin_built"]:
+        pytest.skip("the echopipe DALI plugin was not built (DALI not importable at build time)")
+    return pytest.importorskip("echopipe.dali", exc_type=ImportError)
+
+
+def test_dali_mixed_decode_echo_gpu_augment(tiny_imagenet: Path) -> None:
+    _dali_or_skip()
+    from echopipe.dali import EchoIterator, LastBatchPolicy
+    from echopipe.dali.builders import imagenet_train_pipeline
+
+    pipe = imagenet_train_pipeline(
+        tiny_imagenet,
+        batch_size=8,
+        image_size=24,
+        echo_factor=2.0,
+        decode_device="mixed",
+        device_id=0,
+        epochs=1,
+        num_threads=2,
+        upstream_threads=2,
+        seed=0,
+    )
+    with EchoIterator(pipe, ["data", "label"], last_batch_policy=LastBatchPolicy.PARTIAL) as it:
+        batches = list(it)
+        stats = it.stats
+    images = torch.cat([b[0]["data"] for b in batches])
+    assert images.is_cuda
+    assert images.shape == (64, 3, 24, 24)  # 32 files, each handed out twice
+    assert torch.isfinite(images).all()
+    assert stats.fresh == 32 and stats.echoed == 32
