@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("nvidia.dali")
 pytestmark = pytest.mark.dali
@@ -355,6 +357,151 @@ def test_checkpoint_of_a_free_running_pipeline_loses_no_sample(jpegs: list[str])
         it2.load_state_dict(state)
         rest = _labels_of(it2)
     assert sorted(first + rest) == list(range(len(jpegs)))
+
+
+# ---- public API: tensors, timing, epoch length, tracing, upstream errors ---------------------
+
+
+def test_cpu_outputs_become_tensors_with_one_host_copy(jpegs: list[str]) -> None:
+    pipe = _make(jpegs, batch_size=6, echo_factor=2.0, shuffle_buffer=6, cache_samples=32)
+    with edali.EchoIterator(pipe, ["data", "label"], steps_per_epoch=8) as it:
+        outputs, _ = pipe.next_batch()
+        expected = np.array(outputs[0].as_tensor())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            images = edali.to_torch(outputs[0])
+        # One copy out of DALI by numpy, shared with torch: no torch clone/copy on top of it.
+        torch_ops = {event.key for event in prof.key_averages()}
+        assert not torch_ops & {"aten::clone", "aten::copy_", "aten::_to_copy"}, torch_ops
+        assert images.device.type == "cpu" and images.dtype == torch.uint8
+        assert images.shape == (6, 8, 8, 3) and np.array_equal(images.numpy(), expected)
+        for _ in range(4):  # DALI reuses its output buffers for these batches
+            next(it)
+        assert np.array_equal(images.numpy(), expected)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_upstream_time_is_recorded_per_upstream_batch(
+    jpegs: list[str], deterministic: bool
+) -> None:
+    pipe = _make(
+        jpegs, batch_size=6, upstream_batch_size=3, echo_factor=2.0, shuffle_buffer=6,
+        cache_samples=32, deterministic=deterministic,
+    )  # fmt: skip
+    assert pipe.upstream_time() == (0, 0.0) and math.isnan(pipe.upstream_step_seconds())
+    with edali.EchoIterator(pipe, ["data", "label"], steps_per_epoch=8) as it:
+        assert math.isnan(it.stats.t_up)
+        assert len(_labels_of(it)) == 48
+        stats = pipe.stats()
+        # 48 samples at e = 2 need at least 24 fresh ones: 8 upstream batches of 3.
+        assert stats["upstream_batches"] >= 8 and stats["upstream_time_s"] > 0
+        per_batch = stats["upstream_time_s"] / stats["upstream_batches"]
+        assert stats["t_up"] == pytest.approx(per_batch * 6 / 3)
+        assert it.stats.upstream_batches >= 8 and it.stats.upstream_time_s > 0
+        assert it.stats.t_up > 0 and it.stats.t_down_per_step > 0 and it.stats.ratio > 0
+        state = it.state_dict()
+    restored = _make(
+        jpegs, batch_size=6, upstream_batch_size=3, echo_factor=2.0, shuffle_buffer=6,
+        cache_samples=32, deterministic=deterministic,
+    )  # fmt: skip
+    with restored:
+        restored.load_state_dict(state["pipeline"])
+        restored.start()
+        batches, seconds = restored.upstream_time()
+        saved = state["pipeline"]["runner"]
+        assert batches >= saved["iterations"] >= 8 and seconds >= saved["seconds"] > 0
+
+
+def test_shard_size_is_known_before_the_first_batch_and_epoch_length_can_change(
+    jpegs: list[str],
+) -> None:
+    opts = dict(batch_size=6, echo_factor=2.0, shuffle_buffer=6, cache_samples=32,
+                deterministic=True, enable_checkpointing=True)  # fmt: skip
+    pipe = _make(jpegs, **opts)
+    assert pipe.shard_size == 24  # builds the DALI pipelines, runs nothing
+    assert pipe.upstream_time() == (0, 0.0) and pipe.stats()["fresh_in"] == 0
+    with edali.EchoIterator(pipe, ["data", "label"]) as it:
+        assert it.shard_size == 24 and it.steps_per_epoch == len(it) == 8
+        it.steps_per_epoch = 3
+        assert len(it) == 3 and len(_labels_of(it)) == 18
+        it.reset()
+        it.set_epoch_size(12)  # fresh samples: 12 * e / 6 steps
+        assert it.steps_per_epoch == 4 and len(_labels_of(it)) == 24
+        it.reset()
+        it.set_epoch_size()
+        assert it.steps_per_epoch == 8
+        with pytest.raises(ValueError, match="steps_per_epoch must be an int >= 1, got 0"):
+            it.steps_per_epoch = 0
+        with pytest.raises(ValueError, match="not both"):
+            it.set_epoch_size(12, steps_per_epoch=3)
+        state = it.state_dict()
+        expected = _labels_of(it)
+    # Building early (shard_size) still lets a checkpoint be loaded before the first batch.
+    again = _make(jpegs, **opts)
+    assert again.shard_size == 24
+    with edali.EchoIterator(again, ["data", "label"]) as it2:
+        it2.load_state_dict(state)
+        assert _labels_of(it2) == expected
+    finite = _make(jpegs, batch_size=6, echo_factor=2.0, cache_samples=32, epochs=1)
+    with (
+        edali.EchoIterator(finite, ["data", "label"]) as it3,
+        pytest.raises(ValueError, match="finite stream"),
+    ):
+        it3.steps_per_epoch = 2
+
+
+def _failing_pipe(jpegs: list[str], seen: list[str | None], **opts):
+    def fail_on_third_batch(batch: list[np.ndarray]) -> list[np.ndarray]:
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("synthetic reader failure on batch 3")
+        return batch
+
+    calls: list[int] = []
+
+    @edali.echo_pipeline_def(batch_size=4, num_threads=1, device_id=None, cache_samples=16,
+                             shuffle_buffer=4, **opts)  # fmt: skip
+    def pipe(files):
+        seen.append(edali.current_stage())
+        jpegs_, labels = fn.readers.file(files=files, labels=list(range(len(files))))
+        if edali.current_stage() != "downstream":  # python_function is never pruned
+            jpegs_ = fn.python_function(
+                jpegs_, function=fail_on_third_batch, batch_processing=True, num_outputs=1
+            )
+        images = fn.resize(fn.decoders.image(jpegs_), size=(8, 8))
+        return edali.echo(images, labels)
+
+    return pipe(jpegs)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_current_stage_and_upstream_error_hook(jpegs: list[str], deterministic: bool) -> None:
+    assert edali.current_stage() is None
+    seen: list[str | None] = []
+    described: list[BaseException] = []
+
+    def name_it(error: BaseException) -> BaseException:
+        described.append(error)
+        return LookupError(f"named by the hook: {error}")
+
+    pipe = _failing_pipe(jpegs, seen, deterministic=deterministic, on_upstream_error=name_it)
+    assert pipe.shard_size == 24
+    assert seen == ["upstream", "downstream"] and edali.current_stage() is None
+    with (
+        edali.EchoIterator(pipe, ["data", "label"], steps_per_epoch=100) as it,
+        pytest.raises(LookupError, match="synthetic reader failure on batch 3") as caught,
+    ):
+        for _ in it:
+            pass
+    assert caught.value.__cause__ is described[0]
+    # Without a hook: the generic error, still chained to DALI's.
+    plain = _failing_pipe(jpegs, [], deterministic=deterministic)
+    with (
+        edali.EchoIterator(plain, ["data", "label"], steps_per_epoch=100) as it,
+        pytest.raises(RuntimeError, match="upstream DALI pipeline failed") as caught,
+    ):
+        for _ in it:
+            pass
+    assert "synthetic reader failure" in str(caught.value.__cause__)
 
 
 # ---- usage errors ------------------------------------------------------------------------------

@@ -117,6 +117,48 @@ def test_echo_train_outputs_nchw_normalised_and_echoed(
     assert pipe.upstream_tap is not None and pipe.upstream_tap.samples == 24
 
 
+def test_plain_and_val_pipelines_do_not_load_the_plugin_and_echo_checks_it_first(
+    data: Path, tmp_path: Path
+) -> None:
+    fake = tmp_path / "libechopipe_dali.so"
+    fake.write_bytes(b"\x7fELF...ECHOPIPE_DALI_BUILT_VERSION=1.99.0\n...")
+    script = f"""
+import nvidia.dali
+from nvidia.dali.ops import _registry
+import echopipe.dali as edali
+from echopipe.dali import _plugin
+
+root = {str(data)!r}
+for build in (edali.imagenet_val_pipeline, edali.imagenet_plain_train_pipeline):
+    pipe = build(root, batch_size=4, image_size=16, num_threads=1)
+    pipe.build()
+    assert len(pipe.run()[0]) == 4
+assert _plugin._lib is None and "EchopipeEchoSink" not in _registry.cpu_ops()
+real = _plugin.plugin_path
+_plugin.plugin_path = lambda: {str(fake)!r}  # a plugin built for another DALI
+try:
+    edali.imagenet_train_pipeline(root, batch_size=4, image_size=16, num_threads=1)
+except edali.DaliVersionMismatchError as exc:
+    assert "1.99.0" in str(exc) and nvidia.dali.__version__ in str(exc), str(exc)
+else:
+    raise SystemExit("no DaliVersionMismatchError")
+_plugin.plugin_path = real
+pipe = edali.imagenet_train_pipeline(root, batch_size=4, image_size=16, num_threads=1)
+with edali.EchoIterator(pipe, ["data", "label"], steps_per_epoch=1) as it:
+    assert next(it)[0]["data"].shape == (4, 3, 16, 16)
+assert _plugin._lib is not None and "EchopipeEchoSink" in _registry.cpu_ops()
+print("lazy plugin ok")
+"""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lazy plugin ok" in proc.stdout
+
+
 def test_plain_train_pipeline_outputs(data: Path) -> None:
     pipe = imagenet_train_pipeline(
         data / "train", batch_size=5, image_size=SIZE, echo_factor=None, num_threads=1
@@ -429,11 +471,14 @@ def test_python_echo_peer_runs_one_epoch(data: Path) -> None:
 # ---- the benchmark script --------------------------------------------------------------------
 
 
-def test_benchmark_script_runs_and_writes_its_json(tmp_path: Path) -> None:
+def test_benchmark_script_runs_and_writes_its_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import importlib.util
     import json
 
     path = Path(__file__).resolve().parents[1] / "bench" / "dali_echo.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # as when run as a script: its helpers import
     spec = importlib.util.spec_from_file_location("bench_dali_echo", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)

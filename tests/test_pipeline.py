@@ -133,6 +133,53 @@ def test_engine_equals_reference_with_recompute(one_thread) -> None:
     assert int(model[0][1].num_batches_tracked) == len(batches)
 
 
+def test_grad_hook_runs_per_update_and_its_gradients_reach_the_optimizer(one_thread) -> None:
+    batches = make_batches(10)
+
+    def sgd_halving_grads(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        opt = sgd(params)
+
+        def halve(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            for q in params:
+                if q.grad is not None:
+                    q.grad = q.grad * 0.5
+
+        opt.register_step_pre_hook(halve)
+        return opt
+
+    ref_model = small_cnn()
+    reference_for(ref_model, BALANCES[3], sgd_halving_grads).run_pipelined(batches)
+
+    calls: list[tuple[int, str, int]] = []
+
+    def hook(stage: int, params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+        assert len(grads) == len(params)
+        calls.append((stage, threading.current_thread().name, len(params)))
+        for i, g in enumerate(grads):
+            if g is not None:
+                grads[i] = g * 0.5
+
+    model = small_cnn()
+    with StalePipeline(
+        model, balance=BALANCES[3], optimizer=sgd, loss_fn=loss_fn, grad_hook=hook
+    ) as pipe:
+        for x, y in batches:
+            pipe.train_step(x, y)
+        pipe.drain()
+        sizes = [len([q for q in s.parameters() if q.requires_grad]) for s in pipe.stages]
+    # Replaced gradients are what each stage's optimizer used: equal to the halving reference.
+    assert max_rel_error(model, ref_model) <= 1e-12
+    plain = small_cnn()
+    reference_for(plain, BALANCES[3], sgd).run_pipelined(batches)
+    assert max_rel_error(model, plain) > 1e-6
+    # Once per update of every stage, in that stage's worker thread, with its parameters.
+    assert sorted(calls) == sorted(
+        (k, f"echopipe-stage-{k}", sizes[k]) for k in range(3) for _ in batches
+    )
+    with pytest.raises(TypeError, match="grad_hook"):
+        StalePipeline(small_cnn(), optimizer=sgd, loss_fn=loss_fn, grad_hook=3)  # type: ignore[arg-type]
+
+
 def test_single_stage_is_plain_sgd() -> None:
     batches = make_batches(10)
     plain = small_cnn()

@@ -19,11 +19,13 @@ One run goes like this:
 5. Every epoch ends with a drain, validation, a metrics row, plots and a checkpoint.
 
 Timing the echo factor (``--echo auto``): ``t_up`` is the upstream time per fresh batch
-(reading, decoding and the simulated read delay, measured around each upstream iteration,
-scaled to the downstream batch size) and ``t_down`` is the trainer's own time per step, without
-the time it spent waiting for data. :class:`echopipe.adaptive.EchoController` sets ``e`` close to
-``R = t_up / t_down``. The native cache fixes ``e`` when it is created, so a new factor takes
-effect at the next epoch boundary, where the input pipeline is rebuilt with it.
+(reading, decoding and the simulated read delay, timed by the echo pipeline around each upstream
+iteration and scaled to the downstream batch size:
+:meth:`echopipe.dali.EchoPipeline.upstream_step_seconds`) and ``t_down`` is the trainer's own
+time per step, without the time it spent waiting for data.
+:class:`echopipe.adaptive.EchoController` sets ``e`` close to ``R = t_up / t_down``. The native
+cache fixes ``e`` when it is created, so a new factor takes effect at the next epoch boundary,
+where the input pipeline is rebuilt with it (``_TrainInput.set_factor``).
 """
 
 from __future__ import annotations
@@ -306,44 +308,38 @@ class DistContext:
                 dist.destroy_process_group()
 
 
-def _all_reduce_optimizer(
-    base: Callable[[list[nn.Parameter]], torch.optim.Optimizer], ctx: DistContext
-) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
-    """Optimizer factory whose ``step`` first averages the gradients over the replicas.
+def _all_reduce_grads(
+    ctx: DistContext,
+) -> Callable[[int, list[nn.Parameter], list[torch.Tensor | None]], None] | None:
+    """``StalePipeline`` grad hook that averages each stage's gradients over the replicas.
 
-    The engine calls the factory once per stage, in stage order, so the ``i``-th call belongs
-    to stage ``i`` and gets that stage's process group. The average runs in the stage's worker
-    thread right before the update, on one flat buffer per step.
+    The pipeline calls it in stage ``k``'s worker thread after each backward, right before the
+    stage's optimizer step; stage ``k`` uses its own process group, so stage threads never share
+    a communicator. One flat buffer per update; a parameter without a gradient contributes zeros
+    (every replica must send the same buffer).
     """
     if not ctx.enabled:
-        return base
+        return None
     import torch.distributed as dist
 
-    counter = iter(range(1 << 30))
+    world = float(ctx.world_size)
 
-    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        optimizer = base(params)
-        group = ctx.stage_groups[next(counter)]
-        world = float(ctx.world_size)
-        base_cls = type(optimizer)
+    def hook(stage: int, params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+        if not params:
+            return
+        filled = [
+            g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)
+        ]
+        flat = torch.cat([g.reshape(-1) for g in filled])
+        dist.all_reduce(flat, group=ctx.stage_groups[stage])
+        flat.div_(world)
+        offset = 0
+        for i, g in enumerate(filled):
+            n = g.numel()
+            grads[i] = flat[offset : offset + n].view_as(g)
+            offset += n
 
-        def step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            flat.div_(world)
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p)
-                offset += n
-            return base_cls.step(self, closure)
-
-        # A subclass rather than a patched attribute: LR schedulers wrap the bound ``step``.
-        optimizer.__class__ = type(f"AllReduce{base_cls.__name__}", (base_cls,), {"step": step})
-        return optimizer
-
-    return factory
+    return hook
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,35 +414,12 @@ class _StageClock:
         return 3.0 * max(s / c for s, c in zip(self.seconds, self.calls, strict=True))
 
 
-class _UpstreamClock:
-    """Seconds the upstream DALI pipeline spends per iteration, and fresh samples it stores.
-
-    The echo pipeline's runner thread runs one upstream iteration per ``step()``; this wraps
-    that call on the instance to time it (the pipeline's own ``t_up`` counts only in
-    deterministic mode).
-    """
-
-    def __init__(self, pipe: Any) -> None:
-        self.seconds = 0.0
-        self.iterations = 0
-        runner = getattr(pipe, "_runner", None)
-        step = getattr(runner, "step", None)
-        if step is None:
-            return
-
-        def timed_step() -> bool:
-            t0 = time.perf_counter()
-            ran = step()
-            if ran:
-                self.seconds += time.perf_counter() - t0
-                self.iterations += 1
-            return ran
-
-        runner.step = timed_step
-
-
 class _TrainInput:
-    """The echoing DALI training input of one replica, rebuilt when the echo factor changes."""
+    """The echoing DALI training input of one replica.
+
+    A new echo factor takes effect through :meth:`set_factor` (at an epoch boundary), which
+    rebuilds the pipeline because the native cache fixes ``e`` when it is created.
+    """
 
     def __init__(self, cfg: TrainConfig, data_dir: Path, ctx: DistContext, device_id: int | None):
         self.cfg = cfg
@@ -455,21 +428,17 @@ class _TrainInput:
         self.device_id = device_id
         self.iterator: Any = None
         self.pipe: Any = None
-        self.clock: _UpstreamClock | None = None
         self.factor = 0.0
         self.builds = 0
         # Counters of earlier pipelines (rebuilds and resumed runs), added to the live one's.
         self.base = {"fresh": 0, "echoed": 0, "samples": 0, "up_s": 0.0, "up_iters": 0}
 
     def build(self, factor: float, steps_per_epoch: int | None, state: Any = None) -> None:
-        from . import dali as edali
+        from .dali import EchoIterator, imagenet_train_pipeline
 
         self.close()
         cfg = self.cfg
-        builder = getattr(edali, "imagenet_train_pipeline", None)
-        if builder is None:
-            from .dali.builders import imagenet_train_pipeline as builder
-        self.pipe = builder(
+        self.pipe = imagenet_train_pipeline(
             self.data_dir,
             batch_size=cfg.batch_size,
             image_size=cfg.image_size,
@@ -485,53 +454,46 @@ class _TrainInput:
             device_id=self.device_id,
             num_threads=cfg.workers,
         )
-        self.clock = _UpstreamClock(self.pipe)
-        self.iterator = edali.EchoIterator(
-            self.pipe, ["data", "label"], steps_per_epoch=steps_per_epoch
-        )
+        self.iterator = EchoIterator(self.pipe, ["data", "label"], steps_per_epoch=steps_per_epoch)
         if state is not None:
             self.iterator.load_state_dict(state)
         self.factor = factor
         self.builds += 1
 
+    def set_factor(self, factor: float) -> None:
+        """Use echo factor ``factor`` from the next step on (call at an epoch boundary).
+
+        The cache's ``e`` is fixed at creation, so the input is rebuilt (samples still in the
+        old cache are dropped; they were counted as fresh when drawn). Once the cache can change
+        ``e`` at run time, this becomes ``self.pipe.set_echo_factor(factor)``.
+        """
+        self.build(factor, None)
+
     def natural_steps(self) -> int:
-        """Steps of one epoch for this shard at the current factor."""
-        return len(self.iterator)
+        """Steps of one epoch for this shard at the current factor (resets a fixed length)."""
+        self.iterator.set_epoch_size()  # back to the reader's shard size
+        return self.iterator.steps_per_epoch
 
     def set_steps(self, steps: int) -> None:
         """Fix the epoch length (all replicas must run the same number of steps)."""
-        self.iterator._steps_per_epoch = steps
+        self.iterator.steps_per_epoch = steps
 
     def counters(self) -> dict[str, float]:
         s = self.iterator.stats if self.iterator is not None else None
-        clock = self.clock
+        batches, seconds = self.pipe.upstream_time() if self.pipe is not None else (0, 0.0)
         return {
             "fresh": self.base["fresh"] + (s.fresh if s else 0),
             "echoed": self.base["echoed"] + (s.echoed if s else 0),
             "samples": self.base["samples"] + (s.samples if s else 0),
-            "up_s": self.base["up_s"] + (clock.seconds if clock else 0.0),
-            "up_iters": self.base["up_iters"] + (clock.iterations if clock else 0),
+            "up_s": self.base["up_s"] + seconds,
+            "up_iters": self.base["up_iters"] + batches,
         }
 
-    @property
-    def upstream_batch_size(self) -> int:
-        """Samples per upstream (reader) iteration."""
-        return int(self.pipe.config.upstream_batch_size)
-
-    def clock_state(self) -> tuple[float, int]:
-        """The live pipeline's upstream timing, for checkpoints."""
-        return (self.clock.seconds, self.clock.iterations) if self.clock else (0.0, 0)
-
-    def load_clock_state(self, saved: Sequence[float]) -> None:
-        """Restore :meth:`clock_state` into the live pipeline's clock."""
-        if self.clock is not None:
-            self.clock.seconds, self.clock.iterations = float(saved[0]), int(saved[1])
-
-    def upstream_batch_seconds(self) -> float | None:
-        """Mean upstream seconds per upstream iteration so far (live pipeline), or ``None``."""
-        if self.clock is None or self.clock.iterations == 0:
-            return None
-        return self.clock.seconds / self.clock.iterations
+    def upstream_step_seconds(self) -> float | None:
+        """``t_up`` of the live pipeline: upstream seconds per downstream batch of fresh
+        samples (mean since it was built; restored with a checkpoint), or ``None`` before any."""
+        t_up = self.pipe.upstream_step_seconds()
+        return None if math.isnan(t_up) else t_up
 
     def state_dict(self) -> dict[str, Any]:
         return self.iterator.state_dict()
@@ -543,7 +505,6 @@ class _TrainInput:
             with contextlib.suppress(Exception):
                 self.iterator.close()
         self.iterator = self.pipe = None
-        self.clock = None
 
 
 def _evaluate(pipeline: Any, cfg: TrainConfig, data_dir: Path, ctx: DistContext,
@@ -551,13 +512,10 @@ def _evaluate(pipeline: Any, cfg: TrainConfig, data_dir: Path, ctx: DistContext,
     """``(top1, mean loss, images)`` over this rank's validation shard, summed over ranks."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-    from . import dali as edali
+    from .dali import imagenet_val_pipeline
 
     if not val_iter:
-        builder = getattr(edali, "imagenet_val_pipeline", None)
-        if builder is None:
-            from .dali.builders import imagenet_val_pipeline as builder
-        pipe = builder(
+        pipe = imagenet_val_pipeline(
             data_dir,
             batch_size=min(cfg.batch_size * 4, 256),
             image_size=cfg.image_size,
@@ -843,8 +801,6 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
         data.builds = int(state["input_builds"])
         data.base = dict(state["input_counters"])
     data.build(factor, None, state["input"] if state is not None else None)
-    if state is not None:
-        data.load_clock_state(state["input_clock"])
     steps_per_epoch = (
         int(state["steps_per_epoch"]) if state is not None
         else ctx.all_reduce_min(data.natural_steps())
@@ -854,7 +810,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
 
     pipeline = StalePipeline(
         model,
-        optimizer=_all_reduce_optimizer(base_optimizer, ctx),
+        optimizer=base_optimizer,
+        grad_hook=_all_reduce_grads(ctx),
         scheduler=scheduler,
         scheduler_interval="step",
         loss_fn=nn.CrossEntropyLoss(),
@@ -905,7 +862,6 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
             "input": data.state_dict(),
             "input_builds": data.builds,
             "input_counters": data.base,
-            "input_clock": data.clock_state(),
             "echo_factor": data.factor,
             "controller": controller.state_dict() if controller is not None else None,
             "rng": _rng_state(),
@@ -962,10 +918,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
                 if losses:
                     last_loss = losses[-1]
                 if controller is not None and busy is not None:
-                    up = data.upstream_batch_seconds()
-                    if up is not None:
-                        # Upstream seconds for one downstream batch's worth of fresh samples.
-                        t_up = up * cfg.batch_size / data.upstream_batch_size
+                    t_up = data.upstream_step_seconds()
+                    if t_up is not None:
                         controller.observe(t_up, busy, global_step)
                 if cfg.checkpoint_every and (
                     global_step % cfg.checkpoint_every == 0 and step_in_epoch < steps_per_epoch
@@ -1027,7 +981,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
             if controller is not None and epoch < cfg.epochs:
                 wanted = ctx.broadcast_object(controller.factor)
                 if wanted != data.factor:
-                    data.build(wanted, None)
+                    data.set_factor(wanted)
                     steps_per_epoch_new = ctx.all_reduce_min(data.natural_steps())
                     data.set_steps(steps_per_epoch_new)
                     steps_per_epoch = steps_per_epoch_new

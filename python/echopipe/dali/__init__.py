@@ -17,9 +17,15 @@ Write the pipeline once, in DALI's ``@pipeline_def`` style, and mark where sampl
         for batch in it:
             ...  # batch[0]["data"], batch[0]["label"]: torch tensors
 
-Importing this module loads echopipe's DALI plugin (``libechopipe_dali.so``) after checking that
-it was compiled for the installed DALI; a mismatch raises :class:`DaliVersionMismatchError` naming
-both versions. The plugin adds ``fn.echopipe_echo_sink`` and ``fn.echopipe_echo_source``.
+Ready-made ImageNet-layout pipelines: :func:`imagenet_train_pipeline` (echoing),
+:func:`imagenet_plain_train_pipeline` and :func:`imagenet_val_pipeline` (plain DALI), and the pure
+Python echo peer :func:`python_echo_train_pipeline` used as a baseline.
+
+echopipe's DALI plugin (``libechopipe_dali.so``, which adds ``fn.echopipe_echo_sink`` and
+``fn.echopipe_echo_source``) is loaded at the first use of the echo operators (creating an
+:class:`EchoPipeline` or calling :func:`echo`), not at import, so the plain and validation
+pipelines work without it. Before loading, the plugin's recorded DALI version is checked against
+the installed DALI; a mismatch raises :class:`DaliVersionMismatchError` naming both versions.
 """
 
 from __future__ import annotations
@@ -34,10 +40,34 @@ from ._plugin import (
     gpu_backend_compiled,
     plugin_path,
 )
-from .iterator import EchoIterator
-from .pipeline import EchoConfig, EchoPipeline, echo, echo_pipeline_def
+from .builders import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ImagenetEchoPipeline,
+    UpstreamTap,
+    explain_decode_failure,
+    imagenet_decode_pipeline,
+    imagenet_plain_train_pipeline,
+    imagenet_train_pipeline,
+    imagenet_val_pipeline,
+    index_imagenet_split,
+    resolve_split_dir,
+)
+from .iterator import EchoIterator, EchoIteratorStats, to_torch
+from .peer import PythonEchoBuffer, PythonEchoPipeline, python_echo_train_pipeline
+from .pipeline import EchoConfig, EchoPipeline, current_stage, echo, echo_pipeline_def
 
-_plugin.load()
+
+def load_plugin() -> None:
+    """Checks the plugin's DALI version and loads it now (idempotent).
+
+    Creating an :class:`EchoPipeline` does this already; call it to fail early.
+
+    Raises:
+        DaliVersionMismatchError: the plugin was built for another DALI (names both versions).
+        DaliPluginMissingError: the plugin was not built or cannot be found.
+    """
+    _plugin.load()
 
 
 def built_dali_version() -> str:
@@ -46,16 +76,34 @@ def built_dali_version() -> str:
 
 
 __all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
     "DaliPluginMissingError",
     "DaliVersionMismatchError",
     "EchoConfig",
     "EchoIterator",
+    "EchoIteratorStats",
     "EchoPipeline",
+    "ImagenetEchoPipeline",
     "LastBatchPolicy",
+    "PythonEchoBuffer",
+    "PythonEchoPipeline",
+    "UpstreamTap",
     "built_dali_version",
     "check_dali_version",
+    "current_stage",
     "echo",
     "echo_pipeline_def",
+    "explain_decode_failure",
     "gpu_backend_compiled",
+    "imagenet_decode_pipeline",
+    "imagenet_plain_train_pipeline",
+    "imagenet_train_pipeline",
+    "imagenet_val_pipeline",
+    "index_imagenet_split",
+    "load_plugin",
     "plugin_path",
+    "python_echo_train_pipeline",
+    "resolve_split_dir",
+    "to_torch",
 ]

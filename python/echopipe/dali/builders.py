@@ -35,8 +35,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..data import CorruptImageError, ImageFolderIndex, check_image_file, scan_image_folder
-from . import pipeline as _echo_pipeline_module
-from .pipeline import EchoConfig, EchoPipeline, echo
+from .pipeline import EchoConfig, EchoPipeline, current_stage, echo
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -605,31 +604,22 @@ def imagenet_val_pipeline(
 # --------------------------------------------------------------------------------------------
 
 
-def _current_echo_stage() -> str | None:
-    """``"upstream"``/``"downstream"`` while :class:`EchoPipeline` traces a function, else None."""
-    state = getattr(_echo_pipeline_module._trace, "state", None)
-    return None if state is None else state.stage
-
-
 class ImagenetEchoPipeline(EchoPipeline):
     """:class:`~echopipe.dali.EchoPipeline` that names the file when DALI's decoder fails.
 
     DALI reports a bad JPEG as ``nvImageCodec failure`` without a path; when the upstream fails,
-    :meth:`next_batch` decodes the files of the last few upstream batches with Pillow and raises
-    :class:`~echopipe.data.CorruptImageError` naming the culprit (chained to DALI's error).
+    :meth:`describe_upstream_error` decodes the files of the last few upstream batches with
+    Pillow, and the consumer gets a :class:`~echopipe.data.CorruptImageError` naming the culprit
+    (chained to DALI's error) instead of the generic ``RuntimeError``.
     """
 
     upstream_tap: UpstreamTap | None = None
 
-    def next_batch(self) -> tuple[list[Any], np.ndarray]:
-        try:
-            return super().next_batch()
-        except RuntimeError as exc:
-            tap = self.upstream_tap
-            named = exc if tap is None else explain_decode_failure(tap, exc)
-            if named is exc:
-                raise
-            raise named from exc
+    def describe_upstream_error(self, error: BaseException) -> BaseException:
+        """A :class:`~echopipe.data.CorruptImageError` naming the file DALI could not decode."""
+        tap = self.upstream_tap
+        named = error if tap is None else explain_decode_failure(tap, error)
+        return named if named is not error else super().describe_upstream_error(error)
 
 
 def imagenet_train_pipeline(
@@ -719,8 +709,8 @@ def imagenet_train_pipeline(
             rejects; always on when ``read_delay_ms > 0``).
 
     Returns:
-        An :class:`ImagenetEchoPipeline` (an :class:`~echopipe.dali.EchoPipeline` whose
-        ``next_batch`` turns a DALI decoder failure into a
+        An :class:`ImagenetEchoPipeline` (an :class:`~echopipe.dali.EchoPipeline` that turns
+        a DALI decoder failure into a
         :class:`~echopipe.data.CorruptImageError` naming the file when it can find it), with
         attributes ``folder_index``, ``skipped_files``, ``upstream_tap`` and ``reader_name``.
     """
@@ -755,7 +745,7 @@ def imagenet_train_pipeline(
     def imagenet_train() -> tuple[Any, Any]:
         # The function is traced twice; the reader is pruned from the downstream trace, but a
         # python_function never is, so the tap goes into the upstream trace only.
-        upstream = _current_echo_stage() != "downstream"
+        upstream = current_stage() != "downstream"
         jpegs, labels, _ = _graph_read(reader, tap if upstream else None)
         images = _graph_decode(jpegs, decode_device)
         labels = _graph_labels(labels)

@@ -1,8 +1,15 @@
 """PyTorch iterator over an :class:`~echopipe.dali.EchoPipeline`, in the style of DALI's own.
 
 Yields ``[{"data": tensor, "label": tensor}]`` (one dict per pipeline, like
-``DALIGenericIterator``), counts fresh versus echoed samples, and times the upstream (filling the
-cache) and downstream (drawing + augmenting) parts of each step.
+``DALIGenericIterator``), counts fresh versus echoed samples, and reports the upstream's time per
+step (``t_up``) next to the time the consumer waits for the downstream (``t_down``).
+
+Tensors: CPU outputs are copied once out of DALI's buffer into numpy memory that torch then
+shares (``np.array`` + ``torch.from_numpy``). A zero-copy DLPack view would not be safe: DALI
+reuses its output buffers for later iterations (the downstream pipeline is scheduled again as soon
+as a batch is taken), so a view would change under the consumer. GPU outputs stay on their GPU:
+they are copied into a new torch tensor on the current torch stream with DALI's
+``feed_ndarray``, which orders the copy after the work that produced the batch.
 """
 
 from __future__ import annotations
@@ -31,28 +38,67 @@ class EchoIteratorStats:
     padded: int = 0  #: padding samples handed out (FILL policy at the end of a finite stream)
     dropped: int = 0  #: real samples not handed out (DROP / PARTIAL trimming)
     epochs: int = 0
-    t_up: float = 0.0  #: seconds the consumer waited for the upstream (deterministic mode)
-    t_down: float = 0.0  #: seconds the consumer waited for the downstream pipeline
+    #: upstream seconds per downstream batch of fresh samples (the pipeline's
+    #: :meth:`~echopipe.dali.EchoPipeline.upstream_step_seconds`, in both modes); nan before any
+    t_up: float = math.nan
+    t_down: float = 0.0  #: seconds the consumer waited for downstream batches, in total
+    upstream_batches: int = 0  #: upstream (reader) iterations run so far
+    upstream_time_s: float = 0.0  #: seconds those upstream iterations took
 
     @property
     def echo_ratio(self) -> float:
         """Samples handed out per fresh sample (the realised echo factor)."""
         return self.samples / self.fresh if self.fresh else math.nan
 
+    @property
+    def t_down_per_step(self) -> float:
+        """Mean seconds the consumer waited per step for the downstream (nan before a step)."""
+        return self.t_down / self.steps if self.steps else math.nan
 
-def _to_torch(value: Any) -> torch.Tensor | list[torch.Tensor]:
+    @property
+    def ratio(self) -> float:
+        """``R = t_up / t_down`` per step, as the iterator sees it (nan until both are known).
+
+        ``t_down`` here is the wait for the downstream DALI pipeline only; a training loop that
+        computes between steps should divide :attr:`t_up` by its own step time instead.
+        """
+        down = self.t_down_per_step
+        return self.t_up / down if down > 0 else math.nan
+
+
+def to_torch(value: Any) -> torch.Tensor | list[torch.Tensor]:
+    """A DALI TensorList (or numpy arrays restored from a checkpoint) as torch tensor(s).
+
+    Dense CPU lists become one CPU tensor through a single host copy; dense GPU lists become
+    a tensor on the same GPU (copied on torch's current stream there). Non-dense lists become
+    one tensor per sample (GPU samples via the host). The result never aliases DALI's buffers.
+    """
+    from nvidia.dali.backend import TensorListGPU
+
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)
     if isinstance(value, list):
         return [torch.from_numpy(np.asarray(v)) for v in value]
-    if hasattr(value, "as_cpu"):  # GPU TensorList: DLPack keeps it on the device
+    if isinstance(value, TensorListGPU):
         if value.is_dense_tensor():
-            return torch.from_dlpack(value.as_tensor()).clone()
+            return _gpu_to_torch(value)
         value = value.as_cpu()
     if value.is_dense_tensor():
-        # One copy out of DALI's buffer, which DALI may recycle after the next iteration.
         return torch.from_numpy(np.array(value.as_tensor()))
     return [torch.from_numpy(np.array(value.at(i))) for i in range(len(value))]
+
+
+def _gpu_to_torch(value: Any) -> torch.Tensor:
+    from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+    tensor = value.as_tensor()
+    device = torch.device("cuda", value.device_id())
+    out = torch.empty(tensor.shape(), dtype=to_torch_type[tensor.dtype], device=device)
+    stream = torch.cuda.current_stream(device)
+    # feed_ndarray makes the copy wait for DALI's producing work, and torch's later use of
+    # ``out`` is ordered after it because both run on ``stream``.
+    feed_ndarray(tensor, out, cuda_stream=stream)
+    return out
 
 
 class EchoIterator:
@@ -107,11 +153,56 @@ class EchoIterator:
 
     @property
     def finite(self) -> bool:
+        """True for a finite stream (``epochs=N``), whose epochs end where the data ends."""
         return self.pipeline.config.epochs is not None
+
+    @property
+    def shard_size(self) -> int:
+        """Fresh samples per epoch of the pipeline's reader shard (builds the DALI pipelines)."""
+        return self.pipeline.shard_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Steps of an epoch of an endless stream (same as ``len(self)``)."""
+        return len(self)
+
+    @steps_per_epoch.setter
+    def steps_per_epoch(self, steps: int) -> None:
+        self.set_epoch_size(steps_per_epoch=steps)
+
+    def set_epoch_size(
+        self, epoch_size: int | None = None, *, steps_per_epoch: int | None = None
+    ) -> None:
+        """Changes the length of the following epochs of an endless stream.
+
+        Give either ``epoch_size`` (fresh samples per epoch; the steps follow from the echo
+        factor) or ``steps_per_epoch`` (e.g. the minimum over data-parallel replicas, so all run
+        the same number of steps); with neither, the epoch goes back to the reader's shard size.
+        The current epoch ends as soon as its step count reaches the new length.
+
+        Raises:
+            ValueError: both given, a value below 1, or a finite stream (its epochs end with
+                the data).
+        """
+        if epoch_size is not None and steps_per_epoch is not None:
+            raise ValueError(
+                f"give epoch_size ({epoch_size}) or steps_per_epoch ({steps_per_epoch}), not both"
+            )
+        for name, value in (("epoch_size", epoch_size), ("steps_per_epoch", steps_per_epoch)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1
+            ):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.finite:
+            raise ValueError(
+                f"a finite stream (epochs={self.pipeline.config.epochs}) ends its epochs with the "
+                "data; its epoch length cannot be set"
+            )
+        self._epoch_size = None if epoch_size is None else int(epoch_size)
+        self._steps_per_epoch = None if steps_per_epoch is None else int(steps_per_epoch)
 
     def _epoch_samples(self) -> int:
         """Samples an epoch of an endless stream hands out (before the last-batch policy)."""
-        self.pipeline.start()  # the reader's epoch size is known once the pipelines are built
         cfg = self.pipeline.config
         if self._steps_per_epoch is not None:
             return self._steps_per_epoch * cfg.batch_size
@@ -158,7 +249,7 @@ class EchoIterator:
         b = pipe.config.batch_size
         if not self.finite and self._step_in_epoch >= len(self):
             raise StopIteration
-        t_up0, t_down0 = pipe.t_up, pipe.t_down
+        wait_up0, wait_down0 = pipe.upstream_wait_s, pipe.downstream_wait_s
         t0 = time.perf_counter()
         outputs, info = pipe.next_batch()
         if len(outputs) != len(self.output_map):
@@ -167,8 +258,11 @@ class EchoIterator:
                 f"{len(outputs)} outputs"
             )
         wall = time.perf_counter() - t0
-        self.stats.t_up += pipe.t_up - t_up0
-        self.stats.t_down += max(pipe.t_down - t_down0, wall - (pipe.t_up - t_up0))
+        # Deterministic mode fills the cache in this thread; that time is upstream work.
+        waited_up = pipe.upstream_wait_s - wait_up0
+        self.stats.t_down += max(pipe.downstream_wait_s - wait_down0, wall - waited_up)
+        self.stats.upstream_batches, self.stats.upstream_time_s = pipe.upstream_time()
+        self.stats.t_up = pipe.upstream_step_seconds()
         valid = int(info[:, 0].sum())
         keep = b
         if self.finite:
@@ -192,7 +286,7 @@ class EchoIterator:
         self._step_in_epoch += 1
         batch = {}
         for name, value in zip(self.output_map, outputs, strict=True):
-            tensor = _to_torch(value)
+            tensor = to_torch(value)
             batch[name] = tensor[:keep] if keep < b else tensor
         return [batch]
 

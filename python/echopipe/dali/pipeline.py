@@ -61,6 +61,21 @@ class _Trace:
 _trace = threading.local()
 
 
+def current_stage() -> str | None:
+    """Which part of an echoing pipeline is being traced in this thread.
+
+    ``"upstream"`` or ``"downstream"`` while :class:`EchoPipeline` traces a pipeline function
+    (it traces it once for each part), ``None`` otherwise. A pipeline function can use it to put
+    operators into one part only, e.g. a ``fn.python_function`` (DALI never prunes those) that
+    should run on the reader side::
+
+        if edali.current_stage() != "downstream":
+            jpegs = fn.python_function(jpegs, function=tap)
+    """
+    state: _Trace | None = getattr(_trace, "state", None)
+    return None if state is None else state.stage
+
+
 def echo(*fields: Any, device: str | None = None) -> tuple[Any, ...]:
     """Marks the echo point inside an ``@echo_pipeline_def`` function.
 
@@ -86,6 +101,7 @@ def echo(*fields: Any, device: str | None = None) -> tuple[Any, ...]:
         raise ValueError(f"echo() takes 1 to 4 fields per sample, got {len(fields)}")
     if device not in (None, "cpu", "gpu"):
         raise ValueError(f"echo(device=...) must be 'cpu', 'gpu' or None, got {device!r}")
+    _plugin.load()  # the operators below exist only once the plugin is loaded
     state.calls += 1
     if state.calls > 1:
         raise RuntimeError("echo() was called more than once; a pipeline has one echo point")
@@ -213,6 +229,9 @@ class _UpstreamRunner:
         self.iter_in_epoch = 0
         self.ended = False
         self.error: BaseException | None = None
+        # Seconds inside upstream.run(), written by the runner thread, read by the consumer.
+        self.seconds = 0.0
+        self._timing_lock = threading.Lock()
         self._stop = threading.Event()
         self._pause_requested = threading.Event()
         self._paused = threading.Event()
@@ -227,11 +246,15 @@ class _UpstreamRunner:
         if self.ended:
             return False
         if cfg.epochs is not None and self.iter_in_epoch == 0:
-            _plugin.set_quota(owner.cache_name, owner.shard_size)
+            _plugin.set_quota(owner.cache_name, owner._shard_size)
+        t0 = time.perf_counter()
         outputs = owner.upstream.run()
+        elapsed = time.perf_counter() - t0
         stored = int(np.asarray(outputs[0].as_tensor()).sum())
-        self.fresh_in += stored
-        self.iterations += 1
+        with self._timing_lock:
+            self.fresh_in += stored
+            self.iterations += 1
+            self.seconds += elapsed
         self.iter_in_epoch += 1
         if self.iter_in_epoch >= owner.iterations_per_epoch:
             self.iter_in_epoch = 0
@@ -304,10 +327,16 @@ class _UpstreamRunner:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def state(self) -> dict[str, int | bool]:
+    def timing(self) -> tuple[int, float, int]:
+        """``(iterations, seconds, fresh samples stored)``, read consistently."""
+        with self._timing_lock:
+            return self.iterations, self.seconds, self.fresh_in
+
+    def state(self) -> dict[str, int | bool | float]:
         return {
             "fresh_in": self.fresh_in,
             "iterations": self.iterations,
+            "seconds": self.seconds,
             "epoch_index": self.epoch_index,
             "iter_in_epoch": self.iter_in_epoch,
             "ended": self.ended,
@@ -316,6 +345,7 @@ class _UpstreamRunner:
     def load(self, state: dict[str, Any]) -> None:
         self.fresh_in = int(state["fresh_in"])
         self.iterations = int(state["iterations"])
+        self.seconds = float(state.get("seconds", 0.0))
         self.epoch_index = int(state["epoch_index"])
         self.iter_in_epoch = int(state["iter_in_epoch"])
         self.ended = bool(state["ended"])
@@ -336,13 +366,23 @@ class EchoPipeline:
     """An upstream and a downstream DALI pipeline joined by a native echo cache.
 
     Create it with :func:`echo_pipeline_def`. Iterate it with :class:`~echopipe.dali.EchoIterator`
-    (PyTorch), or call :meth:`next_batch` for raw DALI outputs. DALI pipelines are built lazily, on
-    the first batch, so :meth:`load_state_dict` can restore a checkpoint before anything runs.
+    (PyTorch), or call :meth:`next_batch` for raw DALI outputs. DALI pipelines are built lazily
+    (by :attr:`shard_size` or :meth:`start`, at the latest on the first batch) and nothing runs
+    before the first batch, so :meth:`load_state_dict` can restore a checkpoint until then.
+
+    Args:
+        on_upstream_error: optional ``callback(error) -> exception or None`` called when the
+            upstream DALI pipeline fails; an exception it returns is raised to the consumer
+            (chained to ``error``) instead of the default ``RuntimeError``. See
+            :meth:`describe_upstream_error`.
 
     Attributes:
         config: the resolved :class:`EchoConfig`.
         cache_name: name of the native cache in echopipe's process-wide registry.
         cache: the :class:`echopipe.EchoCache` itself.
+        downstream_wait_s: seconds the consumer waited for downstream DALI batches.
+        upstream_wait_s: seconds the consumer spent filling the cache itself (deterministic
+            mode only; free-running, the upstream runs on its own thread).
     """
 
     def __init__(
@@ -358,6 +398,7 @@ class EchoPipeline:
         prefetch_queue_depth: int = 2,
         enable_checkpointing: bool = False,
         pipeline_kwargs: dict[str, Any] | None = None,
+        on_upstream_error: Callable[[BaseException], BaseException | None] | None = None,
     ) -> None:
         _plugin.load()
         self.config = config.resolved()
@@ -376,6 +417,9 @@ class EchoPipeline:
         self._prefetch = prefetch_queue_depth
         self._enable_checkpointing = enable_checkpointing
         self._pipeline_kwargs = dict(pipeline_kwargs or {})
+        if on_upstream_error is not None and not callable(on_upstream_error):
+            raise TypeError(f"on_upstream_error must be callable, got {on_upstream_error!r}")
+        self._on_upstream_error = on_upstream_error
         self.cache_name = f"echopipe-dali-{os.getpid()}-{next(_name_counter)}"
         self.cache = _make_cache(self.config, self.cache_name)
         _plugin.set_quota(self.cache_name, -1)
@@ -387,7 +431,7 @@ class EchoPipeline:
         self.downstream: Any = None
         self.num_fields = 0
         self.num_outputs = 0
-        self.shard_size = 0
+        self._shard_size = 0
         self.iterations_per_epoch = 0
         self._scheduled = 0
         self._dali_prefetched = False
@@ -397,8 +441,8 @@ class EchoPipeline:
         self._restore: dict[str, Any] | None = None
         self._started = False
         self._closed = False
-        self.t_up = 0.0
-        self.t_down = 0.0
+        self.upstream_wait_s = 0.0
+        self.downstream_wait_s = 0.0
 
     # -- building --
 
@@ -455,7 +499,19 @@ class EchoPipeline:
         self.upstream, self.downstream = upstream, downstream
         self.num_fields = up_state.num_fields
         self.num_outputs = len(outputs)
-        self.shard_size, self.iterations_per_epoch = self._epoch_geometry(upstream)
+        self._shard_size, self.iterations_per_epoch = self._epoch_geometry(upstream)
+
+    @property
+    def shard_size(self) -> int:
+        """Fresh samples per epoch of this shard (the upstream reader's), 0 without a reader.
+
+        Known once the DALI pipelines are built; reading it builds them (nothing runs, so a
+        checkpoint can still be loaded afterwards).
+        """
+        if self._closed:
+            raise RuntimeError("this EchoPipeline was closed")
+        self._build()
+        return self._shard_size
 
     def _epoch_geometry(self, upstream: Any) -> tuple[int, int]:
         """Fresh samples per epoch of this shard, and upstream iterations per epoch."""
@@ -498,11 +554,30 @@ class EchoPipeline:
 
     # -- running --
 
+    def describe_upstream_error(self, error: BaseException) -> BaseException:
+        """The exception the consumer gets when the upstream DALI pipeline raised ``error``.
+
+        Returns what the ``on_upstream_error`` callback returned, if anything, else a
+        ``RuntimeError`` saying the upstream failed. Subclasses override it to name the cause
+        (the ImageNet builders name the file DALI's decoder rejected). The caller chains the
+        result to ``error``.
+        """
+        if self._on_upstream_error is not None:
+            described = self._on_upstream_error(error)
+            if described is not None:
+                return described
+        return RuntimeError(f"the upstream DALI pipeline failed: {error}")
+
+    def _upstream_failed(self, error: BaseException) -> BaseException:
+        described = self.describe_upstream_error(error)
+        if described is not error and described.__cause__ is None:
+            described.__cause__ = error
+        return described
+
     def _raise_runner_error(self) -> None:
-        if self._runner.error is not None:
-            raise RuntimeError(
-                f"the upstream DALI pipeline failed: {self._runner.error}"
-            ) from self._runner.error
+        error = self._runner.error
+        if error is not None:
+            raise self._upstream_failed(error)
 
     def next_batch(self) -> tuple[list[Any], np.ndarray]:
         """Next downstream batch: (pipeline outputs, info ``int64[batch, 3]``).
@@ -520,8 +595,12 @@ class EchoPipeline:
         self._raise_runner_error()
         t0 = time.perf_counter()
         if self.config.deterministic:
-            self._runner.fill()
-            self.t_up += time.perf_counter() - t0
+            try:
+                self._runner.fill()
+            except Exception as exc:
+                self._runner.error = exc
+                raise self._upstream_failed(exc) from exc
+            self.upstream_wait_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             self.downstream.schedule_run()
             self._scheduled += 1
@@ -541,7 +620,7 @@ class EchoPipeline:
             self._raise_runner_error()
             raise
         self._scheduled -= 1
-        self.t_down += time.perf_counter() - t0
+        self.downstream_wait_s += time.perf_counter() - t0
         info = np.array(outputs[-1].as_tensor())
         valid = int(info[:, 0].sum())
         if valid < self.config.batch_size:
@@ -603,8 +682,8 @@ class EchoPipeline:
                     ([a.copy() for a in arrays], info.copy()) for arrays, info in self._stash
                 ],
                 "input_done": self._input_done,
-                "t_up": self.t_up,
-                "t_down": self.t_down,
+                "upstream_wait_s": self.upstream_wait_s,
+                "downstream_wait_s": self.downstream_wait_s,
             }
             if self._enable_checkpointing:
                 state["dali_upstream"] = self.upstream.checkpoint()
@@ -635,6 +714,9 @@ class EchoPipeline:
                 "this pipeline has enable_checkpointing=True but the checkpoint carries no DALI "
                 "state (it was saved with enable_checkpointing=False)"
             )
+        if self._enable_checkpointing and self.upstream is not None:
+            # Built early (shard_size) without DALI's checkpoints; nothing ran, so rebuild.
+            self.upstream = self.downstream = None
         self._restore = state
 
     def _apply_restore(self, state: dict[str, Any]) -> None:
@@ -646,24 +728,61 @@ class EchoPipeline:
         self._input_done = bool(state["input_done"])
         if self._runner.ended:
             self.cache.end_of_input()
-        self.t_up = float(state.get("t_up", 0.0))
-        self.t_down = float(state.get("t_down", 0.0))
+        self.upstream_wait_s = float(state.get("upstream_wait_s", state.get("t_up", 0.0)))
+        self.downstream_wait_s = float(state.get("downstream_wait_s", state.get("t_down", 0.0)))
 
     # -- info and lifetime --
 
+    def upstream_time(self) -> tuple[int, float]:
+        """``(upstream batches run, seconds they took)`` so far, in either mode.
+
+        Each upstream batch is one ``upstream.run()`` of ``upstream_batch_size`` reader samples,
+        timed by the thread that runs it (restored with a checkpoint).
+        """
+        batches, seconds, _ = self._runner.timing()
+        return batches, seconds
+
+    def upstream_step_seconds(self) -> float:
+        """``t_up``: upstream seconds per downstream batch of fresh samples (nan before any).
+
+        The mean time of one upstream iteration (``upstream.run()``: read, decode, whatever
+        precedes :func:`echo`; timed in both modes), scaled from ``upstream_batch_size`` to
+        ``batch_size`` samples. With ``t_down`` the consumer's time per step, ``R = t_up /
+        t_down`` is the echo factor that keeps both sides busy.
+        """
+        batches, seconds, _ = self._runner.timing()
+        return self._per_step(batches, seconds)
+
+    def _per_step(self, batches: int, seconds: float) -> float:
+        if batches == 0:
+            return math.nan
+        cfg = self.config
+        return seconds / batches * cfg.batch_size / cfg.upstream_batch_size
+
     def stats(self) -> dict[str, Any]:
-        """Cache statistics plus upstream counters (fresh samples stored, iterations, epochs)."""
+        """Cache statistics plus upstream counters and timing.
+
+        Keys: ``fresh_in``, ``emitted``, ``resident``, ``tickets_left``, ``emit_histogram``
+        (cache); ``upstream_batches`` (= ``upstream_iterations``), ``upstream_time_s`` (seconds
+        in those iterations), ``upstream_epochs``, ``upstream_fresh_stored``; ``t_up``
+        (:meth:`upstream_step_seconds`); ``upstream_wait_s`` and ``downstream_wait_s`` (see the
+        attributes).
+        """
         s = self.cache.stats()
+        batches, seconds, stored = self._runner.timing()
         return {
             "fresh_in": int(s.fresh_in),
             "emitted": int(s.emitted),
             "resident": int(s.resident),
             "tickets_left": int(s.tickets_left),
-            "upstream_iterations": self._runner.iterations,
+            "upstream_batches": batches,
+            "upstream_iterations": batches,
+            "upstream_time_s": seconds,
             "upstream_epochs": self._runner.epoch_index,
-            "upstream_fresh_stored": self._runner.fresh_in,
-            "t_up": self.t_up,
-            "t_down": self.t_down,
+            "upstream_fresh_stored": stored,
+            "t_up": self._per_step(batches, seconds),
+            "upstream_wait_s": self.upstream_wait_s,
+            "downstream_wait_s": self.downstream_wait_s,
             "emit_histogram": list(s.emit_histogram),
         }
 
@@ -712,6 +831,7 @@ def echo_pipeline_def(
     memory: str = "auto",
     prefetch_queue_depth: int = 2,
     enable_checkpointing: bool = False,
+    on_upstream_error: Callable[[BaseException], BaseException | None] | None = None,
     **pipeline_kwargs: Any,
 ) -> Any:
     """Decorator: a DALI pipeline function with one :func:`echo` call becomes an echoing pipeline.
@@ -741,6 +861,8 @@ def echo_pipeline_def(
         prefetch_queue_depth: downstream DALI prefetch (forced to 1 when deterministic).
         enable_checkpointing: also checkpoint DALI's own operator states (reader position,
             random augmentation state), so :meth:`EchoPipeline.state_dict` resumes exactly.
+        on_upstream_error: ``callback(error) -> exception or None`` for upstream failures
+            (see :meth:`EchoPipeline.describe_upstream_error`).
         **pipeline_kwargs: passed to both ``nvidia.dali.Pipeline`` objects.
     """
     defaults = dict(
@@ -760,6 +882,7 @@ def echo_pipeline_def(
         memory=memory,
         prefetch_queue_depth=prefetch_queue_depth,
         enable_checkpointing=enable_checkpointing,
+        on_upstream_error=on_upstream_error,
     )
 
     def decorate(func: Callable[..., Any]) -> Callable[..., EchoPipeline]:
@@ -794,6 +917,7 @@ def echo_pipeline_def(
                 prefetch_queue_depth=opts["prefetch_queue_depth"],
                 enable_checkpointing=opts["enable_checkpointing"],
                 pipeline_kwargs=extra,
+                on_upstream_error=opts["on_upstream_error"],
             )
 
         return create

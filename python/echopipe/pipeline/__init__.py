@@ -13,7 +13,14 @@ See ``docs/pipeline.md`` for the schedule, the staleness of each stage and the w
 from __future__ import annotations
 
 from .distributed import DistributedStalePipeline
-from .engine import EpochResult, LossRecord, PipelineError, StalePipeline, StepResult
+from .engine import (
+    EpochResult,
+    LossRecord,
+    PipelineError,
+    StageGradHook,
+    StalePipeline,
+    StepResult,
+)
 from .partition import (
     LayerProfile,
     parse_devices,
@@ -31,6 +38,7 @@ __all__ = [
     "LayerProfile",
     "LossRecord",
     "PipelineError",
+    "StageGradHook",
     "StalePipeline",
     "StepResult",
     "parse_devices",

@@ -39,6 +39,8 @@ __all__ = [
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+StageGradHook = Callable[[int, list[nn.Parameter], list[torch.Tensor | None]], None]
+"""``hook(stage, params, grads)``: sees (and may replace entries of) a stage's gradients."""
 
 _POLL_S = 0.02
 CHECKPOINT_FORMAT = 1
@@ -131,6 +133,18 @@ class _Stopped(Exception):
     pass
 
 
+def _bind_grad_hook(
+    hook: StageGradHook | None, stage: int, params: list[nn.Parameter]
+) -> Callable[[list[torch.Tensor | None]], None] | None:
+    if hook is None:
+        return None
+
+    def bound(grads: list[torch.Tensor | None]) -> None:
+        hook(stage, params, grads)
+
+    return bound
+
+
 def _stage_optimizer(
     factory: OptimizerFactory, params: list[nn.Parameter]
 ) -> torch.optim.Optimizer | None:
@@ -191,6 +205,13 @@ class StalePipeline:
         intra_op_threads: CPU threads per stage worker (an int for all, or one per stage).
             Default: the caller's ``torch.get_num_threads()`` divided among the CPU stages.
         max_prefetch: minibatches the caller may queue ahead of stage 0.
+        grad_hook: optional ``hook(stage, params, grads)``, called in stage ``stage``'s worker
+            thread after each backward and before that stage's optimizer step, with the stage's
+            trainable parameters and their gradients (``None`` where a parameter got none).
+            It may replace entries of ``grads`` (same shapes); the optimizer then sees those.
+            Typical use: average the gradients over data-parallel replicas of the pipeline
+            (``all_reduce`` on a process group per stage). Runs for every update, in the
+            stage's fixed operation order.
     """
 
     def __init__(
@@ -210,6 +231,7 @@ class StalePipeline:
         sample_input: torch.Tensor | None = None,
         intra_op_threads: int | Sequence[int] | None = None,
         max_prefetch: int = 2,
+        grad_hook: StageGradHook | None = None,
     ) -> None:
         if not isinstance(module, nn.Sequential):
             raise TypeError(
@@ -220,6 +242,11 @@ class StalePipeline:
             raise TypeError("optimizer must be a factory: params -> torch.optim.Optimizer")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(output, target)")
+        if grad_hook is not None and not callable(grad_hook):
+            raise TypeError(
+                "grad_hook must be callable as hook(stage, params, grads), got "
+                f"{type(grad_hook).__name__}"
+            )
         if scheduler_interval not in ("epoch", "step"):
             raise ValueError(
                 f"scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}"
@@ -261,6 +288,7 @@ class StalePipeline:
             core = StageCore(
                 k, self.num_stages, stage, device, opt, sched, scheduler_interval,
                 loss_fn if k == self.num_stages - 1 else None, self.recompute,
+                grad_hook=_bind_grad_hook(grad_hook, k, params),
             )  # fmt: skip
             core.staleness = staleness[k]
             self._cores.append(core)
