@@ -1,0 +1,150 @@
+// Native benchmark drivers for bench/echo_cache.py. At 4 KB per sample a Python loop costs more
+// than the cache itself, so the measured loops (producer and consumer threads around one cache, and
+// the memcpy limit over the same bytes) run here in C++, with the GIL released.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "echo/echo_cache.h"
+
+namespace py = pybind11;
+using namespace echopipe;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+py::dict bench_put_take(size_t sample_bytes, size_t n_fresh, int producers, int consumers,
+                        double echo_factor, size_t capacity_bytes, size_t batch, uint64_t seed) {
+  if (sample_bytes == 0 || n_fresh == 0 || producers < 1 || consumers < 1 || batch < 1) {
+    throw std::invalid_argument("bench: sizes and thread counts must be >= 1");
+  }
+  SampleDesc d;
+  d.num_fields = 1;
+  d.fields[0].dtype = DType::kUInt8;
+  d.fields[0].ndim = 1;
+  d.fields[0].shape[0] = static_cast<int64_t>(sample_bytes);
+  EchoConfig cfg;
+  cfg.capacity_bytes = capacity_bytes;
+  cfg.capacity_samples = std::max<size_t>(capacity_bytes / d.extent_bytes(), 1);
+  cfg.echo_factor = echo_factor;
+  cfg.min_fill = cfg.capacity_samples / 2;
+  cfg.seed = seed;
+  cfg.memory = MemoryKind::kPageable;
+  auto cache = EchoCache::create(cfg, "bench");
+  // Fault the arena in before timing, as a long-running job would have.
+  std::memset(const_cast<void*>(cache->arena_host()), 0, capacity_bytes);
+  // Producers copy from a 64 MB source pool, standing in for freshly decoded images.
+  const size_t pool_bytes = std::max<size_t>(size_t{64} << 20, sample_bytes);
+  std::vector<uint8_t> pool(pool_bytes);
+  for (size_t i = 0; i < pool_bytes; ++i) pool[i] = static_cast<uint8_t>(i * 131u);
+  const size_t pool_samples = pool_bytes / sample_bytes;
+
+  std::atomic<size_t> next{0};
+  std::atomic<uint64_t> copies{0}, checksum{0};
+  std::vector<std::thread> threads;
+  double seconds = 0;
+  {
+    py::gil_scoped_release nogil;
+    auto start = Clock::now();
+    for (int p = 0; p < producers; ++p) {
+      threads.emplace_back([&] {
+        for (;;) {
+          size_t i = next.fetch_add(1, std::memory_order_relaxed);
+          if (i >= n_fresh) break;
+          const void* src = pool.data() + (i % pool_samples) * sample_bytes;
+          if (cache->put(d, &src, -1) != PutStatus::kOk) break;
+        }
+      });
+    }
+    for (int c = 0; c < consumers; ++c) {
+      threads.emplace_back([&] {
+        std::vector<uint8_t> dst(batch * sample_bytes);
+        std::vector<SampleLease> out;
+        uint64_t local = 0, sum = 0;
+        for (;;) {
+          out.clear();
+          if (cache->take(batch, out, -1) != TakeStatus::kOk) break;
+          gather(out, 0, dst.data(), nullptr);
+          sum += dst[0];
+          local += out.size();
+        }
+        copies.fetch_add(local);
+        checksum.fetch_add(sum);
+      });
+    }
+    for (int p = 0; p < producers; ++p) threads[p].join();
+    cache->end_of_input();
+    for (size_t i = producers; i < threads.size(); ++i) threads[i].join();
+    seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  EchoStats st = cache->stats();
+  py::dict r;
+  r["seconds"] = seconds;
+  r["fresh"] = st.fresh_in;
+  r["copies"] = copies.load();
+  r["bytes_out"] = copies.load() * sample_bytes;
+  r["puts_blocked"] = st.puts_blocked;
+  r["takes_waited"] = st.takes_waited;
+  r["mean_reuse_distance"] = st.mean_reuse_distance;
+  r["capacity_samples"] = cfg.capacity_samples;
+  r["checksum"] = checksum.load();
+  return r;
+}
+
+// memcpy of `n_copies` samples out of a `src_bytes` region (walked in order, wrapping) into a
+// per-thread batch buffer, split over `threads`: the same copy-out work the consumers do.
+py::dict bench_memcpy(size_t sample_bytes, size_t n_copies, int threads, size_t src_bytes,
+                      size_t batch) {
+  if (sample_bytes == 0 || threads < 1 || src_bytes < sample_bytes || batch < 1) {
+    throw std::invalid_argument("bench_memcpy: bad sizes");
+  }
+  std::vector<uint8_t> src(src_bytes, 1);
+  const size_t src_samples = src_bytes / sample_bytes;
+  double seconds = 0;
+  std::atomic<uint64_t> sink{0};
+  {
+    py::gil_scoped_release nogil;
+    std::vector<std::thread> th;
+    auto start = Clock::now();
+    for (int t = 0; t < threads; ++t) {
+      th.emplace_back([&, t] {
+        std::vector<uint8_t> dst(batch * sample_bytes);
+        size_t share = n_copies / threads + (static_cast<size_t>(t) < n_copies % threads);
+        size_t pos = static_cast<size_t>(t) * (src_samples / threads);
+        uint64_t s = 0;
+        for (size_t i = 0; i < share; ++i) {
+          std::memcpy(dst.data() + (i % batch) * sample_bytes,
+                      src.data() + (pos++ % src_samples) * sample_bytes, sample_bytes);
+          if (i % batch == batch - 1) s += dst[0];
+        }
+        sink.fetch_add(s);
+      });
+    }
+    for (auto& x : th) x.join();
+    seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  py::dict r;
+  r["seconds"] = seconds;
+  r["bytes"] = n_copies * sample_bytes;
+  r["sink"] = sink.load();
+  return r;
+}
+
+}  // namespace
+
+void bind_bench(py::module_& m) {
+  m.def("_bench_put_take", &bench_put_take, py::arg("sample_bytes"), py::arg("n_fresh"),
+        py::arg("producers"), py::arg("consumers"), py::arg("echo_factor"),
+        py::arg("capacity_bytes"), py::arg("batch"), py::arg("seed") = 0,
+        "Native put->take(+gather) throughput of one cache; returns timings and counts.");
+  m.def("_bench_memcpy", &bench_memcpy, py::arg("sample_bytes"), py::arg("n_copies"),
+        py::arg("threads"), py::arg("src_bytes"), py::arg("batch"),
+        "memcpy of the same copy-out bytes (the physical limit for the consumers).");
+}

@@ -1,0 +1,412 @@
+// pybind11 bindings of the echo cache (the private side of python/echopipe/echo.py). They stay
+// thin: raw field pointers in, zero-copy numpy views out, GIL released around every call that can
+// block or copy. std::invalid_argument from the core becomes ValueError (pybind11's default), so
+// messages that name the bad value reach the user unchanged.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda/gather.h"
+#include "echo/echo_cache.h"
+
+namespace py = pybind11;
+using namespace echopipe;
+
+namespace {
+
+// Numpy has no bfloat16: such fields are exposed as uint16 and re-typed on the Python side.
+const char* numpy_name(DType d) { return d == DType::kBFloat16 ? "uint16" : dtype_name(d); }
+
+// One emitted sample copy, owned by Python. Numpy views of its fields use this object as their
+// base, so the slot stays leased while any view is alive.
+struct PyLease {
+  SampleLease lease;
+};
+
+py::array field_view(py::object owner, int field) {
+  const PyLease& pl = owner.cast<const PyLease&>();
+  const SampleLease& l = pl.lease;
+  if (!l.valid()) throw std::invalid_argument("the sample lease was already released");
+  if (field < 0 || field >= l.desc().num_fields) {
+    throw std::invalid_argument("field index " + std::to_string(field) + " out of range for a " +
+                                std::to_string(l.desc().num_fields) + "-field sample");
+  }
+  const FieldDesc& fd = l.desc().fields[field];
+  std::vector<py::ssize_t> shape(fd.shape, fd.shape + fd.ndim);
+  std::vector<py::ssize_t> strides(fd.ndim);
+  py::ssize_t stride = static_cast<py::ssize_t>(dtype_size(fd.dtype));
+  for (int i = fd.ndim - 1; i >= 0; --i) {
+    strides[i] = stride;
+    stride *= fd.shape[i];
+  }
+  py::array arr(py::dtype(numpy_name(fd.dtype)), std::move(shape), std::move(strides),
+                l.data(field), owner);
+  // Copies of a sample share its memory: a write through one view would corrupt the others.
+  py::detail::array_proxy(arr.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  return arr;
+}
+
+SampleDesc make_desc(const std::vector<std::string>& dtypes,
+                     const std::vector<std::vector<int64_t>>& shapes) {
+  if (dtypes.size() != shapes.size()) {
+    throw std::invalid_argument("got " + std::to_string(dtypes.size()) + " dtypes but " +
+                                std::to_string(shapes.size()) + " shapes");
+  }
+  if (dtypes.empty() || dtypes.size() > static_cast<size_t>(kMaxFields)) {
+    throw std::invalid_argument("a sample needs 1.." + std::to_string(kMaxFields) +
+                                " fields, got " + std::to_string(dtypes.size()));
+  }
+  SampleDesc d;
+  d.num_fields = static_cast<int>(dtypes.size());
+  for (size_t f = 0; f < dtypes.size(); ++f) {
+    d.fields[f].dtype = dtype_from_name(dtypes[f]);
+    if (shapes[f].size() > static_cast<size_t>(kMaxDims)) {
+      throw std::invalid_argument("field " + std::to_string(f) + " has " +
+                                  std::to_string(shapes[f].size()) + " dimensions; at most " +
+                                  std::to_string(kMaxDims) + " are supported");
+    }
+    d.fields[f].ndim = static_cast<int>(shapes[f].size());
+    for (size_t i = 0; i < shapes[f].size(); ++i) d.fields[f].shape[i] = shapes[f][i];
+  }
+  d.validate();
+  return d;
+}
+
+py::dict stats_dict(const EchoStats& s) {
+  py::dict d;
+  d["fresh_in"] = s.fresh_in;
+  d["emitted"] = s.emitted;
+  d["resident"] = s.resident;
+  d["resident_with_tickets"] = s.resident_with_tickets;
+  d["tickets_left"] = s.tickets_left;
+  d["retired"] = s.retired;
+  d["bytes_used"] = s.bytes_used;
+  d["capacity_bytes"] = s.capacity_bytes;
+  d["capacity_samples"] = s.capacity_samples;
+  d["emit_histogram"] = s.emit_histogram;
+  d["mean_reuse_distance"] = s.mean_reuse_distance;
+  d["reuse_pairs"] = s.reuse_pairs;
+  d["memory_kind"] = memory_kind_name(s.memory_kind);
+  d["puts_blocked"] = s.puts_blocked;
+  d["put_blocked_seconds"] = s.put_blocked_seconds;
+  d["takes_waited"] = s.takes_waited;
+  d["take_wait_seconds"] = s.take_wait_seconds;
+  d["closed"] = s.closed;
+  d["input_ended"] = s.input_ended;
+  return d;
+}
+
+std::vector<SampleLease> take_leases(EchoCache& c, int64_t n, double timeout, TakeStatus* st) {
+  if (n < 1) throw std::invalid_argument("take(n) needs n >= 1, got n=" + std::to_string(n));
+  std::vector<SampleLease> out;
+  py::gil_scoped_release nogil;
+  *st = c.take(static_cast<size_t>(n), out, timeout);
+  return out;
+}
+
+// Gathers field `f` of `leases` into new arrays: (N, *shape) when all shapes agree, else a flat
+// array plus int64 element offsets (N + 1).
+py::tuple gather_field(const std::vector<SampleLease>& leases, int f) {
+  const FieldDesc& f0 = leases[0].desc().fields[f];
+  bool uniform = true;
+  for (const auto& l : leases) {
+    if (f >= l.desc().num_fields) {
+      throw std::invalid_argument("take_batch: field " + std::to_string(f) +
+                                  " is missing in a sample with " +
+                                  std::to_string(l.desc().num_fields) + " fields");
+    }
+    const FieldDesc& fd = l.desc().fields[f];
+    if (fd.dtype != f0.dtype) {
+      throw std::invalid_argument(std::string("take_batch: field ") + std::to_string(f) +
+                                  " mixes dtypes " + dtype_name(f0.dtype) + " and " +
+                                  dtype_name(fd.dtype));
+    }
+    if (fd.ndim != f0.ndim || !std::equal(fd.shape, fd.shape + fd.ndim, f0.shape)) uniform = false;
+  }
+  size_t total = gather_bytes(leases, f);
+  size_t esize = dtype_size(f0.dtype);
+  py::dtype dt(numpy_name(f0.dtype));
+  if (uniform) {
+    std::vector<py::ssize_t> shape{static_cast<py::ssize_t>(leases.size())};
+    for (int i = 0; i < f0.ndim; ++i) shape.push_back(f0.shape[i]);
+    py::array arr(dt, shape);
+    void* dst = arr.mutable_data();
+    {
+      py::gil_scoped_release nogil;
+      gather(leases, f, dst, nullptr);
+    }
+    return py::make_tuple(arr, py::none());
+  }
+  py::array flat(dt, std::vector<py::ssize_t>{static_cast<py::ssize_t>(total / esize)});
+  py::array_t<int64_t> offsets(static_cast<py::ssize_t>(leases.size() + 1));
+  void* dst = flat.mutable_data();
+  int64_t* off = offsets.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    gather(leases, f, dst, off);
+  }
+  for (size_t i = 0; i <= leases.size(); ++i) off[i] /= static_cast<int64_t>(esize);
+  return py::make_tuple(flat, offsets);
+}
+
+}  // namespace
+
+void bind_echo(py::module_& m) {
+  m.def("built_with_cuda", &built_with_cuda, "True when the CUDA kernels were compiled in.");
+  m.def("cuda_device_count", &cuda_device_count,
+        "CUDA devices visible now (0 without CUDA/driver); first call touches the runtime.");
+  m.def("cuda_available", &cuda_available);
+  m.def("cache_names", &cache_names, "Names of registered echo caches.");
+  m.def("remove_cache", &remove_cache, py::arg("name"));
+  m.def("find_cache_handle", [](const std::string& name) -> py::object {
+    auto c = find_cache(name);
+    if (!c) return py::none();
+    return py::int_(c->handle());
+  });
+  m.def("dtype_names", [] {
+    std::vector<std::string> v;
+    for (int i = 0; i <= static_cast<int>(DType::kBool); ++i) {
+      v.emplace_back(dtype_name(static_cast<DType>(i)));
+    }
+    return v;
+  });
+  m.def("normalize_dtype", [](const std::string& n) { return dtype_name(dtype_from_name(n)); });
+
+  py::class_<PyLease, std::shared_ptr<PyLease>>(m, "Lease")
+      .def_property_readonly("sample_id", [](const PyLease& p) { return p.lease.sample_id(); })
+      .def_property_readonly("emission", [](const PyLease& p) { return p.lease.emission(); })
+      .def_property_readonly("tickets", [](const PyLease& p) { return p.lease.tickets(); })
+      .def_property_readonly("index_in_unit",
+                             [](const PyLease& p) { return p.lease.index_in_unit(); })
+      .def_property_readonly("num_fields",
+                             [](const PyLease& p) { return p.lease.desc().num_fields; })
+      .def("dtype",
+           [](const PyLease& p, int f) {
+             if (f < 0 || f >= p.lease.desc().num_fields) {
+               throw std::invalid_argument("field index " + std::to_string(f) + " out of range");
+             }
+             return std::string(dtype_name(p.lease.desc().fields[f].dtype));
+           })
+      .def("array", &field_view, py::arg("field"),
+           "Read-only zero-copy numpy view of a field; keeps this lease alive.")
+      .def("data_ptr",
+           [](const PyLease& p, int f) { return reinterpret_cast<uintptr_t>(p.lease.data(f)); })
+      .def("device_ptr", [](const PyLease& p, int f) {
+        return reinterpret_cast<uintptr_t>(p.lease.device_data(f));
+      });
+
+  py::class_<EchoCache, std::shared_ptr<EchoCache>>(m, "EchoCache")
+      .def(py::init([](size_t capacity_bytes, size_t capacity_samples, double echo_factor,
+                       size_t min_fill, uint64_t seed, const std::string& mode, size_t batch_size,
+                       const std::string& memory, const std::string& name, size_t num_shards) {
+             EchoConfig cfg;
+             cfg.capacity_bytes = capacity_bytes;
+             cfg.capacity_samples = capacity_samples;
+             cfg.echo_factor = echo_factor;
+             cfg.min_fill = min_fill;
+             cfg.seed = seed;
+             cfg.mode = echo_mode_from_name(mode);
+             cfg.batch_size = batch_size;
+             cfg.memory = memory_kind_from_name(memory);
+             cfg.num_shards = num_shards;
+             return create_cache(name, cfg);  // registered, so the DALI plugin can find it
+           }),
+           py::arg("capacity_bytes"), py::arg("capacity_samples"), py::arg("echo_factor"),
+           py::arg("min_fill"), py::arg("seed"), py::arg("mode"), py::arg("batch_size"),
+           py::arg("memory"), py::arg("name"), py::arg("num_shards") = 0)
+      .def_property_readonly("name", &EchoCache::name)
+      .def_property_readonly("handle", &EchoCache::handle)
+      .def_property_readonly("memory_kind",
+                             [](const EchoCache& c) { return memory_kind_name(c.memory_kind()); })
+      .def_property_readonly(
+          "arena_device_ptr",
+          [](const EchoCache& c) { return reinterpret_cast<uintptr_t>(c.arena_device()); })
+      .def_property_readonly("closed", &EchoCache::closed)
+      .def(
+          "put_raw",
+          [](EchoCache& c, const std::vector<uintptr_t>& ptrs,
+             const std::vector<std::string>& dtypes,
+             const std::vector<std::vector<int64_t>>& shapes, double timeout) {
+            SampleDesc d = make_desc(dtypes, shapes);
+            if (ptrs.size() != dtypes.size()) {
+              throw std::invalid_argument("got " + std::to_string(ptrs.size()) + " pointers for " +
+                                          std::to_string(dtypes.size()) + " fields");
+            }
+            const void* data[kMaxFields];
+            for (size_t i = 0; i < ptrs.size(); ++i)
+              data[i] = reinterpret_cast<const void*>(ptrs[i]);
+            py::gil_scoped_release nogil;
+            return std::string(put_status_name(c.put(d, data, timeout)));
+          },
+          py::arg("ptrs"), py::arg("dtypes"), py::arg("shapes"), py::arg("timeout"),
+          "Copies one sample in from raw host pointers (the caller keeps them alive). Returns "
+          "'ok', 'timeout', 'closed' or 'ended'.")
+      .def(
+          "put_rows_raw",
+          [](EchoCache& c, const std::vector<uintptr_t>& ptrs,
+             const std::vector<std::string>& dtypes,
+             const std::vector<std::vector<int64_t>>& row_shapes, int64_t rows, double timeout) {
+            SampleDesc d = make_desc(dtypes, row_shapes);
+            if (ptrs.size() != dtypes.size()) {
+              throw std::invalid_argument("got " + std::to_string(ptrs.size()) + " pointers for " +
+                                          std::to_string(dtypes.size()) + " fields");
+            }
+            if (rows < 0)
+              throw std::invalid_argument("rows must be >= 0, got " + std::to_string(rows));
+            int64_t done = 0;
+            PutStatus st = PutStatus::kOk;
+            {
+              py::gil_scoped_release nogil;
+              for (; done < rows; ++done) {
+                const void* data[kMaxFields];
+                for (int f = 0; f < d.num_fields; ++f) {
+                  data[f] = reinterpret_cast<const uint8_t*>(ptrs[f]) +
+                            static_cast<size_t>(done) * d.fields[f].nbytes();
+                }
+                st = c.put(d, data, timeout);
+                if (st != PutStatus::kOk) break;
+              }
+            }
+            return py::make_tuple(std::string(put_status_name(st)), done);
+          },
+          py::arg("ptrs"), py::arg("dtypes"), py::arg("row_shapes"), py::arg("rows"),
+          py::arg("timeout"),
+          "Puts `rows` samples whose fields are consecutive rows of the given arrays (one native "
+          "loop, GIL released). Returns (status, rows put); the timeout applies to each row.")
+      .def(
+          "take",
+          [](EchoCache& c, int64_t n, double timeout) {
+            TakeStatus st;
+            std::vector<SampleLease> leases = take_leases(c, n, timeout, &st);
+            py::list out;
+            for (auto& l : leases) {
+              auto pl = std::make_shared<PyLease>();
+              pl->lease = std::move(l);
+              out.append(py::cast(pl));
+            }
+            return py::make_tuple(std::string(take_status_name(st)), out);
+          },
+          py::arg("n"), py::arg("timeout"),
+          "Returns (status, [Lease]); status is 'ok', 'timeout', 'closed' or 'end'.")
+      .def(
+          "take_batch",
+          [](EchoCache& c, int64_t n, double timeout) {
+            TakeStatus st;
+            std::vector<SampleLease> leases = take_leases(c, n, timeout, &st);
+            py::list fields;
+            py::array_t<uint64_t> ids(static_cast<py::ssize_t>(leases.size()));
+            py::array_t<uint32_t> emissions(static_cast<py::ssize_t>(leases.size()));
+            py::list dtypes, shapes;
+            if (!leases.empty()) {
+              int nf = leases[0].desc().num_fields;
+              for (int f = 0; f < nf; ++f) {
+                fields.append(gather_field(leases, f));
+                dtypes.append(dtype_name(leases[0].desc().fields[f].dtype));
+              }
+              for (size_t i = 0; i < leases.size(); ++i) {
+                ids.mutable_at(i) = leases[i].sample_id();
+                emissions.mutable_at(i) = leases[i].emission();
+                py::list per;
+                for (int f = 0; f < nf; ++f) {
+                  const FieldDesc& fd = leases[i].desc().fields[f];
+                  per.append(
+                      py::tuple(py::cast(std::vector<int64_t>(fd.shape, fd.shape + fd.ndim))));
+                }
+                shapes.append(per);
+              }
+              py::gil_scoped_release nogil;
+              leases.clear();
+            }
+            return py::make_tuple(std::string(take_status_name(st)), fields, dtypes, shapes, ids,
+                                  emissions);
+          },
+          py::arg("n"), py::arg("timeout"),
+          "Takes n copies and gathers each field into one new contiguous array. Returns (status, "
+          "[(array, offsets|None)], dtypes, per-sample shapes, sample_ids, emissions).")
+      .def("end_of_input", &EchoCache::end_of_input)
+      .def("reset_input", &EchoCache::reset_input)
+      .def("close", &EchoCache::close, py::call_guard<py::gil_scoped_release>())
+      .def("stats", [](const EchoCache& c) { return stats_dict(c.stats()); })
+      .def("save_state",
+           [](const EchoCache& c) {
+             std::vector<uint8_t> blob;
+             {
+               py::gil_scoped_release nogil;
+               blob = c.save_state();
+             }
+             return py::bytes(reinterpret_cast<const char*>(blob.data()), blob.size());
+           })
+      .def("restore_state", [](EchoCache& c, py::bytes blob) {
+        std::string_view v = blob;
+        py::gil_scoped_release nogil;
+        c.restore_state(reinterpret_cast<const uint8_t*>(v.data()), v.size());
+      });
+
+  // CUDA: gather leased samples from the mapped pinned arena straight into a device batch.
+  m.def(
+      "gather_to_device",
+      [](const std::vector<std::shared_ptr<PyLease>>& leases, int field, uintptr_t dst,
+         uintptr_t stream) {
+        std::vector<const void*> src;
+        std::vector<int64_t> sizes;
+        for (const auto& p : leases) {
+          const void* d = p->lease.device_data(field);
+          if (d == nullptr) {
+            throw std::runtime_error(
+                "gather_to_device needs a pinned, GPU-mapped cache (memory_kind is not 'pinned')");
+          }
+          src.push_back(d);
+          sizes.push_back(static_cast<int64_t>(p->lease.nbytes(field)));
+        }
+        py::gil_scoped_release nogil;
+        echopipe::cuda::gather_bytes(src.data(), sizes.data(), static_cast<int64_t>(src.size()),
+                                     reinterpret_cast<void*>(dst), reinterpret_cast<void*>(stream));
+      },
+      py::arg("leases"), py::arg("field"), py::arg("dst_ptr"), py::arg("stream") = 0);
+  m.def(
+      "gather_normalize_to_device",
+      [](const std::vector<std::shared_ptr<PyLease>>& leases, int field,
+         const std::vector<float>& mean, const std::vector<float>& std, bool to_chw, uintptr_t dst,
+         uintptr_t stream) {
+        if (leases.empty()) return;
+        const FieldDesc& f0 = leases[0]->lease.desc().fields[field];
+        if (f0.dtype != DType::kUInt8 || f0.ndim != 3) {
+          throw std::invalid_argument("gather_normalize_to_device needs uint8 HWC images, got " +
+                                      std::string(dtype_name(f0.dtype)) +
+                                      " with ndim=" + std::to_string(f0.ndim));
+        }
+        if (mean.size() != static_cast<size_t>(f0.shape[2]) || std.size() != mean.size()) {
+          throw std::invalid_argument(
+              "mean/std need " + std::to_string(f0.shape[2]) + " values (one per channel), got " +
+              std::to_string(mean.size()) + "/" + std::to_string(std.size()));
+        }
+        std::vector<const void*> src;
+        for (const auto& p : leases) {
+          const FieldDesc& fd = p->lease.desc().fields[field];
+          if (fd.dtype != f0.dtype || fd.ndim != 3 ||
+              !std::equal(fd.shape, fd.shape + 3, f0.shape)) {
+            throw std::invalid_argument("gather_normalize_to_device needs equal image shapes");
+          }
+          const void* d = p->lease.device_data(field);
+          if (d == nullptr) {
+            throw std::runtime_error(
+                "gather_normalize_to_device needs a pinned, GPU-mapped cache (memory_kind is not "
+                "'pinned')");
+          }
+          src.push_back(d);
+        }
+        py::gil_scoped_release nogil;
+        echopipe::cuda::gather_normalize_u8(src.data(), static_cast<int64_t>(src.size()),
+                                            f0.shape[0], f0.shape[1], f0.shape[2], mean.data(),
+                                            std.data(), to_chw, reinterpret_cast<float*>(dst),
+                                            reinterpret_cast<void*>(stream));
+      },
+      py::arg("leases"), py::arg("field"), py::arg("mean"), py::arg("std"), py::arg("to_chw"),
+      py::arg("dst_ptr"), py::arg("stream") = 0);
+}

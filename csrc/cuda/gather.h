@@ -1,0 +1,32 @@
+// Device-side gather of echo-cache samples into one device batch. The cache arena is pinned and
+// mapped (cudaHostAllocMapped), so a kernel can read sample slots straight from host memory over
+// PCIe/NVLink without a staging copy; these kernels write the batch contiguously on the device,
+// optionally fused with uint8 -> float normalisation and HWC -> CHW. Compiled by nvcc only; without
+// CUDA the same functions exist (csrc/echo/cuda_stub.cc) and throw std::runtime_error.
+// Pointers and the stream are passed as raw integers/void* so the Python bindings can forward
+// torch data_ptr() values and torch.cuda.current_stream().cuda_stream unchanged.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "echo/export.h"
+
+namespace echopipe::cuda {
+
+/// Copies `n` byte ranges (`src[i]`, `sizes[i]` bytes; device-accessible, e.g. mapped pinned
+/// pointers from SampleLease::device_data) back to back into device memory `dst`, on `stream`
+/// (a cudaStream_t; nullptr = legacy default stream). `src`/`sizes` are host arrays. Asynchronous
+/// with respect to the host; the source slots must stay leased until the stream reaches this work.
+ECHOPIPE_API void gather_bytes(const void* const* src, const int64_t* sizes, int64_t n, void* dst,
+                               void* stream);
+
+/// Gathers `n` uint8 images of identical shape H x W x C (HWC, dense) from device-accessible
+/// `src[i]` into float32 `dst` (device), computing (x - mean[c]) / std[c] per channel (`mean`,
+/// `std` are host arrays of C floats, 1 <= C <= 4). Output layout is N x C x H x W when `to_chw`,
+/// else N x H x W x C. Asynchronous on `stream`.
+ECHOPIPE_API void gather_normalize_u8(const void* const* src, int64_t n, int64_t height,
+                                      int64_t width, int64_t channels, const float* mean,
+                                      const float* std, bool to_chw, float* dst, void* stream);
+
+}  // namespace echopipe::cuda

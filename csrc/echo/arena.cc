@@ -1,0 +1,100 @@
+// Allocation of the echo cache arena and the lazy CUDA device probe. The CUDA runtime is linked
+// statically and loads libcuda on first use, so cuda_device_count() is the first call that can
+// touch the driver; with no driver or no device it reports 0 and the arena is pageable.
+#include "echo/arena.h"
+
+#include <sys/mman.h>
+
+#include <stdexcept>
+#include <string>
+
+#ifdef ECHOPIPE_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace echopipe {
+
+bool built_with_cuda() {
+#ifdef ECHOPIPE_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int cuda_device_count() {
+#ifdef ECHOPIPE_WITH_CUDA
+  // Devices cannot appear during the process's life; probe once.
+  static const int count = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 0;
+    }
+    return n;
+  }();
+  return count;
+#else
+  return 0;
+#endif
+}
+
+bool cuda_available() { return built_with_cuda() && cuda_device_count() > 0; }
+
+namespace detail {
+
+Arena arena_allocate(size_t bytes, MemoryKind requested) {
+  Arena a;
+  a.size = bytes;
+  bool pinned =
+      requested == MemoryKind::kPinned || (requested == MemoryKind::kAuto && cuda_available());
+  if (pinned) {
+    if (!cuda_available()) {
+      throw std::runtime_error(
+          std::string("memory='pinned' needs a CUDA device, but ") +
+          (built_with_cuda() ? "the CUDA runtime found none" : "echopipe was built without CUDA"));
+    }
+#ifdef ECHOPIPE_WITH_CUDA
+    void* p = nullptr;
+    cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw std::runtime_error("cudaHostAlloc of " + std::to_string(bytes) +
+                               " bytes failed: " + cudaGetErrorString(err));
+    }
+    void* d = nullptr;
+    if (cudaHostGetDevicePointer(&d, p, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      d = nullptr;  // pinned but not mapped (no unified addressing): host copies still work
+    }
+    a.host = p;
+    a.device = d;
+    a.kind = MemoryKind::kPinned;
+    return a;
+#endif
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    throw std::runtime_error("could not map " + std::to_string(bytes) +
+                             " bytes of pageable memory for the echo cache arena");
+  }
+  a.host = p;
+  a.kind = MemoryKind::kPageable;
+  return a;
+}
+
+void arena_free(Arena& a) noexcept {
+  if (a.host == nullptr) return;
+  if (a.kind == MemoryKind::kPinned) {
+#ifdef ECHOPIPE_WITH_CUDA
+    (void)cudaFreeHost(a.host);
+#endif
+  } else {
+    munmap(a.host, a.size);
+  }
+  a.host = nullptr;
+  a.device = nullptr;
+}
+
+}  // namespace detail
+}  // namespace echopipe

@@ -1,0 +1,395 @@
+// echopipe echo cache: a bounded, thread-safe buffer that re-emits every sample it receives a
+// random number of times (data echoing, Choi et al. 2019), in random order. It is the native core
+// shared by the pybind11 module (echopipe._C) and the DALI plugin (libechopipe_dali.so).
+//
+// Algorithm.
+//  * Storage. One fixed byte arena (pageable, or pinned + GPU-mapped when a CUDA device exists)
+//    that never grows, plus `capacity_samples` slots. A sample's fields (up to kMaxFields) are
+//    stored back to back, each 64-byte aligned, in ONE extent of the arena. Extents come from a
+//    best-fit free-extent allocator that coalesces neighbours on free, under one short lock taken
+//    once per put and once per retired sample (never per draw).
+//  * Units and tickets. The unit of echoing is one sample (EchoMode::kExample) or one batch of
+//    `batch_size` consecutive commits (EchoMode::kBatch). A fresh unit gets floor(e) or ceil(e)
+//    tickets, ceil with probability frac(e), from a counter-based RNG keyed by (seed, sample_id),
+//    so tickets are deterministic given the seed and the put order. Each unit has one 64-bit
+//    atomic state word `tickets << 32 | readers`.
+//  * Random draw without a global lock. Units holding tickets live in S sharded index sets
+//    (arrays with swap-removal), each under its own small mutex. A global atomic `available`
+//    counts tickets in the index. A taker first claims n tickets from `available` with a CAS
+//    (all or nothing), which guarantees that n draws will succeed; then, per draw, it picks a
+//    shard with probability proportional to its size (S relaxed loads), locks only that shard,
+//    picks a uniform member, and applies `state += readers_per_unit - (1 << 32)` (one ticket
+//    becomes `k` reader references, one per member sample). The taker that removes the last
+//    ticket swap-removes the unit from the shard, under the same shard lock.
+//  * Exact accounting. A unit enters an index exactly once (publish) with tickets >= 1, and
+//    leaves it exactly once (its last ticket). Each ticket is consumed by exactly one draw because
+//    decrements are serialised by the shard lock and `available` never over-commits. A lease
+//    drops one reader with fetch_sub; the one release that brings the state word to 0 (no tickets
+//    AND no readers) retires the unit and frees its extents and slots. The word can only reach 0
+//    once, because nothing adds to it after the unit left the index. So a slot is reused only when
+//    its tickets are 0 and no reader holds it, and every sample is emitted exactly its ticket
+//    count (the C++ stress test and TSAN check this).
+//  * Waiting. Only an empty or full cache waits, on a condition variable with a waiter count.
+//    The waiter registers (seq_cst), re-checks its condition under the mutex, then waits; the
+//    notifier changes the state (seq_cst), reads the waiter count and, when non-zero, notifies
+//    under the same mutex, so a wakeup cannot be missed (Dekker on seq_cst). Every wait is also
+//    bounded by a 100 ms poll, so close() wakes everybody within 100 ms even in the worst case.
+//  * No deadlock. Consumers wait for `min_fill` resident samples with tickets (warm-up), except
+//    when a producer is blocked for space or end_of_input() was called; and a take never waits for
+//    more tickets than exist while a producer is blocked for space (it then returns a short batch).
+//    Space held by retired tickets is freed as soon as the readers release their leases, so a
+//    fragmented arena always becomes free again while consumers drain.
+//
+// Lifetime. EchoCache is always held by std::shared_ptr (EchoCache::create or the registry).
+// Leases hold a shared_ptr to their cache, so sample memory stays valid until the last lease is
+// dropped, even after close() and after every other owner is gone.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "echo/export.h"
+
+namespace echopipe {
+
+// ---- element types -------------------------------------------------------------------------
+
+/// Element type of a field. Values are stable (they are written into saved state).
+enum class DType : uint8_t {
+  kUInt8 = 0,
+  kInt8 = 1,
+  kUInt16 = 2,
+  kInt16 = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+  kFloat16 = 6,
+  kBFloat16 = 7,
+  kFloat32 = 8,
+  kFloat64 = 9,
+  kBool = 10,
+};
+
+/// Size in bytes of one element; throws std::invalid_argument for a value outside DType.
+ECHOPIPE_API size_t dtype_size(DType dtype);
+/// Canonical lower-case name: "uint8", "int8", "uint16", "int16", "int32", "int64", "float16",
+/// "bfloat16", "float32", "float64", "bool".
+ECHOPIPE_API const char* dtype_name(DType dtype);
+/// Parses a canonical name (also accepts numpy-style aliases "u1", "f4", "half", "float",
+/// "double"). Throws std::invalid_argument("unsupported dtype '<name>' ...") for anything else.
+ECHOPIPE_API DType dtype_from_name(std::string_view name);
+
+// ---- sample description --------------------------------------------------------------------
+
+constexpr int kMaxFields = 4;           ///< fields per sample (e.g. image, label, metadata)
+constexpr int kMaxDims = 8;             ///< dimensions per field
+constexpr size_t kFieldAlignment = 64;  ///< every field starts at a multiple of this in the arena
+
+/// One field of a sample: a dense C-contiguous array.
+struct FieldDesc {
+  DType dtype = DType::kUInt8;
+  int ndim = 0;                  ///< 0 = scalar (one element)
+  int64_t shape[kMaxDims] = {};  ///< first `ndim` entries are used; each >= 0
+
+  /// Number of elements (product of the shape; 1 for a scalar).
+  ECHOPIPE_API int64_t numel() const;
+  /// numel() * dtype_size(dtype).
+  ECHOPIPE_API size_t nbytes() const;
+};
+
+/// A sample: 1..kMaxFields fields.
+struct SampleDesc {
+  int num_fields = 0;
+  FieldDesc fields[kMaxFields];
+
+  /// Throws std::invalid_argument naming the bad value (num_fields, ndim, negative dim, dtype).
+  ECHOPIPE_API void validate() const;
+  /// Bytes one sample occupies in the arena: sum of field sizes, each rounded up to 64 B.
+  ECHOPIPE_API size_t extent_bytes() const;
+  /// Offset of field `i` inside the sample's extent.
+  ECHOPIPE_API size_t field_offset(int i) const;
+};
+
+// ---- configuration -------------------------------------------------------------------------
+
+/// Unit of echoing.
+enum class EchoMode : uint8_t {
+  kExample = 0,  ///< each sample is drawn and echoed on its own
+  kBatch = 1,    ///< `batch_size` consecutive commits form one unit sharing its tickets
+};
+
+/// Where the arena lives.
+enum class MemoryKind : uint8_t {
+  kAuto = 0,  ///< pinned when built with CUDA and a device is present at run time, else pageable
+  kPageable = 1,  ///< ordinary (page-aligned mmap) host memory
+  kPinned = 2,    ///< cudaHostAlloc(portable | mapped); an error when no device is available
+};
+
+ECHOPIPE_API const char* echo_mode_name(EchoMode mode);
+/// "example" | "batch"; throws std::invalid_argument naming the value otherwise.
+ECHOPIPE_API EchoMode echo_mode_from_name(std::string_view name);
+ECHOPIPE_API const char* memory_kind_name(MemoryKind kind);
+/// "auto" | "pageable" | "pinned"; throws std::invalid_argument naming the value otherwise.
+ECHOPIPE_API MemoryKind memory_kind_from_name(std::string_view name);
+
+struct EchoConfig {
+  size_t capacity_bytes = size_t{256} << 20;  ///< arena size (>= 64); fixed for the cache's life
+  size_t capacity_samples = 4096;             ///< slots (>= 1, < 2^31); in batch mode >= batch_size
+  double echo_factor = 2.0;  ///< e >= 1 (finite); e = 1 makes a plain shuffle buffer
+  size_t min_fill = 0;  ///< warm-up: samples with tickets before takes start (<= capacity_samples)
+  uint64_t seed = 0;    ///< tickets and draws are reproducible from it
+  EchoMode mode = EchoMode::kExample;
+  size_t batch_size = 1;  ///< batch mode: samples per unit (>= 1); ignored in example mode
+  MemoryKind memory = MemoryKind::kAuto;
+  size_t num_shards = 0;  ///< index shards; 0 = automatic (16, fewer for tiny caches)
+
+  /// Throws std::invalid_argument whose message names the field and the bad value.
+  ECHOPIPE_API void validate() const;
+};
+
+// ---- statuses ------------------------------------------------------------------------------
+
+enum class PutStatus : uint8_t {
+  kOk = 0,
+  kTimeout = 1,  ///< no space freed up before the timeout; nothing was stored
+  kClosed = 2,   ///< close() was called; nothing was stored
+  kEnded = 3,    ///< end_of_input() was called and reset_input() not yet; nothing was stored
+};
+enum class TakeStatus : uint8_t {
+  kOk = 0,       ///< `out` got 1..n samples (fewer than n only for the last batch or a full cache)
+  kTimeout = 1,  ///< nothing was taken
+  kClosed = 2,   ///< close() was called; nothing was taken
+  kEnd = 3,      ///< end_of_input() was called and every ticket has been emitted
+};
+ECHOPIPE_API const char* put_status_name(PutStatus s);
+ECHOPIPE_API const char* take_status_name(TakeStatus s);
+
+class EchoCache;
+
+// ---- leases and reservations ---------------------------------------------------------------
+
+/// Read access to one emitted copy of a sample. Move-only RAII: the slot is not reused while a
+/// lease on it exists. The memory is shared by all copies of the sample: never write through it.
+class ECHOPIPE_API SampleLease {
+ public:
+  SampleLease() = default;
+  SampleLease(SampleLease&& other) noexcept;
+  SampleLease& operator=(SampleLease&& other) noexcept;
+  SampleLease(const SampleLease&) = delete;
+  SampleLease& operator=(const SampleLease&) = delete;
+  ~SampleLease();
+
+  /// False for a default-constructed or moved-from lease.
+  bool valid() const { return cache_ != nullptr; }
+  /// Drops the reader reference now (the destructor does it otherwise). Idempotent.
+  void release();
+
+  const SampleDesc& desc() const;
+  /// Host pointer to field `i` (0 <= i < desc().num_fields); 64-byte aligned.
+  const void* data(int field) const;
+  /// Device pointer to field `i` when the arena is pinned and mapped, else nullptr.
+  const void* device_data(int field) const;
+  size_t nbytes(int field) const;
+  /// Monotonic id the cache gave this sample when it was committed (0, 1, 2, ...).
+  uint64_t sample_id() const;
+  /// Which copy this is: 0 .. tickets()-1 (in the order the copies were drawn).
+  uint32_t emission() const { return emission_; }
+  /// Total tickets (copies) of this sample's unit.
+  uint32_t tickets() const;
+  /// Index of the sample inside its unit (always 0 in example mode; put order in batch mode).
+  uint32_t index_in_unit() const { return index_in_unit_; }
+  /// Slot index in the cache (stable while the lease lives; for diagnostics).
+  uint32_t slot() const { return slot_; }
+  /// The cache this lease reads from.
+  const std::shared_ptr<EchoCache>& cache() const { return cache_; }
+
+ private:
+  friend class EchoCache;
+  std::shared_ptr<EchoCache> cache_;
+  uint32_t slot_ = 0;
+  uint32_t unit_ = 0;
+  uint32_t emission_ = 0;
+  uint32_t index_in_unit_ = 0;
+};
+
+/// A slot reserved for zero-copy put: write each field into `field_data(i)`, then
+/// EchoCache::commit(). Move-only; destroying an uncommitted reservation aborts it.
+class ECHOPIPE_API PutReservation {
+ public:
+  PutReservation() = default;
+  PutReservation(PutReservation&& other) noexcept;
+  PutReservation& operator=(PutReservation&& other) noexcept;
+  PutReservation(const PutReservation&) = delete;
+  PutReservation& operator=(const PutReservation&) = delete;
+  ~PutReservation();
+
+  bool valid() const { return cache_ != nullptr; }
+  /// Writable host pointer to field `i` of the reserved extent.
+  void* field_data(int field) const;
+  const SampleDesc& desc() const;
+  uint32_t slot() const { return slot_; }
+
+ private:
+  friend class EchoCache;
+  std::shared_ptr<EchoCache> cache_;
+  uint32_t slot_ = 0;
+};
+
+// ---- statistics ----------------------------------------------------------------------------
+
+struct EchoStats {
+  uint64_t fresh_in = 0;  ///< samples committed
+  uint64_t emitted = 0;   ///< sample copies handed out by take
+  uint64_t resident = 0;  ///< samples occupying a slot (with tickets, leased, or reserved)
+  uint64_t resident_with_tickets = 0;  ///< samples still drawable
+  uint64_t tickets_left = 0;           ///< tickets in the index (units; = samples in example mode)
+  uint64_t retired = 0;                ///< samples whose slot was freed
+  uint64_t bytes_used = 0;             ///< arena bytes in live extents
+  uint64_t capacity_bytes = 0;
+  uint64_t capacity_samples = 0;
+  /// emit_histogram[k] = retired samples that were emitted exactly k times (index 0..kMaxHist-1).
+  std::vector<uint64_t> emit_histogram;
+  /// Mean number of emissions (cache-wide) between two consecutive copies of the same unit.
+  double mean_reuse_distance = 0.0;
+  uint64_t reuse_pairs = 0;  ///< how many copy pairs the mean is over
+  MemoryKind memory_kind = MemoryKind::kPageable;
+  uint64_t puts_blocked = 0;  ///< puts that had to wait for space
+  double put_blocked_seconds = 0.0;
+  uint64_t takes_waited = 0;  ///< takes that had to wait for samples
+  double take_wait_seconds = 0.0;
+  bool closed = false;
+  bool input_ended = false;  ///< end_of_input() called (and not reset)
+};
+
+// ---- the cache -----------------------------------------------------------------------------
+
+class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
+ public:
+  /// Validates `config` (std::invalid_argument naming the bad value) and allocates the arena
+  /// (std::runtime_error if the memory cannot be allocated, or pinned is requested without a
+  /// CUDA device). The name is informational; use create_cache() to register one.
+  static std::shared_ptr<EchoCache> create(const EchoConfig& config, std::string name = "");
+  ~EchoCache();  ///< closes the cache and frees the arena (no lease can exist any more by then)
+  EchoCache(const EchoCache&) = delete;
+  EchoCache& operator=(const EchoCache&) = delete;
+
+  // -- producers (any number of threads) --
+
+  /// Copies one sample in. `field_data[i]` points at desc.fields[i].nbytes() dense bytes.
+  /// Blocks while the cache is full; timeout_s < 0 waits forever (still woken by close()),
+  /// 0 never waits. Throws std::invalid_argument for a bad desc or a sample larger than the arena
+  /// (message names both sizes).
+  PutStatus put(const SampleDesc& desc, const void* const* field_data, double timeout_s = -1.0);
+  /// Zero-copy put, phase 1: reserves a slot and an extent (same blocking rules as put). On kOk,
+  /// `out` is valid; fill the fields then commit(out). On any other status `out` is invalid.
+  PutStatus reserve(const SampleDesc& desc, PutReservation& out, double timeout_s = -1.0);
+  /// Phase 2: publishes the reserved sample (assigns its sample_id). Returns kOk, or kClosed if
+  /// the cache was closed meanwhile (the sample is dropped). `r` is invalid afterwards.
+  PutStatus commit(PutReservation& r);
+  /// Gives a reservation back without publishing it. Idempotent on an invalid reservation.
+  void abort(PutReservation& r);
+
+  // -- consumers (any number of threads) --
+
+  /// Appends up to n sample copies to `out`, drawn uniformly at random among resident units with
+  /// tickets. Example mode: n samples. Batch mode: n must be a multiple of batch_size and the
+  /// result is n / batch_size whole batches, each in put order. All or nothing: on kTimeout /
+  /// kClosed / kEnd nothing is appended. Fewer than n only for the partial last batch after
+  /// end_of_input(), or when producers are blocked on a full cache holding fewer than n tickets.
+  /// Throws std::invalid_argument for n == 0 or (batch mode) n not a multiple of batch_size.
+  TakeStatus take(size_t n, std::vector<SampleLease>& out, double timeout_s = -1.0);
+
+  // -- stream control (any thread) --
+
+  /// No more input: consumers drain the remaining tickets and then get kEnd; new puts get kEnded.
+  /// Reservations made before still commit. In batch mode a partial open batch is published.
+  void end_of_input();
+  /// Starts a new input stream after end_of_input(): puts are accepted again and resident
+  /// samples that still hold tickets stay drawable. No-op if end_of_input() was not called.
+  void reset_input();
+  /// Wakes every blocked put/take (they return kClosed within 100 ms) and rejects new ones.
+  /// Idempotent, callable from any thread, including destructors and interpreter exit.
+  void close();
+  bool closed() const;
+
+  // -- introspection --
+
+  const EchoConfig& config() const { return config_; }
+  const std::string& name() const { return name_; }
+  /// Process-unique handle (also the registry key for find_cache(uint64_t)).
+  uint64_t handle() const { return handle_; }
+  /// kPinned or kPageable: what the arena actually is (never kAuto).
+  MemoryKind memory_kind() const;
+  /// Host base address of the arena.
+  const void* arena_host() const;
+  /// Device address of the mapped arena (cudaHostGetDevicePointer), or nullptr if pageable.
+  const void* arena_device() const;
+  EchoStats stats() const;
+
+  // -- checkpointing --
+
+  /// Serialises resident samples that still hold tickets (with data and tickets left), the open
+  /// batch, the RNG/draw counters and the statistics, under a brief stop-the-world (all shard
+  /// locks + the allocator lock). Samples in uncommitted reservations or in leases are not
+  /// included (their copies are already out). For a snapshot aligned with the input stream,
+  /// quiesce producers and consumers first. Format: magic "ECHOCAC1", version, config digest.
+  std::vector<uint8_t> save_state() const;
+  /// Loads a save_state() blob into this cache, which must be empty (nothing committed yet) and
+  /// have the same echo_factor, mode and batch_size, and room for the saved bytes and samples.
+  /// Throws std::invalid_argument with the reason otherwise (bad magic/version, mismatch, size).
+  void restore_state(const uint8_t* data, size_t size);
+
+  // internal: used by leases and reservations
+  struct Impl;
+
+ private:
+  EchoCache(const EchoConfig& config, std::string name);
+  friend class SampleLease;
+  friend class PutReservation;
+  void release_reader(uint32_t unit);
+
+  EchoConfig config_;
+  std::string name_;
+  uint64_t handle_ = 0;
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---- reading helpers -----------------------------------------------------------------------
+
+/// Bytes gather() writes for `field` over `leases` (sum of the field sizes).
+ECHOPIPE_API size_t gather_bytes(const std::vector<SampleLease>& leases, int field);
+/// Copies field `field` of every lease, in order, back to back into `dst` (memcpy; ready for one
+/// H2D copy). When `offsets` is non-null it receives leases.size() + 1 byte offsets (ragged
+/// samples). Throws std::invalid_argument for a bad field index.
+ECHOPIPE_API void gather(const std::vector<SampleLease>& leases, int field, void* dst,
+                         int64_t* offsets);
+
+// ---- registry (one per process, lives in libechopipe_core.so) ------------------------------
+
+/// Creates and registers a cache. An empty name gets a unique one ("echo-<handle>").
+/// Throws std::invalid_argument if the name is taken (or the config is bad).
+ECHOPIPE_API std::shared_ptr<EchoCache> create_cache(const std::string& name,
+                                                     const EchoConfig& config);
+/// Registered cache by name or handle, or nullptr.
+ECHOPIPE_API std::shared_ptr<EchoCache> find_cache(const std::string& name);
+ECHOPIPE_API std::shared_ptr<EchoCache> find_cache(uint64_t handle);
+/// Unregisters (does not close) a cache; returns false if the name was unknown.
+ECHOPIPE_API bool remove_cache(const std::string& name);
+/// Names of registered caches.
+ECHOPIPE_API std::vector<std::string> cache_names();
+
+// ---- CUDA availability (lazy: the runtime is first touched by these calls) ----------------
+
+/// True when built with CUDA kernels (ECHOPIPE_WITH_CUDA).
+ECHOPIPE_API bool built_with_cuda();
+/// Number of CUDA devices the runtime sees now; 0 without CUDA, driver or device.
+ECHOPIPE_API int cuda_device_count();
+/// built_with_cuda() && cuda_device_count() > 0.
+ECHOPIPE_API bool cuda_available();
+
+}  // namespace echopipe

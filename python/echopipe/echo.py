@@ -1,0 +1,511 @@
+"""Data echoing cache: a native shuffle buffer that re-emits every sample ``e`` times on average.
+
+:class:`EchoCache` wraps the C++ cache in ``libechopipe_core.so`` (see ``docs/echo_cache.md``).
+Producers :meth:`~EchoCache.put` samples (one array or a tuple of up to 4 arrays: image, label,
+metadata...), consumers :meth:`~EchoCache.take` random copies. Each fresh sample gets ``floor(e)``
+or ``ceil(e)`` tickets (``ceil`` with probability ``frac(e)``) and is emitted exactly that many
+times, uniformly at random among the resident samples, after a ``min_fill`` warm-up. Puts block
+while the cache is full; every blocking call takes a timeout and is woken by :meth:`close`.
+
+Reads are zero copy: :class:`EchoSample` fields are read-only numpy views of the cache's arena,
+and each view keeps its slot leased (not reused) until the view is garbage collected, even after
+the cache itself was closed and dropped. :meth:`EchoCache.take_batch` instead gathers a batch into
+fresh contiguous arrays (one memcpy per sample), which is what a host-to-device copy wants.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._native import _C
+
+__all__ = [
+    "CacheClosedError",
+    "EchoBatch",
+    "EchoCache",
+    "EchoSample",
+    "EchoStats",
+    "InputEndedError",
+]
+
+
+class CacheClosedError(RuntimeError):
+    """Raised by blocking calls on a cache that was closed (possibly while they waited)."""
+
+
+class InputEndedError(RuntimeError):
+    """Raised by :meth:`EchoCache.put` after :meth:`EchoCache.end_of_input`."""
+
+
+@dataclass(frozen=True)
+class EchoStats:
+    """Counters of one cache at one moment (see ``docs/echo_cache.md`` for definitions)."""
+
+    fresh_in: int
+    emitted: int
+    resident: int
+    resident_with_tickets: int
+    tickets_left: int
+    retired: int
+    bytes_used: int
+    capacity_bytes: int
+    capacity_samples: int
+    emit_histogram: list[int]
+    mean_reuse_distance: float
+    reuse_pairs: int
+    memory_kind: str
+    puts_blocked: int
+    put_blocked_seconds: float
+    takes_waited: int
+    take_wait_seconds: float
+    closed: bool
+    input_ended: bool
+
+    @property
+    def echo_ratio(self) -> float:
+        """Copies emitted per fresh sample so far."""
+        return self.emitted / self.fresh_in if self.fresh_in else 0.0
+
+
+def _as_host_array(value: Any, index: int) -> tuple[Any, int, str, tuple[int, ...]]:
+    """Returns (keepalive, data pointer, dtype name, shape) of a C-contiguous host array.
+
+    Accepts numpy arrays, torch CPU tensors, anything with ``__dlpack__`` or the buffer protocol,
+    and Python scalars. Contiguous inputs are read in place (no copy here; the cache copies once).
+    """
+    torch = _torch_module()
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(
+                f"field {index}: EchoCache.put needs host tensors, got one on {value.device}"
+            )
+        t = value.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        return t, t.data_ptr(), _C.normalize_dtype(_TORCH_ALIASES.get(dtype, dtype)), tuple(t.shape)
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif hasattr(value, "__dlpack__") and not isinstance(value, (bytes, bytearray, memoryview)):
+        arr = np.from_dlpack(value)
+    else:
+        arr = np.asarray(value)
+    name = _DTYPE_NAMES.get(arr.dtype)
+    if name is None:
+        name = _numpy_dtype_name(arr.dtype, index)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)  # (never applied to 0-d arrays: it would make them 1-d)
+    return arr, arr.__array_interface__["data"][0], name, arr.shape
+
+
+_TORCH_ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
+# numpy dtype -> cache dtype name; dtype.name is slow enough to matter at 4 KB samples.
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _numpy_dtype_name(dtype: np.dtype, index: int) -> str:
+    if dtype.hasobject or dtype.kind in "USVOMm" or not dtype.isnative:
+        raise ValueError(f"field {index}: unsupported dtype '{dtype}'")
+    try:
+        name = str(_C.normalize_dtype(dtype.name))
+    except ValueError as exc:
+        raise ValueError(f"field {index}: {exc}") from None
+    _DTYPE_NAMES[dtype] = name
+    return name
+
+
+def _torch_module() -> Any:
+    """torch if the application already imported it (never imported just for a type check)."""
+    return sys.modules.get("torch")
+
+
+class EchoSample:
+    """One emitted copy of a sample: zero-copy, read-only views of its fields.
+
+    The views (and this object) keep the sample's slot leased; the cache reuses the memory only
+    after every copy of the sample was emitted and every view of it was dropped.
+    """
+
+    __slots__ = ("_arrays", "_lease")
+
+    def __init__(self, lease: Any) -> None:
+        self._lease = lease
+        self._arrays: tuple[np.ndarray, ...] | None = None
+
+    @property
+    def sample_id(self) -> int:
+        """Id the cache gave the sample when it was put (0, 1, 2, ... in commit order)."""
+        return int(self._lease.sample_id)
+
+    @property
+    def emission(self) -> int:
+        """Which copy this is, 0 .. tickets-1."""
+        return int(self._lease.emission)
+
+    @property
+    def tickets(self) -> int:
+        """How many copies of this sample are emitted in total."""
+        return int(self._lease.tickets)
+
+    @property
+    def index_in_batch(self) -> int:
+        """Position inside its echoed batch (batch mode; always 0 in example mode)."""
+        return int(self._lease.index_in_unit)
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """Read-only numpy views of every field (bfloat16 fields appear as uint16)."""
+        if self._arrays is None:
+            self._arrays = tuple(self._lease.array(i) for i in range(self._lease.num_fields))
+        return self._arrays
+
+    def __len__(self) -> int:
+        return int(self._lease.num_fields)
+
+    def __getitem__(self, field: int) -> np.ndarray:
+        return self.arrays[field]
+
+    @property
+    def array(self) -> np.ndarray:
+        """The first field (the whole sample when it has a single field)."""
+        return self.arrays[0]
+
+    def dtype(self, field: int = 0) -> str:
+        """The stored dtype name of a field (e.g. ``"bfloat16"``, which numpy shows as uint16)."""
+        return str(self._lease.dtype(field))
+
+    def torch(self, field: int = 0) -> Any:
+        """Zero-copy torch CPU tensor of a field (``torch.from_numpy``; read-only memory)."""
+        import warnings
+
+        import torch
+
+        arr = self.arrays[field]
+        with warnings.catch_warnings():
+            # The memory is shared by all copies of the sample; torch warns that it is read-only.
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(arr)
+        if self.dtype(field) == "bfloat16":
+            t = t.view(torch.bfloat16)
+        return t
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in self.arrays)
+        return f"EchoSample(id={self.sample_id}, copy={self.emission}/{self.tickets}, {shapes})"
+
+
+@dataclass
+class EchoBatch:
+    """A gathered batch: each field in one new contiguous array.
+
+    ``fields[f]`` has shape ``(N, *shape)`` when all samples agree on the field's shape; otherwise
+    it is flat and ``offsets[f]`` (int64, N + 1 element offsets) delimits the samples, whose shapes
+    are in ``shapes[i][f]``.
+    """
+
+    fields: list[np.ndarray]
+    offsets: list[np.ndarray | None]
+    dtypes: list[str]
+    shapes: list[tuple[tuple[int, ...], ...]]
+    sample_ids: np.ndarray
+    emissions: np.ndarray = field(repr=False)
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def sample(self, index: int, field: int = 0) -> np.ndarray:
+        """Field ``field`` of sample ``index`` as an array of its own shape (a view)."""
+        arr = self.fields[field]
+        offs = self.offsets[field]
+        if offs is None:
+            return arr[index]
+        return arr[offs[index] : offs[index + 1]].reshape(self.shapes[index][field])
+
+
+def _timeout_arg(timeout: float | None) -> float:
+    if timeout is None:
+        return -1.0
+    t = float(timeout)
+    if math.isnan(t) or t < 0:
+        raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+    return t
+
+
+def _close_native(native: Any, name: str) -> None:
+    native.close()
+    _C.remove_cache(name)
+
+
+class EchoCache:
+    """A bounded, thread-safe data echoing buffer (native; all blocking calls release the GIL).
+
+    Args:
+        capacity_bytes: Size of the sample arena; fixed. A sample larger than it is a ValueError.
+        capacity_samples: Maximum resident samples (slots).
+        echo_factor: e >= 1; each sample is emitted floor(e) or ceil(e) times (mean e).
+        min_fill: Samples with tickets required before takes start (warm-up, shuffle quality).
+            Ignored while a producer is blocked on a full cache or after :meth:`end_of_input`.
+        seed: Seeds tickets and draws; one producer and one consumer thread give a reproducible
+            stream.
+        mode: ``"example"`` echoes samples; ``"batch"`` echoes whole batches of ``batch_size``
+            consecutive puts, returned together in put order.
+        batch_size: Samples per echoed batch (batch mode only).
+        memory: ``"auto"`` (pinned + GPU-mapped when a CUDA device is present), ``"pageable"`` or
+            ``"pinned"``.
+        name: Registry name, so the DALI operators can find this cache; unique per process.
+            ``None`` picks one (``echo-<n>``).
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int = 256 << 20,
+        capacity_samples: int = 4096,
+        echo_factor: float = 2.0,
+        min_fill: int = 0,
+        seed: int = 0,
+        mode: str = "example",
+        batch_size: int | None = None,
+        memory: str = "auto",
+        name: str | None = None,
+    ) -> None:
+        for arg, value in (
+            ("capacity_bytes", capacity_bytes),
+            ("capacity_samples", capacity_samples),
+            ("min_fill", min_fill),
+            ("seed", seed),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{arg} must be a non-negative integer, got {value!r}")
+        try:
+            e = float(echo_factor)
+        except (TypeError, ValueError):
+            raise ValueError(f"echo_factor must be a number >= 1, got {echo_factor!r}") from None
+        if not e >= 1 or not math.isfinite(e):
+            raise ValueError(f"echo_factor must be a finite number >= 1, got {echo_factor!r}")
+        if mode not in ("example", "batch"):
+            raise ValueError(f"mode must be 'example' or 'batch', got {mode!r}")
+        if mode == "batch":
+            if batch_size is None or int(batch_size) < 1:
+                raise ValueError(f"mode='batch' needs batch_size >= 1, got {batch_size!r}")
+        elif batch_size is not None and int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        self._batch_size = int(batch_size) if batch_size is not None else 1
+        self._mode = mode
+        self._native = _C.EchoCache(
+            capacity_bytes=int(capacity_bytes),
+            capacity_samples=int(capacity_samples),
+            echo_factor=e,
+            min_fill=int(min_fill),
+            seed=int(seed),
+            mode=mode,
+            batch_size=self._batch_size,
+            memory=memory,
+            name=name or "",
+        )
+        self._name: str = self._native.name
+        # Closes the native cache (waking blocked threads) at garbage collection or interpreter
+        # exit, whichever comes first; a source blocked on a condition would otherwise hang exit.
+        self._finalizer = weakref.finalize(self, _close_native, self._native, self._name)
+
+    # ---- identity ----
+    @property
+    def name(self) -> str:
+        """Registry name (``echopipe.dali`` operators find the cache by it)."""
+        return self._name
+
+    @property
+    def handle(self) -> int:
+        """Process-unique integer handle of the native cache."""
+        return int(self._native.handle)
+
+    @property
+    def memory_kind(self) -> str:
+        """``"pinned"`` or ``"pageable"``: what the arena actually is."""
+        return str(self._native.memory_kind)
+
+    @property
+    def arena_device_ptr(self) -> int:
+        """Device address of the GPU-mapped arena, or 0 when the arena is pageable."""
+        return int(self._native.arena_device_ptr)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return bool(self._native.closed)
+
+    # ---- producers ----
+    def put(self, sample: Any, timeout: float | None = None) -> None:
+        """Copies one sample in: an array, or a tuple/list of up to 4 arrays (its fields).
+
+        Blocks while the cache is full. Raises TimeoutError when ``timeout`` seconds pass first,
+        :class:`CacheClosedError` if the cache is (or gets) closed, :class:`InputEndedError` after
+        :meth:`end_of_input`, ValueError for a bad dtype or a sample larger than the arena.
+        """
+        parts = sample if isinstance(sample, (tuple, list)) else (sample,)
+        if not 1 <= len(parts) <= 4:
+            raise ValueError(f"a sample has 1..4 fields, got {len(parts)}")
+        converted = [_as_host_array(p, i) for i, p in enumerate(parts)]
+        status = self._native.put_raw(
+            [c[1] for c in converted],
+            [c[2] for c in converted],
+            [list(c[3]) for c in converted],
+            _timeout_arg(timeout),
+        )
+        del converted  # keepalive until the native copy returned
+        self._raise_put(status, timeout)
+
+    def put_many(self, samples: Any, timeout: float | None = None) -> int:
+        """Puts every row of an array (or of a tuple of arrays with equal first dimension) as
+        one sample, in one native loop without the GIL. ``timeout`` applies to each row.
+
+        Returns the number of rows put (all of them, unless an exception is raised; the
+        exception's ``args[1]`` then holds how many rows went in before it).
+        """
+        parts = samples if isinstance(samples, (tuple, list)) else (samples,)
+        if not 1 <= len(parts) <= 4:
+            raise ValueError(f"a sample has 1..4 fields, got {len(parts)}")
+        converted = [_as_host_array(p, i) for i, p in enumerate(parts)]
+        rows = {c[3][0] if c[3] else -1 for c in converted}
+        if len(rows) != 1 or -1 in rows:
+            shapes = [c[3] for c in converted]
+            raise ValueError(f"put_many needs arrays with one common first dimension, got {shapes}")
+        n = rows.pop()
+        status, done = self._native.put_rows_raw(
+            [c[1] for c in converted],
+            [c[2] for c in converted],
+            [list(c[3][1:]) for c in converted],
+            n,
+            _timeout_arg(timeout),
+        )
+        del converted
+        try:
+            self._raise_put(status, timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            exc.args = (*exc.args, int(done))
+            raise
+        return int(done)
+
+    def _raise_put(self, status: str, timeout: float | None) -> None:
+        if status == "ok":
+            return
+        if status == "timeout":
+            raise TimeoutError(f"EchoCache.put: no space within timeout={timeout}s")
+        if status == "closed":
+            raise CacheClosedError(f"echo cache '{self._name}' is closed")
+        raise InputEndedError(
+            f"echo cache '{self._name}': put after end_of_input() (call reset_input() first)"
+        )
+
+    def end_of_input(self) -> None:
+        """Declares the input finished: consumers drain the remaining copies, then stop."""
+        self._native.end_of_input()
+
+    def reset_input(self) -> None:
+        """Accepts puts again after :meth:`end_of_input` (a new epoch/stream)."""
+        self._native.reset_input()
+
+    # ---- consumers ----
+    def _check_n(self, n: int) -> int:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        if self._mode == "batch" and n % self._batch_size:
+            raise ValueError(
+                f"batch mode: n must be a multiple of batch_size={self._batch_size}, got {n!r}"
+            )
+        return int(n)
+
+    def _raise_take(self, status: str, timeout: float | None) -> None:
+        if status == "timeout":
+            raise TimeoutError(f"EchoCache.take: no samples within timeout={timeout}s")
+        if status == "closed":
+            raise CacheClosedError(f"echo cache '{self._name}' is closed")
+
+    def take(self, n: int = 1, timeout: float | None = None) -> list[EchoSample]:
+        """Draws ``n`` random copies (a whole number of echoed batches in batch mode).
+
+        Returns fewer than ``n`` only for the partial last batch after :meth:`end_of_input`, and
+        an empty list once everything was emitted. Raises TimeoutError or CacheClosedError.
+        """
+        n = self._check_n(n)
+        status, leases = self._native.take(n, _timeout_arg(timeout))
+        if status in ("ok", "end"):
+            return [EchoSample(lease) for lease in leases]
+        self._raise_take(status, timeout)
+        raise AssertionError(status)  # pragma: no cover
+
+    def take_batch(self, n: int, timeout: float | None = None) -> EchoBatch | None:
+        """Like :meth:`take`, but gathers each field into one new contiguous array.
+
+        Returns None once everything was emitted.
+        """
+        n = self._check_n(n)
+        status, fields, dtypes, shapes, ids, emissions = self._native.take_batch(
+            n, _timeout_arg(timeout)
+        )
+        if status == "end":
+            return None
+        if status != "ok":
+            self._raise_take(status, timeout)
+        return EchoBatch(
+            fields=[f[0] for f in fields],
+            offsets=[f[1] for f in fields],
+            dtypes=list(dtypes),
+            shapes=[tuple(tuple(s) for s in per) for per in shapes],
+            sample_ids=ids,
+            emissions=emissions,
+        )
+
+    def __iter__(self) -> Iterator[EchoSample]:
+        """Yields copies one at a time until the input ended and everything was emitted."""
+        while True:
+            got = self.take(self._batch_size if self._mode == "batch" else 1)
+            if not got:
+                return
+            yield from got
+
+    # ---- lifecycle ----
+    def close(self) -> None:
+        """Wakes every blocked put/take (they raise CacheClosedError) and unregisters the cache.
+
+        Idempotent. Samples already taken stay readable until their views are dropped.
+        """
+        self._finalizer()
+
+    def __enter__(self) -> EchoCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- introspection / checkpointing ----
+    def stats(self) -> EchoStats:
+        """A snapshot of the cache's counters."""
+        return EchoStats(**self._native.stats())
+
+    def state_dict(self) -> bytes:
+        """Resident samples with their data and tickets left, plus RNG state and counters.
+
+        Taken under a brief stop-the-world; quiesce producers and consumers first if the
+        snapshot must line up with your input stream position.
+        """
+        return bytes(self._native.save_state())
+
+    def load_state_dict(self, state: bytes | bytearray | memoryview) -> None:
+        """Restores :meth:`state_dict` into this cache, which must be empty and use the same
+        echo_factor, mode, batch_size and capacity_samples; ValueError names the mismatch."""
+        if not isinstance(state, (bytes, bytearray, memoryview)):
+            raise TypeError(f"state must be bytes, got {type(state).__name__}")
+        self._native.restore_state(bytes(state))
+
+    def __repr__(self) -> str:
+        return (
+            f"EchoCache(name={self._name!r}, mode={self._mode!r}, memory={self.memory_kind!r}, "
+            f"closed={self.closed})"
+        )

@@ -1,0 +1,497 @@
+// C++ tests of the echo cache core, run by ctest (also under -fsanitize=thread and =address).
+// They check exact accounting under 4 producers x 4 consumers (every sample emitted exactly its
+// ticket count, nothing lost or extra, payload intact), close() waking blocked threads, drain,
+// batch mode, ragged sizes, back-pressure, min_fill and save/restore. Exit status 0 = all passed.
+// ECHOPIPE_STRESS_SAMPLES overrides the stress size (default 200000).
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "echo/echo_cache.h"
+
+using namespace echopipe;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+int g_failures = 0;
+
+#define CHECK(cond)                                                                 \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      ++g_failures;                                                                 \
+    }                                                                               \
+  } while (0)
+
+#define CHECK_THROWS(expr, needle)                                                               \
+  do {                                                                                           \
+    bool threw_ = false;                                                                         \
+    try {                                                                                        \
+      expr;                                                                                      \
+    } catch (const std::invalid_argument& e_) {                                                  \
+      threw_ = std::string(e_.what()).find(needle) != std::string::npos;                         \
+      if (!threw_) std::fprintf(stderr, "message without '%s': %s\n", needle, e_.what());        \
+    }                                                                                            \
+    if (!threw_) {                                                                               \
+      std::fprintf(stderr, "%s:%d: expected invalid_argument: %s\n", __FILE__, __LINE__, #expr); \
+      ++g_failures;                                                                              \
+    }                                                                                            \
+  } while (0)
+
+// About 16 s under TSAN on 2 cores; well under a second in a release build.
+constexpr size_t kDefaultStress = 200000;
+
+size_t stress_samples() {
+  const char* env = std::getenv("ECHOPIPE_STRESS_SAMPLES");
+  return env ? std::strtoull(env, nullptr, 10) : kDefaultStress;
+}
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// A sample whose single int64 field holds `key` followed by key-derived words.
+SampleDesc int64_desc(int64_t words) {
+  SampleDesc d;
+  d.num_fields = 1;
+  d.fields[0].dtype = DType::kInt64;
+  d.fields[0].ndim = 1;
+  d.fields[0].shape[0] = words;
+  return d;
+}
+
+uint64_t word(uint64_t key, int64_t i) {
+  return key * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i);
+}
+
+void fill(std::vector<uint64_t>& buf, uint64_t key) {
+  buf[0] = key;
+  for (size_t i = 1; i < buf.size(); ++i) buf[i] = word(key, static_cast<int64_t>(i));
+}
+
+bool payload_ok(const SampleLease& l) {
+  const auto* p = static_cast<const uint64_t*>(l.data(0));
+  int64_t n = l.desc().fields[0].shape[0];
+  for (int64_t i = 1; i < n; ++i) {
+    if (p[i] != word(p[0], i)) return false;
+  }
+  return true;
+}
+
+void test_stress(double e, size_t n_samples) {
+  const int kProducers = 4, kConsumers = 4;
+  EchoConfig cfg;
+  cfg.capacity_samples = 2048;
+  cfg.capacity_bytes = 2048 * 256;
+  cfg.echo_factor = e;
+  cfg.min_fill = 256;
+  cfg.seed = 42;
+  auto cache = EchoCache::create(cfg);
+  std::vector<std::atomic<uint32_t>> seen(n_samples);
+  std::vector<std::atomic<uint32_t>> tickets(n_samples);
+  std::atomic<uint64_t> bad_payload{0}, bad_emission{0}, next_key{0}, ceil_count{0};
+  std::vector<std::thread> threads;
+  auto start = Clock::now();
+  for (int p = 0; p < kProducers; ++p) {
+    threads.emplace_back([&, p] {
+      std::mt19937 rng(p);
+      std::vector<uint64_t> buf;
+      for (;;) {
+        uint64_t key = next_key.fetch_add(1);
+        if (key >= n_samples) break;
+        int64_t words = 2 + static_cast<int64_t>(rng() % 24);
+        buf.resize(words);
+        fill(buf, key);
+        SampleDesc d = int64_desc(words);
+        const void* ptr = buf.data();
+        if (key % 3 == 0) {  // exercise the zero-copy path too
+          PutReservation r;
+          CHECK(cache->reserve(d, r, -1) == PutStatus::kOk);
+          std::memcpy(r.field_data(0), buf.data(), words * 8);
+          CHECK(cache->commit(r) == PutStatus::kOk);
+        } else {
+          CHECK(cache->put(d, &ptr, -1) == PutStatus::kOk);
+        }
+      }
+    });
+  }
+  for (int c = 0; c < kConsumers; ++c) {
+    threads.emplace_back([&, c] {
+      std::vector<SampleLease> out;
+      size_t n = 8 + 8 * c;
+      for (;;) {
+        out.clear();
+        TakeStatus st = cache->take(n, out, -1);
+        if (st == TakeStatus::kEnd) break;
+        CHECK(st == TakeStatus::kOk);
+        CHECK(!out.empty() && out.size() <= n);
+        for (auto& l : out) {
+          if (!payload_ok(l)) bad_payload.fetch_add(1);
+          uint64_t key = static_cast<const uint64_t*>(l.data(0))[0];
+          if (key >= n_samples) {
+            bad_payload.fetch_add(1);
+            continue;
+          }
+          seen[key].fetch_add(1);
+          uint32_t t = l.tickets();
+          uint32_t prev = tickets[key].exchange(t);
+          if (prev != 0 && prev != t) bad_emission.fetch_add(1);
+          if (l.emission() >= t) bad_emission.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (int p = 0; p < kProducers; ++p) threads[p].join();
+  cache->end_of_input();
+  for (size_t i = kProducers; i < threads.size(); ++i) threads[i].join();
+  double secs = seconds_since(start);
+
+  uint64_t total = 0, missing = 0, wrong = 0;
+  uint32_t lo = static_cast<uint32_t>(std::floor(e)), hi = static_cast<uint32_t>(std::ceil(e));
+  for (size_t k = 0; k < n_samples; ++k) {
+    uint32_t s = seen[k].load(), t = tickets[k].load();
+    total += s;
+    if (s == 0) ++missing;
+    if (s != t || (t != lo && t != hi)) ++wrong;
+    if (t == hi && hi != lo) ceil_count.fetch_add(1);
+  }
+  EchoStats st = cache->stats();
+  std::printf("stress e=%.2f: %zu samples, %llu copies in %.2fs (%.0f copies/s), reuse dist %.0f\n",
+              e, n_samples, static_cast<unsigned long long>(total), secs, total / secs,
+              st.mean_reuse_distance);
+  CHECK(missing == 0);
+  CHECK(wrong == 0);
+  CHECK(bad_payload.load() == 0);
+  CHECK(bad_emission.load() == 0);
+  CHECK(st.fresh_in == n_samples);
+  CHECK(st.emitted == total);
+  CHECK(st.resident == 0);
+  CHECK(st.bytes_used == 0);
+  CHECK(st.retired == n_samples);
+  uint64_t hist_sum = 0;
+  for (size_t k = 0; k < st.emit_histogram.size(); ++k) hist_sum += st.emit_histogram[k];
+  CHECK(hist_sum == n_samples);
+  double frac = e - std::floor(e);
+  if (frac > 0) {
+    double got = static_cast<double>(ceil_count.load()) / n_samples;
+    CHECK(std::abs(got - frac) < 0.02);
+  }
+  // Mean copies per sample close to e.
+  CHECK(std::abs(static_cast<double>(total) / n_samples - e) < 0.02 * e);
+  std::vector<SampleLease> out;
+  CHECK(cache->take(4, out, 0.0) == TakeStatus::kEnd);
+}
+
+void test_close_wakes() {
+  EchoConfig cfg;
+  cfg.capacity_samples = 2;
+  cfg.capacity_bytes = 4096;
+  cfg.echo_factor = 1.0;
+  cfg.min_fill = 2;
+  auto cache = EchoCache::create(cfg);
+  uint64_t v[2] = {1, 2};
+  const void* ptr = v;
+  SampleDesc d = int64_desc(2);
+  // One sample: min_fill (2) is not reached and no producer is blocked, so take waits.
+  CHECK(cache->put(d, &ptr, 0) == PutStatus::kOk);
+  std::atomic<int> take_status{-1};
+  double take_wake = 0;
+  std::thread taker([&] {
+    std::vector<SampleLease> out;
+    take_status = static_cast<int>(cache->take(1, out, -1));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  CHECK(take_status.load() == -1);
+  // Second sample fills the cache: the taker runs (min_fill reached).
+  CHECK(cache->put(d, &ptr, 0) == PutStatus::kOk);
+  taker.join();
+  CHECK(take_status.load() == static_cast<int>(TakeStatus::kOk));
+  // The cache is full (one slot holds a ticket, the taken one was released): fill again.
+  CHECK(cache->put(d, &ptr, 0) == PutStatus::kOk);
+  CHECK(cache->put(d, &ptr, 0.05) == PutStatus::kTimeout);  // back-pressure with timeout
+  std::atomic<int> put_status{-1};
+  std::thread putter([&] { put_status = static_cast<int>(cache->put(d, &ptr, -1)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  CHECK(put_status.load() == -1);
+  // And a taker on an empty second cache.
+  auto empty = EchoCache::create(cfg);
+  std::atomic<int> take2{-1};
+  std::thread taker2([&] {
+    std::vector<SampleLease> out;
+    take2 = static_cast<int>(empty->take(1, out, -1));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto t0 = Clock::now();
+  cache->close();
+  empty->close();
+  putter.join();
+  taker2.join();
+  take_wake = seconds_since(t0);
+  std::printf("close woke a blocked put and take in %.1f ms\n", take_wake * 1e3);
+  CHECK(put_status.load() == static_cast<int>(PutStatus::kClosed));
+  CHECK(take2.load() == static_cast<int>(TakeStatus::kClosed));
+  CHECK(take_wake < 1.0);
+  cache->close();  // idempotent
+  std::vector<SampleLease> out;
+  CHECK(cache->take(1, out, 0) == TakeStatus::kClosed);
+  CHECK(cache->put(d, &ptr, 0) == PutStatus::kClosed);
+}
+
+void test_drain_and_reset() {
+  EchoConfig cfg;
+  cfg.capacity_samples = 64;
+  cfg.capacity_bytes = 64 * 128;
+  cfg.echo_factor = 2.5;
+  cfg.min_fill = 32;  // larger than what is put: end_of_input must release the warm-up
+  auto cache = EchoCache::create(cfg);
+  SampleDesc d = int64_desc(1);
+  for (uint64_t i = 0; i < 10; ++i) {
+    const void* p = &i;
+    CHECK(cache->put(d, &p, 0) == PutStatus::kOk);
+  }
+  std::vector<SampleLease> out;
+  CHECK(cache->take(4, out, 0.05) == TakeStatus::kTimeout);
+  cache->end_of_input();
+  uint64_t one = 1;
+  const void* p1 = &one;
+  CHECK(cache->put(d, &p1, 0) == PutStatus::kEnded);
+  size_t copies = 0, last_batch = 0;
+  uint64_t expected = 0;
+  for (;;) {
+    out.clear();
+    TakeStatus st = cache->take(4, out, 1.0);
+    if (st == TakeStatus::kEnd) break;
+    CHECK(st == TakeStatus::kOk);
+    copies += out.size();
+    last_batch = out.size();
+  }
+  for (auto& l : out) (void)l;
+  EchoStats st = cache->stats();
+  for (size_t k = 0; k < st.emit_histogram.size(); ++k) expected += k * st.emit_histogram[k];
+  CHECK(copies == expected);
+  CHECK(copies >= 20 && copies <= 30);
+  CHECK(last_batch >= 1 && last_batch <= 4);
+  CHECK(cache->take(4, out, 0) == TakeStatus::kEnd);
+  cache->reset_input();
+  CHECK(cache->put(d, &p1, 0) == PutStatus::kOk);
+  cache->end_of_input();
+  out.clear();
+  CHECK(cache->take(4, out, 1.0) == TakeStatus::kOk);
+  CHECK(out.size() == 2 || out.size() == 3);
+}
+
+void test_batch_mode() {
+  EchoConfig cfg;
+  cfg.capacity_samples = 64;
+  cfg.capacity_bytes = 64 * 128;
+  cfg.echo_factor = 2.0;
+  cfg.mode = EchoMode::kBatch;
+  cfg.batch_size = 4;
+  auto cache = EchoCache::create(cfg);
+  SampleDesc d = int64_desc(1);
+  std::thread producer([&] {
+    for (uint64_t i = 0; i < 42; ++i) {  // 10 full batches + a partial one of 2
+      const void* p = &i;
+      CHECK(cache->put(d, &p, 5.0) == PutStatus::kOk);
+    }
+    cache->end_of_input();
+  });
+  std::vector<int> copies(42, 0);
+  std::vector<SampleLease> out;
+  CHECK_THROWS(cache->take(3, out, 0), "n=3");
+  size_t short_batches = 0;
+  for (;;) {
+    out.clear();
+    TakeStatus st = cache->take(4, out, 5.0);
+    if (st == TakeStatus::kEnd) break;
+    CHECK(st == TakeStatus::kOk);
+    if (out.size() != 4) ++short_batches;
+    for (size_t i = 0; i < out.size(); ++i) {
+      uint64_t v = *static_cast<const uint64_t*>(out[i].data(0));
+      CHECK(v == out[0].sample_id() + i);  // put order inside the batch
+      CHECK(out[i].sample_id() == v);
+      CHECK(out[i].index_in_unit() == i);
+      CHECK(out[i].emission() == out[0].emission());
+      copies[v]++;
+    }
+  }
+  producer.join();
+  for (int c : copies) CHECK(c == 2);
+  CHECK(short_batches == 2);  // the partial batch, echoed twice
+}
+
+void test_ragged() {
+  EchoConfig cfg;
+  cfg.capacity_samples = 256;
+  cfg.capacity_bytes = size_t{8} << 20;
+  cfg.echo_factor = 2.0;
+  cfg.min_fill = 4;
+  auto cache = EchoCache::create(cfg);
+  const size_t n = 400;
+  std::atomic<uint64_t> next{0}, copies{0}, bad{0};
+  std::vector<std::thread> th;
+  for (int p = 0; p < 2; ++p) {
+    th.emplace_back([&, p] {
+      std::mt19937 rng(100 + p);
+      std::vector<uint64_t> buf;
+      for (;;) {
+        uint64_t key = next.fetch_add(1);
+        if (key >= n) break;
+        int64_t words = (40 * 1024 + static_cast<int64_t>(rng() % (560 * 1024))) / 8;
+        buf.resize(words);
+        fill(buf, key);
+        SampleDesc d = int64_desc(words);
+        const void* ptr = buf.data();
+        CHECK(cache->put(d, &ptr, 30.0) == PutStatus::kOk);
+      }
+    });
+  }
+  for (int c = 0; c < 2; ++c) {
+    th.emplace_back([&] {
+      std::vector<SampleLease> out;
+      for (;;) {
+        out.clear();
+        TakeStatus st = cache->take(3, out, 30.0);
+        if (st == TakeStatus::kEnd) break;
+        CHECK(st == TakeStatus::kOk);
+        for (auto& l : out) {
+          if (!payload_ok(l)) bad++;
+        }
+        copies += out.size();
+      }
+    });
+  }
+  th[0].join();
+  th[1].join();
+  cache->end_of_input();
+  th[2].join();
+  th[3].join();
+  CHECK(copies.load() == 2 * n);
+  CHECK(bad.load() == 0);
+  CHECK(cache->stats().bytes_used == 0);
+  // A sample larger than the arena is an error naming both sizes, not a hang.
+  SampleDesc big = int64_desc((size_t{9} << 20) / 8);
+  std::vector<uint64_t> buf(big.fields[0].shape[0]);
+  const void* ptr = buf.data();
+  CHECK_THROWS(cache->put(big, &ptr, -1), "capacity_bytes=8388608");
+}
+
+void test_restore() {
+  EchoConfig cfg;
+  cfg.capacity_samples = 256;
+  cfg.capacity_bytes = 256 * 256;
+  cfg.echo_factor = 2.5;
+  cfg.seed = 7;
+  auto a = EchoCache::create(cfg);
+  SampleDesc d = int64_desc(3);
+  auto put_range = [&](EchoCache& c, uint64_t lo, uint64_t hi) {
+    for (uint64_t i = lo; i < hi; ++i) {
+      uint64_t v[3] = {i, i * 2, i * 3};
+      const void* p = v;
+      CHECK(c.put(d, &p, 0) == PutStatus::kOk);
+    }
+  };
+  auto take_ids = [&](EchoCache& c, int rounds) {
+    std::vector<uint64_t> ids;
+    std::vector<SampleLease> out;
+    for (int r = 0; r < rounds; ++r) {
+      out.clear();
+      if (c.take(8, out, 0) != TakeStatus::kOk) break;
+      for (auto& l : out) ids.push_back(*static_cast<const uint64_t*>(l.data(0)));
+    }
+    return ids;
+  };
+  put_range(*a, 0, 100);
+  (void)take_ids(*a, 10);
+  std::vector<uint8_t> blob = a->save_state();
+  auto b = EchoCache::create(cfg);
+  b->restore_state(blob.data(), blob.size());
+  CHECK(b->stats().fresh_in == a->stats().fresh_in);
+  CHECK(b->stats().tickets_left == a->stats().tickets_left);
+  put_range(*a, 100, 150);
+  put_range(*b, 100, 150);
+  auto ia = take_ids(*a, 30), ib = take_ids(*b, 30);
+  CHECK(!ia.empty());
+  CHECK(ia == ib);
+  // Errors name the reason.
+  CHECK_THROWS(b->restore_state(blob.data(), blob.size()), "empty cache");
+  EchoConfig other = cfg;
+  other.echo_factor = 3.0;
+  auto c = EchoCache::create(other);
+  CHECK_THROWS(c->restore_state(blob.data(), blob.size()), "echo_factor");
+  std::vector<uint8_t> junk(blob.begin(), blob.begin() + 20);
+  junk[0] = 'X';
+  CHECK_THROWS(c->restore_state(junk.data(), junk.size()), "magic");
+  std::vector<uint8_t> cut(blob.begin(), blob.begin() + blob.size() / 2);
+  auto d2 = EchoCache::create(cfg);
+  CHECK_THROWS(d2->restore_state(cut.data(), cut.size()), "truncated");
+}
+
+void test_validation_and_lifetime() {
+  EchoConfig cfg;
+  cfg.echo_factor = 0.5;
+  CHECK_THROWS(cfg.validate(), "0.5");
+  cfg.echo_factor = 2;
+  cfg.capacity_samples = 0;
+  CHECK_THROWS(EchoCache::create(cfg), "capacity_samples");
+  cfg.capacity_samples = 8;
+  cfg.min_fill = 9;
+  CHECK_THROWS(EchoCache::create(cfg), "min_fill=9");
+  CHECK_THROWS(dtype_from_name("complex64"), "complex64");
+  CHECK(dtype_from_name("f4") == DType::kFloat32);
+  CHECK(std::string(dtype_name(DType::kBFloat16)) == "bfloat16");
+  cfg.min_fill = 0;
+  cfg.capacity_bytes = 4096;
+  auto reg = create_cache("test-registry", cfg);
+  CHECK(find_cache("test-registry") == reg);
+  CHECK(find_cache(reg->handle()) == reg);
+  CHECK_THROWS(create_cache("test-registry", cfg), "test-registry");
+  CHECK(remove_cache("test-registry"));
+  CHECK(find_cache("test-registry") == nullptr);
+  // A lease keeps the memory alive after close() and after every other owner is gone.
+  SampleLease keep;
+  {
+    auto c = EchoCache::create(cfg);
+    uint64_t v = 77;
+    const void* p = &v;
+    CHECK(c->put(int64_desc(1), &p, 0) == PutStatus::kOk);
+    std::vector<SampleLease> out;
+    CHECK(c->take(1, out, 0) == TakeStatus::kOk);
+    keep = std::move(out[0]);
+    c->close();
+  }
+  CHECK(keep.valid());
+  CHECK(*static_cast<const uint64_t*>(keep.data(0)) == 77);
+  keep.release();
+  CHECK(!keep.valid());
+  CHECK(!built_with_cuda() || cuda_device_count() >= 0);
+}
+
+}  // namespace
+
+int main() {
+  size_t n = stress_samples();
+  test_validation_and_lifetime();
+  test_close_wakes();
+  test_drain_and_reset();
+  test_batch_mode();
+  test_restore();
+  test_ragged();
+  for (double e : {1.0, 2.0, 3.5}) test_stress(e, n);
+  if (g_failures) {
+    std::fprintf(stderr, "%d check(s) failed\n", g_failures);
+    return 1;
+  }
+  std::printf("all echo cache tests passed\n");
+  return 0;
+}

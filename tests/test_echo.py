@@ -1,0 +1,351 @@
+"""Tests of echopipe.echo.EchoCache with real threads against the native cache."""
+
+from __future__ import annotations
+
+import gc
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+echo = pytest.importorskip("echopipe.echo", reason="needs the native module echopipe._C")
+from echopipe._native import _C  # noqa: E402
+
+EchoCache = echo.EchoCache
+
+
+def _drain(cache: echo.EchoCache, n: int = 64) -> list[int]:
+    ids: list[int] = []
+    while True:
+        got = cache.take(n, timeout=10)
+        if not got:
+            return ids
+        ids.extend(s.sample_id for s in got)
+
+
+@pytest.mark.parametrize("e", [1.0, 2.0, 3.5])
+def test_stress_exact_accounting_4x4_threads(e: float) -> None:
+    n_samples, producers, consumers, chunk = 200_000, 4, 4, 2_000
+    cache = EchoCache(
+        capacity_bytes=8 << 20, capacity_samples=8192, echo_factor=e, min_fill=1024, seed=3
+    )
+    keys = np.arange(n_samples, dtype=np.int64)
+    payload = (keys[:, None] * 7 + np.arange(8)).astype(np.int32)  # checks the data, not just ids
+    counts = np.zeros(n_samples, dtype=np.int64)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def produce(p: int) -> None:
+        try:
+            for start in range(p * chunk, n_samples, producers * chunk):
+                stop = min(start + chunk, n_samples)
+                assert cache.put_many((keys[start:stop], payload[start:stop])) == stop - start
+        except BaseException as exc:
+            errors.append(exc)
+
+    def consume(c: int) -> None:
+        try:
+            while True:
+                batch = cache.take_batch(16 + 16 * c, timeout=30)
+                if batch is None:
+                    return
+                got = batch.fields[0]
+                np.testing.assert_array_equal(batch.fields[1], got[:, None] * 7 + np.arange(8))
+                with lock:
+                    np.add.at(counts, got, 1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+    threads += [threading.Thread(target=consume, args=(c,)) for c in range(consumers)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads[:producers]:
+        t.join()
+    cache.end_of_input()
+    for t in threads[producers:]:
+        t.join()
+    secs = time.perf_counter() - t0
+    assert not errors, errors
+    stats = cache.stats()
+    print(f"e={e}: {counts.sum()} copies of {n_samples} samples in {secs:.2f}s")
+    lo, hi = math.floor(e), math.ceil(e)
+    assert counts.min() >= lo and counts.max() <= hi  # none lost, none extra
+    assert stats.fresh_in == n_samples
+    assert stats.emitted == counts.sum()
+    hist = np.bincount(counts, minlength=len(stats.emit_histogram))
+    assert list(hist[: len(stats.emit_histogram)]) == stats.emit_histogram
+    assert stats.resident == 0 and stats.bytes_used == 0
+    if hi != lo:  # ceil(e) copies with probability frac(e)
+        assert abs(np.mean(counts == hi) - (e - lo)) < 0.01
+    cache.close()
+
+
+def test_shuffle_quality_buffer_much_larger_than_batch() -> None:
+    n, buffer, batch = 20_000, 4096, 32
+    cache = EchoCache(
+        capacity_bytes=4 << 20, capacity_samples=buffer, echo_factor=2.0, min_fill=buffer // 2
+    )
+    out: list[int] = []
+    stop = threading.Event()
+
+    def consume() -> None:
+        while not stop.is_set():
+            b = cache.take_batch(batch, timeout=30)
+            if b is None:
+                return
+            out.extend(int(i) for i in b.fields[0])
+
+    t = threading.Thread(target=consume)
+    t.start()
+    cache.put_many(np.arange(n, dtype=np.int64))
+    cache.end_of_input()
+    t.join()
+    ids = np.asarray(out)
+    assert len(ids) == 2 * n
+    adjacent = float(np.mean(ids[1:] == ids[:-1]))
+    in_batch_dups = np.mean(
+        [len(set(ids[i : i + batch])) < batch for i in range(0, len(ids) - batch, batch)]
+    )
+    stats = cache.stats()
+    print(
+        f"adjacent duplicates {adjacent:.5f}, batches with a duplicate {in_batch_dups:.3f}, "
+        f"mean reuse distance {stats.mean_reuse_distance:.0f}"
+    )
+    # Random draws among >= 2048 residents: P(adjacent copy) ~ 1/2048; FIFO echo would be 0.5.
+    assert adjacent < 0.005
+    assert in_batch_dups < 0.3
+    # A copy comes back after ~ the resident count of draws, far beyond one batch.
+    assert stats.mean_reuse_distance > 500
+    # Output order is shuffled, not FIFO: ids are far from sorted.
+    assert abs(np.corrcoef(np.arange(1000), ids[2000:3000])[0, 1]) < 0.9
+    assert np.mean(np.diff(ids[:2000]) < 0) > 0.3
+
+
+def test_variable_sizes_views_and_gather() -> None:
+    rng = np.random.default_rng(0)
+    images = [
+        rng.integers(0, 255, (h, w, 3), dtype=np.uint8) for h, w in rng.integers(4, 40, (50, 2))
+    ]
+    with EchoCache(capacity_bytes=1 << 20, capacity_samples=64, echo_factor=1.0) as cache:
+        for i, img in enumerate(images):
+            cache.put((img, np.int64(i)))
+        got = cache.take(10)
+        for s in got:
+            label = int(s[1])
+            assert s[1].shape == ()
+            np.testing.assert_array_equal(s[0], images[label])
+        batch = cache.take_batch(10)
+        assert batch is not None and batch.offsets[0] is not None
+        assert batch.fields[1].shape == (10,) and batch.offsets[1] is None
+        for i in range(10):
+            np.testing.assert_array_equal(batch.sample(i, 0), images[int(batch.fields[1][i])])
+
+
+def test_back_pressure_put_blocks_until_space() -> None:
+    cache = EchoCache(capacity_bytes=1 << 16, capacity_samples=4, echo_factor=1.0)
+    for i in range(4):
+        cache.put(np.int64(i))
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"timeout=0\.1"):
+        cache.put(np.int64(99), timeout=0.1)
+    assert time.perf_counter() - t0 >= 0.09
+    done = threading.Event()
+
+    def blocked_put() -> None:
+        cache.put(np.int64(4), timeout=10)
+        done.set()
+
+    t = threading.Thread(target=blocked_put)
+    t.start()
+    assert not done.wait(0.2)  # still full
+    taken = cache.take(1)
+    assert not done.wait(0.1)  # the taken copy still holds its slot
+    del taken
+    gc.collect()
+    assert done.wait(5)  # dropping the view freed the slot
+    t.join()
+    assert cache.stats().puts_blocked >= 2
+    cache.close()
+
+
+def test_close_wakes_blocked_put_and_take_quickly() -> None:
+    full = EchoCache(capacity_bytes=1 << 16, capacity_samples=1, echo_factor=1.0)
+    full.put(np.int64(0))
+    empty = EchoCache(capacity_bytes=1 << 16, capacity_samples=4, echo_factor=1.0)
+    woke: dict[str, float] = {}
+    raised: dict[str, type] = {}
+
+    def run(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+        try:
+            fn()
+        except Exception as exc:
+            raised[name] = type(exc)
+        woke[name] = time.perf_counter()
+
+    threads = [
+        threading.Thread(target=run, args=("put", lambda: full.put(np.int64(1)))),
+        threading.Thread(target=run, args=("take", lambda: empty.take(1))),
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert not woke
+    t0 = time.perf_counter()
+    full.close()
+    empty.close()
+    for t in threads:
+        t.join(5)
+    delays = {k: v - t0 for k, v in woke.items()}
+    print(f"close() woke blocked calls after {delays}")
+    assert raised == {"put": echo.CacheClosedError, "take": echo.CacheClosedError}
+    assert max(delays.values()) < 1.0
+    full.close()  # idempotent
+    with pytest.raises(echo.CacheClosedError):
+        full.take(1, timeout=0)
+
+
+def test_drain_after_end_of_input_and_reset() -> None:
+    cache = EchoCache(capacity_bytes=1 << 16, capacity_samples=64, echo_factor=2.0, min_fill=50)
+    for i in range(10):
+        cache.put(np.int64(i))
+    with pytest.raises(TimeoutError):
+        cache.take(4, timeout=0.05)  # warm-up: 10 < min_fill
+    cache.end_of_input()
+    with pytest.raises(echo.InputEndedError):
+        cache.put(np.int64(0))
+    batches = []
+    while True:
+        got = cache.take(4, timeout=5)
+        if not got:
+            break
+        batches.append(sorted(int(s.array) for s in got))
+    assert [len(b) for b in batches] == [4, 4, 4, 4, 4]
+    assert sorted(x for b in batches for x in b) == sorted(list(range(10)) * 2)
+    assert cache.take(4) == [] and list(cache) == []
+    cache.reset_input()
+    cache.put(np.int64(5))
+    cache.end_of_input()
+    assert [int(s.array) for s in cache] == [5, 5]
+
+
+def test_batch_mode_returns_whole_batches_in_put_order() -> None:
+    cache = EchoCache(
+        capacity_bytes=1 << 16, capacity_samples=32, echo_factor=2.0, mode="batch", batch_size=4
+    )
+    with pytest.raises(ValueError, match="got 3"):
+        cache.take(3)
+    cache.put_many(np.arange(10, dtype=np.int64))
+    cache.end_of_input()
+    seen = []
+    while got := cache.take(4, timeout=5):
+        vals = [int(s.array) for s in got]
+        assert vals == list(range(vals[0], vals[0] + len(vals)))
+        assert [s.index_in_batch for s in got] == list(range(len(vals)))
+        seen.extend(vals)
+    assert sorted(seen) == sorted(list(range(10)) * 2)
+
+
+def test_state_dict_round_trip_gives_same_stream() -> None:
+    kw = dict(capacity_bytes=1 << 20, capacity_samples=256, echo_factor=2.5, seed=11)
+    a = EchoCache(**kw)
+    a.put_many(np.arange(100, dtype=np.int64))
+    for _ in range(5):
+        a.take(8)
+    state = a.state_dict()
+    b = EchoCache(**kw)
+    b.load_state_dict(state)
+    assert b.stats().tickets_left == a.stats().tickets_left
+    for c in (a, b):
+        c.put_many(np.arange(100, 130, dtype=np.int64))
+        c.end_of_input()
+    assert [int(s.array) for s in a] == [int(s.array) for s in b]
+    with pytest.raises(ValueError, match="empty cache"):
+        b.load_state_dict(state)
+    with pytest.raises(ValueError, match="echo_factor"):
+        EchoCache(**{**kw, "echo_factor": 3.0}).load_state_dict(state)
+    with pytest.raises(ValueError, match="magic"):
+        EchoCache(**kw).load_state_dict(b"not a state")
+
+
+def test_bad_input_errors_name_the_value() -> None:
+    with pytest.raises(ValueError, match=r"0\.5"):
+        EchoCache(echo_factor=0.5)
+    with pytest.raises(ValueError, match="'fifo'"):
+        EchoCache(mode="fifo")
+    with pytest.raises(ValueError, match="min_fill=99"):
+        EchoCache(capacity_samples=8, min_fill=99)
+    cache = EchoCache(capacity_bytes=4096, capacity_samples=8)
+    with pytest.raises(ValueError, match=r"8192 bytes.*capacity_bytes=4096"):
+        cache.put(np.zeros(8192, np.uint8))
+    with pytest.raises(ValueError, match="complex64"):
+        cache.put(np.zeros(4, np.complex64))
+    with pytest.raises(ValueError, match="-1"):
+        cache.take(-1)
+    with pytest.raises(ValueError, match="timeout"):
+        cache.take(1, timeout=-2)
+    with pytest.raises(ValueError, match="already exists"):
+        EchoCache(name=cache.name)
+
+
+def test_zero_copy_views_numpy_and_torch() -> None:
+    torch = pytest.importorskip("torch")
+    cache = EchoCache(capacity_bytes=1 << 20, capacity_samples=8, echo_factor=2.0)
+    cache.put(torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    cache.put(torch.tensor([1.5, -2.0], dtype=torch.bfloat16))
+    cache.end_of_input()
+    got = cache.take(4)
+    by_id: dict[int, list] = {}
+    for s in got:
+        by_id.setdefault(s.sample_id, []).append(s)
+    a0, a1 = (s.array for s in by_id[0])
+    assert np.shares_memory(a0, a1)  # both copies view the same slot
+    assert not a0.flags.writeable
+    np.testing.assert_array_equal(a0, np.arange(12, dtype=np.float32).reshape(3, 4))
+    t = by_id[0][0].torch()
+    assert t.data_ptr() == a0.__array_interface__["data"][0]
+    bf = by_id[1][0].torch()
+    assert bf.dtype == torch.bfloat16 and bf.tolist() == [1.5, -2.0]
+
+
+def test_views_outlive_the_closed_cache() -> None:
+    cache = EchoCache(capacity_bytes=1 << 16, capacity_samples=4, echo_factor=1.0)
+    name = cache.name
+    assert _C.find_cache_handle(name) == cache.handle
+    cache.put(np.arange(5, dtype=np.int32))
+    view = cache.take(1)[0].array
+    cache.close()
+    assert _C.find_cache_handle(name) is None
+    del cache
+    gc.collect()
+    np.testing.assert_array_equal(view, np.arange(5))
+
+
+def test_same_seed_same_stream() -> None:
+    def stream(seed: int) -> list[int]:
+        c = EchoCache(capacity_bytes=1 << 20, capacity_samples=512, echo_factor=1.7, seed=seed)
+        out = []
+        for i in range(200):
+            c.put(np.int64(i), timeout=5)  # one thread: 200 samples never fill 512 slots
+            if i >= 32:
+                out.extend(int(s.array) for s in c.take(1, timeout=5))
+        c.end_of_input()
+        out.extend(int(s.array) for s in c)
+        return out
+
+    assert stream(5) == stream(5)
+    assert stream(5) != stream(6)
+
+
+def test_gather_to_device_needs_a_mapped_cache() -> None:
+    cache = EchoCache(capacity_bytes=1 << 16, capacity_samples=4, memory="pageable")
+    cache.put(np.zeros(16, np.uint8))
+    leases = [s._lease for s in cache.take(1)]
+    with pytest.raises(RuntimeError, match=r"pinned|without CUDA"):
+        _C.gather_to_device(leases, 0, 0, 0)
+    if not _C.cuda_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            EchoCache(memory="pinned")
