@@ -1,15 +1,55 @@
-"""Shared plumbing of the convergence, wall-clock and staleness studies (bench/*.py).
+"""Shared plumbing of every benchmark suite in ``bench/``, and the convention they follow.
 
-Machine description, exact command, JSON output and plain-text tables, plus the two small
-training set-ups the studies share: scikit-learn's digits with random affine augmentation, and
-the synthetic ImageNet-style JPEG set decoded once to uint8 tensors with random-resized-crop and
-flip done in torch. Augmentations are batched (one ``affine_grid`` + ``grid_sample`` per batch,
-per-sample random parameters), so the studies spend their CPU time on training, not on Python.
+The convention (every suite: echo_cache, dali_echo, pipeline, convergence, wallclock, staleness)
+-----------------------------------------------------------------------------------------------
+* ``main(argv: list[str] | None = None) -> int``: 0 when the suite ran; non-zero only on errors.
+  An aim that is not met is a *result*, reported as ``met: false`` with the reason, never an
+  error. ``if __name__ == "__main__": sys.exit(main())``.
+* Flags from :func:`bench_parser`: ``--quick`` (a short preset) and ``--results-dir DIR``
+  (default :func:`default_results_dir`: ``bench/results`` of the source checkout the suite is
+  in or that is the current directory, else ``./bench-results``; ``--quick`` runs go to its
+  ``quick/`` subfolder so they never overwrite recorded full results); the suite writes
+  ``DIR/<name>.json`` (plots may go next to it).
+* The suite works both as ``python bench/<name>.py`` and as ``echopipe._bench.<name>`` (what
+  ``echopipe bench`` imports: CMake installs ``bench/*.py`` there). So no ``sys.path`` edits;
+  import this module with::
+
+      try:
+          from . import benchutil as bu
+      except ImportError:  # run as a script: bench/ is sys.path[0]
+          import benchutil as bu
+
+* A suite that cannot run on this machine (a missing optional dependency, e.g. DALI) defines
+  ``unavailable() -> str | None`` returning the reason (see :func:`missing_module`);
+  ``echopipe bench`` then reports it as skipped with that reason, and ``main`` returns 1 with
+  the reason on stderr when run directly. A ``ModuleNotFoundError`` while importing the suite
+  is reported as skipped too.
+* Plumbing: ``run = bu.BenchRun.start("<name>", args, argv)`` right after parsing (records the
+  machine and the load average at the start), then ``run.finish(figures=..., ratios=...,
+  claims=..., config=..., **extra)`` writes the JSON (load average at the end too) and prints
+  the claims table; :func:`claim` builds one claim.
+* The JSON: ``benchmark`` (name), ``quick``, ``machine`` (platform, cpu count, load averages at
+  start and end, python/torch/numpy/DALI/echopipe versions and echopipe build info, GPUs if any),
+  ``command`` (``argv``: the suite's exact arguments; ``process``: the process's own argv;
+  ``reproduce``: ``python bench/<name>.py ...``), ``figures`` (what was measured), ``ratios``
+  (against peers and the physical limit, measured in the same run), ``claims`` (a list of
+  ``{claim, aim, measured, met, reason}``; ``met`` is true, false, or null when it could not be
+  measured), ``config``, ``wall_s``, plus suite-specific keys. The start load average shows
+  other work on the machine; the end one includes the suite's own.
+
+The study helpers below the convention (data sets, augmentation, evaluation, plots) are shared
+by the convergence, wall-clock and staleness studies: scikit-learn's digits with random affine
+augmentation, and the synthetic ImageNet-style JPEG set decoded once to uint8 tensors with
+random-resized-crop and flip done in torch. Augmentations are batched (one ``affine_grid`` +
+``grid_sample`` per batch, per-sample random parameters), so the studies spend their CPU time
+on training, not on Python.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
+import importlib.util
 import json
 import math
 import os
@@ -17,8 +57,9 @@ import platform
 import shlex
 import statistics
 import sys
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +68,54 @@ import torch
 import torch.nn.functional as F
 
 BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
 REPO = BENCH_DIR.parent
-if str(REPO / "python") not in sys.path:
-    sys.path.insert(0, str(REPO / "python"))
+
+
+def _is_checkout(root: Path) -> bool:
+    """Whether ``root`` is an echopipe source checkout (pyproject naming echopipe, bench/)."""
+    try:
+        project = (root / "pyproject.toml").read_text()
+    except OSError:
+        return False
+    return (root / "bench").is_dir() and 'name = "echopipe"' in project
+
+
+def default_results_dir() -> Path:
+    """Where results go without ``--results-dir``.
+
+    ``bench/results`` of the checkout this file lives in, or of the checkout that is the
+    current directory (an installed ``echopipe._bench`` run from a checkout); else
+    ``./bench-results``, so installed copies never write into site-packages.
+    """
+    if BENCH_DIR.name == "bench" and _is_checkout(REPO):
+        return BENCH_DIR / "results"
+    if _is_checkout(Path.cwd()):
+        return Path.cwd() / "bench" / "results"
+    return Path.cwd() / "bench-results"
+
+
+def missing_module(name: str) -> str | None:
+    """``"needs <name>, which is not installed"`` if ``name`` cannot be imported, else None."""
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    return None if found else f"needs {name}, which is not installed"
+
+
+def bench_parser(name: str, doc: str | None, quick_help: str) -> argparse.ArgumentParser:
+    """An argument parser with the convention's ``--quick`` and ``--results-dir``."""
+    first = (doc or name).strip().splitlines()[0]
+    p = argparse.ArgumentParser(prog=f"bench/{name}.py", description=first)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument(
+        "--results-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"where {name}.json goes (default: bench/results of a checkout, else ./bench-results)",
+    )
+    return p
 
 
 def machine_info() -> dict[str, Any]:
@@ -41,17 +126,12 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
+        "numpy": np.__version__,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "load_average_1_5_15": [round(v, 2) for v in os.getloadavg()],
+        "load_average_1_5_15_start": [round(v, 2) for v in os.getloadavg()],
     }
-    try:
-        import numpy
-
-        info["numpy"] = numpy.__version__
-    except ImportError:  # pragma: no cover
-        pass
     try:
         from nvidia import dali
 
@@ -62,17 +142,119 @@ def machine_info() -> dict[str, Any]:
         import echopipe
 
         info["echopipe"] = echopipe.__version__
-    except ImportError:  # pragma: no cover
+        try:
+            info["echopipe_build"] = echopipe.build_info()
+        except Exception as exc:  # the figures are still worth having without the build info
+            info["echopipe_build"] = {"error": repr(exc)}
+    except ImportError:  # pragma: no cover - the benchmarks measure echopipe
         info["echopipe"] = None
     if info["cuda_devices"]:
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(info["cuda_devices"])]
     return info
 
 
-def command_line(script: str, argv: Sequence[str] | None) -> str:
-    """The command that reproduces this run (``argv`` None means the process's own)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    return shlex.join(["python", f"bench/{script}", *args])
+def claim(text: str, aim: str, measured: Any, met: bool | None, reason: str = "") -> dict[str, Any]:
+    """One claim check: ``met`` is True, False, or None when it could not be measured."""
+    return {"claim": text, "aim": aim, "measured": measured, "met": met, "reason": reason}
+
+
+def verdict(met: bool | None) -> str:
+    """``met`` / ``not met`` / ``not measurable``."""
+    return {True: "met", False: "not met", None: "not measurable"}[met]
+
+
+def claims_table(claims: Sequence[dict[str, Any]]) -> str:
+    """The claims as a table: claim, aim, measured, verdict, reason."""
+    return format_table(
+        ["claim", "aim", "measured", "result", "reason"],
+        [[c["claim"], c["aim"], c["measured"], verdict(c["met"]), c["reason"]] for c in claims],
+    )
+
+
+@dataclass
+class BenchRun:
+    """One run of a suite: its name, arguments, output folder, machine and start time."""
+
+    name: str
+    argv: list[str]
+    quick: bool
+    results_dir: Path
+    machine: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def start(cls, name: str, args: argparse.Namespace, argv: Sequence[str] | None) -> BenchRun:
+        """Records the machine (load average at the start) right after argument parsing."""
+        # A --quick run must never overwrite the recorded full results.
+        results_dir = args.results_dir or (
+            default_results_dir() / "quick" if args.quick else default_results_dir()
+        )
+        args.results_dir = results_dir
+        return cls(
+            name=name,
+            argv=list(sys.argv[1:] if argv is None else argv),
+            quick=bool(args.quick),
+            results_dir=Path(results_dir),
+            machine=machine_info(),
+        )
+
+    @property
+    def json_path(self) -> Path:
+        """``<results-dir>/<name>.json``."""
+        return self.results_dir / f"{self.name}.json"
+
+    def elapsed(self) -> float:
+        """Seconds since :meth:`start`."""
+        return time.perf_counter() - self.started
+
+    def finish(
+        self,
+        *,
+        figures: dict[str, Any],
+        ratios: dict[str, Any],
+        claims: Sequence[dict[str, Any]],
+        config: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> Path:
+        """Prints the claims table and writes ``<results-dir>/<name>.json``; returns its path."""
+        for c in claims:
+            missing = {"claim", "aim", "measured", "met", "reason"} - set(c)
+            if missing:
+                raise ValueError(f"claim {c!r} lacks {sorted(missing)}")
+        machine = dict(self.machine)
+        machine["load_average_1_5_15_end"] = [round(v, 2) for v in os.getloadavg()]
+        payload = {
+            "benchmark": self.name,
+            "quick": self.quick,
+            "machine": machine,
+            "command": {
+                "argv": self.argv,
+                "process": list(sys.argv),
+                "reproduce": shlex.join(["python", f"bench/{self.name}.py", *self.argv]),
+            },
+            "figures": figures,
+            "ratios": ratios,
+            "claims": list(claims),
+            "config": config or {},
+            **extra,
+            "wall_s": round(self.elapsed(), 2),
+        }
+        if claims:
+            print()
+            print(claims_table(claims))
+        start_load = machine["load_average_1_5_15_start"][0]
+        end_load = machine["load_average_1_5_15_end"][0]
+        cores = os.cpu_count() or 1
+        # The end figure includes this suite's own work; the start one shows the others.
+        if start_load > cores / 2:
+            print(
+                f"note: 1-min load average {start_load:.1f} on {cores} CPUs at the start "
+                f"({end_load:.1f} at the end, this suite included): other processes were using "
+                "the CPUs, the figures are noisy"
+            )
+        write_json(self.json_path, payload)
+        print(f"wrote {self.json_path} ({payload['wall_s']:.0f} s)")
+        return self.json_path
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -31,7 +31,6 @@ Run: ``python bench/convergence.py [--quick]``. Writes ``bench/results/convergen
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import time
@@ -44,13 +43,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import benchutil as bu
 from echopipe.echo import EchoCache
 from echopipe.models import build_model
 
-RESULTS = bu.RESULTS_DIR / "convergence.json"
+try:
+    from . import benchutil as bu
+except ImportError:  # run as a script: bench/ is sys.path[0]
+    import benchutil as bu
 
 
 @dataclass(frozen=True)
@@ -375,7 +374,10 @@ def check_claims(rows: list[dict[str, Any]], factors: Sequence[float]) -> list[d
         else:
             status = "met" if vb < vw else "not met"
             detail = f"{names[0]}: {vb:.0f}, {names[1]}: {vw:.0f} fresh examples (mean)"
-        claims.append({"dataset": ds, "claim": text, "status": status, "detail": detail})
+        met = None if status == "not measurable" else status == "met"
+        aim = f"{names[0]} < {names[1]} (fresh examples to target)"
+        measured = None if met is None else {names[0]: round(vb), names[1]: round(vw)}
+        claims.append({"dataset": ds, **bu.claim(f"{ds}: {text}", aim, measured, met, detail)})
 
     for ds in sorted({r["dataset"] for r in rows}):
         buffers = sorted({r["buffer"] for r in rows if r["dataset"] == ds})
@@ -480,9 +482,9 @@ def plot(runs: list[dict[str, Any]], rows: list[dict[str, Any]], out_dir: Path) 
     return paths
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="digits only, 1 seed, low target (<60 s)")
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the study, prints its tables, writes ``convergence.json``; 0 unless it errs."""
+    p = bu.bench_parser("convergence", __doc__, "digits only, 1 seed, low target (< 60 s)")
     p.add_argument("--datasets", nargs="+", default=None, choices=("digits", "synthetic"))
     p.add_argument("--seeds", type=int, nargs="+", default=None)
     p.add_argument("--echo-factors", type=float, nargs="+", default=(1.0, 2.0, 4.0))
@@ -492,17 +494,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         default=1,
         help="torch intra-op threads (1: the machine is shared; 2 threads oversubscribed it)",
     )
-    p.add_argument("--output", type=Path, default=RESULTS)
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
+    factors = sorted(set(args.echo_factors))
+    if 1.0 not in factors:
+        p.error("--echo-factors must include 1 (the baseline)")
+    run = bu.BenchRun.start("convergence", args, argv)
     bu.set_threads(args.threads)
     preset_name = "quick" if args.quick else "full"
     presets = PRESETS[preset_name]
     datasets = args.datasets or list(presets)
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
-    factors = sorted(set(args.echo_factors))
-    if 1.0 not in factors:
-        p.error("--echo-factors must include 1 (the baseline)")
 
     start = time.perf_counter()
     runs: list[dict[str, Any]] = []
@@ -522,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             )
     rows = summarise(runs)
     claims = check_claims(rows, factors)
-    plots = [] if args.no_plots else plot(runs, rows, args.output.parent)
+    plots = [] if args.no_plots else plot(runs, rows, run.results_dir)
 
     table = bu.format_table(
         ["data", "variant", "fresh to target", "ratio vs e=1", "steps", "final acc"],
@@ -540,37 +542,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             for r in rows
         ],
     )
-    claims_table = bu.format_table(
-        ["data", "paper's finding", "here", "numbers"],
-        [[c["dataset"], c["claim"], c["status"], c["detail"]] for c in claims],
-    )
     print()
     print(table)
-    print()
-    print(claims_table)
-    payload = {
-        "benchmark": "convergence",
-        "command": bu.command_line("convergence.py", argv),
-        "preset": preset_name,
-        "machine": bu.machine_info(),
-        "data": data_info,
-        "presets": {ds: presets.get(ds) or PRESETS["full"][ds] for ds in datasets},
-        "seeds": seeds,
-        "echo_factors": factors,
-        "metric": "distinct training examples received by the trainer at the first validation "
+    run.finish(
+        figures={"rows": rows},
+        ratios={
+            f"{r['dataset']} {r['label']}: fresh vs e=1": r["fresh_ratio_vs_e1"]
+            for r in rows
+            if r["fresh_ratio_vs_e1"] is not None
+        },
+        claims=claims,
+        config={
+            "preset": preset_name,
+            "presets": {ds: presets.get(ds) or PRESETS["full"][ds] for ds in datasets},
+            "seeds": seeds,
+            "echo_factors": factors,
+        },
+        data=data_info,
+        metric="distinct training examples received by the trainer at the first validation "
         "with accuracy >= target",
-        "paper": "Choi et al. 2019: echoing cuts fresh examples; earlier insertion and more "
+        paper="Choi et al. 2019: echoing cuts fresh examples; earlier insertion and more "
         "shuffling are better; example echoing >= batch echoing",
-        "rows": rows,
-        "claims": claims,
-        "plots": plots,
-        "runs": runs,
-        "total_seconds": time.perf_counter() - start,
-    }
-    bu.write_json(args.output, payload)
-    print(f"\nwrote {args.output} in {payload['total_seconds']:.0f}s")
-    return payload
+        plots=plots,
+        runs=runs,
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

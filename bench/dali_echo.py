@@ -14,16 +14,13 @@ What it measures, all in one run on the synthetic JPEG set (``ensure_synthetic_i
 Rates are training (downstream) images per second, each batch copied out to a torch tensor as
 a training loop would. Thread split on this 2-core machine: upstream DALI pipelines get
 ``--upstream-threads`` (1), downstream ones ``--threads`` (2); plain DALI gets ``--threads``.
-Writes ``bench/results/dali_echo.json``. ``--quick`` finishes in well under a minute.
+Writes ``<results-dir>/dali_echo.json`` (the convention of ``bench/benchutil.py``). ``--quick``
+(1.2 s per measurement, no repeats) finishes in well under a minute.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +30,15 @@ from typing import Any
 import numpy as np
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results" / "dali_echo.json"
+try:
+    from . import benchutil as bu
+except ImportError:  # run as a script: bench/ is sys.path[0]
+    import benchutil as bu
+
+
+def unavailable() -> str | None:
+    """Why this suite cannot run here (DALI missing), or None."""
+    return bu.missing_module("nvidia.dali")
 
 
 def _to_torch(tensor_list: Any) -> torch.Tensor:
@@ -96,30 +101,8 @@ def _echo_rate(pipe: Any, *, warmup: int, seconds: float) -> tuple[float, dict[s
     return rate, info
 
 
-def _machine() -> dict[str, Any]:
-    import nvidia.dali
-
-    import echopipe
-
-    try:
-        build = echopipe.build_info()
-    except Exception as exc:  # the benchmark still reports where the build info is missing
-        build = {"error": str(exc)}
-    return {
-        "load_average_1_5_15_at_end": list(os.getloadavg()),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "dali": nvidia.dali.__version__,
-        "echopipe": build,
-    }
-
-
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="short measurements (< 40 s)")
+def _parser() -> argparse.ArgumentParser:
+    p = bu.bench_parser("dali_echo", __doc__, "1.2 s per measurement, 1 repeat (< 40 s)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--image-size", type=int, default=64, help="random-resized-crop output side")
     p.add_argument("--classes", type=int, default=10)
@@ -133,13 +116,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--upstream-threads", type=int, default=1, help="DALI threads, upstream")
     p.add_argument("--seconds", type=float, default=None, help="per measurement")
     p.add_argument("--repeat", type=int, default=None, help="repeats (median); 3, quick 1")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark; returns 0 (the aims are reported, not enforced)."""
-    args = _parse(argv)
+    """Runs the benchmark; returns 0 (the aims are reported, not enforced), 1 without DALI."""
+    args = _parser().parse_args(argv)
+    reason = unavailable()
+    if reason is not None:
+        print(f"dali_echo: cannot run: {reason}", file=sys.stderr)
+        return 1
+    run = bu.BenchRun.start("dali_echo", args, argv)
     from echopipe.dali.builders import (
         imagenet_decode_pipeline,
         imagenet_train_pipeline,
@@ -153,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         args.repeat = 1 if args.quick else 3
     b, size = args.batch_size, args.image_size
     wall0 = time.perf_counter()
-    load_start = list(os.getloadavg())
     data = ensure_synthetic_imagenet(
         args.data_root, classes=args.classes, per_class=args.per_class, size=tuple(args.size)
     )
@@ -267,25 +253,50 @@ def main(argv: list[str] | None = None) -> int:
         )
     min_ideal = min(r["echopipe_vs_ideal"] for r in rows)
     min_peer = min(r["echopipe_vs_python_echo"] for r in rows)
-    aims = {
-        "vs_ideal_at_least_0.9": {"min_ratio": min_ideal, "met": min_ideal >= 0.9},
-        "vs_python_echo_at_least_3": {"min_ratio": min_peer, "met": min_peer >= 3.0},
+    worst_ideal = min(rows, key=lambda r: r["echopipe_vs_ideal"])["echo_factor"]
+    worst_peer = min(rows, key=lambda r: r["echopipe_vs_python_echo"])["echo_factor"]
+    claims = [
+        bu.claim(
+            "echopipe reaches the ideal min(e * upstream, downstream) at every e",
+            ">= 0.9x ideal",
+            round(min_ideal, 3),
+            min_ideal >= 0.9,
+            f"lowest at e={worst_ideal:g}",
+        ),
+        bu.claim(
+            "echopipe beats the Python echo peer at every e",
+            ">= 3x Python echo",
+            round(min_peer, 3),
+            min_peer >= 3.0,
+            f"lowest at e={worst_peer:g}; Python echo downstream alone "
+            f"{peer_down:.0f} img/s vs echopipe {down_rate:.0f} img/s",
+        ),
+    ]
+    ratios = {
+        "R_t_up_over_t_down": ratio,
+        "min_echopipe_vs_ideal": min_ideal,
+        "min_echopipe_vs_python_echo": min_peer,
+        "echopipe_vs_python_echo_downstream_alone": down_rate / peer_down,
+        **{f"e{r['echo_factor']:g}_vs_ideal": r["echopipe_vs_ideal"] for r in rows},
+        **{f"e{r['echo_factor']:g}_vs_python_echo": r["echopipe_vs_python_echo"] for r in rows},
+        **{f"e{r['echo_factor']:g}_vs_plain_dali": r["echopipe_vs_plain"] for r in rows},
     }
-    load_end = os.getloadavg()[0]
-    if max(load_start[0], load_end) > (os.cpu_count() or 1) + 0.5:
-        print(f"note: load average {load_start[0]:.1f} -> {load_end:.1f} on {os.cpu_count()} "
-              "CPUs: other processes competed for the CPUs, figures are noisy")  # fmt: skip
-    verdict = {True: "met", False: "NOT met"}
-    print(
-        f"aim >= 0.9x ideal: {verdict[min_ideal >= 0.9]} (min {min_ideal:.2f}); "
-        f"aim >= 3x python echo: {verdict[min_peer >= 3.0]} (min {min_peer:.2f})"
-    )
-    result = {
-        "benchmark": "dali_echo",
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "argv": list(sys.argv[1:]) if argv is None else list(argv),
-        "machine": _machine(),
-        "config": {
+    run.finish(
+        figures={
+            "calibration_downstream_alone_img_s": down0,
+            "decode_alone_img_s": decode_rate,
+            "read_delay_ms_per_sample": delay_ms,
+            "downstream_alone_img_s": down_rate,
+            "python_echo_downstream_alone_img_s": peer_down,
+            "upstream_alone_img_s": up_rate,
+            "plain_dali_img_s": plain_rate,
+            "rows": rows,
+            "medians_img_s": med,
+            "all_repeats_img_s": samples,
+        },
+        ratios=ratios,
+        claims=claims,
+        config={
             "data": str(data),
             "images": args.classes * args.per_class,
             "image_side_range": list(args.size),
@@ -297,30 +308,9 @@ def main(argv: list[str] | None = None) -> int:
             "cache_samples": cache_samples,
             "seconds_per_measurement": seconds,
             "repeats": args.repeat,
-            "quick": args.quick,
+            "ideal": "min(e * upstream_alone, downstream_alone)",
         },
-        "measured": {
-            "calibration_downstream_alone_img_s": down0,
-            "decode_alone_img_s": decode_rate,
-            "read_delay_ms_per_sample": delay_ms,
-            "downstream_alone_img_s": down_rate,
-            "python_echo_downstream_alone_img_s": med["python_echo_downstream_alone"],
-            "echopipe_vs_python_echo_downstream_alone": down_rate
-            / med["python_echo_downstream_alone"],
-            "upstream_alone_img_s": up_rate,
-            "R_t_up_over_t_down": ratio,
-            "plain_dali_img_s": plain_rate,
-            "medians_img_s": med,
-            "all_repeats_img_s": samples,
-        },
-        "rows": rows,
-        "aims": aims,
-        "wall_s": time.perf_counter() - wall0,
-        "load_average_1_5_15_at_start": load_start,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
+    )
     return 0
 
 

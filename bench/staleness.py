@@ -19,28 +19,27 @@ small accuracy drops: 0.4 points for LeNet-5 (MNIST) and about 1.45 points for R
 Throughput is not measured here (CPU threads on a shared 2-core machine); see
 ``bench/pipeline.py`` and ``bench/results/pipeline.json`` for pipeline speed.
 
-Run: ``python bench/staleness.py [--quick]``; writes ``bench/results/staleness.json``.
+Run: ``python bench/staleness.py [--quick] [--results-dir DIR]``; writes
+``<results-dir>/staleness.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import benchutil as bu
 from echopipe.models import build_model
 from echopipe.pipeline import HybridSchedule, StalePipeline
 
-RESULTS = bu.RESULTS_DIR / "staleness.json"
+try:
+    from . import benchutil as bu
+except ImportError:  # run as a script: bench/ is sys.path[0]
+    import benchutil as bu
 
 PAPER_DROP_POINTS = {"lenet5": 0.4, "resnet20": 1.45}
 
@@ -137,15 +136,15 @@ def _accuracy(pipe: StalePipeline, data: bu.Dataset) -> float:
     return float(pipe.accuracy(data.prepare(data.val_x), data.val_y, batch_size=512))
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="1 seed, few epochs (< 60 s)")
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the study, prints its tables, writes ``staleness.json``; 0 unless it errs."""
+    p = bu.bench_parser("staleness", __doc__, "1 seed, few epochs (< 60 s)")
     p.add_argument("--datasets", nargs="+", default=["digits", "synthetic"], choices=sorted(SETUPS))
     p.add_argument("--seeds", type=int, nargs="+", default=None)
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4], choices=[2, 4])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--output", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    run = bu.BenchRun.start("staleness", args, argv)
     bu.set_threads(args.threads)
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     start = time.perf_counter()
@@ -215,22 +214,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         # "Met" means: the drop is no larger than the paper's, or within one seed s.d. of zero.
         ok = drop is not None and (drop <= paper or drop <= sd_pts)
         claims.append(
-            {
-                "claim": f"{row['model']} K={row['stages']} {row['variant']}: accuracy drop within "
+            bu.claim(
+                f"{row['model']} K={row['stages']} {row['variant']}: accuracy drop within "
                 f"the paper's {paper} pt",
-                "status": "met" if ok else "not met",
-                "detail": f"drop {drop:+.2f} pt (s.d. over seeds {sd_pts:.2f} pt)",
-            }
+                f"drop <= {paper} pt, or within one seed s.d.",
+                None if drop is None else round(drop, 3),
+                None if drop is None else ok,
+                "no non-pipelined baseline"
+                if drop is None
+                else f"drop {drop:+.2f} pt (s.d. over seeds {sd_pts:.2f} pt)",
+            )
         )
 
-    pipeline_json = bu.RESULTS_DIR / "pipeline.json"
+    # Speed is pipeline.py's job; its latest result in the same folder is quoted, if any.
+    pipeline_json = run.results_dir / "pipeline.json"
     speed = None
     if pipeline_json.exists():
         import json
 
         blob = json.loads(pipeline_json.read_text())
         speed = {
-            "file": "bench/results/pipeline.json",
+            "file": str(pipeline_json),
             "ratios": blob.get("ratios"),
             "machine": blob.get("machine"),
         }
@@ -258,30 +262,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print()
     print(table)
-    print()
-    print(
-        bu.format_table(
-            ["claim", "here", "numbers"], [[c["claim"], c["status"], c["detail"]] for c in claims]
-        )
-    )
-    payload = {
-        "benchmark": "staleness",
-        "command": bu.command_line("staleness.py", argv),
-        "machine": bu.machine_info(),
-        "data": data_info,
-        "setups": {ds: SETUPS[ds] for ds in args.datasets},
-        "paper": "Zhang & Abdelrahman 2019: drops LeNet-5 0.4 pt, ResNet 1.45 pt; "
+    run.finish(
+        figures={"rows": rows},
+        ratios={
+            f"{r['model']} K={r['stages']} {r['variant']}: drop pt / paper drop pt": (
+                r["drop_points_vs_nonpipelined"] / r["paper_drop_points"]
+            )
+            for r in rows
+            if r["drop_points_vs_nonpipelined"] is not None and r["paper_drop_points"]
+        },
+        claims=claims,
+        config={"seeds": seeds, "setups": {ds: SETUPS[ds] for ds in args.datasets}},
+        data=data_info,
+        paper="Zhang & Abdelrahman 2019: drops LeNet-5 0.4 pt, ResNet 1.45 pt; "
         "2-GPU speedups 1.65-1.82x",
-        "rows": rows,
-        "claims": claims,
-        "speedups": speed,
-        "runs": runs,
-        "total_seconds": time.perf_counter() - start,
-    }
-    bu.write_json(args.output, payload)
-    print(f"\nwrote {args.output} in {payload['total_seconds']:.0f}s")
-    return payload
+        speedups=speed,
+        runs=runs,
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

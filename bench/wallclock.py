@@ -30,26 +30,25 @@ Run: ``python bench/wallclock.py [--quick]``; writes ``bench/results/wallclock.j
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import benchutil as bu
-from convergence import Reader, RunConfig, make_model, make_optimizer
 from echopipe.adaptive import EchoController
 from echopipe.echo import CacheClosedError, EchoCache, InputEndedError
 
-RESULTS = bu.RESULTS_DIR / "wallclock.json"
+try:
+    from . import benchutil as bu
+    from .convergence import Reader, RunConfig, make_model, make_optimizer
+except ImportError:  # run as a script: bench/ is sys.path[0]
+    import benchutil as bu
+    from convergence import Reader, RunConfig, make_model, make_optimizer
 
 
 class DelayedProducer(threading.Thread):
@@ -234,23 +233,26 @@ def run_wallclock(
     }
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="1 seed, lower target (< 60 s)")
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the study, prints its tables, writes ``wallclock.json``; 0 unless it errs."""
+    p = bu.bench_parser("wallclock", __doc__, "1 seed, lower target (< 60 s)")
     p.add_argument("--echo-factors", nargs="+", default=["1", "2", "4", "6", "auto"])
     p.add_argument("--ratio", type=float, default=6.0, help="R = upstream / trainer time")
     p.add_argument("--e-max", type=float, default=8.0, help="upper bound for e = auto")
     p.add_argument("--seeds", type=int, nargs="+", default=None)
     p.add_argument("--target", type=float, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--output", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    try:
+        factors: list[float | str] = [f if f == "auto" else float(f) for f in args.echo_factors]
+    except ValueError:
+        p.error(f"--echo-factors takes numbers or 'auto', got {args.echo_factors}")
+    if 1.0 not in factors:
+        p.error("--echo-factors must include 1 (the baseline)")
+    run = bu.BenchRun.start("wallclock", args, argv)
     bu.set_threads(args.threads)
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     target = args.target or (0.90 if args.quick else 0.95)
-    factors: list[float | str] = [f if f == "auto" else float(f) for f in args.echo_factors]
-    if 1.0 not in factors:
-        p.error("--echo-factors must include 1 (the baseline)")
     data = bu.load_digits_set()
     start = time.perf_counter()
     runs = []
@@ -304,14 +306,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for row in rows:
         ok = row["reached"] == row["seeds"] and base_mean and row["seconds_to_target_mean"]
         row["speedup_vs_e1"] = base_mean / row["seconds_to_target_mean"] if ok else None
-    best = max((r["speedup_vs_e1"] or 0 for r in rows if r["echo"] != 1.0), default=0)
+    speedups = {str(r["echo"]): r["speedup_vs_e1"] for r in rows if r["echo"] != 1.0}
+    measured_speedups = [v for v in speedups.values() if v is not None]
+    best = max(measured_speedups, default=None)
     claims = [
-        {
-            "claim": "echoing reduces wall-clock time to target when reading is the bottleneck "
+        bu.claim(
+            "echoing reduces wall-clock time to target when reading is the bottleneck "
             f"(R about {args.ratio:g})",
-            "status": "met" if best > 1 else "not met",
-            "detail": f"best speedup {best:.2f}x vs e=1 (paper: 3.25x, ResNet-50/ImageNet, e~5)",
-        }
+            "best speedup vs e=1 > 1x",
+            None if best is None else round(best, 3),
+            None if best is None else best > 1,
+            "e=1 or every echoed run missed the target in some seed"
+            if best is None
+            else f"best {best:.2f}x vs e=1 (paper: 3.25x, ResNet-50/ImageNet, e about 5)",
+        )
     ]
     table = bu.format_table(
         [
@@ -350,20 +358,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ax.legend()
         return fig
 
-    plot = bu.save_plot(args.output.parent / "wallclock.png", draw)
+    plot = bu.save_plot(run.results_dir / "wallclock.png", draw)
     print()
     print(table)
-    print()
-    print(
-        bu.format_table(
-            ["claim", "here", "numbers"], [[c["claim"], c["status"], c["detail"]] for c in claims]
-        )
-    )
-    payload = {
-        "benchmark": "wallclock",
-        "command": bu.command_line("wallclock.py", argv),
-        "machine": bu.machine_info(),
-        "setup": {
+    run.finish(
+        figures={"rows": rows},
+        ratios={f"e={k} speedup vs e=1": v for k, v in speedups.items()},
+        claims=claims,
+        config={
             "data": data.description,
             "model": "lenet5",
             "batch": 64,
@@ -376,17 +378,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "echo_mode": "example",
             "delay": "time.sleep in a producer thread, per upstream batch",
         },
-        "paper": "Choi et al. 2019: 3.25x wall-clock speedup, ResNet-50 on ImageNet, e about 5",
-        "rows": rows,
-        "claims": claims,
-        "plot": plot,
-        "runs": runs,
-        "total_seconds": time.perf_counter() - start,
-    }
-    bu.write_json(args.output, payload)
-    print(f"\nwrote {args.output} in {payload['total_seconds']:.0f}s")
-    return payload
+        paper="Choi et al. 2019: 3.25x wall-clock speedup, ResNet-50 on ImageNet, e about 5",
+        plot=plot,
+        runs=runs,
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

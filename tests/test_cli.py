@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from echopipe.cli import BENCH_SUITES, build_parser, main
+from echopipe.cli import BENCH_DEFAULT, BENCH_STUDIES, BENCH_SUITES, build_parser, main
 
 
 def _bad(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -112,4 +113,74 @@ def test_bench_unknown_suite_is_rejected(capsys: pytest.CaptureFixture[str]) -> 
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nosuch" in err[0]
-    assert set(BENCH_SUITES) >= {"echo_cache", "dali_echo", "pipeline"}
+    assert err[0].startswith("echopipe bench: error: ")
+
+
+def test_bench_suite_sets() -> None:
+    assert BENCH_DEFAULT == ("echo_cache", "dali_echo", "pipeline")
+    assert BENCH_SUITES == BENCH_DEFAULT + BENCH_STUDIES
+    assert set(BENCH_STUDIES) == {"convergence", "wallclock", "staleness"}
+    parser = build_parser()
+    assert parser.parse_args(["bench"]).only is None
+    args = parser.parse_args(["bench", "--only", "staleness", "pipeline"])
+    assert args.only == ["staleness", "pipeline"]
+
+
+def test_bench_all_and_only_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--all", "--only", "pipeline"])
+    assert info.value.code == 2
+    assert "--all" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_quick_pipeline_writes_the_convention(tmp_path: Path) -> None:
+    """``echopipe bench --quick --only pipeline`` as a user runs it: the suite's table, the
+    summary, and a JSON with every field of the convention (bench/benchutil.py)."""
+    results = tmp_path / "results"
+    env = dict(os.environ)
+    import echopipe
+
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "echopipe.cli", "bench", "--quick", "--only", "pipeline",
+         "--results-dir", str(results)],
+        env=env, capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| stale pipeline K=2 (threads)" in done.stdout
+    summary = done.stdout[done.stdout.index("=== echopipe bench: suites ===") :]
+    assert re.search(r"^pipeline\s+ok\s+[0-9.]+$", summary, re.MULTILINE), summary
+    doc = json.loads((results / "pipeline.json").read_text())
+    assert doc["benchmark"] == "pipeline" and doc["quick"] is True
+    machine = doc["machine"]
+    for key in ("platform", "cpu_count", "torch", "dali", "echopipe", "python"):
+        assert machine[key], key
+    for key in ("load_average_1_5_15_start", "load_average_1_5_15_end"):
+        assert len(machine[key]) == 3 and all(v >= 0 for v in machine[key])
+    assert doc["command"]["argv"] == ["--quick", "--results-dir", str(results)]
+    assert doc["command"]["reproduce"].startswith("python bench/pipeline.py --quick")
+    rows = {r["name"]: r for r in doc["figures"]["rows"]}
+    peers = ("GPipe", "1F1B")
+    for name in ["sequential, 1 thread", "stale pipeline K=2 (threads)"] + [
+        f"torch pipelining {peer} K=2 (4 mb)" for peer in peers
+    ]:
+        assert rows[name]["samples_per_s"] > 0, rows[name]
+    assert rows["sequential, 1 thread"]["x_1thread"] == 1.0
+    assert doc["ratios"]["K2_over_1thread"] == pytest.approx(
+        rows["stale pipeline K=2 (threads)"]["samples_per_s"]
+        / rows["sequential, 1 thread"]["samples_per_s"],
+        abs=2e-3,
+    )
+    assert (
+        0
+        < doc["ratios"]["K2_fraction_of_ideal_2x"]
+        == pytest.approx(doc["ratios"]["K2_over_1thread"] / 2, abs=2e-3)
+    )
+    assert len(doc["claims"]) == 3
+    for c in doc["claims"]:
+        assert set(c) == {"claim", "aim", "measured", "met", "reason"}
+        assert isinstance(c["met"], bool) and c["reason"]
+    assert doc["wall_s"] > 0

@@ -144,7 +144,7 @@ step test_echo_pinned 90 echo_tests
 
 # ---- benchmarks -------------------------------------------------------------------------------
 step bench_gather_bw 90 "$PY" bench/gpu/gather_bw.py --out "$OUT" --quick
-step bench_pipeline 150 "$PY" bench/pipeline.py --quick --output "$OUT/pipeline.json"
+step bench_pipeline 150 "$PY" bench/pipeline.py --quick --results-dir "$OUT"
 dali_bench() {
   if ((!HAVE_DALI)); then
     echo "DALI is not importable (no .gpu/site): DALI GPU benchmark skipped"

@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             f"({100 * ov['overlap_fraction_of_busy']:.0f}%)"
         )
     pl = results["pipeline"]
+    if pl and isinstance(pl.get("figures"), dict):
+        pl = pl["figures"]
     if pl and isinstance(pl.get("rows"), list):
         print("\npipeline (samples/s):")
         for r in pl["rows"]:

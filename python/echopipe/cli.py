@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import math
 import sys
 import time
@@ -20,10 +19,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
-__all__ = ["BENCH_SUITES", "build_parser", "main"]
+__all__ = ["BENCH_DEFAULT", "BENCH_STUDIES", "BENCH_SUITES", "build_parser", "main"]
 
-BENCH_SUITES: tuple[str, ...] = ("echo_cache", "dali_echo", "pipeline", "convergence")
-"""Benchmark suites ``echopipe bench`` knows, in the order it runs them."""
+BENCH_DEFAULT: tuple[str, ...] = ("echo_cache", "dali_echo", "pipeline")
+"""The microbenchmarks ``echopipe bench`` runs by default, in this order."""
+
+BENCH_STUDIES: tuple[str, ...] = ("convergence", "wallclock", "staleness")
+"""Training studies (minutes each): run only with ``--only NAME`` or ``--all``."""
+
+BENCH_SUITES: tuple[str, ...] = BENCH_DEFAULT + BENCH_STUDIES
+"""Every suite ``echopipe bench`` knows, in the order it runs them."""
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -249,26 +254,31 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
         "bench",
         help="run the benchmark suites and print their tables",
         description=(
-            "Run echopipe's benchmark suites in sequence (echo cache, DALI echo, pipeline, "
-            "convergence) and print their tables; each writes <results-dir>/<suite>.json. A "
-            "failing suite is reported and makes the exit status non-zero."
+            f"Run echopipe's benchmark suites in sequence ({', '.join(BENCH_DEFAULT)}; the "
+            f"studies {', '.join(BENCH_STUDIES)} only with --only or --all) and print their "
+            "tables; each writes <results-dir>/<suite>.json. A suite that cannot run here "
+            "(e.g. DALI missing) is reported as skipped with the reason; a failing suite makes "
+            "the exit status 1. Aims not met are results, not failures."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="small preset (minutes on 2 cores)")
-    p.add_argument(
+    p.add_argument("--quick", action="store_true", help="each suite's short preset")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
         "--only",
         nargs="+",
         choices=BENCH_SUITES,
         default=None,
         metavar="NAME",
-        help=f"run only these suites ({', '.join(BENCH_SUITES)})",
+        help=f"run only these suites, in the order given ({', '.join(BENCH_SUITES)})",
     )
+    which.add_argument("--all", action="store_true", help="also run the studies")
     p.add_argument(
         "--results-dir",
         type=Path,
         default=None,
-        help="where the suites write their JSON results (default: each suite's own)",
+        metavar="DIR",
+        help="where the suites write <suite>.json (default: bench/results in a source "
+        "checkout, else ./bench-results)",
     )
     return p
 
@@ -358,74 +368,82 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
 # --------------------------------------------------------------------------------------------
 
 
-def _load_suite(name: str) -> ModuleType | None:
-    """The suite module: installed as ``echopipe._bench.<name>``, else ``bench/<name>.py`` of a
-    source checkout; ``None`` if neither exists."""
+def _bench_package() -> str | None:
+    """Makes ``echopipe._bench`` importable; the reason why not, or None.
+
+    Installs ship ``bench/*.py`` as ``echopipe._bench``; a source tree that was never installed
+    gets its ``bench/`` folder mapped to that name, so the suites' relative imports still work.
+    """
     try:
-        return importlib.import_module(f"echopipe._bench.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("echopipe._bench", f"echopipe._bench.{name}"):
-            raise
-    source = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
-    if not source.is_file():
+        importlib.import_module("echopipe._bench")
         return None
-    spec = importlib.util.spec_from_file_location(f"_echopipe_bench_{name}", source)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    except ModuleNotFoundError as exc:
+        if exc.name != "echopipe._bench":
+            raise
+    source = Path(__file__).resolve().parents[2] / "bench"
+    if not (source / "benchutil.py").is_file():
+        return "echopipe._bench is not installed and there is no bench/ folder next to it"
+    package = ModuleType("echopipe._bench")
+    package.__path__ = [str(source)]
+    package.__package__ = "echopipe._bench"
+    sys.modules["echopipe._bench"] = package
+    return None
 
 
-def _results_args(module: ModuleType, name: str, results_dir: Path) -> list[str]:
-    """The suite's own flag for where its JSON goes: ``--results-dir DIR`` if it has one,
-    else ``--output``/``--out`` with ``DIR/<suite>.json``."""
-    source = Path(module.__file__ or "").read_text() if module.__file__ else ""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    if '"--results-dir"' in source:
-        return ["--results-dir", str(results_dir)]
-    for flag in ("--output", "--out"):
-        if f'"{flag}"' in source:
-            return [flag, str(results_dir / f"{name}.json")]
-    return []
+def _load_suite(name: str) -> tuple[ModuleType | None, str]:
+    """The suite module, or None and the reason it cannot run here."""
+    problem = _bench_package()
+    if problem is not None:
+        return None, problem
+    try:
+        module = importlib.import_module(f"echopipe._bench.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"echopipe._bench.{name}":
+            return None, f"echopipe._bench.{name} is not installed (re-install echopipe)"
+        return None, f"needs {exc.name}, which is not installed"
+    unavailable = getattr(module, "unavailable", None)
+    reason = unavailable() if callable(unavailable) else None
+    return (None, reason) if reason else (module, "")
+
+
+def _run_suite(module: ModuleType, argv: list[str]) -> int:
+    """``module.main(argv)`` as an exit status; exceptions are printed and count as 1."""
+    try:
+        result = module.main(argv)
+    except SystemExit as exc:  # e.g. the suite's own argument parser
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return result if isinstance(result, int) else 0
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    suites = list(args.only) if args.only else list(BENCH_SUITES)
+    if args.only:
+        suites = list(dict.fromkeys(args.only))
+    else:
+        suites = list(BENCH_SUITES if args.all else BENCH_DEFAULT)
     outcomes: list[tuple[str, str, float]] = []
     for name in suites:
-        module = _load_suite(name)
-        if module is None:
-            if args.only:
-                outcomes.append((name, "missing", 0.0))
-                print(f"echopipe bench: suite {name!r} is not installed", file=sys.stderr)
-            else:
-                outcomes.append((name, "skipped (not installed)", 0.0))
-            continue
-        argv: list[str] = []
-        if args.quick:
-            argv.append("--quick")
-        if args.results_dir is not None:
-            argv += _results_args(module, name, args.results_dir)
-        print(f"\n=== echopipe bench: {name} {' '.join(argv)} ===", flush=True)
         t0 = time.perf_counter()
-        try:
-            result = module.main(argv)
-            # Suites return an exit status, or their results (a dict) when they succeed.
-            rc = result if isinstance(result, int) else 0
-        except SystemExit as exc:
-            rc = exc.code if isinstance(exc.code, int) else 1
-        except Exception:
-            traceback.print_exc()
-            rc = 1
+        module, reason = _load_suite(name)
+        if module is None:
+            outcomes.append((name, f"skipped: {reason}", 0.0))
+            print(f"\n=== echopipe bench: {name}: skipped: {reason} ===", flush=True)
+            continue
+        argv: list[str] = ["--quick"] if args.quick else []
+        if args.results_dir is not None:
+            argv += ["--results-dir", str(args.results_dir)]
+        print(f"\n=== echopipe bench: {name} {' '.join(argv)} ===", flush=True)
+        rc = _run_suite(module, argv)
         seconds = time.perf_counter() - t0
-        outcomes.append((name, "ok" if rc in (0, None) else f"failed (exit {rc})", seconds))
+        outcomes.append((name, "ok" if rc == 0 else f"failed (exit {rc})", seconds))
     print("\n=== echopipe bench: suites ===")
-    print(f"{'suite':<14} {'result':<26} {'seconds':>8}")
+    width = max(len(result) for _, result, _ in outcomes)
+    print(f"{'suite':<12} {'result':<{width}} {'seconds':>8}")
     for name, result, seconds in outcomes:
-        print(f"{name:<14} {result:<26} {seconds:8.1f}")
-    failed = [n for n, r, _ in outcomes if r not in ("ok",) and not r.startswith("skipped")]
-    return 1 if failed else 0
+        print(f"{name:<12} {result:<{width}} {seconds:8.1f}")
+    return 1 if any(result.startswith("failed") for _, result, _ in outcomes) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
