@@ -225,6 +225,34 @@ def test_endless_stream_epochs_have_fixed_length(jpegs: list[str]) -> None:
         assert it.stats.epochs == 2 and it.stats.steps == 16
 
 
+def test_set_echo_factor_mid_stream_changes_emissions_per_sample(jpegs: list[str]) -> None:
+    pipe = _make(
+        jpegs, batch_size=4, echo_factor=1.0, epochs=1, deterministic=True, shuffle_buffer=4,
+        cache_samples=16,
+    )  # fmt: skip
+    with edali.EchoIterator(pipe, ["data", "label"], last_batch_policy=LBP.PARTIAL) as it:
+        labels: list[int] = []
+        for step, batch in enumerate(it):
+            labels += batch[0]["label"].reshape(-1).tolist()
+            if step == 0:
+                with pytest.raises(ValueError, match=r"0\.5"):
+                    pipe.set_echo_factor(0.5)
+                pipe.set_echo_factor(3.0)
+                assert pipe.config.echo_factor == 3.0 and pipe.cache.echo_factor == 3.0
+    counts = Counter(labels)
+    assert sorted(counts) == list(range(24))  # every sample, none lost
+    assert set(counts.values()) == {1, 3}  # committed before the change: 1 copy, after: 3
+    late = [k for k, v in counts.items() if v == 3]
+    hist = pipe.stats()["emit_histogram"]
+    assert hist[1] == 24 - len(late) and hist[3] == len(late)
+
+    endless = _make(jpegs, batch_size=6, echo_factor=2.0, shuffle_buffer=6, cache_samples=32)
+    with edali.EchoIterator(endless, ["data", "label"], auto_reset=True) as it:
+        assert len(it) == 8  # 24 fresh * 2 / 6
+        endless.set_echo_factor(1.0)
+        assert len(it) == 4  # the epoch length follows the factor
+
+
 # ---- determinism, shutdown, checkpoints --------------------------------------------------------
 
 

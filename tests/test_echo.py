@@ -265,8 +265,10 @@ def test_state_dict_round_trip_gives_same_stream() -> None:
     assert [int(s.array) for s in a] == [int(s.array) for s in b]
     with pytest.raises(ValueError, match="empty cache"):
         b.load_state_dict(state)
-    with pytest.raises(ValueError, match="echo_factor"):
-        EchoCache(**{**kw, "echo_factor": 3.0}).load_state_dict(state)
+    # The factor is runtime state: a cache created with another e adopts the saved one.
+    other = EchoCache(**{**kw, "echo_factor": 3.0})
+    other.load_state_dict(state)
+    assert other.echo_factor == 2.5
     with pytest.raises(ValueError, match="magic"):
         EchoCache(**kw).load_state_dict(b"not a state")
 
@@ -349,3 +351,86 @@ def test_gather_to_device_needs_a_mapped_cache() -> None:
     if not _C.cuda_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             EchoCache(memory="pinned")
+
+
+def test_set_echo_factor_applies_to_later_samples() -> None:
+    cache = EchoCache(capacity_bytes=1 << 20, capacity_samples=512, echo_factor=2.0, seed=1)
+    assert cache.echo_factor == 2.0
+    cache.put_many(np.arange(0, 50, dtype=np.int64))
+    cache.echo_factor = 3
+    assert cache.echo_factor == 3.0
+    cache.put_many(np.arange(50, 100, dtype=np.int64))
+    cache.echo_factor = 1.5
+    cache.put_many(np.arange(100, 400, dtype=np.int64))
+    for bad in (0.5, float("nan"), float("inf"), "x", True):
+        with pytest.raises(ValueError, match="echo_factor"):
+            cache.echo_factor = bad
+    assert cache.echo_factor == 1.5
+    cache.end_of_input()
+    seen: dict[int, int] = {}
+    tickets: dict[int, int] = {}
+    for s in cache:
+        key = int(s.array)
+        seen[key] = seen.get(key, 0) + 1
+        tickets[key] = s.tickets
+    del s  # the last copy's lease, so that every slot can retire
+    assert all(seen[k] == 2 == tickets[k] for k in range(50))
+    assert all(seen[k] == 3 == tickets[k] for k in range(50, 100))
+    late = [seen[k] for k in range(100, 400)]
+    assert set(late) == {1, 2} and late == [tickets[k] for k in range(100, 400)]
+    assert 0.35 < late.count(2) / len(late) < 0.65
+    st = cache.stats()
+    assert st.emitted == sum(seen.values()) and st.retired == 400 and st.resident == 0
+
+
+def test_gather_to_device_checks_its_arguments_before_touching_cuda() -> None:
+    import torch
+
+    cache = EchoCache(capacity_bytes=1 << 20, capacity_samples=16, memory="pageable")
+    for i in range(4):
+        cache.put((np.full((4, 5, 3), i, np.uint8), np.int64(i)))
+    samples = cache.take(4)
+    ok = torch.empty(4 * 60, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="device 'cpu'"):
+        cache.gather_to_device(samples, 0, ok)
+    with pytest.raises(ValueError, match="device 'cpu'"):
+        cache.gather_to_device(samples, 0, torch.empty(4, 3, 4, 5), normalize=([0] * 3, [1] * 3),
+                               layout="CHW")  # fmt: skip
+    with pytest.raises(TypeError, match="ndarray"):
+        cache.gather_to_device(samples, 0, np.empty(240, np.uint8))
+    with pytest.raises(TypeError, match=r"samples\[1\]"):
+        cache.gather_to_device([samples[0], "x"], 0, ok)
+    with pytest.raises(ValueError, match="empty"):
+        cache.gather_to_device([], 0, ok)
+    with pytest.raises(ValueError, match="field=2"):
+        cache.gather_to_device(samples, 2, ok)
+    with pytest.raises(ValueError, match=r"dtype torch\.float32"):
+        cache.gather_to_device(samples, 0, torch.empty(240))
+    with pytest.raises(ValueError, match="239 elements"):
+        cache.gather_to_device(samples, 0, torch.empty(239, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="layout"):
+        cache.gather_to_device(samples, 0, ok, layout="NCHW")
+    with pytest.raises(ValueError, match=r"CHW.*normalize"):
+        cache.gather_to_device(samples, 0, ok, layout="CHW")
+    with pytest.raises(ValueError, match="uint8 HWC"):
+        cache.gather_to_device(samples, 1, torch.empty(4), normalize=([0], [1]))
+    with pytest.raises(ValueError, match="per channel"):
+        cache.gather_to_device(samples, 0, torch.empty(4, 4, 5, 3), normalize=([0], [1]))
+    with pytest.raises(ValueError, match="non-zero std"):
+        cache.gather_to_device(samples, 0, torch.empty(4, 4, 5, 3), normalize=([0] * 3, [0] * 3))
+    with pytest.raises(ValueError, match=r"\(4, 3, 4, 5\)"):
+        cache.gather_to_device(samples, 0, torch.empty(4, 4, 5, 3), normalize=([0] * 3, [1] * 3),
+                               layout="CHW")  # fmt: skip
+    with pytest.raises(ValueError, match="normalize must be"):
+        cache.gather_to_device(samples, 0, torch.empty(4, 4, 5, 3), normalize=(1, 2))
+    cache.close()
+
+
+def test_native_bench_driver_accounts_for_every_copy() -> None:
+    # bench/echo_cache.py's driver: 2 producers, 2 consumers (batches released together with
+    # release_leases), e = 2 -> exactly two copies per fresh sample, nothing left behind.
+    r = _C._bench_put_take(4096, 3000, 2, 2, 2.0, 4 << 20, 16)
+    assert r["fresh"] == 3000 and r["copies"] == 6000
+    assert r["bytes_out"] == 6000 * 4096 and r["seconds"] > 0
+    m = _C._bench_memcpy(4096, 100, 2, 1 << 20, 16)
+    assert m["bytes"] == 100 * 4096 and m["seconds"] > 0

@@ -45,11 +45,6 @@ def _cache(**kw: Any) -> Any:
     return EchoCache(**args)
 
 
-def _leases(samples: list[Any]) -> list[Any]:
-    # EchoSample keeps its native lease private; the gather bindings take the leases.
-    return [s._lease for s in samples]
-
-
 # ---------------------------------------------------------------------------------------------
 # Build and memory
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +121,7 @@ def test_pageable_cache_is_rejected_by_the_device_gather() -> None:
         samples = cache.take(1, timeout=5)
         dst = torch.empty(128, dtype=torch.uint8, device="cuda")
         with pytest.raises(RuntimeError, match="pinned"):
-            _native().gather_to_device(_leases(samples), 0, dst.data_ptr(), 0)
+            cache.gather_to_device(samples, 0, dst)
     finally:
         cache.close()
 
@@ -151,13 +146,12 @@ def test_gather_bytes_matches_cpu_for_ragged_unaligned_samples(use_side_stream: 
         dst = torch.full((expected.size,), 7, dtype=torch.uint8, device="cuda")
         stream = torch.cuda.Stream() if use_side_stream else torch.cuda.current_stream()
         stream.wait_stream(torch.cuda.current_stream())  # the fill above must land first
-        with torch.cuda.stream(stream):
-            _native().gather_to_device(_leases(samples), 0, dst.data_ptr(), stream.cuda_stream)
+        cache.gather_to_device(samples, 0, dst, stream=stream if use_side_stream else None)
         stream.synchronize()
         np.testing.assert_array_equal(dst.cpu().numpy(), expected)
         # Field 1 (the int64 labels) through the same kernel.
         labels = torch.empty(len(samples), dtype=torch.int64, device="cuda")
-        _native().gather_to_device(_leases(samples), 1, labels.data_ptr(), 0)
+        cache.gather_to_device(samples, 1, labels, stream=0)
         torch.cuda.synchronize()
         np.testing.assert_array_equal(labels.cpu().numpy(), [int(s[1]) for s in samples])
     finally:
@@ -181,8 +175,8 @@ def test_gather_normalize_matches_cpu(to_chw: bool, channels: int) -> None:
             dtype=torch.float32,
             device="cuda",
         )
-        _native().gather_normalize_to_device(
-            _leases(samples), 0, mean, std, to_chw, got.data_ptr(), 0
+        cache.gather_to_device(
+            samples, 0, got, normalize=(mean, std), layout="CHW" if to_chw else "HWC"
         )
         torch.cuda.synchronize()
         drawn = np.stack([s.array for s in samples]).astype(np.float32)
@@ -200,14 +194,16 @@ def test_gather_normalize_rejects_bad_inputs_with_clear_errors() -> None:
         cache.put_many(np.zeros((2, 4, 4, 3), dtype=np.uint8))
         samples = cache.take(2, timeout=5)
         dst = torch.empty((2, 3, 4, 4), device="cuda")
-        with pytest.raises(ValueError, match="one per channel"):
-            _native().gather_normalize_to_device(
-                _leases(samples), 0, [0.0], [1.0], True, dst.data_ptr(), 0
-            )
+        with pytest.raises(ValueError, match="per channel"):
+            cache.gather_to_device(samples, 0, dst, normalize=([0.0], [1.0]), layout="CHW")
         with pytest.raises(ValueError, match="non-zero"):
-            _native().gather_normalize_to_device(
-                _leases(samples), 0, [0.0] * 3, [1.0, 0.0, 1.0], True, dst.data_ptr(), 0
+            cache.gather_to_device(
+                samples, 0, dst, normalize=([0.0] * 3, [1.0, 0.0, 1.0]), layout="CHW"
             )
+        # The native entry point checks the same (for callers that bypass the wrapper).
+        leases = [s._lease for s in samples]
+        with pytest.raises(ValueError, match="one per channel"):
+            _native().gather_normalize_to_device(leases, 0, [0.0], [1.0], True, dst.data_ptr(), 0)
     finally:
         cache.close()
 

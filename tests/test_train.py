@@ -191,6 +191,8 @@ def test_echo_auto_raises_the_factor_when_reading_is_slow(
     assert per_epoch[-1] == -(-32 * doc["epochs"][-1]["echo_factor"] // 8)
     # With e = 1 in the first epoch nothing is echoed; afterwards repeats appear.
     assert doc["epochs"][0]["echoed_samples"] == 0 < doc["epochs"][-1]["echoed_samples"]
+    # The factor changed in the running cache: the input pipeline was built once, never rebuilt.
+    assert [r["input_builds"] for r in doc["epochs"]] == [1] * len(doc["epochs"])
 
 
 # --------------------------------------------------------------------------------------------

@@ -228,6 +228,8 @@ void bind_echo(py::module_& m) {
           "arena_device_ptr",
           [](const EchoCache& c) { return reinterpret_cast<uintptr_t>(c.arena_device()); })
       .def_property_readonly("closed", &EchoCache::closed)
+      .def_property("echo_factor", &EchoCache::echo_factor, &EchoCache::set_echo_factor,
+                    "Current echo factor; setting it applies to units published afterwards.")
       .def(
           "put_raw",
           [](EchoCache& c, const std::vector<uintptr_t>& ptrs,
@@ -321,7 +323,7 @@ void bind_echo(py::module_& m) {
                 shapes.append(per);
               }
               py::gil_scoped_release nogil;
-              leases.clear();
+              release_leases(leases);
             }
             return py::make_tuple(std::string(take_status_name(st)), fields, dtypes, shapes, ids,
                                   emissions);

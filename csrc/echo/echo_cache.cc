@@ -4,6 +4,7 @@
 #include "echo/echo_cache.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -69,7 +70,6 @@ struct EchoCache::Impl {
   struct alignas(64) Shard {
     std::mutex mu;
     std::vector<uint32_t> units;
-    std::atomic<uint32_t> size{0};
     std::atomic<uint64_t> reuse_sum{0};  // written under mu, read by stats()
     std::atomic<uint64_t> reuse_pairs{0};
   };
@@ -79,17 +79,38 @@ struct EchoCache::Impl {
   std::vector<Slot> slots;
   std::unique_ptr<Unit[]> units;
   std::unique_ptr<Shard[]> shards;
+  // Shard sizes (written under each shard's mutex), packed: a draw reads every size, and 16
+  // shards fit in one cache line instead of 16.
+  std::unique_ptr<std::atomic<uint32_t>[]> shard_sizes;
   uint32_t num_shards = 1;
-  uint32_t floor_tickets = 1;
-  double frac_tickets = 0.0;
+  // Current echo factor (set_echo_factor); read once per published unit.
+  std::atomic<double> echo_factor{2.0};
   uint64_t seed = 0;  // replaced by restore_state
   uint32_t unit_samples = 1;
 
-  // Allocator (alloc_mu): slots and best-fit extents with coalescing.
-  mutable std::mutex alloc_mu;
+  // Allocator (alloc_mu): slots and best-fit extents with coalescing. The counters written
+  // under the lock share its cache line (40 + 3 * 8 bytes): taking the lock brings them along.
+  alignas(64) mutable std::mutex alloc_mu;
+  std::atomic<uint64_t> resident{0};
+  std::atomic<uint64_t> bytes_used{0};
+  std::atomic<uint64_t> space_gen{0};  // bumped on every free (wakes blocked puts)
   std::vector<uint32_t> free_slots;
   std::map<uint64_t, uint64_t> free_by_offset;           // offset -> size
   std::set<std::pair<uint64_t, uint64_t>> free_by_size;  // (size, offset)
+  // Segregated exact-size free lists in front of the coalescing tree: an extent freed with one
+  // of the first kSizeClasses sizes seen is parked here uncoalesced, and a request of that size
+  // pops it in O(1) without touching (or allocating nodes of) the tree. Uniform samples, the
+  // common case, then never reach the tree. When the tree cannot serve a request, every parked
+  // extent is given back to it (coalescing) and the request retried, so the allocator still
+  // finds space exactly when the coalescing allocator alone would.
+  static constexpr int kSizeClasses = 8;
+  struct SizeClass {
+    uint64_t size = 0;
+    std::vector<uint64_t> offsets;
+  };
+  std::array<SizeClass, kSizeClasses> size_classes;
+  int num_size_classes = 0;
+  uint64_t parked_extents = 0;
   std::vector<uint64_t> histogram = std::vector<uint64_t>(kMaxHist, 0);
   uint64_t retired = 0;
   bool input_ended_locked = false;  // mirror of input_ended under alloc_mu
@@ -100,20 +121,22 @@ struct EchoCache::Impl {
   uint32_t open_tail = kNone;
   uint32_t open_count = 0;
 
-  // Lock-free counters.
-  std::atomic<int64_t> available{0};     // tickets in the index not yet claimed by a taker
-  std::atomic<int64_t> live_samples{0};  // samples of units in the index
-  std::atomic<int64_t> pending{0};       // reservations not yet committed/aborted
-  std::atomic<uint64_t> resident{0};
-  std::atomic<uint64_t> bytes_used{0};
+  // Lock-free counters, grouped by who writes them, one cache line per group, so producers and
+  // consumers do not invalidate each other's lines with counters the other side never touches.
+  // Shared by both sides (the ticket count both sides must agree on):
+  alignas(64) std::atomic<int64_t> available{0};  // tickets in the index not yet claimed
+  std::atomic<int64_t> live_samples{0};           // samples of units in the index
+  // Producers (commit / publish):
+  alignas(64) std::atomic<int64_t> pending{0};  // reservations not yet committed/aborted
   std::atomic<uint64_t> fresh_in{0};
-  std::atomic<uint64_t> emitted{0};
-  std::atomic<uint64_t> emit_pos{0};      // global emission position (units)
-  std::atomic<uint64_t> draw_counter{0};  // RNG counter for draws
   std::atomic<uint64_t> publish_counter{0};
   std::atomic<uint64_t> next_sample_id{0};
-  std::atomic<uint64_t> space_gen{0};  // bumped on every free (wakes blocked puts)
-  std::atomic<bool> closed{false};
+  // Consumers (take):
+  alignas(64) std::atomic<uint64_t> emitted{0};
+  std::atomic<uint64_t> emit_pos{0};      // global emission position (units)
+  std::atomic<uint64_t> draw_counter{0};  // RNG counter for draws
+  // Flags: written rarely, read on every call.
+  alignas(64) std::atomic<bool> closed{false};
   std::atomic<bool> input_ended{false};
   std::atomic<bool> sealed{false};  // input ended, no pending puts, open batch flushed
 
@@ -142,11 +165,12 @@ struct EchoCache::Impl {
       num_shards = static_cast<uint32_t>(std::clamp<size_t>(cfg.capacity_samples / 64, 1, 16));
     }
     shards.reset(new Shard[num_shards]);
+    shard_sizes.reset(new std::atomic<uint32_t>[num_shards]);
+    for (uint32_t s = 0; s < num_shards; ++s) shard_sizes[s].store(0, std::memory_order_relaxed);
     for (uint32_t s = 0; s < num_shards; ++s) {
       shards[s].units.reserve(cfg.capacity_samples / num_shards + 64);
     }
-    floor_tickets = static_cast<uint32_t>(std::floor(cfg.echo_factor));
-    frac_tickets = cfg.echo_factor - floor_tickets;
+    echo_factor.store(cfg.echo_factor, std::memory_order_relaxed);
     seed = cfg.seed;
     unit_samples = cfg.mode == EchoMode::kBatch ? static_cast<uint32_t>(cfg.batch_size) : 1;
     free_slots.reserve(cfg.capacity_samples);
@@ -161,6 +185,9 @@ struct EchoCache::Impl {
   ~Impl() { detail::arena_free(arena); }
 
   uint32_t tickets_for(uint64_t sample_id) const {
+    const double e = echo_factor.load(std::memory_order_relaxed);
+    const auto floor_tickets = static_cast<uint32_t>(std::floor(e));
+    const double frac_tickets = e - floor_tickets;
     if (frac_tickets <= 0.0) return floor_tickets;
     uint64_t r = splitmix64(seed ^ splitmix64(sample_id + 0x51ed270b27ull));
     double u = static_cast<double>(r >> 11) * (1.0 / 9007199254740992.0);
@@ -168,7 +195,35 @@ struct EchoCache::Impl {
   }
 
   // ---- allocator (caller holds alloc_mu) ----
+  SizeClass* size_class(uint64_t size, bool create) {
+    if (size == 0) return nullptr;  // empty samples take the tree path, as they always did
+    for (int i = 0; i < num_size_classes; ++i) {
+      if (size_classes[i].size == size) return &size_classes[i];
+    }
+    if (!create || num_size_classes == kSizeClasses) return nullptr;
+    SizeClass& c = size_classes[num_size_classes++];
+    c.size = size;
+    c.offsets.reserve(std::min<size_t>(cfg.capacity_samples, usable_bytes / size + 1));
+    return &c;
+  }
   bool alloc_extent(uint64_t size, uint64_t* offset) {
+    if (SizeClass* c = size_class(size, false); c != nullptr && !c->offsets.empty()) {
+      *offset = c->offsets.back();
+      c->offsets.pop_back();
+      --parked_extents;
+      return true;
+    }
+    if (alloc_from_tree(size, offset)) return true;
+    if (parked_extents == 0) return false;
+    for (int i = 0; i < num_size_classes; ++i) {
+      SizeClass& c = size_classes[i];
+      for (uint64_t off : c.offsets) coalesce_into_tree(off, c.size);
+      c.offsets.clear();
+    }
+    parked_extents = 0;
+    return alloc_from_tree(size, offset);
+  }
+  bool alloc_from_tree(uint64_t size, uint64_t* offset) {
     auto it = free_by_size.lower_bound({size, 0});
     if (it == free_by_size.end()) return false;
     uint64_t sz = it->first, off = it->second;
@@ -182,6 +237,14 @@ struct EchoCache::Impl {
     return true;
   }
   void free_extent(uint64_t off, uint64_t size) {
+    if (SizeClass* c = size_class(size, true); c != nullptr) {
+      c->offsets.push_back(off);
+      ++parked_extents;
+      return;
+    }
+    coalesce_into_tree(off, size);
+  }
+  void coalesce_into_tree(uint64_t off, uint64_t size) {
     auto next = free_by_offset.find(off + size);
     if (next != free_by_offset.end()) {
       size += next->second;
@@ -271,7 +334,7 @@ struct EchoCache::Impl {
     units[u].shard = s;
     units[u].pos = static_cast<uint32_t>(sh.units.size());
     sh.units.push_back(u);
-    sh.size.store(static_cast<uint32_t>(sh.units.size()), std::memory_order_relaxed);
+    shard_sizes[s].store(static_cast<uint32_t>(sh.units.size()), std::memory_order_relaxed);
   }
 
   // Flushes the open batch as a (possibly short) unit. Caller holds assembly_mu.
@@ -300,7 +363,7 @@ struct EchoCache::Impl {
       uint32_t sizes[1024];
       uint64_t total = 0;
       for (uint32_t s = 0; s < num_shards; ++s) {
-        sizes[s] = shards[s].size.load(std::memory_order_relaxed);
+        sizes[s] = shard_sizes[s].load(std::memory_order_relaxed);
         total += sizes[s];
       }
       uint32_t s = 0;
@@ -333,7 +396,7 @@ struct EchoCache::Impl {
             sh.units[idx] = last;
             units[last].pos = idx;
             sh.units.pop_back();
-            sh.size.store(static_cast<uint32_t>(sh.units.size()), std::memory_order_relaxed);
+            shard_sizes[s].store(static_cast<uint32_t>(sh.units.size()), std::memory_order_relaxed);
             live_samples.fetch_sub(U.members, std::memory_order_seq_cst);
           }
           return u;
@@ -345,20 +408,25 @@ struct EchoCache::Impl {
     }
   }
 
-  void retire(uint32_t u) {
+  void retire(uint32_t u) { retire_many(&u, 1); }
+  // Retires units whose state word reached 0, freeing them under one allocator lock.
+  void retire_many(const uint32_t* us, size_t n) {
     bool wake = false;
     {
       std::lock_guard<std::mutex> lk(alloc_mu);
-      uint32_t t = units[u].tickets_total;
-      uint32_t k = 0;
-      for (uint32_t s = u; s != kNone;) {
-        uint32_t next = slots[s].next;
-        free_slot_locked(s);
-        s = next;
-        ++k;
+      for (size_t i = 0; i < n; ++i) {
+        const uint32_t u = us[i];
+        uint32_t t = units[u].tickets_total;
+        uint32_t k = 0;
+        for (uint32_t s = u; s != kNone;) {
+          uint32_t next = slots[s].next;
+          free_slot_locked(s);
+          s = next;
+          ++k;
+        }
+        histogram[std::min<size_t>(t, kMaxHist - 1)] += k;
+        retired += k;
       }
-      histogram[std::min<size_t>(t, kMaxHist - 1)] += k;
-      retired += k;
       // Wake blocked producers once 1/16 of the cache is free, or at every retire when no
       // ticket is left (then no further retire may come from takers, only from lease releases).
       wake = (free_slots.size() >= wake_slots &&
@@ -396,14 +464,36 @@ void EchoCache::close() {
 
 bool EchoCache::closed() const { return impl_->closed.load(std::memory_order_acquire); }
 
+double EchoCache::echo_factor() const { return impl_->echo_factor.load(std::memory_order_relaxed); }
+
+void EchoCache::set_echo_factor(double e) {
+  if (!(e >= 1.0) || !std::isfinite(e) || e > 65535.0) {
+    throw std::invalid_argument(
+        "set_echo_factor: echo_factor must be a finite number in "
+        "[1, 65535], got " +
+        std::to_string(e));
+  }
+  impl_->echo_factor.store(e, std::memory_order_relaxed);
+}
+
 MemoryKind EchoCache::memory_kind() const { return impl_->arena.kind; }
 const void* EchoCache::arena_host() const { return impl_->arena.host; }
 const void* EchoCache::arena_device() const { return impl_->arena.device; }
 
 PutStatus EchoCache::reserve(const SampleDesc& desc, PutReservation& out, double timeout_s) {
+  out = PutReservation();
+  uint32_t slot = 0;
+  PutStatus st = reserve_slot(desc, timeout_s, &slot);
+  if (st == PutStatus::kOk) {
+    out.cache_ = shared_from_this();
+    out.slot_ = slot;
+  }
+  return st;
+}
+
+PutStatus EchoCache::reserve_slot(const SampleDesc& desc, double timeout_s, uint32_t* slot_out) {
   Impl& I = *impl_;
   desc.validate();
-  out = PutReservation();
   const uint64_t need = desc.extent_bytes();
   const uint64_t usable = config_.capacity_bytes / kFieldAlignment * kFieldAlignment;
   if (need > usable) {
@@ -412,12 +502,12 @@ PutStatus EchoCache::reserve(const SampleDesc& desc, PutReservation& out, double
                                 "of capacity_bytes=" +
                                 std::to_string(config_.capacity_bytes));
   }
-  const auto start = Clock::now();
+  // The clock is read only once the cache is found full (the fast path never needs it); the
+  // timeout and the blocked time count from then.
+  Clock::time_point start{}, deadline{};
   const bool forever = timeout_s < 0;
-  const auto deadline =
-      start + std::chrono::duration_cast<Clock::duration>(
-                  std::chrono::duration<double>(forever ? 0.0 : std::min(timeout_s, 1e9)));
   bool waited = false;
+  bool timed = false;
   PutStatus result = PutStatus::kOk;
   for (;;) {
     if (I.closed.load(std::memory_order_acquire)) {
@@ -445,8 +535,7 @@ PutStatus EchoCache::reserve(const SampleDesc& desc, PutReservation& out, double
         I.pending.fetch_add(1, std::memory_order_seq_cst);
         I.resident.fetch_add(1, std::memory_order_relaxed);
         I.bytes_used.fetch_add(need, std::memory_order_relaxed);
-        out.cache_ = shared_from_this();
-        out.slot_ = s;
+        *slot_out = s;
         break;
       }
     }
@@ -457,6 +546,12 @@ PutStatus EchoCache::reserve(const SampleDesc& desc, PutReservation& out, double
         I.flush_open_locked();
         continue;
       }
+    }
+    if (!timed) {
+      timed = true;
+      start = Clock::now();
+      deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+                             forever ? 0.0 : std::min(timeout_s, 1e9)));
     }
     if (!forever && Clock::now() >= deadline) {
       result = PutStatus::kTimeout;
@@ -492,9 +587,13 @@ PutStatus EchoCache::reserve(const SampleDesc& desc, PutReservation& out, double
 PutStatus EchoCache::commit(PutReservation& r) {
   if (!r.valid()) throw std::invalid_argument("commit() of an invalid (empty) reservation");
   if (r.cache_.get() != this) throw std::invalid_argument("reservation belongs to another cache");
-  Impl& I = *impl_;
   const uint32_t s = r.slot_;
   r.cache_.reset();
+  return commit_slot(s);
+}
+
+PutStatus EchoCache::commit_slot(uint32_t s) {
+  Impl& I = *impl_;
   if (I.closed.load(std::memory_order_acquire)) {
     {
       std::lock_guard<std::mutex> lk(I.alloc_mu);
@@ -555,14 +654,16 @@ void EchoCache::abort(PutReservation& r) {
 }
 
 PutStatus EchoCache::put(const SampleDesc& desc, const void* const* field_data, double timeout_s) {
-  PutReservation r;
-  PutStatus st = reserve(desc, r, timeout_s);
+  uint32_t s = 0;
+  PutStatus st = reserve_slot(desc, timeout_s, &s);
   if (st != PutStatus::kOk) return st;
+  // The slot is ours until commit_slot (nothing else reads or frees a pending slot).
+  auto* base = static_cast<uint8_t*>(impl_->arena.host) + impl_->slots[s].offset;
   for (int f = 0; f < desc.num_fields; ++f) {
     size_t nb = desc.fields[f].nbytes();
-    if (nb > 0) std::memcpy(r.field_data(f), field_data[f], nb);
+    if (nb > 0) std::memcpy(base + desc.field_offset(f), field_data[f], nb);
   }
-  return commit(r);
+  return commit_slot(s);
 }
 
 TakeStatus EchoCache::take(size_t n, std::vector<SampleLease>& out, double timeout_s) {
@@ -743,7 +844,9 @@ EchoStats EchoCache::stats() const {
 namespace {
 
 constexpr char kMagic[8] = {'E', 'C', 'H', 'O', 'C', 'A', 'C', '1'};
-constexpr uint32_t kStateVersion = 1;
+// Version 2: the echo factor field is the current (runtime-settable) factor and restore adopts
+// it instead of requiring the target's to match. Version 1 has the same layout.
+constexpr uint32_t kStateVersion = 2;
 
 struct Writer {
   std::vector<uint8_t>& buf;
@@ -821,7 +924,7 @@ std::vector<uint8_t> EchoCache::save_state() const {
 
   w.bytes(kMagic, sizeof(kMagic));
   w.put<uint32_t>(kStateVersion);
-  w.put<double>(config_.echo_factor);
+  w.put<double>(I.echo_factor.load(std::memory_order_relaxed));
   w.put<uint8_t>(static_cast<uint8_t>(config_.mode));
   w.put<uint64_t>(config_.mode == EchoMode::kBatch ? config_.batch_size : 1);
   w.put<uint32_t>(I.num_shards);
@@ -879,7 +982,7 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
   }
   r.bytes(sizeof(kMagic));
   uint32_t version = r.get<uint32_t>();
-  if (version != kStateVersion) {
+  if (version != 1 && version != kStateVersion) {
     throw std::invalid_argument("echo cache state version " + std::to_string(version) +
                                 " is not supported (expected " + std::to_string(kStateVersion) +
                                 ")");
@@ -888,10 +991,9 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
   auto mode = static_cast<EchoMode>(r.get<uint8_t>());
   uint64_t bs = r.get<uint64_t>();
   uint32_t nshards = r.get<uint32_t>();
-  if (e != config_.echo_factor) {
-    throw std::invalid_argument("saved echo_factor=" + std::to_string(e) +
-                                " differs from this cache's " +
-                                std::to_string(config_.echo_factor));
+  if (!(e >= 1.0) || !std::isfinite(e) || e > 65535.0) {
+    throw std::invalid_argument("echo cache state is corrupt (echo_factor=" + std::to_string(e) +
+                                ")");
   }
   if (mode != config_.mode) {
     throw std::invalid_argument(std::string("saved mode '") + echo_mode_name(mode) +
@@ -1007,6 +1109,7 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
     I.open_count = k;
   }
   I.seed = seed;
+  I.echo_factor.store(e, std::memory_order_relaxed);
   I.next_sample_id.store(next_id);
   I.draw_counter.store(draws);
   I.emit_pos.store(epos);
@@ -1135,6 +1238,33 @@ void gather(const std::vector<SampleLease>& leases, int field, void* dst, int64_
     off += static_cast<int64_t>(nb);
   }
   if (offsets) offsets[leases.size()] = off;
+}
+
+void release_leases(std::vector<SampleLease>& leases) {
+  // Units whose last reader this call drops, per cache (almost always one cache).
+  constexpr size_t kChunk = 256;
+  uint32_t retiring[kChunk];
+  size_t n = 0;
+  std::shared_ptr<EchoCache> owner;  // keeps the cache alive until its units are retired
+  auto flush = [&] {
+    if (n > 0) owner->impl_->retire_many(retiring, n);
+    n = 0;
+  };
+  for (SampleLease& l : leases) {
+    if (!l.cache_) continue;
+    if (l.cache_ != owner) {
+      flush();
+      owner = l.cache_;
+    }
+    const uint32_t u = l.unit_;
+    l.cache_.reset();  // released here, so the lease's destructor does nothing
+    if (owner->impl_->units[u].state.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      retiring[n++] = u;
+      if (n == kChunk) flush();
+    }
+  }
+  flush();
+  leases.clear();
 }
 
 // ---- registry --------------------------------------------------------------------------------

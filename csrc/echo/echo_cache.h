@@ -5,14 +5,20 @@
 // Algorithm.
 //  * Storage. One fixed byte arena (pageable, or pinned + GPU-mapped when a CUDA device exists)
 //    that never grows, plus `capacity_samples` slots. A sample's fields (up to kMaxFields) are
-//    stored back to back, each 64-byte aligned, in ONE extent of the arena. Extents come from a
-//    best-fit free-extent allocator that coalesces neighbours on free, under one short lock taken
-//    once per put and once per retired sample (never per draw).
+//    stored back to back, each 64-byte aligned, in ONE extent of the arena. Extents come from
+//    exact-size free lists (up to 8 size classes, O(1), no node allocation) in front of a
+//    best-fit free-extent allocator that coalesces neighbours on free; when the tree cannot serve
+//    a request, the parked extents are coalesced back into it and the request retried, so space
+//    is found whenever the coalescing allocator alone would find it. One short lock, taken once
+//    per put and once per retired sample (never per draw).
 //  * Units and tickets. The unit of echoing is one sample (EchoMode::kExample) or one batch of
 //    `batch_size` consecutive commits (EchoMode::kBatch). A fresh unit gets floor(e) or ceil(e)
 //    tickets, ceil with probability frac(e), from a counter-based RNG keyed by (seed, sample_id),
-//    so tickets are deterministic given the seed and the put order. Each unit has one 64-bit
-//    atomic state word `tickets << 32 | readers`.
+//    so tickets are deterministic given the seed, the put order and the sequence of
+//    set_echo_factor() calls: e is one atomic, read once when a unit is published (committed, or
+//    its batch closed), so a new factor applies to units published after the call and never
+//    changes the tickets of a unit already in the index. Each unit has one 64-bit atomic state
+//    word `tickets << 32 | readers`.
 //  * Random draw without a global lock. Units holding tickets live in S sharded index sets
 //    (arrays with swap-removal), each under its own small mutex. A global atomic `available`
 //    counts tickets in the index. A taker first claims n tickets from `available` with a CAS
@@ -210,6 +216,7 @@ class ECHOPIPE_API SampleLease {
 
  private:
   friend class EchoCache;
+  friend void release_leases(std::vector<SampleLease>& leases);
   std::shared_ptr<EchoCache> cache_;
   uint32_t slot_ = 0;
   uint32_t unit_ = 0;
@@ -319,7 +326,16 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
 
   // -- introspection --
 
+  /// The configuration the cache was created with (config().echo_factor is the initial factor;
+  /// echo_factor() is the current one).
   const EchoConfig& config() const { return config_; }
+  /// Current echo factor: the initial one, or the last set_echo_factor() / restored one.
+  double echo_factor() const;
+  /// Changes e at run time (any thread, lock-free): units published after the call get
+  /// floor(e)/ceil(e) tickets; units already in the cache keep theirs, so every sample is still
+  /// emitted exactly its ticket count. Throws std::invalid_argument naming the value unless
+  /// 1 <= e <= 65535 and finite.
+  void set_echo_factor(double e);
   const std::string& name() const { return name_; }
   /// Process-unique handle (also the registry key for find_cache(uint64_t)).
   uint64_t handle() const { return handle_; }
@@ -340,7 +356,9 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   /// quiesce producers and consumers first. Format: magic "ECHOCAC1", version, config digest.
   std::vector<uint8_t> save_state() const;
   /// Loads a save_state() blob into this cache, which must be empty (nothing committed yet) and
-  /// have the same echo_factor, mode and batch_size, and room for the saved bytes and samples.
+  /// have the same mode, batch_size and shard count, and room for the saved bytes and samples.
+  /// The echo factor is runtime state: the cache adopts the saved current factor (format
+  /// version 2; a version-1 blob carries the creation factor, which is adopted the same way).
   /// Throws std::invalid_argument with the reason otherwise (bad magic/version, mismatch, size).
   void restore_state(const uint8_t* data, size_t size);
 
@@ -351,7 +369,12 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   EchoCache(const EchoConfig& config, std::string name);
   friend class SampleLease;
   friend class PutReservation;
+  friend void release_leases(std::vector<SampleLease>& leases);
   void release_reader(uint32_t unit);
+  // reserve()/commit() without a PutReservation: put() uses these so that a copying put does not
+  // touch the shared_ptr control block (an atomic shared with every consumer's leases).
+  PutStatus reserve_slot(const SampleDesc& desc, double timeout_s, uint32_t* slot);
+  PutStatus commit_slot(uint32_t slot);
 
   EchoConfig config_;
   std::string name_;
@@ -360,6 +383,10 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
 };
 
 // ---- reading helpers -----------------------------------------------------------------------
+
+/// Releases every lease (like destroying them) and clears `leases`, but frees the samples whose
+/// last reader this drops under one allocator lock per cache instead of one per sample.
+ECHOPIPE_API void release_leases(std::vector<SampleLease>& leases);
 
 /// Bytes gather() writes for `field` over `leases` (sum of the field sizes).
 ECHOPIPE_API size_t gather_bytes(const std::vector<SampleLease>& leases, int field);

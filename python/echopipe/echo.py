@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,6 +243,18 @@ def _close_native(native: Any, name: str) -> None:
     _C.remove_cache(name)
 
 
+def _check_echo_factor(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"echo_factor must be a number >= 1, got {value!r}")
+    try:
+        e = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"echo_factor must be a number >= 1, got {value!r}") from None
+    if not e >= 1 or not math.isfinite(e) or e > 65535:
+        raise ValueError(f"echo_factor must be a finite number in [1, 65535], got {value!r}")
+    return e
+
+
 class EchoCache:
     """A bounded, thread-safe data echoing buffer (native; all blocking calls release the GIL).
 
@@ -283,12 +295,7 @@ class EchoCache:
         ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{arg} must be a non-negative integer, got {value!r}")
-        try:
-            e = float(echo_factor)
-        except (TypeError, ValueError):
-            raise ValueError(f"echo_factor must be a number >= 1, got {echo_factor!r}") from None
-        if not e >= 1 or not math.isfinite(e):
-            raise ValueError(f"echo_factor must be a finite number >= 1, got {echo_factor!r}")
+        e = _check_echo_factor(echo_factor)
         if mode not in ("example", "batch"):
             raise ValueError(f"mode must be 'example' or 'batch', got {mode!r}")
         if mode == "batch":
@@ -334,6 +341,18 @@ class EchoCache:
     def arena_device_ptr(self) -> int:
         """Device address of the GPU-mapped arena, or 0 when the arena is pageable."""
         return int(self._native.arena_device_ptr)
+
+    @property
+    def echo_factor(self) -> float:
+        """Current echo factor e. Setting it (any thread, lock-free) applies to samples
+        committed afterwards (batch mode: batches closed afterwards); samples already in the cache
+        keep their tickets, so each is still emitted exactly its ticket count. A value that is not
+        a finite number in [1, 65535] is a ValueError naming it."""
+        return float(self._native.echo_factor)
+
+    @echo_factor.setter
+    def echo_factor(self, value: float) -> None:
+        self._native.echo_factor = _check_echo_factor(value)
 
     @property
     def closed(self) -> bool:
@@ -485,6 +504,149 @@ class EchoCache:
         self.close()
 
     # ---- introspection / checkpointing ----
+    def gather_to_device(
+        self,
+        samples: Sequence[EchoSample],
+        field: int,
+        out: Any,
+        *,
+        stream: Any = None,
+        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+        layout: str = "HWC",
+    ) -> Any:
+        """Gathers field ``field`` of ``samples`` from the GPU-mapped arena into ``out`` (CUDA).
+
+        A kernel reads the pinned, mapped cache memory directly (no staging copy) and writes
+        the batch back to back into ``out``, asynchronously on ``stream``.
+
+        Args:
+            samples: Copies taken from this cache (:meth:`take`). Keep them (their leases)
+                alive until ``stream`` has run the gather, e.g. until you synchronize it or use
+                ``out`` on the same stream.
+            field: Field index, the same for every sample.
+            out: A contiguous CUDA ``torch.Tensor``. Without ``normalize`` its dtype must be the
+                field's and its ``numel()`` the sum of the samples' (ragged samples are written
+                back to back). With ``normalize`` it is float32 of shape ``(N, H, W, C)``
+                (``layout="HWC"``) or ``(N, C, H, W)`` (``layout="CHW"``).
+            stream: ``torch.cuda.Stream``, a raw ``cudaStream_t`` int, or ``None`` for torch's
+                current stream on ``out``'s device.
+            normalize: ``(mean, std)`` with one value per channel: fuses uint8 -> float32
+                ``(x - mean[c]) / std[c]`` (and HWC -> CHW with ``layout="CHW"``). Needs
+                uint8 HWC images of one shape.
+            layout: ``"HWC"`` (as stored) or ``"CHW"`` (only with ``normalize``).
+
+        Returns:
+            ``out``.
+
+        Raises:
+            TypeError: ``out`` is not a torch.Tensor, a sample is not an :class:`EchoSample`, or
+                ``stream`` has the wrong type.
+            ValueError: a bad field, layout, shape, dtype, ``normalize`` value, or a non-CUDA or
+                non-contiguous ``out`` (the message names the value).
+            RuntimeError: the cache is not pinned and GPU-mapped (``memory_kind`` is not
+                ``"pinned"``), or echopipe was built without CUDA.
+        """
+        torch = _torch_module()
+        if torch is None or not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if layout not in ("HWC", "CHW"):
+            raise ValueError(f"layout must be 'HWC' or 'CHW', got {layout!r}")
+        if layout == "CHW" and normalize is None:
+            raise ValueError("layout='CHW' needs normalize=(mean, std) (the fused kernel permutes)")
+        samples = list(samples)
+        if not samples:
+            raise ValueError("samples is empty: nothing to gather")
+        for i, s in enumerate(samples):
+            if not isinstance(s, EchoSample):
+                raise TypeError(f"samples[{i}] must be an EchoSample, got {type(s).__name__}")
+        if isinstance(field, bool) or not isinstance(field, (int, np.integer)):
+            raise TypeError(f"field must be an int, got {field!r}")
+        field = int(field)
+        for i, s in enumerate(samples):
+            if not 0 <= field < len(s):
+                raise ValueError(
+                    f"field={field} is out of range for samples[{i}], which has {len(s)} field(s)"
+                )
+        arrays = [s.arrays[field] for s in samples]
+        dtypes = {s.dtype(field) for s in samples}
+        if normalize is None:
+            if len(dtypes) != 1:
+                raise ValueError(f"samples have different dtypes for field {field}: {dtypes}")
+            want = getattr(torch, dtypes.pop())  # dtype names match torch's
+            if out.dtype != want:
+                raise ValueError(f"out has dtype {out.dtype} but field {field} is {want}")
+            numel = sum(int(a.size) for a in arrays)
+            if out.numel() != numel:
+                raise ValueError(
+                    f"out has {out.numel()} elements but the {len(samples)} samples hold {numel}"
+                )
+        else:
+            try:
+                mean, std = (tuple(float(v) for v in part) for part in normalize)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"normalize must be (mean, std), two sequences of numbers, got {normalize!r}"
+                ) from None
+            shape = arrays[0].shape
+            if dtypes != {"uint8"} or len(shape) != 3:
+                raise ValueError(
+                    f"normalize needs uint8 HWC images, got {sorted(dtypes)} with shape "
+                    f"{tuple(shape)}"
+                )
+            bad = next((i for i, a in enumerate(arrays) if a.shape != shape), None)
+            if bad is not None:
+                raise ValueError(
+                    f"normalize needs equal image shapes: samples[0] is {tuple(shape)}, "
+                    f"samples[{bad}] is {tuple(arrays[bad].shape)}"
+                )
+            h, w, c = shape
+            if not 1 <= c <= 4 or len(mean) != c or len(std) != c:
+                raise ValueError(
+                    f"normalize needs one mean and one std per channel ({c}), got "
+                    f"{len(mean)} and {len(std)}"
+                )
+            if any(v == 0 or not math.isfinite(v) for v in std) or not all(
+                math.isfinite(v) for v in mean
+            ):
+                raise ValueError(f"normalize needs finite mean and non-zero std, got {normalize!r}")
+            if out.dtype != torch.float32:
+                raise ValueError(f"normalize writes float32, but out has dtype {out.dtype}")
+            n = len(samples)
+            want_shape = (n, c, h, w) if layout == "CHW" else (n, h, w, c)
+            if tuple(out.shape) != want_shape:
+                raise ValueError(
+                    f"out has shape {tuple(out.shape)}, layout={layout!r} needs {want_shape}"
+                )
+        if out.device.type != "cuda":
+            raise ValueError(f"out must be a CUDA tensor, got one on device '{out.device}'")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        if self.memory_kind != "pinned":
+            raise RuntimeError(
+                f"gather_to_device needs a pinned, GPU-mapped cache, but cache {self._name!r} is "
+                f"{self.memory_kind!r} (create it with memory='pinned' or 'auto' on a GPU machine)"
+            )
+        if stream is None:
+            handle = torch.cuda.current_stream(out.device).cuda_stream
+        elif isinstance(stream, torch.cuda.Stream):
+            handle = stream.cuda_stream
+        elif isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+            handle = int(stream)
+        else:
+            raise TypeError(
+                f"stream must be a torch.cuda.Stream, an int handle or None, got "
+                f"{type(stream).__name__}"
+            )
+        leases = [s._lease for s in samples]
+        with torch.cuda.device(out.device):
+            if normalize is None:
+                _C.gather_to_device(leases, field, out.data_ptr(), handle)
+            else:
+                _C.gather_normalize_to_device(
+                    leases, field, list(mean), list(std), layout == "CHW", out.data_ptr(), handle
+                )
+        return out
+
     def stats(self) -> EchoStats:
         """A snapshot of the cache's counters."""
         return EchoStats(**self._native.stats())
@@ -499,7 +661,8 @@ class EchoCache:
 
     def load_state_dict(self, state: bytes | bytearray | memoryview) -> None:
         """Restores :meth:`state_dict` into this cache, which must be empty and use the same
-        echo_factor, mode, batch_size and capacity_samples; ValueError names the mismatch."""
+        mode, batch_size and capacity_samples; ValueError names the mismatch. The echo factor is
+        runtime state: the cache adopts the saved (current) factor."""
         if not isinstance(state, (bytes, bytearray, memoryview)):
             raise TypeError(f"state must be bytes, got {type(state).__name__}")
         self._native.restore_state(bytes(state))

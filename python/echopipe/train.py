@@ -23,9 +23,11 @@ Timing the echo factor (``--echo auto``): ``t_up`` is the upstream time per fres
 iteration and scaled to the downstream batch size:
 :meth:`echopipe.dali.EchoPipeline.upstream_step_seconds`) and ``t_down`` is the trainer's own
 time per step, without the time it spent waiting for data.
-:class:`echopipe.adaptive.EchoController` sets ``e`` close to ``R = t_up / t_down``. The native
-cache fixes ``e`` when it is created, so a new factor takes effect at the next epoch boundary,
-where the input pipeline is rebuilt with it (``_TrainInput.set_factor``).
+:class:`echopipe.adaptive.EchoController` sets ``e`` close to ``R = t_up / t_down``. A new factor
+is applied at the next epoch boundary (all replicas agree on it there, and the epoch length is
+derived from it) with :meth:`echopipe.dali.EchoPipeline.set_echo_factor`: the running cache
+changes ``e`` in place, so no input pipeline is rebuilt and no cached sample is dropped
+(``_TrainInput.set_factor``; ``input_builds`` in the metrics counts builds).
 """
 
 from __future__ import annotations
@@ -418,7 +420,7 @@ class _TrainInput:
     """The echoing DALI training input of one replica.
 
     A new echo factor takes effect through :meth:`set_factor` (at an epoch boundary), which
-    rebuilds the pipeline because the native cache fixes ``e`` when it is created.
+    changes the running cache's ``e`` in place (no rebuild).
     """
 
     def __init__(self, cfg: TrainConfig, data_dir: Path, ctx: DistContext, device_id: int | None):
@@ -461,13 +463,14 @@ class _TrainInput:
         self.builds += 1
 
     def set_factor(self, factor: float) -> None:
-        """Use echo factor ``factor`` from the next step on (call at an epoch boundary).
+        """Use echo factor ``factor`` for fresh samples cached from now on.
 
-        The cache's ``e`` is fixed at creation, so the input is rebuilt (samples still in the
-        old cache are dropped; they were counted as fresh when drawn). Once the cache can change
-        ``e`` at run time, this becomes ``self.pipe.set_echo_factor(factor)``.
+        The running cache changes ``e`` in place: samples already cached keep their tickets, so
+        nothing is dropped or rebuilt. Called at an epoch boundary, where all replicas agree on
+        the factor and the next epoch's length is derived from it.
         """
-        self.build(factor, None)
+        self.pipe.set_echo_factor(factor)
+        self.factor = factor
 
     def natural_steps(self) -> int:
         """Steps of one epoch for this shard at the current factor (resets a fixed length)."""
@@ -962,6 +965,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
                 "echoed_samples": int(echoed_all),
                 "images_per_s": ctx.world_size * epoch_samples / max(epoch_time, 1e-9),
                 "echo_factor": data.factor,
+                "input_builds": data.builds,
                 "echo_ratio": (fresh_all + echoed_all) / fresh_all if fresh_all else None,
                 "t_up_ms": 1000 * t_up,
                 "t_down_ms": 1000 * t_down,
@@ -977,7 +981,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
                     f"epoch {epoch}/{cfg.epochs}: val top-1 {100 * top1:.1f} %, loss "
                     f"{loss_text}, {row['images_per_s']:.0f} img/s, e={data.factor:g}"
                 )
-            # The adaptive factor takes effect at the epoch boundary: a new cache is built.
+            # The adaptive factor changes at the epoch boundary, where the replicas agree on it
+            # and the next epoch's length follows from it; the running cache adopts it in place.
             if controller is not None and epoch < cfg.epochs:
                 wanted = ctx.broadcast_object(controller.factor)
                 if wanted != data.factor:

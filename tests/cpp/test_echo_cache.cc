@@ -130,7 +130,13 @@ void test_stress(double e, size_t n_samples) {
       std::vector<SampleLease> out;
       size_t n = 8 + 8 * c;
       for (;;) {
-        out.clear();
+        // Half the consumers release their batch with release_leases (one allocator lock).
+        if (c % 2 == 0) {
+          release_leases(out);
+          CHECK(out.empty());
+        } else {
+          out.clear();
+        }
         TakeStatus st = cache->take(n, out, -1);
         if (st == TakeStatus::kEnd) break;
         CHECK(st == TakeStatus::kOk);
@@ -425,16 +431,131 @@ void test_restore() {
   CHECK(ia == ib);
   // Errors name the reason.
   CHECK_THROWS(b->restore_state(blob.data(), blob.size()), "empty cache");
+  // The echo factor is runtime state: a cache created with another e adopts the saved one.
   EchoConfig other = cfg;
   other.echo_factor = 3.0;
   auto c = EchoCache::create(other);
-  CHECK_THROWS(c->restore_state(blob.data(), blob.size()), "echo_factor");
+  a->set_echo_factor(1.5);
+  std::vector<uint8_t> blob15 = a->save_state();
+  c->restore_state(blob15.data(), blob15.size());
+  CHECK(c->echo_factor() == 1.5);
+  CHECK(c->config().echo_factor == 3.0);
+  c = EchoCache::create(other);
   std::vector<uint8_t> junk(blob.begin(), blob.begin() + 20);
   junk[0] = 'X';
   CHECK_THROWS(c->restore_state(junk.data(), junk.size()), "magic");
   std::vector<uint8_t> cut(blob.begin(), blob.begin() + blob.size() / 2);
   auto d2 = EchoCache::create(cfg);
   CHECK_THROWS(d2->restore_state(cut.data(), cut.size()), "truncated");
+}
+
+// Tickets follow set_echo_factor() for units published after the call; units already in the
+// cache keep theirs; accounting stays exact.
+void test_set_echo_factor() {
+  EchoConfig cfg;
+  cfg.capacity_samples = 512;
+  cfg.capacity_bytes = 512 * 128;
+  cfg.echo_factor = 2.0;
+  cfg.seed = 3;
+  auto cache = EchoCache::create(cfg);
+  CHECK(cache->echo_factor() == 2.0);
+  CHECK_THROWS(cache->set_echo_factor(0.5), "0.5");
+  CHECK_THROWS(cache->set_echo_factor(std::nan("")), "nan");
+  CHECK(cache->echo_factor() == 2.0);
+  SampleDesc d = int64_desc(1);
+  auto put_range = [&](uint64_t lo, uint64_t hi) {
+    for (uint64_t i = lo; i < hi; ++i) {
+      const void* p = &i;
+      CHECK(cache->put(d, &p, 0) == PutStatus::kOk);
+    }
+  };
+  put_range(0, 100);
+  cache->set_echo_factor(3.0);
+  CHECK(cache->echo_factor() == 3.0);
+  CHECK(cache->config().echo_factor == 2.0);
+  put_range(100, 200);
+  cache->set_echo_factor(1.0);
+  put_range(200, 300);
+  cache->end_of_input();
+  std::vector<uint32_t> seen(300, 0), tick(300, 0);
+  std::vector<SampleLease> out;
+  for (;;) {
+    out.clear();
+    TakeStatus st = cache->take(7, out, 1.0);
+    if (st == TakeStatus::kEnd) break;
+    CHECK(st == TakeStatus::kOk);
+    for (auto& l : out) {
+      uint64_t k = *static_cast<const uint64_t*>(l.data(0));
+      ++seen[k];
+      tick[k] = l.tickets();
+    }
+  }
+  uint64_t wrong = 0;
+  for (uint64_t k = 0; k < 300; ++k) {
+    uint32_t want = k < 100 ? 2 : (k < 200 ? 3 : 1);
+    if (seen[k] != want || tick[k] != want) ++wrong;
+  }
+  CHECK(wrong == 0);
+  EchoStats st = cache->stats();
+  CHECK(st.emitted == 600);
+  CHECK(st.retired == 300 && st.resident == 0 && st.bytes_used == 0);
+
+  // Concurrent changes while 2 producers and 2 consumers run: every sample is still emitted
+  // exactly its ticket count, and every count is floor or ceil of some factor that was set.
+  const size_t n = std::min<size_t>(stress_samples(), 40000);
+  cfg.min_fill = 64;
+  auto c2 = EchoCache::create(cfg);
+  std::vector<std::atomic<uint32_t>> seen2(n), tick2(n);
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> th;
+  for (int p = 0; p < 2; ++p) {
+    th.emplace_back([&] {
+      for (uint64_t k; (k = next.fetch_add(1)) < n;) {
+        const void* ptr = &k;
+        CHECK(c2->put(d, &ptr, -1) == PutStatus::kOk);
+      }
+    });
+  }
+  for (int c = 0; c < 2; ++c) {
+    th.emplace_back([&] {
+      std::vector<SampleLease> o;
+      for (;;) {
+        o.clear();
+        TakeStatus s = c2->take(16, o, -1);
+        if (s == TakeStatus::kEnd) break;
+        CHECK(s == TakeStatus::kOk);
+        for (auto& l : o) {
+          uint64_t k = *static_cast<const uint64_t*>(l.data(0));
+          seen2[k].fetch_add(1);
+          tick2[k].store(l.tickets());
+        }
+      }
+    });
+  }
+  std::thread setter([&] {
+    const double es[] = {1.0, 2.0, 3.5, 1.5};
+    for (int i = 0; !stop.load(); ++i) {
+      c2->set_echo_factor(es[i % 4]);
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  th[0].join();
+  th[1].join();
+  stop.store(true);
+  setter.join();
+  c2->end_of_input();
+  th[2].join();
+  th[3].join();
+  uint64_t bad = 0, copies = 0;
+  for (size_t k = 0; k < n; ++k) {
+    uint32_t s = seen2[k].load();
+    copies += s;
+    if (s != tick2[k].load() || s < 1 || s > 4) ++bad;
+  }
+  CHECK(bad == 0);
+  CHECK(c2->stats().emitted == copies);
+  CHECK(c2->stats().retired == n);
 }
 
 void test_validation_and_lifetime() {
@@ -486,6 +607,7 @@ int main() {
   test_drain_and_reset();
   test_batch_mode();
   test_restore();
+  test_set_echo_factor();
   test_ragged();
   for (double e : {1.0, 2.0, 3.5}) test_stress(e, n);
   if (g_failures) {

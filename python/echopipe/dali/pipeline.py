@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -703,7 +703,8 @@ class EchoPipeline:
             raise ValueError(f"unsupported echo state version {state.get('version')!r}")
         saved = state["config"]
         mine = asdict(self.config)
-        for key in ("echo_factor", "mode", "batch_size", "upstream_batch_size", "epochs"):
+        # echo_factor is runtime state (set_echo_factor): the checkpoint's factor is adopted.
+        for key in ("mode", "batch_size", "upstream_batch_size", "epochs"):
             if saved.get(key) != mine.get(key):
                 raise ValueError(
                     f"checkpoint has {key}={saved.get(key)!r} but this pipeline has "
@@ -717,6 +718,7 @@ class EchoPipeline:
         if self._enable_checkpointing and self.upstream is not None:
             # Built early (shard_size) without DALI's checkpoints; nothing ran, so rebuild.
             self.upstream = self.downstream = None
+        self.set_echo_factor(float(saved["echo_factor"]))
         self._restore = state
 
     def _apply_restore(self, state: dict[str, Any]) -> None:
@@ -732,6 +734,20 @@ class EchoPipeline:
         self.downstream_wait_s = float(state.get("downstream_wait_s", state.get("t_down", 0.0)))
 
     # -- info and lifetime --
+
+    def set_echo_factor(self, echo_factor: float) -> None:
+        """Changes the echo factor while the pipeline runs (no rebuild, cached samples stay).
+
+        Fresh samples committed to the cache after the call get floor(e) or ceil(e) tickets;
+        samples already cached keep theirs, so nothing is lost or repeated extra. ``config`` is
+        replaced by a copy with the new ``echo_factor`` (the iterator's epoch length of an
+        endless stream is computed from it). ValueError names a value that is not a finite
+        number in [1, 65535].
+        """
+        if self._closed:
+            raise RuntimeError("this EchoPipeline was closed")
+        self.cache.echo_factor = echo_factor  # validates
+        self.config = replace(self.config, echo_factor=self.cache.echo_factor)
 
     def upstream_time(self) -> tuple[int, float]:
         """``(upstream batches run, seconds they took)`` so far, in either mode.
