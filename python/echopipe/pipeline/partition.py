@@ -234,7 +234,9 @@ def partition_balance(
     """Choose a balance for ``num_stages`` stages by profiling each layer.
 
     Each child is timed (forward + backward, median of ``repeats``) on the first device of
-    ``devices`` (CPU when ``None``); the split minimises the slowest stage's time. When
+    ``devices`` (CPU when ``None``); the split minimises the slowest stage's time. That split
+    and the ones moving a single stage boundary by one layer are then timed stage by stage
+    (best of ``repeats``), and the one with the fastest slowest stage wins. When
     ``memory_caps`` (bytes per stage) is given, a stage's parameters plus the activations it
     keeps in flight must fit: stage ``k`` of ``K`` holds up to ``2(K-1-k)+1`` outputs in flight
     under the stale-weight schedule.
@@ -253,14 +255,104 @@ def partition_balance(
     device = parse_devices(devices, num_stages)[0] if devices is not None else "cpu"
     profiles = profile_layers(module, sample_input, device, repeats=repeats)
     costs = [p.seconds for p in profiles]
-    if memory_caps is None:
-        return _min_max_partition(costs, num_stages)
-    params = [p.param_bytes for p in profiles]
-    activations = [p.activation_bytes for p in profiles]
+    stage_fits: Callable[[int, int, int], bool] | None = None
+    if memory_caps is not None:
+        caps = list(memory_caps)
+        params = [p.param_bytes for p in profiles]
+        activations = [p.activation_bytes for p in profiles]
 
-    def stage_fits(stage: int, start: int, stop: int) -> bool:
-        in_flight = 2 * (num_stages - 1 - stage) + 1
-        need = sum(params[start:stop]) + in_flight * sum(activations[start:stop])
-        return need <= memory_caps[stage]
+        def fits(stage: int, start: int, stop: int) -> bool:
+            in_flight = 2 * (num_stages - 1 - stage) + 1
+            need = sum(params[start:stop]) + in_flight * sum(activations[start:stop])
+            return need <= caps[stage]
 
-    return _min_max_partition(costs, num_stages, stage_fits)
+        stage_fits = fits
+    balance = _min_max_partition(costs, num_stages, stage_fits)
+    return _refine_by_stage_time(module, sample_input, device, balance, stage_fits, max(repeats, 5))
+
+
+def _neighbour_balances(
+    balance: list[int], stage_fits: Callable[[int, int, int], bool] | None
+) -> list[list[int]]:
+    """``balance`` and every split that moves one stage boundary by one layer."""
+    found = [balance]
+    for cut in range(len(balance) - 1):
+        for shift in (-1, 1):
+            candidate = list(balance)
+            candidate[cut] += shift
+            candidate[cut + 1] -= shift
+            if min(candidate) < 1 or candidate in found:
+                continue
+            bounds = [sum(candidate[:k]) for k in range(len(candidate) + 1)]
+            if stage_fits is not None and not all(
+                stage_fits(k, bounds[k], bounds[k + 1]) for k in range(len(candidate))
+            ):
+                continue
+            found.append(candidate)
+    return found
+
+
+def _refine_by_stage_time(
+    module: nn.Sequential,
+    sample_input: torch.Tensor,
+    device: DeviceLike,
+    balance: list[int],
+    stage_fits: Callable[[int, int, int], bool] | None,
+    repeats: int,
+) -> list[int]:
+    """Among ``balance`` and its one-layer neighbours, the split whose slowest stage is fastest.
+
+    Per-layer times do not add up to a stage's time: a stage's first layer computes no input
+    gradient on stage 0 only, small layers share caches, and allocator effects differ with the
+    amount of memory a stage touches. Timing each candidate stage whole (forward, backward to
+    its input, as the engine runs it; best of ``repeats`` after one warm-up) removes those
+    errors where they decide between neighbouring splits.
+    """
+    candidates = _neighbour_balances(balance, stage_fits)
+    if len(candidates) == 1:
+        return balance
+    (target,) = parse_devices([device], 1)
+    original_device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    saved_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    was_training = module.training
+    module.to(target).train()
+    layers = list(module)
+    stage_seconds: dict[tuple[int, int], float] = {}
+    try:
+        inputs = [sample_input.to(target)]
+        with torch.no_grad():
+            for layer in layers[:-1]:
+                inputs.append(layer(inputs[-1]))
+
+        def time_stage(start: int, stop: int) -> float:
+            stage = nn.Sequential(*layers[start:stop])
+            x = inputs[start]
+            grad_in = start > 0 and x.is_floating_point()
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first run warms up kernels and caches
+                inp = x.detach().requires_grad_(grad_in)
+                _sync(target)
+                begin = time.perf_counter()
+                out = stage(inp.clone() if grad_in else inp)
+                if out.requires_grad:
+                    out.backward(torch.ones_like(out))
+                _sync(target)
+                best = min(best, time.perf_counter() - begin)
+            stage.zero_grad(set_to_none=True)
+            return best
+
+        def slowest(candidate: list[int]) -> float:
+            bounds = [sum(candidate[:k]) for k in range(len(candidate) + 1)]
+            worst = 0.0
+            for k in range(len(candidate)):
+                key = (bounds[k], bounds[k + 1])
+                if key not in stage_seconds:
+                    stage_seconds[key] = time_stage(*key)
+                worst = max(worst, stage_seconds[key])
+            return worst
+
+        return min(candidates, key=slowest)  # ties keep the per-layer optimum (listed first)
+    finally:
+        module.to(original_device)
+        module.load_state_dict(saved_state)
+        module.train(was_training)
