@@ -345,8 +345,11 @@ def _train_config(args: argparse.Namespace) -> Any:
 
 
 def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ._allocator import tune_host_allocator
     from .train import format_summary, train
 
+    # Before the first large allocation, so activations are reused rather than page-faulted in.
+    tune_host_allocator()
     cfg = _train_config(args)
     try:
         cfg.validate()

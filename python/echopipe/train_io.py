@@ -14,45 +14,23 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .pipeline.checkpoint import atomic_save, atomic_write
+
 __all__ = ["CheckpointManager", "atomic_write_bytes", "write_metrics", "write_plots"]
 
 _CKPT_RE = re.compile(r"^ckpt-(\d{9})\.pt$")
 
 
-def _fsync_dir(folder: Path) -> None:
-    # The rename is durable only once the directory entry is on disk.
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temporary file, fsync, ``os.replace``)."""
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(final.parent)
-    return final
+    """Write ``data`` to ``path`` atomically, creating missing parent folders."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, lambda f: f.write(data))
 
 
 class CheckpointManager:
@@ -89,19 +67,7 @@ class CheckpointManager:
 
     def save(self, state: dict[str, Any], step: int) -> Path:
         """Write ``state`` as the checkpoint of ``step`` atomically, then prune old ones."""
-        final = self.path_for(step)
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=self.folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(self.folder)
+        final = atomic_save(state, self.path_for(step))
         self.written += 1
         for old in self.list()[: -self.keep]:
             with contextlib.suppress(FileNotFoundError):

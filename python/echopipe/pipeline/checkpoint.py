@@ -10,16 +10,32 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["atomic_save", "load_file"]
+__all__ = ["atomic_save", "atomic_write", "load_file"]
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` ``obj`` to ``path`` atomically; returns the final path."""
+def _fsync_dir(folder: Path) -> None:
+    # The rename is durable only once the directory entry is on disk.
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
+    """Call ``write(file)`` on a temporary file next to ``path``, then move it over ``path``.
+
+    The file is flushed and fsynced before ``os.replace`` and the folder entry after it, so a
+    process killed at any point leaves either the old file or the complete new one. The folder
+    must exist (``FileNotFoundError`` names it otherwise). Returns the final path.
+    """
     final = Path(path)
     folder = final.parent
     if not folder.is_dir():
@@ -27,7 +43,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, final)
@@ -35,7 +51,13 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
+    _fsync_dir(folder)
     return final
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` ``obj`` to ``path`` atomically (see :func:`atomic_write`)."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def load_file(path: str | os.PathLike[str]) -> Any:
