@@ -223,6 +223,8 @@ class BenchRun:
                 raise ValueError(f"claim {c!r} lacks {sorted(missing)}")
         machine = dict(self.machine)
         machine["load_average_1_5_15_end"] = [round(v, 2) for v in os.getloadavg()]
+        # Suites may limit torch's threads after start(); record what the measurements used.
+        machine["torch_threads"] = torch.get_num_threads()
         payload = {
             "benchmark": self.name,
             "quick": self.quick,
