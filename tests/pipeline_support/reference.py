@@ -99,16 +99,19 @@ class ReferencePipeline:
         self.next_index += n
         return [losses[m] for m in range(n)]
 
+    @staticmethod
+    def _stage_input(k: int, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(leaf receiving the input gradient, the input the stage computes on)."""
+        if k == 0:
+            return None, x
+        leaf = x.detach().requires_grad_(True)
+        return leaf, leaf.clone()
+
     def _forward(self, k: int, x: torch.Tensor, target: torch.Tensor):
         stage = self.stages[k]
         last = k == self.num_stages - 1
         stale = 2 * (self.num_stages - 1 - k) > 0
-        leaf = None
-        if k > 0:
-            leaf = x.detach().requires_grad_(True)
-            inp = leaf.clone()
-        else:
-            inp = x
+        leaf, inp = self._stage_input(k, x)
         if self.recompute and stale:
             with torch.no_grad():
                 out = stage(inp)
@@ -126,13 +129,7 @@ class ReferencePipeline:
         last = k == self.num_stages - 1
         names, params = self._params(k)
         if record[0] == "recompute":
-            x = record[1]
-            leaf = None
-            if k > 0:
-                leaf = x.detach().requires_grad_(True)
-                inp = leaf.clone()
-            else:
-                inp = x
+            leaf, inp = self._stage_input(k, record[1])
             mapping = dict(zip(names, params, strict=True))
             mapping.update({n: b.clone() for n, b in stage.named_buffers()})
             out = functional_call(stage, mapping, (inp,))
