@@ -258,6 +258,37 @@ def test_train_shards_are_disjoint_and_each_echoes_only_its_own(data: Path) -> N
     assert read[0] | read[1] == {str(p) for p in (data / "train").rglob("*.JPEG")}
 
 
+def test_restored_train_pipeline_continues_the_reader_epoch(data: Path) -> None:
+    """With DALI's checkpoints on, a pipeline restored mid-epoch reads only the files the saved
+    one had not read yet, in its shuffled order: together the two read each file exactly once.
+    (Deterministic mode, so that the upstream reads only when the consumer needs it and the
+    saved pipeline's tap holds exactly the files behind the checkpoint.)"""
+
+    def make() -> Any:
+        return imagenet_train_pipeline(
+            data, batch_size=4, image_size=SIZE, echo_factor=2.0, epochs=1, seed=9,
+            shuffle_buffer=4, cache_samples=8, deterministic=True, num_threads=1,
+            upstream_threads=1, enable_checkpointing=True,
+        )  # fmt: skip
+
+    saved = make()
+    with EchoIterator(saved, ["data", "label"]) as it:
+        first = [int(x) for _, b in zip(range(5), it, strict=False) for x in b[0]["label"]]
+        state = it.state_dict()
+        read_before = saved.upstream_tap.recent_files()
+    assert len(first) == 20 and 4 <= len(read_before) < 24
+    restored = make()
+    with EchoIterator(restored, ["data", "label"], last_batch_policy=LastBatchPolicy.PARTIAL) as it:
+        it.load_state_dict(state)
+        rest = [int(x) for b in it for x in b[0]["label"]]
+        assert it.stats.fresh == 24  # counters continue from the checkpoint
+    read_after = restored.upstream_tap.recent_files()
+    assert sorted(read_before + read_after) == sorted(
+        str(p) for p in (data / "train").rglob("*.JPEG")
+    )
+    assert collections.Counter(first + rest) == {0: 16, 1: 16, 2: 16}
+
+
 # ---- corrupt files ---------------------------------------------------------------------------
 
 

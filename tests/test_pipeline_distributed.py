@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_support.models import loss_fn, make_batches, sgd, small_cnn
 
 WORKER = Path(__file__).parent / "pipeline_support" / "dist_worker.py"
+TIMEOUT_WORKER = Path(__file__).parent / "pipeline_support" / "dist_timeout_worker.py"
 
 
 def _free_port() -> int:
@@ -33,9 +34,7 @@ def _assert_close(actual: dict, expected: dict) -> None:
         assert float((a - e).abs().max()) / scale <= 1e-12, key
 
 
-@pytest.fixture(scope="module")
-def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
+def _torchrun(worker: Path, out: Path, timeout: float) -> None:
     env = dict(os.environ)
     python_dir = Path(__file__).resolve().parent.parent / "python"
     env["PYTHONPATH"] = os.pathsep.join(
@@ -44,10 +43,16 @@ def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env["OMP_NUM_THREADS"] = "1"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER), str(out),
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(worker), str(out),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    _torchrun(WORKER, out, timeout=180)
     return out
 
 
@@ -106,6 +111,24 @@ def test_data_parallel_replicas_equal_full_batch_sgd(torchrun_results: Path) -> 
         params_only = {k: v for k, v in sd.items() if "running" not in k and "num_batches" not in k}
         expected = {k: v for k, v in model.state_dict().items() if k in params_only}
         _assert_close(params_only, expected)
+
+
+@pytest.mark.distributed
+def test_a_silent_neighbour_raises_timeout_error_naming_it(tmp_path: Path) -> None:
+    """Rank 1 builds its stage but never trains: rank 0 waits at most ``timeout_s`` (2 s) for
+    the gradients it needs, then raises TimeoutError naming rank 1, instead of hanging."""
+    _torchrun(TIMEOUT_WORKER, tmp_path, timeout=120)
+    seconds, outcome = (tmp_path / "rank0.txt").read_text().splitlines()
+    assert outcome.startswith("TimeoutError: rank 0 (stage 0) waited more than 2 s"), outcome
+    assert "from rank 1 (stage 1)" in outcome
+    assert 2.0 <= float(seconds) < 30.0
+
+
+def test_bad_timeout_is_named() -> None:
+    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0, got 0"):
+        DistributedStalePipeline(
+            small_cnn(), balance=[4, 4], optimizer=sgd, loss_fn=loss_fn, timeout_s=0
+        )
 
 
 def test_distributed_pipeline_needs_an_initialised_process_group() -> None:

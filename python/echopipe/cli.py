@@ -211,6 +211,14 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--amp", action="store_true", help="mixed precision: run each block under bfloat16 autocast"
     )
+    g.add_argument(
+        "--dist-timeout-s",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="under torchrun: longest wait for another rank in a collective before the job "
+        "fails instead of hanging (default 600)",
+    )
     g = p.add_argument_group("checkpoints and output")
     g.add_argument(
         "--checkpoint-dir",
@@ -337,6 +345,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         amp=args.amp,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        dist_timeout_s=args.dist_timeout_s,
         keep_checkpoints=args.keep_checkpoints,
         resume=resume,
         output=args.output,

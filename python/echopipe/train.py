@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import random
@@ -97,6 +98,7 @@ class TrainConfig:
     echo_mode: EchoMode = "example"
     shuffle_buffer: int | None = None
     read_delay_ms: float = 0.0
+    dist_timeout_s: float = 600.0
     stages: int | None = None
     balance: list[int] | Literal["auto"] | None = None
     devices: list[str] | None = None
@@ -137,6 +139,7 @@ class TrainConfig:
         _finite("weight_decay", self.weight_decay)
         _finite("warmup_epochs", self.warmup_epochs)
         _finite("read_delay_ms", self.read_delay_ms)
+        _finite("dist_timeout_s", self.dist_timeout_s, positive=True)
         _finite("echo_max", self.echo_max)
         if self.echo_max < 1:
             raise ValueError(f"--echo-max must be >= 1, got {self.echo_max:g}")
@@ -231,6 +234,7 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     backend: str | None = None
+    timeout_s: float = 600.0
     stage_groups: list[Any] = field(default_factory=list)
 
     @property
@@ -244,10 +248,11 @@ class DistContext:
         return self.rank == 0
 
     @classmethod
-    def from_env(cls) -> DistContext:
+    def from_env(cls, timeout_s: float = 600.0) -> DistContext:
         """Join the process group that ``torchrun`` describes in the environment, if any.
 
-        NCCL when this process has a GPU, Gloo otherwise.
+        NCCL when this process has a GPU, Gloo otherwise. A collective that waits longer than
+        ``timeout_s`` for another rank fails (and torchrun stops the job) instead of hanging.
         """
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
@@ -259,8 +264,8 @@ class DistContext:
         if backend == "nccl":
             torch.cuda.set_device(local)
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend)
-        return cls(dist.get_rank(), dist.get_world_size(), local, backend)
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
 
     def make_stage_groups(self, num_stages: int) -> None:
         """One process group per stage (every rank creates all of them, in the same order)."""
@@ -269,7 +274,8 @@ class DistContext:
         import torch.distributed as dist
 
         ranks = list(range(self.world_size))
-        self.stage_groups = [dist.new_group(ranks) for _ in range(num_stages)]
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.stage_groups = [dist.new_group(ranks, timeout=timeout) for _ in range(num_stages)]
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         """Sum of ``values`` over ranks (identity when alone)."""
@@ -451,10 +457,12 @@ class _TrainInput:
             read_delay_ms=cfg.read_delay_ms,
             shard_id=self.ctx.rank,
             num_shards=self.ctx.world_size,
-            # A rebuilt or resumed pipeline must not replay the same shuffle and draws.
-            seed=cfg.seed + 7919 * self.builds + 104729 * self.ctx.rank,
+            # The same seed on resume: DALI's checkpoint restores the reader's position in the
+            # file order that this seed permutes, so the resumed epoch goes on where it stopped.
+            seed=cfg.seed + 104729 * self.ctx.rank,
             device_id=self.device_id,
             num_threads=cfg.workers,
+            enable_checkpointing=True,
         )
         self.iterator = EchoIterator(self.pipe, ["data", "label"], steps_per_epoch=steps_per_epoch)
         if state is not None:
@@ -693,7 +701,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> Trai
     before anything heavy starts.
     """
     cfg.validate()
-    ctx = DistContext.from_env()
+    ctx = DistContext.from_env(cfg.dist_timeout_s)
     try:
         return _train(cfg, ctx, log or (lambda m: print(m, file=sys.stderr, flush=True)))
     finally:

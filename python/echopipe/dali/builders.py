@@ -654,6 +654,7 @@ def imagenet_train_pipeline(
     prefetch_queue_depth: int = 2,
     memory: str = "auto",
     track_sources: bool = True,
+    enable_checkpointing: bool = False,
 ) -> Any:
     """ImageNet-style training pipeline with data echoing.
 
@@ -707,6 +708,10 @@ def imagenet_train_pipeline(
         memory: echo cache memory (``"auto"``, ``"pageable"``, ``"pinned"``).
         track_sources: keep the :class:`UpstreamTap` (needed to name a file DALI's decoder
             rejects; always on when ``read_delay_ms > 0``).
+        enable_checkpointing: also checkpoint DALI's operator states, so a pipeline restored
+            with :meth:`~echopipe.dali.EchoPipeline.load_state_dict` continues the reader's
+            shuffle and position instead of starting a new epoch (build the restored pipeline
+            with the same ``seed``, shard and files). Ignored when ``echo_factor`` is ``None``.
 
     Returns:
         An :class:`ImagenetEchoPipeline` (an :class:`~echopipe.dali.EchoPipeline` that turns
@@ -775,5 +780,6 @@ def imagenet_train_pipeline(
         device_id=dev,
         upstream_num_threads=upstream_threads,
         prefetch_queue_depth=prefetch_queue_depth,
+        enable_checkpointing=enable_checkpointing,
     )
     return _attach(pipe, index, tap)

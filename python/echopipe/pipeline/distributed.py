@@ -11,13 +11,18 @@ Every rank executes the same fixed operation order as :class:`~echopipe.pipeline
 (see ``schedule.py``), so results equal the single-process engine's. All ranks call
 :meth:`DistributedStalePipeline.train_step` once per minibatch; only stage 0 of each replica
 reads ``x`` and ``target`` (others may pass ``None``); stage 0 sends the target to the last
-stage. Sends are asynchronous and reaped lazily; receives block, bounded by the process
-group's timeout. A rank that raises exits non-zero and torchrun then stops the others.
+stage. Sends are asynchronous and reaped lazily; receives block. With ``timeout_s`` set, a
+receive or a send that does not complete in time raises :class:`TimeoutError` naming the peer
+rank and the message (on CPU tensors, i.e. Gloo; NCCL bounds its waits with the process group's
+own ``timeout``, given to ``init_process_group``). A rank that raises exits non-zero and
+torchrun then stops the others.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import math
 import os
 from collections import deque
 from collections.abc import Sequence
@@ -39,6 +44,12 @@ _TAG_ACT = 1
 _TAG_GRAD = 2
 _TAG_TARGET = 3
 _TAG_EVAL = 4
+_TAG_NAMES = {
+    _TAG_ACT: "activations",
+    _TAG_GRAD: "gradients",
+    _TAG_TARGET: "targets",
+    _TAG_EVAL: "evaluation activations",
+}
 _MAX_DIMS = 8
 _DTYPES = [
     torch.float32,
@@ -65,6 +76,9 @@ class DistributedStalePipeline:
         optimizer, scheduler, scheduler_interval, loss_fn, recompute, pipelined, hybrid: as for
             :class:`~echopipe.pipeline.StalePipeline`.
         device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
+        timeout_s: longest wait, in seconds, for one message to or from a neighbouring rank
+            before :class:`TimeoutError` (``None``: wait as long as the process group allows).
+            Applies to CPU tensors (Gloo); on NCCL the process group's timeout bounds waits.
     """
 
     def __init__(
@@ -80,7 +94,16 @@ class DistributedStalePipeline:
         pipelined: bool = True,
         hybrid: HybridSchedule | None = None,
         device: DeviceLike | None = None,
+        timeout_s: float | None = None,
     ) -> None:
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, int | float)
+            or not math.isfinite(timeout_s)
+            or timeout_s <= 0
+        ):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+        self._timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedStalePipeline needs torch.distributed initialised "
@@ -135,7 +158,9 @@ class DistributedStalePipeline:
         self._prev = self.rank - 1 if self.stage_index > 0 else None
         self._next = self.rank + 1 if not last else None
         self._last_rank = self._base + self.num_stages - 1
-        self._pending_sends: deque[tuple[Any, list[torch.Tensor]]] = deque()
+        self._pending_sends: deque[tuple[Any, tuple[torch.Tensor, torch.Tensor, int, int]]] = (
+            deque()
+        )
         self._inputs: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
         self._losses: list[tuple[int, float]] = []
         self.steps_fed = 0
@@ -192,24 +217,44 @@ class DistributedStalePipeline:
         header = header.to(tensor.device)
         works = [dist.isend(header, dst, tag=tag), dist.isend(tensor, dst, tag=tag)]
         for work in works:
-            self._pending_sends.append((work, [header, tensor]))
+            # The tensors stay referenced until the send completes.
+            self._pending_sends.append((work, (header, tensor, dst, tag)))
         self._reap_sends()
 
     def _recv(self, src: int, tag: int) -> torch.Tensor:
         header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        dist.recv(header, src, tag=tag)
+        self._wait(dist.irecv(header, src, tag=tag), "receive", src, tag)
         values = header.tolist()
         ndim, dtype = int(values[0]), _DTYPES[int(values[1])]
         shape = [int(v) for v in values[2 : 2 + ndim]]
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(tensor, src, tag=tag)
+        self._wait(dist.irecv(tensor, src, tag=tag), "receive", src, tag)
         return tensor
+
+    def _wait(self, work: Any, what: str, peer: int, tag: int) -> None:
+        """Waits for one point-to-point operation, bounded by ``timeout_s`` on CPU (Gloo)."""
+        if self._timeout is None or self.device.type != "cpu":
+            work.wait()
+            return
+        try:
+            work.wait(timeout=self._timeout)
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+            message = _TAG_NAMES.get(tag, f"tag {tag}")
+            role = f"stage {(peer - self._base) % self.num_stages}"
+            raise TimeoutError(
+                f"rank {self.rank} (stage {self.stage_index}) waited more than "
+                f"{self._timeout.total_seconds():g} s to {what} {message} "
+                f"{'from' if what == 'receive' else 'to'} rank {peer} ({role}); is that rank "
+                "alive and calling the same methods in the same order?"
+            ) from exc
 
     def _reap_sends(self, wait_all: bool = False) -> None:
         while self._pending_sends:
-            work, _ = self._pending_sends[0]
+            work, (_, _, dst, tag) = self._pending_sends[0]
             if wait_all:
-                work.wait()
+                self._wait(work, "send", dst, tag)
             elif not work.is_completed():
                 return
             self._pending_sends.popleft()
