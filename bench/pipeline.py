@@ -396,6 +396,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The physical limit of a K=2 split over 2 equal cores is 2x the 1-thread run.
         "K2_fraction_of_ideal_2x": ratio(k2, 2 * base) if base else None,
     }
+    if gpus >= 1:
+        # Two streams of one GPU share its SMs: overlap can hide launch and copy gaps only.
+        ratios["CUDA_K2_1gpu_over_sequential"] = ratio(
+            by_name.get("CUDA stale pipeline K=2, 1 GPU (2 streams)"),
+            by_name.get("CUDA sequential, 1 GPU"),
+        )
+    if gpus >= 2:
+        ratios["CUDA_K2_2gpus_over_sequential"] = ratio(
+            by_name.get("CUDA stale pipeline K=2, 2 GPUs"), by_name.get("CUDA sequential, 1 GPU")
+        )
     for row in rows:
         row["x_1thread"] = ratio(row["samples_per_s"], base)
 
@@ -443,6 +453,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "malloc_env": {k: os.environ.get(k) for k in TUNED_MALLOC_ENV},
         },
     )
+    # CPU peers that cannot run here are reported in the table; a failed CUDA row is a failure.
+    cuda_failures = [r["name"] for r in rows if r["name"].startswith("CUDA") and r.get("error")]
+    if cuda_failures:
+        print(f"failed: {', '.join(cuda_failures)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -223,18 +223,22 @@ def _mlp() -> nn.Sequential:
     ).double()
 
 
-def _train(devices: list[str], balance: list[int], steps: int = 12) -> dict[str, torch.Tensor]:
-    from echopipe.pipeline import StalePipeline
-
-    model = _mlp()
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    batches = [
+    return [
         (
             torch.randn(8, 16, generator=g, dtype=torch.float64),
             torch.randint(0, 4, (8,), generator=g),
         )
         for _ in range(steps)
     ]
+
+
+def _train(devices: list[str], balance: list[int], steps: int = 12) -> dict[str, torch.Tensor]:
+    from echopipe.pipeline import StalePipeline
+
+    model = _mlp()
+    batches = _batches(steps)
     with StalePipeline(
         model,
         balance=balance,
@@ -265,6 +269,29 @@ def test_stale_pipeline_four_stages_on_one_gpu_matches_cpu() -> None:
     cpu = _train(["cpu"] * 4, [1, 1, 1, 1])
     gpu = _train(["cuda:0"] * 4, [1, 1, 1, 1])
     _assert_same_weights(cpu, gpu)
+
+
+def test_batches_made_on_the_callers_gpu_stream_are_waited_for() -> None:
+    """The caller makes each batch on its own (default) stream behind a ~10 ms spin kernel, as
+    DALI's copy into a torch tensor does; the stages' streams must wait for it, not read the
+    half-written batch. Same weights as CPU training on the same numbers."""
+    from echopipe.pipeline import StalePipeline
+
+    expected = _train(["cpu", "cpu"], [2, 2], steps=8)
+    model = _mlp()
+    resident = [(x.cuda(), y.cuda()) for x, y in _batches(8)]
+    torch.cuda.synchronize()
+    with StalePipeline(
+        model, balance=[2, 2], devices=["cuda:0", "cuda:0"],
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        loss_fn=nn.functional.cross_entropy,
+    ) as pipe:  # fmt: skip
+        for x, y in resident:
+            torch.cuda._sleep(20_000_000)  # the batch is written only after this spin
+            pipe.train_step(x * 1.0, y + 0)
+        pipe.drain()
+    got = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    _assert_same_weights(expected, got)
 
 
 @needs_two_gpus

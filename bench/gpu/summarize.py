@@ -116,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     if dg:
         print("\nDALI mixed decode -> echo -> GPU augment (images/s):")
         for r in dg["rows"]:
-            print(f"  {r['row']:<20}{r['images_per_s']:10.0f}  (x{r['vs_plain']:.2f} vs plain)")
+            if r.get("error"):
+                print(f"  {r['row']:<20}  FAILED: {r['error'][:60]}")
+                continue
+            vs = r.get("vs_plain")
+            vs_text = f"x{vs:.2f} vs plain" if vs else "no plain rate"
+            print(f"  {r['row']:<20}{r['images_per_s']:10.0f}  ({vs_text})")
     failed = [s["step"] for s in steps if s["rc"] not in (0, 77)]
     print(f"\nfailed steps: {', '.join(failed) if failed else 'none'}")
     return 1 if failed else 0

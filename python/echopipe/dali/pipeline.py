@@ -250,7 +250,7 @@ class _UpstreamRunner:
         t0 = time.perf_counter()
         outputs = owner.upstream.run()
         elapsed = time.perf_counter() - t0
-        stored = int(np.asarray(outputs[0].as_tensor()).sum())
+        stored = int(_host_dense(outputs[0]).sum())
         with self._timing_lock:
             self.fresh_in += stored
             self.iterations += 1
@@ -621,7 +621,7 @@ class EchoPipeline:
             raise
         self._scheduled -= 1
         self.downstream_wait_s += time.perf_counter() - t0
-        info = np.array(outputs[-1].as_tensor())
+        info = _host_dense(outputs[-1])
         valid = int(info[:, 0].sum())
         if valid < self.config.batch_size:
             self._input_done = True
@@ -664,7 +664,7 @@ class EchoPipeline:
         while self._scheduled > 0:
             outputs = list(self.downstream.outputs())
             self._scheduled -= 1
-            info = np.array(outputs[-1].as_tensor())
+            info = _host_dense(outputs[-1])
             arrays = [_to_numpy(o) for o in outputs[:-1]]
             if int(info[:, 0].sum()) > 0:
                 self._stash.append((arrays, info))
@@ -817,6 +817,13 @@ class EchoPipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _host_dense(tensor_list: Any) -> np.ndarray:
+    """Host copy of a dense DALI TensorList, CPU or GPU (a GPU one has no array interface)."""
+    if hasattr(tensor_list, "as_cpu"):
+        tensor_list = tensor_list.as_cpu()
+    return np.array(tensor_list.as_tensor())
 
 
 def _to_numpy(tensor_list: Any) -> np.ndarray | list[np.ndarray]:

@@ -26,7 +26,14 @@ from .checkpoint import atomic_save, load_file
 from .partition import DeviceLike, parse_devices, partition_balance, split_sequential
 from .schedule import HybridSchedule, stage_staleness
 from .stage import StageCore
-from .stream import DeviceStream, KeepAlive, StreamEvent, transfer
+from .stream import (
+    DeviceStream,
+    KeepAlive,
+    StreamEvent,
+    caller_event,
+    synchronize_devices,
+    transfer,
+)
 
 __all__ = [
     "EpochResult",
@@ -110,7 +117,8 @@ class _Batch:
     index: int
     x: torch.Tensor
     target: torch.Tensor | None
-    ready: StreamEvent
+    ready: StreamEvent  # x is ready: the caller's stream for stage 0, else the sender's compute
+    target_ready: StreamEvent  # the target is ready (the caller's stream)
 
 
 @dataclass
@@ -277,6 +285,7 @@ class StalePipeline:
             self._pipelined = False
         for stage, device in zip(self.stages, self.devices, strict=True):
             stage.to(device)
+        synchronize_devices(self.devices)
         module.train()
 
         self._cores: list[StageCore] = []
@@ -431,14 +440,14 @@ class StalePipeline:
                 x = transfer(msg.x, msg.ready, copy, compute, held)
                 target = msg.target
                 if last and target is not None:
-                    target = transfer(target, StreamEvent(), copy, compute, held)
+                    target = transfer(target, msg.target_ready, copy, compute, held)
                 out, loss = core.forward(msg.index, x, target)
                 if last:
                     assert loss is not None
                     self._losses.put(LossRecord(msg.index, loss, compute.record()))
                 else:
                     self._fwd_queues[k + 1].put(
-                        _Batch(msg.index, out, msg.target, compute.record())
+                        _Batch(msg.index, out, msg.target, compute.record(), msg.target_ready)
                     )
             elif core.in_flight:
                 index = core.in_flight[0].index
@@ -511,7 +520,8 @@ class StalePipeline:
         index = self.steps_fed
         if self.hybrid is not None and self._pipelined and not self.hybrid.pipelined_at(index):
             self.set_pipelined(False)
-        self._put(self._fwd_queues[0], _Batch(index, x, target, StreamEvent()))
+        batch = _Batch(index, x, target, caller_event(x), caller_event(target))
+        self._put(self._fwd_queues[0], batch)
         self._idle = False
         self.steps_fed += 1
         self.samples_seen += int(x.shape[0]) if x.dim() > 0 else 1
@@ -669,6 +679,7 @@ class StalePipeline:
             core.updates_applied = int(updates)
             core.scheduler_steps = int(ssteps)
             core.last_forward_index = core.last_backward_index = int(state["steps_fed"]) - 1
+        synchronize_devices(self.devices)
         self.steps_fed = int(state["steps_fed"])
         self.samples_seen = int(state["samples_seen"])
         if bool(state["pipelined"]) != self._pipelined:

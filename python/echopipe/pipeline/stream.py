@@ -18,7 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceStream", "KeepAlive", "StreamEvent", "transfer"]
+__all__ = [
+    "DeviceStream",
+    "KeepAlive",
+    "StreamEvent",
+    "caller_event",
+    "synchronize_devices",
+    "transfer",
+]
 
 
 @dataclass
@@ -35,6 +42,27 @@ class StreamEvent:
     def done(self) -> bool:
         """Whether the work before this event has finished (never blocks)."""
         return self.event is None or bool(self.event.query())
+
+
+def caller_event(tensor: torch.Tensor) -> StreamEvent:
+    """The point in the calling thread's current stream after which ``tensor`` is ready.
+
+    A batch the caller made on a GPU (DALI's output copied on torch's current stream, a cast)
+    may still be in flight when it is handed to a stage, whose streams do not wait for the
+    caller's stream on their own. Already complete for CPU tensors.
+    """
+    if not tensor.is_cuda:
+        return StreamEvent()
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return StreamEvent(event)
+
+
+def synchronize_devices(devices: list[torch.device]) -> None:
+    """Wait for all work queued on the CUDA devices among ``devices`` (weights moved or loaded
+    on the caller's stream must be complete before stage streams read them); no-op on CPU."""
+    for device in dict.fromkeys(d for d in devices if d.type == "cuda"):
+        torch.cuda.synchronize(device)
 
 
 class KeepAlive:
