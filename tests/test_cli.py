@@ -42,6 +42,8 @@ def _bad(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--model", "vgg"], "'vgg'"),
         (["--read-delay-ms", "-1"], "--read-delay-ms"),
         (["--dist-timeout-s", "0"], "--dist-timeout-s must be > 0, got 0"),
+        (["--decode", "mixed", "--devices", "cpu"], "--devices cpu has none"),
+        (["--decode", "gpu"], "'gpu'"),
     ],
 )
 def test_bad_train_arguments_give_one_line_and_exit_2(

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "dali_gpu",
         "command": "python bench/gpu/dali_gpu.py " + " ".join(argv or sys.argv[1:]),
         "machine": {
-            "gpu": torch.cuda.get_device_name(0),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "dali": dali.__version__,
             "torch": torch.__version__,
         },

@@ -9,7 +9,8 @@
 # built and tested too. Steps: environment, build with CUDA required, tests/test_gpu.py (gather
 # kernels vs CPU, pinned + mapped memory, stale pipeline on GPU streams, proof of stream
 # overlap, DALI mixed decode), the echo cache's own tests with a GPU present, the H2D gather
-# bandwidth against cudaMemcpy, bench/pipeline.py on CUDA, DALI GPU throughput, and a summary
+# bandwidth against cudaMemcpy, bench/pipeline.py on CUDA, DALI GPU throughput, `echopipe train`
+# for one short epoch with mixed decoding and with --amp, and a summary
 # (OUT_DIR/gpu_results.json, with date, GPU and driver) printed last.
 #
 # Every step has a timeout and its own log. A failed step is recorded and the script goes on;
@@ -190,14 +191,28 @@ dali_bench() {
 export -f dali_bench
 step bench_dali_gpu 120 dali_bench
 
+# The main job on the GPU: one short epoch each with DALI's mixed decoder (GPU tensors reach
+# stage 0 from DALI's stream) and with bfloat16 autocast, on the cached synthetic set.
+train_gpu() {
+  if ((!HAVE_DALI)); then
+    echo "DALI is not importable (no .gpu/site): echopipe train needs it; skipped"
+    return 77
+  fi
+  local common=(train --epochs 1 --synthetic-per-class 30 --no-progress)
+  "$PY" -m echopipe.cli "${common[@]}" --decode mixed --output "$OUT/train_mixed/metrics.json" &&
+    "$PY" -m echopipe.cli "${common[@]}" --amp --output "$OUT/train_amp/metrics.json"
+}
+export -f train_gpu
+step train_gpu 90 train_gpu
+
 # ---- summary (always runs; prints the table last) ---------------------------------------------
 timeout 20 "$PY" bench/gpu/summarize.py "$OUT" | tee "$OUT/summary.txt"
 summary_rc=${PIPESTATUS[0]}
 cp "$OUT/summary.txt" "$DEST/summary.txt"
 [[ -f $OUT/gpu_results.json ]] && cp "$OUT/gpu_results.json" "$DEST/gpu_results.json"
 # Only logs, XML and JSON: the device tool brings back at most 16 MB per file.
-tar -C "$(dirname "$OUT")" --exclude="$(basename "$OUT")/data" -czf "$DEST/gpu_run.tar.gz" \
-  "$(basename "$OUT")"
+tar -C "$(dirname "$OUT")" --exclude="$(basename "$OUT")/data" --exclude="*/checkpoints" \
+  -czf "$DEST/gpu_run.tar.gz" "$(basename "$OUT")"
 echo "total ${SECONDS}s; gpu_results.json, summary.txt and gpu_run.tar.gz in $DEST"
 if ((summary_rc != 0)); then
   exit 1

@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         "stream_overlap": load(out / "stream_overlap.json"),
         "pipeline": load(out / "pipeline.json"),
         "dali_gpu": load(out / "dali_gpu.json"),
+        "train": {
+            name: (load(out / name / "metrics.json") or {}).get("summary")
+            for name in ("train_mixed", "train_amp")
+        },
     }
     try:
         import torch
@@ -122,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
             vs = r.get("vs_plain")
             vs_text = f"x{vs:.2f} vs plain" if vs else "no plain rate"
             print(f"  {r['row']:<20}{r['images_per_s']:10.0f}  ({vs_text})")
+    runs = {k: v for k, v in results["train"].items() if v}
+    if runs:
+        print("\nechopipe train, 1 epoch on the synthetic set:")
+        for name, summary in runs.items():
+            print(
+                f"  {name:<20}{summary.get('images_per_s', float('nan')):10.0f} img/s  "
+                f"top-1 {100 * summary.get('top1', float('nan')):.1f} %"
+            )
     failed = [s["step"] for s in steps if s["rc"] not in (0, 77)]
     print(f"\nfailed steps: {', '.join(failed) if failed else 'none'}")
     return 1 if failed else 0

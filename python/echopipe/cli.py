@@ -134,6 +134,13 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
         default=1,
         help="DALI CPU threads per pipeline (upstream and downstream each)",
     )
+    g.add_argument(
+        "--decode",
+        choices=("cpu", "mixed"),
+        default="cpu",
+        help="JPEG decoding on the CPU, or DALI's mixed (nvJPEG on the GPU; then the augmentations "
+        "run on the GPU too)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed for model init, DALI and echo draws")
     g.add_argument(
         "--synthetic-classes",
@@ -329,6 +336,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         weight_decay=args.weight_decay,
         warmup_epochs=args.warmup_epochs,
         workers=args.workers,
+        decode=args.decode,
         seed=args.seed,
         synthetic_classes=args.synthetic_classes,
         synthetic_per_class=args.synthetic_per_class,

@@ -89,6 +89,7 @@ class TrainConfig:
     weight_decay: float = 5e-4
     warmup_epochs: float = 0.5
     workers: int = 1
+    decode: Literal["cpu", "mixed"] = "cpu"
     seed: int = 0
     synthetic_classes: int = 10
     synthetic_per_class: int = 100
@@ -179,6 +180,16 @@ class TrainConfig:
                     f"--devices {','.join(self.devices)} gives {len(self.devices)} devices for "
                     f"{self.stages} stages; give one device, or one per stage"
                 )
+        if self.decode not in ("cpu", "mixed"):
+            raise ValueError(f"--decode {self.decode!r} is not one of cpu, mixed")
+        if self.decode == "mixed":
+            if self.devices is not None and not any(d.startswith("cuda") for d in self.devices):
+                raise ValueError(
+                    f"--decode mixed decodes on a GPU, but --devices {','.join(self.devices)} "
+                    "has none"
+                )
+            if self.devices is None and not torch.cuda.is_available():
+                raise ValueError("--decode mixed decodes on a GPU, but torch sees no CUDA device")
         if isinstance(self.resume, Path) and not self.resume.is_file():
             raise FileNotFoundError(f"--resume checkpoint {str(self.resume)!r} does not exist")
 
@@ -460,6 +471,7 @@ class _TrainInput:
             # The same seed on resume: DALI's checkpoint restores the reader's position in the
             # file order that this seed permutes, so the resumed epoch goes on where it stopped.
             seed=cfg.seed + 104729 * self.ctx.rank,
+            decode_device=cfg.decode,
             device_id=self.device_id,
             num_threads=cfg.workers,
             enable_checkpointing=True,
@@ -530,6 +542,7 @@ def _evaluate(pipeline: Any, cfg: TrainConfig, data_dir: Path, ctx: DistContext,
             data_dir,
             batch_size=min(cfg.batch_size * 4, 256),
             image_size=cfg.image_size,
+            decode_device=cfg.decode,
             shard_id=ctx.rank,
             num_shards=ctx.world_size,
             num_threads=cfg.workers,
