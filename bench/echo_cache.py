@@ -10,7 +10,8 @@ one run:
 * ``memcpy`` (the physical limit): memcpy of exactly those bytes (fresh * size in + copies * size
   out, from an arena-sized region into a batch buffer) by as many threads as the cache run uses
   (producers + consumers). ``ratio_vs_memcpy`` = memcpy time / cache time for the same bytes
-  (1.0 = the cache costs nothing beyond its copies). ``memcpy_out_only`` (the copy-out alone,
+  (1.0 = the cache costs nothing beyond its copies); each row keeps the median of ``--rounds``
+  back-to-back cache + memcpy rounds. ``memcpy_out_only`` (the copy-out alone,
   the consumers' share) is recorded too.
 * ``python``: a pure-Python shuffle buffer (list + random swap-pop, numpy copies in and out), the
   peer, single thread, same e and buffer size, reading fresh samples from the same 64 MB pool;
@@ -123,7 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = bu.bench_parser("echo_cache", __doc__, "small working set, < 30 s")
     ap.add_argument("--echo", type=float, default=2.0, help="echo factor e (default 2)")
     ap.add_argument("--batch", type=int, default=64, help="samples per take (default 64)")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="cache+memcpy rounds per row (default 3, quick 1)"
+    )
     args = ap.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     run = bu.BenchRun.start("echo_cache", args, argv)
 
     llc = llc_bytes()
@@ -137,12 +145,22 @@ def main(argv: list[str] | None = None) -> int:
         n_fresh = min(n_fresh, (2 << 30) // size if args.quick else (12 << 30) // size)
         per_threads: dict[int, dict[str, float]] = {}
         for threads in (1, 2):
-            r = _C._bench_put_take(size, n_fresh, threads, threads, args.echo, arena, args.batch)
-            moved = int(r["fresh"]) + int(r["copies"])  # samples copied in + copied out
-            m = _C._bench_memcpy(size, moved, 2 * threads, arena, args.batch)
-            out_only = _C._bench_memcpy(size, int(r["copies"]), threads, arena, args.batch)
+            # The shared VM's speed drifts between seconds: the cache and its memcpy limit are
+            # measured back to back in each round, and the round with the median ratio is kept.
+            trials = []
+            for _ in range(args.rounds):
+                r = _C._bench_put_take(
+                    size, n_fresh, threads, threads, args.echo, arena, args.batch
+                )
+                moved = int(r["fresh"]) + int(r["copies"])  # samples copied in + copied out
+                m = _C._bench_memcpy(size, moved, 2 * threads, arena, args.batch)
+                out_only = _C._bench_memcpy(size, int(r["copies"]), threads, arena, args.batch)
+                trials.append((m["seconds"] / r["seconds"], r, m, out_only, moved))
+            trials.sort(key=lambda trial: trial[0])
+            _, r, m, out_only, moved = trials[len(trials) // 2]
             cache_rate = r["copies"] / r["seconds"]
             per_threads[threads] = {
+                "rounds_ratio_vs_memcpy": [round(trial[0], 3) for trial in trials],
                 "cache_samples_s": cache_rate,
                 "cache_GBps_out": r["bytes_out"] / r["seconds"] / 1e9,
                 "cache_GBps_moved": moved * size / r["seconds"] / 1e9,
@@ -205,7 +223,21 @@ def main(argv: list[str] | None = None) -> int:
     cores = run.machine.get("cpu_count") or 1
     big = [(r["size"], t) for r in rows if r["size"] != "4KB" for t in (1, 2)]
     worst_mem = min(ratios[f"{s}_{t}t_vs_memcpy_same_bytes"] for s, t in big)
-    worst_py = min(ratios[f"{r['size']}_{t}t_vs_python_buffer"] for r in rows for t in (1, 2))
+    worst_py, py_size, py_threads = min(
+        (ratios[f"{r['size']}_{t}t_vs_python_buffer"], r["size"], t) for r in rows for t in (1, 2)
+    )
+    py_reason = f"worst: {py_size}, {py_threads} thread(s) per side"
+    mem_key = f"{py_size}_{py_threads}t_vs_memcpy_same_bytes"
+    if worst_py < 3 and mem_key in ratios:
+        # cache/memcpy over cache/python = python/memcpy: how near the copy limit Python already is.
+        python_vs_memcpy = ratios[mem_key] / worst_py
+        py_reason += (
+            f"; there the Python buffer already moves the same bytes at {python_vs_memcpy:.2f}x "
+            f"memcpy speed and the cache at {ratios[mem_key]:.2f}x: 3x the Python buffer would be "
+            f"{3 * python_vs_memcpy:.2f}x memcpy"
+        )
+        if 3 * python_vs_memcpy > 1:
+            py_reason += ", faster than the copy limit"
     worst_scale = min(ratios[f"{r['size']}_2t_vs_1t"] for r in rows)
     scale_reason = (
         f"2 threads per side are 4 busy threads on {cores} CPU(s): no headroom to scale"
@@ -220,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         bu.claim(
             "cache vs pure-Python shuffle buffer, every size", ">= 3x", round(worst_py, 2),
-            worst_py >= 3, "worst of 4/150/600 KB x 1/2 threads per side",
+            worst_py >= 3, py_reason,
         ),
         bu.claim(
             "2 threads per side vs 1", ">= 1.5x", round(worst_scale, 2), worst_scale >= 1.5,
@@ -231,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {
         "echo_factor": args.echo,
         "batch": args.batch,
+        "rounds": args.rounds,
         "arena_bytes": arena,
         "llc_bytes": llc,
         "sizes": SIZES,
