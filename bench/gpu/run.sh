@@ -18,9 +18,10 @@
 # (e.g. no DALI) and is not a failure.
 #
 # The device tool brings back at most 8 files from its $OUT, so the steps write into a work
-# folder (ECHOPIPE_GPU_WORK, default a new temporary one) and OUT_DIR receives three files:
-# gpu_results.json, summary.txt (the table printed last) and gpu_run.tar.gz (every log, JUnit
-# XML and JSON of the work folder).
+# folder (ECHOPIPE_GPU_WORK, default a new temporary one) and OUT_DIR receives four files:
+# gpu_results.json, summary.txt (the table printed last), steps.tsv and gpu_run.tar.gz (every
+# log, JUnit XML and JSON of the work folder; refreshed after every step, so a run cut short
+# still brings back what it did).
 set -uo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -50,6 +51,15 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PYTHONUNBUFFERED=1
 export PYTEST_LENIENT="-W default::DeprecationWarning -W default::FutureWarning -W default::UserWarning"
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 
+# bundle: the work folder's logs, XML and JSON as DEST/gpu_run.tar.gz, with steps.tsv beside it
+# (the benchmark's JPEGs and training checkpoints stay out: the device tool returns at most
+# 16 MB per file).
+bundle() {
+  cp "$OUT/steps.tsv" "$DEST/steps.tsv"
+  tar -C "$(dirname "$OUT")" --exclude="$(basename "$OUT")/data" --exclude="*/checkpoints" \
+    -czf "$DEST/gpu_run.tar.gz" "$(basename "$OUT")"
+}
+
 # step NAME TIMEOUT_S COMMAND...: runs COMMAND with its output in logs/NAME.log, bounded by its
 # own timeout and by what is left of the total budget; records "name rc seconds log".
 step() {
@@ -71,6 +81,7 @@ step() {
   timeout --kill-after=10 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "logs/$name.log" >> "$OUT/steps.tsv"
+  bundle  # what has run so far comes back even if the device call is cut short later
   if ((rc == 0)); then
     echo "   ok ($((SECONDS - t0))s)"
   elif ((rc == 77)); then
@@ -210,10 +221,8 @@ timeout 20 "$PY" bench/gpu/summarize.py "$OUT" | tee "$OUT/summary.txt"
 summary_rc=${PIPESTATUS[0]}
 cp "$OUT/summary.txt" "$DEST/summary.txt"
 [[ -f $OUT/gpu_results.json ]] && cp "$OUT/gpu_results.json" "$DEST/gpu_results.json"
-# Only logs, XML and JSON: the device tool brings back at most 16 MB per file.
-tar -C "$(dirname "$OUT")" --exclude="$(basename "$OUT")/data" --exclude="*/checkpoints" \
-  -czf "$DEST/gpu_run.tar.gz" "$(basename "$OUT")"
-echo "total ${SECONDS}s; gpu_results.json, summary.txt and gpu_run.tar.gz in $DEST"
+bundle
+echo "total ${SECONDS}s; gpu_results.json, summary.txt, steps.tsv and gpu_run.tar.gz in $DEST"
 if ((summary_rc != 0)); then
   exit 1
 fi
