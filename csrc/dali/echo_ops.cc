@@ -121,6 +121,32 @@ void RecordLayout(const std::string& name, int field, const dali::TensorLayout& 
   if (layouts[field] != layout.c_str()) layouts[field] = layout.c_str();
 }
 
+void DescribeSinkOutput(std::vector<dali::OutputDesc>& out, const dali::Workspace& ws) {
+  out.resize(1);
+  out[0].shape = dali::uniform_list_shape(ws.GetInputBatchSize(0), dali::TensorShape<0>());
+  out[0].type = DALI_INT32;
+}
+
+void RecordInputLayouts(const std::string& name, const dali::Workspace& ws) {
+  for (int f = 0; f < ws.NumInput(); ++f) RecordLayout(name, f, ws.GetInputLayout(f));
+}
+
+echopipe::SampleDesc DescribeInputSample(const dali::Workspace& ws, int i) {
+  echopipe::SampleDesc desc;
+  desc.num_fields = ws.NumInput();
+  for (int f = 0; f < desc.num_fields; ++f) {
+    auto shape = ws.GetInputShape(f)[i];
+    DALI_ENFORCE(
+        shape.size() <= echopipe::kMaxDims,
+        dali::make_string("echopipe echo sink: input ", f, " has ", shape.size(),
+                          " dimensions; the echo cache stores at most ", echopipe::kMaxDims));
+    desc.fields[f].dtype = ToEchoDType(ws.GetInputDataType(f), f);
+    desc.fields[f].ndim = shape.size();
+    for (int k = 0; k < shape.size(); ++k) desc.fields[f].shape[k] = shape[k];
+  }
+  return desc;
+}
+
 dali::TensorLayout RecordedLayout(const std::string& name, int field) {
   std::lock_guard<std::mutex> lock(g_side_mutex);
   auto it = SideStates().find(name);
@@ -319,34 +345,19 @@ class EchoSinkCPU : public StatelessOperator<CPUBackend> {
 
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
-    out.resize(1);
-    out[0].shape = uniform_list_shape(ws.GetInputBatchSize(0), TensorShape<0>());
-    out[0].type = DALI_INT32;
+    echopipe_dali::DescribeSinkOutput(out, ws);
     return true;
   }
 
   void RunImpl(Workspace& ws) override {
     int num_fields = ws.NumInput();
     int n = ws.GetInputBatchSize(0);
-    for (int f = 0; f < num_fields; ++f)
-      echopipe_dali::RecordLayout(cache_name_, f, ws.Input<CPUBackend>(f).GetLayout());
+    echopipe_dali::RecordInputLayouts(cache_name_, ws);
     auto& stored = ws.Output<CPUBackend>(0);
     for (int i = 0; i < n; ++i) {
       *stored.mutable_tensor<int32_t>(i) = 0;
       if (!echopipe_dali::TakeQuota(cache_name_)) continue;
-      echopipe::SampleDesc desc;
-      desc.num_fields = num_fields;
-      for (int f = 0; f < num_fields; ++f) {
-        const auto& in = ws.Input<CPUBackend>(f);
-        auto shape = in.tensor_shape_span(i);
-        DALI_ENFORCE(
-            static_cast<int>(shape.size()) <= echopipe::kMaxDims,
-            make_string("echopipe echo sink: input ", f, " has ", shape.size(),
-                        " dimensions; the echo cache stores at most ", echopipe::kMaxDims));
-        desc.fields[f].dtype = echopipe_dali::ToEchoDType(in.type(), f);
-        desc.fields[f].ndim = static_cast<int>(shape.size());
-        for (int k = 0; k < desc.fields[f].ndim; ++k) desc.fields[f].shape[k] = shape[k];
-      }
+      echopipe::SampleDesc desc = echopipe_dali::DescribeInputSample(ws, i);
       echopipe::PutReservation reservation;
       if (!Reserve(desc, reservation)) continue;
       for (int f = 0; f < num_fields; ++f) {

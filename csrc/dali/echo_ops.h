@@ -30,6 +30,16 @@ void RecordLayout(const std::string& name, int field, const dali::TensorLayout& 
 /// Layout recorded for field `field` of cache `name`, or an empty layout.
 dali::TensorLayout RecordedLayout(const std::string& name, int field);
 
+/// The sink's output: per sample one int32 (1 = stored), whichever backend its inputs are on.
+void DescribeSinkOutput(std::vector<dali::OutputDesc>& out, const dali::Workspace& ws);
+
+/// Records the layout of every sink input (one per cache field) for cache `name`.
+void RecordInputLayouts(const std::string& name, const dali::Workspace& ws);
+
+/// Cache descriptor (element type and shape of every field) of sample `i` of the sink's inputs,
+/// on either backend; DALI error naming the input when it has too many dimensions.
+echopipe::SampleDesc DescribeInputSample(const dali::Workspace& ws, int i);
+
 /// Takes one unit of the sink quota for cache `name`: true if the sample may be stored.
 /// A negative quota (the default) means unlimited.
 bool TakeQuota(const std::string& name);

@@ -35,33 +35,18 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
 
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
-    out.resize(1);
-    out[0].shape = uniform_list_shape(ws.GetInputBatchSize(0), TensorShape<0>());
-    out[0].type = DALI_INT32;
+    echopipe_dali::DescribeSinkOutput(out, ws);
     return true;
   }
 
   void RunImpl(Workspace& ws) override {
     int num_fields = ws.NumInput();
     int n = ws.GetInputBatchSize(0);
-    for (int f = 0; f < num_fields; ++f) {
-      echopipe_dali::RecordLayout(cache_name_, f, ws.GetInputLayout(f));
-    }
+    echopipe_dali::RecordInputLayouts(cache_name_, ws);
     std::vector<int32_t> stored(n, 0);
     for (int i = 0; i < n; ++i) {
       if (!echopipe_dali::TakeQuota(cache_name_)) continue;
-      echopipe::SampleDesc desc;
-      desc.num_fields = num_fields;
-      for (int f = 0; f < num_fields; ++f) {
-        auto shape = ws.GetInputShape(f)[i];
-        DALI_ENFORCE(
-            shape.size() <= echopipe::kMaxDims,
-            make_string("echopipe echo sink: input ", f, " has ", shape.size(),
-                        " dimensions; the echo cache stores at most ", echopipe::kMaxDims));
-        desc.fields[f].dtype = echopipe_dali::ToEchoDType(ws.GetInputDataType(f), f);
-        desc.fields[f].ndim = shape.size();
-        for (int k = 0; k < shape.size(); ++k) desc.fields[f].shape[k] = shape[k];
-      }
+      echopipe::SampleDesc desc = echopipe_dali::DescribeInputSample(ws, i);
       echopipe::PutReservation reservation;
       // Never wait for space while holding uncommitted reservations: commit what is copied first.
       auto status = cache_->reserve(desc, reservation, 0.0);
