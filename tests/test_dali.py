@@ -192,6 +192,17 @@ def test_fields_keep_dtype_shape_and_layout(jpegs: list[str]) -> None:
         assert (info[:, 0] == 1).all()
 
 
+def test_a_field_with_too_many_dimensions_is_named(jpegs: list[str]) -> None:
+    @edali.echo_pipeline_def(batch_size=4, num_threads=1, device_id=None)
+    def nine_dims(files):
+        _, labels = fn.readers.file(files=files)
+        return edali.echo(fn.reshape(labels, shape=[1] * 9))
+
+    expected = "input 0 has 9 dimensions; the echo cache stores at most 8"
+    with pytest.raises(RuntimeError, match=expected), nine_dims(jpegs) as pipe:
+        pipe.next_batch()
+
+
 # ---- end of input and last-batch policies ----------------------------------------------------
 
 
