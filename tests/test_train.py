@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import signal
 import socket
@@ -193,6 +194,64 @@ def test_echo_auto_raises_the_factor_when_reading_is_slow(
     assert doc["epochs"][0]["echoed_samples"] == 0 < doc["epochs"][-1]["echoed_samples"]
     # The factor changed in the running cache: the input pipeline was built once, never rebuilt.
     assert [r["input_builds"] for r in doc["epochs"]] == [1] * len(doc["epochs"])
+    # The cosine LR follows epochs done, not steps (their number per epoch grew with e): after
+    # 2 of 3 epochs it is at cos-schedule(2/3), not already at its floor.
+    expected = cfg.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * 2 / 3)))
+    assert doc["epochs"][1]["lr"] == pytest.approx(expected, rel=1e-6)
+    assert doc["epochs"][-1]["lr"] == pytest.approx(cfg.lr * 0.02, rel=1e-6)
+
+
+def test_echo_auto_changes_the_factor_within_an_epoch(tiny_imagenet: Path, tmp_path: Path) -> None:
+    """Decisions every 2 steps: e rises inside the first epoch, whose remaining steps are
+    re-planned for the fresh samples it still owes; the second epoch is a whole one at the new
+    e; the LR ends at its floor on the last step. Reading (30 ms a sample) is far slower than
+    training here, so R is well above e_max = 2 and the one change goes straight to 2."""
+    from echopipe.train import TrainConfig, train
+
+    out = tmp_path / "m.json"
+    messages: list[str] = []
+    cfg = TrainConfig(
+        data=tiny_imagenet, image_size=32, batch_size=4, epochs=2, echo="auto", echo_max=2.0,
+        echo_interval=2, read_delay_ms=30.0, warmup_epochs=0, output=out, progress=False,
+        checkpoint_dir=tmp_path / "ck",
+    )  # fmt: skip
+    s = train(cfg, log=messages.append)
+    assert s.echo_factors_used == [1.0, 2.0]
+    (change,) = [m for m in messages if m.startswith("echo: factor")]
+    assert "epoch 1" in change and "steps left in it" in change
+    changed_at = int(change.split("from step ")[1].split()[0])
+    doc = json.loads(out.read_text())
+    first, second = doc["epochs"][0]["step"], doc["epochs"][1]["step"] - doc["epochs"][0]["step"]
+    # 32 fresh samples: `changed_at` steps of 4 at e = 1, the rest at e = 2 in steps of 4.
+    assert first == changed_at + math.ceil((32 - 4 * changed_at) * 2 / 4)
+    assert second == 32 * 2 // 4  # a whole epoch at e = 2, not the re-planned length again
+    assert s.echoed_samples > 0
+    assert doc["epochs"][-1]["lr"] == pytest.approx(cfg.lr * 0.02, rel=1e-6)
+    # The checkpoint carries the re-planned clock, so a resumed run keeps the same schedule.
+    from echopipe.train import _EpochClock
+
+    latest = CheckpointManager(tmp_path / "ck").latest()
+    assert latest is not None
+    clock = _EpochClock(CheckpointManager.load(latest)["epoch_clock"])
+    assert len(clock.segments) >= 3 and clock.epochs_at(s.steps) == pytest.approx(2.0)
+
+
+def test_lr_schedule_follows_epochs_done_through_replanned_epochs() -> None:
+    from echopipe.train import _EpochClock, _lr_factor
+
+    clock = _EpochClock()
+    clock.plan(0, 0.0, 10, 1.0)  # epoch 1: 10 steps at e = 1
+    clock.plan(4, 0.4, 30, 1.0)  # e = 5 from step 4: the 6 steps left become 30
+    clock.plan(34, 1.0, 50, 2.0)  # epoch 2 at e = 5
+    assert clock.epochs_at(0) == 0.0 and clock.epochs_at(2) == pytest.approx(0.2)
+    assert clock.epochs_at(4) == pytest.approx(0.4) and clock.epochs_at(19) == pytest.approx(0.7)
+    assert clock.epochs_at(34) == pytest.approx(1.0) and clock.epochs_at(84) == pytest.approx(2.0)
+    steps = [clock.epochs_at(n) for n in range(85)]
+    assert steps == sorted(steps)
+    assert _lr_factor(0.25, 0.0, 0.5, 2) == pytest.approx(0.5)  # warm-up
+    assert _lr_factor(1.25, 1.25, 0.5, 2) == pytest.approx(0.02 + 0.98 * 0.5)  # half-way down
+    assert _lr_factor(2.0, 2.0, 0.5, 2) == pytest.approx(0.02)
+    assert _lr_factor(3.0, 3.0, 0.5, 2) == pytest.approx(0.02)  # stays at the floor
 
 
 # --------------------------------------------------------------------------------------------

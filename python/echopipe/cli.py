@@ -164,6 +164,13 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
     )
     g.add_argument("--echo-max", type=float, default=4.0, help="upper bound for --echo auto")
     g.add_argument(
+        "--echo-interval",
+        type=int,
+        default=50,
+        metavar="STEPS",
+        help="with --echo auto: steps between decisions on e (also at every epoch end)",
+    )
+    g.add_argument(
         "--echo-insert",
         choices=("after_decode", "after_augment"),
         default="after_decode",
@@ -342,6 +349,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         synthetic_per_class=args.synthetic_per_class,
         echo=args.echo,
         echo_max=args.echo_max,
+        echo_interval=args.echo_interval,
         echo_insert=args.echo_insert,
         echo_mode=args.echo_mode,
         shuffle_buffer=args.shuffle_buffer,

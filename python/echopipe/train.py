@@ -24,10 +24,12 @@ iteration and scaled to the downstream batch size:
 :meth:`echopipe.dali.EchoPipeline.upstream_step_seconds`) and ``t_down`` is the trainer's own
 time per step, without the time it spent waiting for data.
 :class:`echopipe.adaptive.EchoController` sets ``e`` close to ``R = t_up / t_down``. A new factor
-is applied at the next epoch boundary (all replicas agree on it there, and the epoch length is
-derived from it) with :meth:`echopipe.dali.EchoPipeline.set_echo_factor`: the running cache
-changes ``e`` in place, so no input pipeline is rebuilt and no cached sample is dropped
-(``_TrainInput.set_factor``; ``input_builds`` in the metrics counts builds).
+is applied every ``--echo-interval`` steps and at epoch ends (all replicas agree on rank 0's
+choice there; the rest of the epoch is re-planned for the fresh samples it still owes) with
+:meth:`echopipe.dali.EchoPipeline.set_echo_factor`: the running cache changes ``e`` in place, so
+no input pipeline is rebuilt and no cached sample is dropped (``_TrainInput.set_factor``;
+``input_builds`` in the metrics counts builds). The LR schedule follows epochs done
+(``_EpochClock``), so its length does not depend on ``e``.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class TrainConfig:
     synthetic_per_class: int = 100
     echo: float | Literal["auto"] = 2.0
     echo_max: float = 4.0
+    echo_interval: int = 50
     echo_insert: EchoInsert = "after_decode"
     echo_mode: EchoMode = "example"
     shuffle_buffer: int | None = None
@@ -129,7 +132,8 @@ class TrainConfig:
 
         if self.model not in MODEL_NAMES:
             raise ValueError(f"--model {self.model!r} is unknown; choose from {list(MODEL_NAMES)}")
-        for name in ("image_size", "epochs", "batch_size", "workers", "keep_checkpoints"):
+        for name in ("image_size", "epochs", "batch_size", "workers", "keep_checkpoints",
+                     "echo_interval"):  # fmt: skip
             _positive_int(name, getattr(self, name))
         for name in ("synthetic_classes", "synthetic_per_class"):
             _positive_int(name, getattr(self, name), minimum=2 if "classes" in name else 1)
@@ -436,7 +440,7 @@ class _StageClock:
 class _TrainInput:
     """The echoing DALI training input of one replica.
 
-    A new echo factor takes effect through :meth:`set_factor` (at an epoch boundary), which
+    A new echo factor takes effect through :meth:`set_factor` (at a decision step), which
     changes the running cache's ``e`` in place (no rebuild).
     """
 
@@ -486,8 +490,8 @@ class _TrainInput:
         """Use echo factor ``factor`` for fresh samples cached from now on.
 
         The running cache changes ``e`` in place: samples already cached keep their tickets, so
-        nothing is dropped or rebuilt. Called at an epoch boundary, where all replicas agree on
-        the factor and the next epoch's length is derived from it.
+        nothing is dropped or rebuilt. Called at a step where all replicas agree on the factor;
+        the caller re-plans the epoch's length.
         """
         self.pipe.set_echo_factor(factor)
         self.factor = factor
@@ -651,14 +655,44 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def _lr_lambda(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.02 + 0.98 * 0.5 * (1.0 + math.cos(math.pi * progress))
+class _EpochClock:
+    """Epochs of training done after a given number of steps, for the LR schedule.
 
-    return factor
+    With ``--echo auto`` the steps per epoch change with the echo factor, also within an epoch,
+    so a schedule counted in steps would end early or late. The training loop starts a segment
+    whenever the epoch length is (re)planned: from step ``first`` on, each step adds ``rate``
+    epochs. Stage threads read it while the loop appends to it.
+    """
+
+    def __init__(self, segments: list[tuple[int, float, float]] | None = None) -> None:
+        self.segments: list[tuple[int, float, float]] = list(segments or [])
+
+    def plan(self, step: int, epochs_done: float, steps_left: int, epoch_end: float) -> None:
+        """From ``step`` on, ``steps_left`` steps take the run from ``epochs_done`` to
+        ``epoch_end`` epochs."""
+        rate = max(epoch_end - epochs_done, 0.0) / max(steps_left, 1)
+        self.segments.append((step, epochs_done, rate))
+
+    def epochs_at(self, step: int) -> float:
+        """Epochs done once ``step`` steps have run (0 before the first planned segment)."""
+        segments = self.segments[:]
+        for first, done, rate in reversed(segments):
+            if step >= first:
+                return done + (step - first) * rate
+        return 0.0
+
+
+def _lr_factor(epochs_next: float, epochs_now: float, warmup_epochs: float, epochs: int) -> float:
+    """Linear warm-up over ``warmup_epochs``, then cosine decay to 2 % at ``epochs``.
+
+    ``epochs_next`` is the progress once the coming update is applied (warm-up never starts at
+    zero), ``epochs_now`` the progress before it.
+    """
+    if warmup_epochs > 0 and epochs_next <= warmup_epochs:
+        return epochs_next / warmup_epochs
+    span = max(epochs - warmup_epochs, 1e-9)
+    progress = min(1.0, max(0.0, (epochs_now - warmup_epochs) / span))
+    return 0.02 + 0.98 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class _Progress:
@@ -691,6 +725,12 @@ class _Progress:
                 post["loss"] = f"{loss:.3f}"
             self.step_bar.set_postfix(post, refresh=False)
             self.step_bar.update(1)
+
+    def set_total(self, steps: int) -> None:
+        """The epoch was re-planned (``--echo auto`` changed e within it)."""
+        if self.enabled and self.step_bar is not None:
+            self.step_bar.total = steps
+            self.step_bar.refresh()
 
     def end_epoch(self, top1: float) -> None:
         if self.enabled:
@@ -805,12 +845,17 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
         device_id = torch.device(devices[0]).index or 0
 
     base_optimizer = _sgd_factory(cfg)
-    steps_planned: list[int] = []  # filled once the epoch length is known
+    # The LR follows epochs of training done, not steps: their number per epoch moves with e.
+    clock = _EpochClock(state.get("epoch_clock") if state is not None else None)
 
     def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        total = steps_planned[0] * cfg.epochs
-        warmup = max(1, int(cfg.warmup_epochs * steps_planned[0]))
-        return torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup, total))
+        def factor(updates: int) -> float:
+            return _lr_factor(
+                clock.epochs_at(updates + 1), clock.epochs_at(updates), cfg.warmup_epochs,
+                cfg.epochs,
+            )  # fmt: skip
+
+        return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
     # ---- input ----------------------------------------------------------------------------
     controller: EchoController | None = None
@@ -830,7 +875,13 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
         else ctx.all_reduce_min(data.natural_steps())
     )  # fmt: skip
     data.set_steps(steps_per_epoch)
-    steps_planned.append(steps_per_epoch)
+    if not clock.segments:  # a new run (or a checkpoint without a clock): plan this epoch
+        epoch_start = int(state["global_step"]) - int(state["step_in_epoch"]) if state else 0
+        first_epoch = int(state["epoch"]) if state else 0
+        clock.plan(epoch_start, float(first_epoch), steps_per_epoch, float(first_epoch + 1))
+    # Fresh samples this epoch has taken so far (at e per step: batch / e), to re-plan its
+    # remaining steps when --echo auto changes e within it.
+    epoch_fresh = float(state.get("epoch_fresh", 0.0)) if state is not None else 0.0
 
     pipeline = StalePipeline(
         model,
@@ -902,6 +953,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
             "step_count_timed": step_count_timed,
             "factors_used": factors_used,
             "world_size": ctx.world_size,
+            "epoch_clock": list(clock.segments),
+            "epoch_fresh": epoch_fresh,
         }
         manager.save(payload, global_step)
 
@@ -922,6 +975,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
                 pipeline.set_pipelined(False)
                 say(f"hybrid: synchronous from epoch {epoch + 1} (staleness now 0)")
             progress.start_epoch(epoch, steps_per_epoch, step_in_epoch)
+            if step_in_epoch == 0 and (not clock.segments or clock.segments[-1][0] != global_step):
+                clock.plan(global_step, float(epoch), steps_per_epoch, float(epoch + 1))
             epoch_t0 = time.perf_counter()
             epoch_samples = 0
             losses: list[float] = []
@@ -934,6 +989,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
                 losses.extend(result.losses)
                 global_step += 1
                 step_in_epoch += 1
+                epoch_fresh += cfg.batch_size / data.factor
                 epoch_samples += int(x.shape[0])
                 busy = stage_clock.step_seconds()
                 if busy is not None:
@@ -945,6 +1001,29 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
                     t_up = data.upstream_step_seconds()
                     if t_up is not None:
                         controller.observe(t_up, busy, global_step)
+                if (
+                    controller is not None
+                    and global_step % cfg.echo_interval == 0
+                    and step_in_epoch < steps_per_epoch
+                ):
+                    # Every replica reaches this step: rank 0's decision is broadcast, and the
+                    # rest of the epoch is re-planned for the fresh samples it still owes.
+                    wanted = ctx.broadcast_object(controller.factor)
+                    if wanted != data.factor:
+                        fresh_left = max(data.iterator.shard_size - epoch_fresh, 0.0)
+                        left = max(1, math.ceil(fresh_left * wanted / cfg.batch_size))
+                        left = ctx.all_reduce_min(left)
+                        data.set_factor(wanted)
+                        steps_per_epoch = step_in_epoch + left
+                        data.set_steps(steps_per_epoch)
+                        clock.plan(global_step, clock.epochs_at(global_step), left,
+                                   float(epoch + 1))  # fmt: skip
+                        progress.set_total(steps_per_epoch)
+                        factors_used.append(wanted)
+                        say(
+                            f"echo: factor {wanted:g} from step {global_step} (epoch "
+                            f"{epoch + 1}, {left} steps left in it; R = {controller.ratio:.2f})"
+                        )
                 if cfg.checkpoint_every and (
                     global_step % cfg.checkpoint_every == 0 and step_in_epoch < steps_per_epoch
                 ):
@@ -967,6 +1046,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
             top1, val_loss, val_n = _evaluate(pipeline, cfg, data_dir, ctx, device_id, val_iter)
             epoch += 1
             step_in_epoch = 0
+            epoch_fresh = 0.0
             c = data.counters()
             fresh_all, echoed_all, up_s, up_n = ctx.all_reduce_sum(
                 [c["fresh"], c["echoed"], c["up_s"], c["up_iters"]]
@@ -1002,18 +1082,18 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
                     f"epoch {epoch}/{cfg.epochs}: val top-1 {100 * top1:.1f} %, loss "
                     f"{loss_text}, {row['images_per_s']:.0f} img/s, e={data.factor:g}"
                 )
-            # The adaptive factor changes at the epoch boundary, where the replicas agree on it
-            # and the next epoch's length follows from it; the running cache adopts it in place.
+            # At the epoch end the next epoch's length follows from the factor; the running cache
+            # adopts a new one in place.
             if controller is not None and epoch < cfg.epochs:
                 wanted = ctx.broadcast_object(controller.factor)
                 if wanted != data.factor:
                     data.set_factor(wanted)
-                    steps_per_epoch_new = ctx.all_reduce_min(data.natural_steps())
-                    data.set_steps(steps_per_epoch_new)
-                    steps_per_epoch = steps_per_epoch_new
                     factors_used.append(wanted)
                     ratio = controller.ratio
                     say(f"echo: factor {wanted:g} from epoch {epoch + 1} (R = {ratio:.2f})")
+                # Also when e stayed: the epoch that ends may have been re-planned within.
+                steps_per_epoch = ctx.all_reduce_min(data.natural_steps())
+                data.set_steps(steps_per_epoch)
             data.iterator.reset()
             save_checkpoint()
             if ctx.is_main:
