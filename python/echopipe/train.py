@@ -279,7 +279,12 @@ class DistContext:
         if backend == "nccl":
             torch.cuda.set_device(local)
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+            # Gradients and BatchNorm buffers (CUDA tensors) go over NCCL; the small control
+            # messages (epoch lengths, counters, rank 0's echo factor, CPU tensors and objects)
+            # over Gloo, which a pure NCCL group would reject, and which keeps them off the GPU
+            # while the stage threads run their own NCCL all-reduces.
+            spec = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+            dist.init_process_group(backend=spec, timeout=datetime.timedelta(seconds=timeout_s))
         return cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
 
     def make_stage_groups(self, num_stages: int) -> None:
