@@ -22,8 +22,13 @@ KEEP_FREED_BELOW_BYTES = 1 << 30
 MMAP_ABOVE_BYTES = 32 << 20
 
 
-def tune_host_allocator() -> bool:
-    """Keep freed memory for reuse and use one arena; returns False where glibc is absent."""
+def tune_host_allocator(single_arena: bool = True) -> bool:
+    """Keep freed memory for reuse (and, with ``single_arena``, use one arena); returns False
+    where glibc is absent.
+
+    One arena suits CPU training, where the stage threads hand activations to each other; on a
+    GPU host the activations live on the device and DALI's many host threads keep their arenas.
+    """
     name = ctypes.util.find_library("c")
     if name is None:
         return False
@@ -34,11 +39,7 @@ def tune_host_allocator() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     # mallopt returns 1 on success; all three must take effect for the tuning to mean anything.
-    return all(
-        mallopt(param, value) == 1
-        for param, value in (
-            (_M_ARENA_MAX, 1),
-            (_M_MMAP_THRESHOLD, MMAP_ABOVE_BYTES),
-            (_M_TRIM_THRESHOLD, KEEP_FREED_BELOW_BYTES),
-        )
-    )
+    settings = [(_M_MMAP_THRESHOLD, MMAP_ABOVE_BYTES), (_M_TRIM_THRESHOLD, KEEP_FREED_BELOW_BYTES)]
+    if single_arena:
+        settings.insert(0, (_M_ARENA_MAX, 1))
+    return all(mallopt(param, value) == 1 for param, value in settings)

@@ -370,11 +370,13 @@ def _train_config(args: argparse.Namespace) -> Any:
 
 
 def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import torch
+
     from ._allocator import tune_host_allocator
     from .train import format_summary, train
 
     # Before the first large allocation, so activations are reused rather than page-faulted in.
-    tune_host_allocator()
+    tune_host_allocator(single_arena=not torch.cuda.is_available())
     cfg = _train_config(args)
     try:
         cfg.validate()

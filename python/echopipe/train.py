@@ -34,6 +34,7 @@ no input pipeline is rebuilt and no cached sample is dropped (``_TrainInput.set_
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -277,7 +278,8 @@ class DistContext:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if backend == "nccl":
-            torch.cuda.set_device(local)
+            # This process's first GPU in default_devices' sharing of the machine's GPUs.
+            torch.cuda.set_device(torch.device(default_devices(None)[1][0]))
         if not dist.is_initialized():
             # Gradients and BatchNorm buffers (CUDA tensors) go over NCCL; the small control
             # messages (epoch lengths, counters, rank 0's echo factor, CPU tensors and objects)
@@ -383,13 +385,13 @@ class _Autocast(nn.Module):
     bfloat16 keeps float32's exponent range, so no loss scaling is needed per stage.
     """
 
-    def __init__(self, block: nn.Module, device_type: str) -> None:
+    def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.block = block
-        self.device_type = device_type
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+        # The block's own device: with --devices cpu,cuda:0 each stage autocasts its own way.
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
             out = self.block(x)
         return out.float() if out.is_floating_point() else out
 
@@ -405,13 +407,19 @@ class _StageClock:
     ``train_step`` returns as soon as the minibatch is queued, so the caller cannot see how long
     the stages compute; forward hooks on each stage module (they run in the stage's thread)
     time its forward, and backward is taken as twice the forward, the usual ratio for conv
-    nets. The slowest stage sets the pipeline's pace.
+    nets. The slowest stage sets the pipeline's pace. On a GPU the forward only queues kernels,
+    so it is timed with CUDA events on the stage's stream, read once they have completed.
     """
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         self.seconds = [0.0] * len(stages)
         self.calls = [0] * len(stages)
-        self._starts: dict[tuple[int, int], float] = {}
+        self._starts: dict[tuple[int, int], Any] = {}
+        # Per stage: (start, end) CUDA events not read yet. Appended by the stage's thread,
+        # drained by the training loop (deque appends and pops are atomic).
+        self._pending: list[collections.deque[tuple[Any, Any]]] = [
+            collections.deque() for _ in stages
+        ]
         import threading
 
         self._ident = threading.get_ident
@@ -419,9 +427,19 @@ class _StageClock:
             stage.register_forward_pre_hook(self._pre(k))
             stage.register_forward_hook(self._post(k))
 
+    @staticmethod
+    def _on_gpu(args: Any) -> bool:
+        return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_cuda
+
     def _pre(self, k: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if module.training:
+            if not module.training:
+                return
+            if self._on_gpu(args):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()  # on the stage thread's current stream
+                self._starts[(k, self._ident())] = start
+            else:
                 self._starts[(k, self._ident())] = time.perf_counter()
 
         return hook
@@ -429,7 +447,11 @@ class _StageClock:
     def _post(self, k: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
             t0 = self._starts.pop((k, self._ident()), None)
-            if t0 is not None:
+            if isinstance(t0, torch.cuda.Event):
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._pending[k].append((t0, end))
+            elif t0 is not None:
                 self.seconds[k] += time.perf_counter() - t0
                 self.calls[k] += 1
 
@@ -437,6 +459,11 @@ class _StageClock:
 
     def step_seconds(self) -> float | None:
         """Estimated seconds per training step, or ``None`` before every stage ran once."""
+        for k, pending in enumerate(self._pending):
+            while pending and pending[0][1].query():
+                start, end = pending.popleft()
+                self.seconds[k] += start.elapsed_time(end) / 1000.0
+                self.calls[k] += 1
         if min(self.calls) == 0:
             return None
         return 3.0 * max(s / c for s, c in zip(self.seconds, self.calls, strict=True))
@@ -830,7 +857,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
     if stages > len(model):
         raise ValueError(f"--stages {stages}: {cfg.model} has only {len(model)} blocks")
     if cfg.amp:
-        model = nn.Sequential(*[_Autocast(b, torch.device(devices[0]).type) for b in model])
+        model = nn.Sequential(*[_Autocast(b) for b in model])
     if state is not None:
         balance: list[int] | Literal["auto"] = list(state["pipeline"]["balance"])
     elif isinstance(cfg.balance, list):
@@ -845,9 +872,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
         # Timing-based: every replica must use rank 0's choice.
         balance = ctx.broadcast_object(balance)
     ctx.make_stage_groups(stages)
-    device_id = None
-    if any(d.startswith("cuda") for d in devices):
-        device_id = torch.device(devices[0]).index or 0
+    # DALI runs on the first GPU among the stages' devices (stage 0's, when it has one).
+    device_id = next((torch.device(d).index or 0 for d in devices if d.startswith("cuda")), None)
 
     base_optimizer = _sgd_factory(cfg)
     # The LR follows epochs of training done, not steps: their number per epoch moves with e.
