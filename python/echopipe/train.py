@@ -707,8 +707,9 @@ class _EpochClock:
 
     def epochs_at(self, step: int) -> float:
         """Epochs done once ``step`` steps have run (0 before the first planned segment)."""
-        segments = self.segments[:]
-        for first, done, rate in reversed(segments):
+        # reversed() reads the length once, and list appends are atomic: no copy is needed
+        # while the training loop plans a new segment.
+        for first, done, rate in reversed(self.segments):
             if step >= first:
                 return done + (step - first) * rate
         return 0.0
@@ -876,17 +877,6 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
     device_id = next((torch.device(d).index or 0 for d in devices if d.startswith("cuda")), None)
 
     base_optimizer = _sgd_factory(cfg)
-    # The LR follows epochs of training done, not steps: their number per epoch moves with e.
-    clock = _EpochClock(state.get("epoch_clock") if state is not None else None)
-
-    def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        def factor(updates: int) -> float:
-            return _lr_factor(
-                clock.epochs_at(updates + 1), clock.epochs_at(updates), cfg.warmup_epochs,
-                cfg.epochs,
-            )  # fmt: skip
-
-        return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
     # ---- input ----------------------------------------------------------------------------
     controller: EchoController | None = None
@@ -906,13 +896,26 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
         else ctx.all_reduce_min(data.natural_steps())
     )  # fmt: skip
     data.set_steps(steps_per_epoch)
-    if not clock.segments:  # a new run (or a checkpoint without a clock): plan this epoch
-        epoch_start = int(state["global_step"]) - int(state["step_in_epoch"]) if state else 0
-        first_epoch = int(state["epoch"]) if state else 0
-        clock.plan(epoch_start, float(first_epoch), steps_per_epoch, float(first_epoch + 1))
-    # Fresh samples this epoch has taken so far (at e per step: batch / e), to re-plan its
-    # remaining steps when --echo auto changes e within it.
-    epoch_fresh = float(state.get("epoch_fresh", 0.0)) if state is not None else 0.0
+    # The LR follows epochs of training done, not steps: their number per epoch moves with e.
+    # ``epoch_fresh``: fresh samples this epoch has taken so far (batch / e per step), to
+    # re-plan its remaining steps when --echo auto changes e within it. (A checkpoint from
+    # before DALI's checkpoints were kept was already refused by data.build above.)
+    if state is not None:
+        clock = _EpochClock(state["epoch_clock"])
+        epoch_fresh = float(state["epoch_fresh"])
+    else:
+        clock = _EpochClock()
+        clock.plan(0, 0.0, steps_per_epoch, 1.0)
+        epoch_fresh = 0.0
+
+    def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        def factor(updates: int) -> float:
+            return _lr_factor(
+                clock.epochs_at(updates + 1), clock.epochs_at(updates), cfg.warmup_epochs,
+                cfg.epochs,
+            )  # fmt: skip
+
+        return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
     pipeline = StalePipeline(
         model,
@@ -1006,7 +1009,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
                 pipeline.set_pipelined(False)
                 say(f"hybrid: synchronous from epoch {epoch + 1} (staleness now 0)")
             progress.start_epoch(epoch, steps_per_epoch, step_in_epoch)
-            if step_in_epoch == 0 and (not clock.segments or clock.segments[-1][0] != global_step):
+            if step_in_epoch == 0 and clock.segments[-1][0] != global_step:
                 clock.plan(global_step, float(epoch), steps_per_epoch, float(epoch + 1))
             epoch_t0 = time.perf_counter()
             epoch_samples = 0

@@ -828,10 +828,10 @@ def _host_dense(tensor_list: Any) -> np.ndarray:
 
 def _to_numpy(tensor_list: Any) -> np.ndarray | list[np.ndarray]:
     """Host copy of a DALI TensorList: one array when dense, else a list of samples."""
+    if tensor_list.is_dense_tensor():
+        return _host_dense(tensor_list)
     if hasattr(tensor_list, "as_cpu"):
         tensor_list = tensor_list.as_cpu()
-    if tensor_list.is_dense_tensor():
-        return np.array(tensor_list.as_tensor())
     return [np.array(tensor_list.at(i)) for i in range(len(tensor_list))]
 
 
