@@ -168,8 +168,14 @@ DrawnBatch DrawBatch(echopipe::EchoCache& cache, int batch_size, const SampleCop
   DrawnBatch batch;
   batch.leases.reserve(batch_size);
   bool ended = false;
+  // Batch mode hands out whole units, and only the input's last unit may be short; once it is
+  // in, the free slots may not fit another unit, so the batch leaves short (padded, not ended).
+  const auto& config = cache.config();
+  const size_t unit = config.mode == echopipe::EchoMode::kBatch ? config.batch_size : 1;
   while (static_cast<int>(batch.leases.size()) < batch_size) {
     size_t want = batch_size - batch.leases.size();
+    want -= want % unit;
+    if (want == 0) break;
     // Bounded waits: close() from Python (interpreter exit included) ends this loop in <= 100 ms.
     auto status = cache.take(want, batch.leases, 0.1);
     if (status == echopipe::TakeStatus::kOk || status == echopipe::TakeStatus::kTimeout) continue;

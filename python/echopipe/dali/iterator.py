@@ -249,26 +249,16 @@ class EchoIterator:
         b = pipe.config.batch_size
         if not self.finite and self._step_in_epoch >= len(self):
             raise StopIteration
-        wait_up0, wait_down0 = pipe.upstream_wait_s, pipe.downstream_wait_s
-        t0 = time.perf_counter()
-        outputs, info = pipe.next_batch()
-        if len(outputs) != len(self.output_map):
-            raise ValueError(
-                f"output_map has {len(self.output_map)} names but the pipeline returns "
-                f"{len(outputs)} outputs"
-            )
-        wall = time.perf_counter() - t0
-        # Deterministic mode fills the cache in this thread; that time is upstream work.
-        waited_up = pipe.upstream_wait_s - wait_up0
-        self.stats.t_down += max(pipe.downstream_wait_s - wait_down0, wall - waited_up)
-        self.stats.upstream_batches, self.stats.upstream_time_s = pipe.upstream_time()
-        self.stats.t_up = pipe.upstream_step_seconds()
+        outputs, info = self._timed_next_batch()
         valid = int(info[:, 0].sum())
+        # A finite stream's tail may hold more than one short batch (batch mode: the input's
+        # short last unit); DROP drops each of them.
+        while self.finite and valid < b and self.last_batch_policy == LastBatchPolicy.DROP:
+            self.stats.dropped += valid
+            outputs, info = self._timed_next_batch()
+            valid = int(info[:, 0].sum())
         keep = b
         if self.finite:
-            if valid < b and self.last_batch_policy == LastBatchPolicy.DROP:
-                self.stats.dropped += valid
-                raise StopIteration
             if valid < b and self.last_batch_policy == LastBatchPolicy.PARTIAL:
                 keep = valid
         else:
@@ -289,6 +279,24 @@ class EchoIterator:
             tensor = to_torch(value)
             batch[name] = tensor[:keep] if keep < b else tensor
         return [batch]
+
+    def _timed_next_batch(self) -> tuple[list[Any], np.ndarray]:
+        pipe = self.pipeline
+        wait_up0, wait_down0 = pipe.upstream_wait_s, pipe.downstream_wait_s
+        t0 = time.perf_counter()
+        outputs, info = pipe.next_batch()
+        if len(outputs) != len(self.output_map):
+            raise ValueError(
+                f"output_map has {len(self.output_map)} names but the pipeline returns "
+                f"{len(outputs)} outputs"
+            )
+        wall = time.perf_counter() - t0
+        # Deterministic mode fills the cache in this thread; that time is upstream work.
+        waited_up = pipe.upstream_wait_s - wait_up0
+        self.stats.t_down += max(pipe.downstream_wait_s - wait_down0, wall - waited_up)
+        self.stats.upstream_batches, self.stats.upstream_time_s = pipe.upstream_time()
+        self.stats.t_up = pipe.upstream_step_seconds()
+        return outputs, info
 
     def reset(self) -> None:
         """Starts the next epoch (for a finite stream: the next pass over the data)."""

@@ -622,15 +622,15 @@ class EchoPipeline:
         self._scheduled -= 1
         self.downstream_wait_s += time.perf_counter() - t0
         info = _host_dense(outputs[-1])
-        valid = int(info[:, 0].sum())
-        if valid < self.config.batch_size:
+        # Only a batch with no real sample ends the stream: in batch mode the input's short last
+        # unit can make a batch short while whole units are still to come.
+        if not info[:, 0].any():
             self._input_done = True
-        elif not self.config.deterministic:
-            self.downstream.schedule_run()
-            self._scheduled += 1
-        if valid == 0:
             self._exhausted = True
             raise StopIteration
+        if not self.config.deterministic:
+            self.downstream.schedule_run()
+            self._scheduled += 1
         return outputs[:-1], info
 
     def reset(self) -> None:
