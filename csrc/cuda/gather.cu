@@ -1,17 +1,26 @@
 // CUDA kernels that gather echo-cache samples from the pinned, GPU-mapped arena straight into a
-// device batch (zero-copy reads over the bus, one launch per batch), optionally fused with
-// uint8 -> float32 normalisation and HWC -> CHW. The pointer table is staged through stream-ordered
-// device memory so the host call stays asynchronous. Host wrappers are declared in gather.h.
+// device batch (zero-copy reads over the bus), optionally fused with uint8 -> float32
+// normalisation and HWC -> CHW. The pointer tables are one by-value kernel parameter
+// (gather_plan.h): a call allocates nothing and makes no host->device copy, so it stays
+// asynchronous, and a batch is one launch (more only past a table's size). Reads from the mapped
+// arena are 16-byte vectors, issued so that neighbouring threads read neighbouring bytes: the bus
+// then carries each byte once. Host wrappers are declared in gather.h.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "cuda/gather.h"
+#include "cuda/gather_plan.h"
 
 namespace echopipe::cuda {
 namespace {
+
+constexpr int kThreads = 256;
+// A byte-gather block moves about this much per sample before another block shares the sample.
+constexpr int64_t kBytesPerBlock = 16 * 1024;
+// Pixels per thread in the normalise kernel: 16 pixels of C channels are C whole 16-byte vectors.
+constexpr int kPix = 16;
 
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
@@ -20,26 +29,40 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
-// One block per sample (grid-stride over samples too); 16-byte vector copies when both ends
-// allow it, bytes otherwise.
-__global__ void gather_bytes_kernel(const uint8_t* const* src, const int64_t* sizes,
-                                    const int64_t* offsets, int64_t n, uint8_t* dst) {
-  for (int64_t s = blockIdx.x; s < n; s += gridDim.x) {
-    const uint8_t* in = src[s];
-    uint8_t* out = dst + offsets[s];
-    const int64_t size = sizes[s];
-    const bool vec =
-        (reinterpret_cast<uintptr_t>(in) % 16 == 0) && (reinterpret_cast<uintptr_t>(out) % 16 == 0);
-    int64_t done = 0;
-    if (vec) {
-      const int64_t n16 = size / 16;
-      const auto* in4 = reinterpret_cast<const uint4*>(in);
+__host__ __device__ inline bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// Grid: x = blocks sharing one sample, y = sample of the chunk. Slots are 64-byte aligned, so
+// reads are 16-byte vectors; back-to-back ragged outputs are often unaligned, and then each
+// vector is written byte by byte (device memory, not the bus).
+template <int K>
+__global__ void __launch_bounds__(kThreads)
+    gather_bytes_kernel(const __grid_constant__ BytesTable<K> t, uint8_t* dst) {
+  const int s = blockIdx.y;
+  const uint8_t* in = t.src[s];
+  uint8_t* out = dst + t.offset[s];
+  const int64_t size = t.offset[s + 1] - t.offset[s];
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  int64_t done = 0;
+  if (aligned16(in)) {
+    const int64_t n16 = size / 16;
+    const auto* in4 = reinterpret_cast<const uint4*>(in);
+    if (aligned16(out)) {
       auto* out4 = reinterpret_cast<uint4*>(out);
-      for (int64_t i = threadIdx.x; i < n16; i += blockDim.x) out4[i] = in4[i];
-      done = n16 * 16;
+      for (int64_t i = first; i < n16; i += stride) out4[i] = in4[i];
+    } else {
+      for (int64_t i = first; i < n16; i += stride) {
+        const uint4 v = in4[i];
+        const auto* b = reinterpret_cast<const uint8_t*>(&v);
+#pragma unroll
+        for (int k = 0; k < 16; ++k) out[16 * i + k] = b[k];
+      }
     }
-    for (int64_t i = done + threadIdx.x; i < size; i += blockDim.x) out[i] = in[i];
+    done = n16 * 16;
   }
+  for (int64_t i = done + first; i < size; i += stride) out[i] = in[i];
 }
 
 struct Norm {
@@ -47,35 +70,110 @@ struct Norm {
   float shift[4];  // -mean / std
 };
 
-// Grid: x over pixels of one image, y over samples. Each thread reads one HWC pixel (C bytes) and
-// writes C floats, either interleaved (HWC) or to C planes (CHW).
-__global__ void gather_normalize_kernel(const uint8_t* const* src, int64_t n, int64_t hw, int c,
-                                        Norm norm, bool to_chw, float* dst) {
-  for (int64_t s = blockIdx.y; s < n; s += gridDim.y) {
-    const uint8_t* in = src[s];
-    float* out = dst + s * hw * c;
-    for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < hw;
-         p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      for (int ch = 0; ch < c; ++ch) {
-        float v = static_cast<float>(in[p * c + ch]) * norm.scale[ch] + norm.shift[ch];
-        if (to_chw) {
-          out[ch * hw + p] = v;
-        } else {
-          out[p * c + ch] = v;
-        }
+// Writes 16 normalised pixels (bytes b, HWC) starting at pixel p0 of an image at `out`.
+template <int C, bool CHW>
+__device__ void store_pixels(const uint8_t* b, const Norm& norm, float* out, int64_t hw,
+                             int64_t p0) {
+  if constexpr (CHW) {
+#pragma unroll
+    for (int ch = 0; ch < C; ++ch) {
+      float v[kPix];
+#pragma unroll
+      for (int p = 0; p < kPix; ++p)
+        v[p] = static_cast<float>(b[p * C + ch]) * norm.scale[ch] + norm.shift[ch];
+      float* o = out + ch * hw + p0;
+      if (aligned16(o)) {
+#pragma unroll
+        for (int q = 0; q < kPix / 4; ++q)
+          reinterpret_cast<float4*>(o)[q] =
+              make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+      } else {
+#pragma unroll
+        for (int p = 0; p < kPix; ++p) o[p] = v[p];
       }
+    }
+  } else {
+    float* o = out + p0 * C;
+    float v[kPix * C];
+#pragma unroll
+    for (int i = 0; i < kPix * C; ++i)
+      v[i] = static_cast<float>(b[i]) * norm.scale[i % C] + norm.shift[i % C];
+    if (aligned16(o)) {
+#pragma unroll
+      for (int q = 0; q < kPix * C / 4; ++q)
+        reinterpret_cast<float4*>(o)[q] =
+            make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPix * C; ++i) o[i] = v[i];
     }
   }
 }
 
-// Copies a host table into stream-ordered device scratch; freed on the same stream.
-template <typename T>
-T* stage(const std::vector<T>& host, cudaStream_t stream) {
-  void* dev = nullptr;
-  check(cudaMallocAsync(&dev, host.size() * sizeof(T), stream), "cudaMallocAsync");
-  check(cudaMemcpyAsync(dev, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream),
-        "cudaMemcpyAsync");
-  return static_cast<T*>(dev);
+// Grid: x = tiles of one image (grid-stride), y = image of the chunk. A tile is up to kThreads
+// groups of 16 pixels: the block first copies it from the mapped arena into shared memory with
+// coalesced 16-byte loads (thread i reads vector i), then each thread normalises its 16 pixels.
+// The < 16 pixels after the last whole group (and every pixel of an image whose start is not
+// 16-byte aligned) are read one byte per channel.
+template <int C, bool CHW, int K>
+__global__ void __launch_bounds__(kThreads)
+    gather_normalize_kernel(const __grid_constant__ ImageTable<K> t, int64_t hw, Norm norm,
+                            float* dst) {
+  __shared__ uint4 tile[kThreads * C];
+  const int s = blockIdx.y;
+  const uint8_t* in = t.src[s];
+  float* out = dst + (t.first + s) * hw * C;
+  const int64_t groups = aligned16(in) ? hw / kPix : 0;
+  const int64_t tiles = (groups + kThreads - 1) / kThreads;
+  // Every thread of a block runs the same iterations (they depend on blockIdx only), so the
+  // barriers inside the loop are reached by all of them.
+  for (int64_t tix = blockIdx.x; tix < tiles; tix += gridDim.x) {
+    const int64_t g0 = tix * kThreads;
+    const int n_groups = static_cast<int>(groups - g0 < kThreads ? groups - g0 : kThreads);
+    const auto* src4 = reinterpret_cast<const uint4*>(in) + g0 * C;
+    for (int v = threadIdx.x; v < n_groups * C; v += kThreads) tile[v] = src4[v];
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < n_groups) {
+      uint4 mine[C];
+#pragma unroll
+      for (int k = 0; k < C; ++k) mine[k] = tile[threadIdx.x * C + k];
+      store_pixels<C, CHW>(reinterpret_cast<const uint8_t*>(mine), norm, out, hw,
+                           (g0 + threadIdx.x) * kPix);
+    }
+    __syncthreads();  // the next iteration overwrites the tile
+  }
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t p = groups * kPix + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+       p < hw; p += stride) {
+#pragma unroll
+    for (int ch = 0; ch < C; ++ch) {
+      const float v = static_cast<float>(in[p * C + ch]) * norm.scale[ch] + norm.shift[ch];
+      out[CHW ? ch * hw + p : p * C + ch] = v;
+    }
+  }
+}
+
+template <int C, bool CHW>
+void launch_normalize(const void* const* src, int64_t n, int64_t hw, const Norm& norm, float* dst,
+                      cudaStream_t stream) {
+  const int64_t tiles = (hw + kThreads * kPix - 1) / (kThreads * kPix);
+  const dim3 block(kThreads);
+  for_each_image_chunk<kImageEntries>(src, n, [&](const ImageTable<kImageEntries>& t) {
+    const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(tiles, 1, 1024)),
+                    static_cast<unsigned>(t.count));
+    gather_normalize_kernel<C, CHW, kImageEntries><<<grid, block, 0, stream>>>(t, hw, norm, dst);
+    check(cudaGetLastError(), "gather_normalize_kernel launch");
+  });
+}
+
+template <int C>
+void launch_normalize(const void* const* src, int64_t n, int64_t hw, const Norm& norm, bool to_chw,
+                      float* dst, cudaStream_t stream) {
+  if (to_chw) {
+    launch_normalize<C, true>(src, n, hw, norm, dst, stream);
+  } else {
+    launch_normalize<C, false>(src, n, hw, norm, dst, stream);
+  }
 }
 
 }  // namespace
@@ -84,24 +182,14 @@ void gather_bytes(const void* const* src, const int64_t* sizes, int64_t n, void*
                   void* stream_handle) {
   if (n <= 0) return;
   auto stream = static_cast<cudaStream_t>(stream_handle);
-  std::vector<const uint8_t*> ptrs(n);
-  std::vector<int64_t> sz(sizes, sizes + n), off(n);
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    ptrs[i] = static_cast<const uint8_t*>(src[i]);
-    off[i] = total;
-    total += sz[i];
-  }
-  auto* d_ptrs = stage(ptrs, stream);
-  auto* d_sizes = stage(sz, stream);
-  auto* d_off = stage(off, stream);
-  int blocks = static_cast<int>(std::min<int64_t>(n, 65535));
-  gather_bytes_kernel<<<blocks, 256, 0, stream>>>(d_ptrs, d_sizes, d_off, n,
-                                                  static_cast<uint8_t*>(dst));
-  check(cudaGetLastError(), "gather_bytes_kernel launch");
-  check(cudaFreeAsync(d_ptrs, stream), "cudaFreeAsync");
-  check(cudaFreeAsync(d_sizes, stream), "cudaFreeAsync");
-  check(cudaFreeAsync(d_off, stream), "cudaFreeAsync");
+  auto* out = static_cast<uint8_t*>(dst);
+  for_each_bytes_chunk<kBytesEntries>(
+      src, sizes, n, [&](const BytesTable<kBytesEntries>& t, int64_t max_size) {
+        const dim3 grid(blocks_per_sample(max_size, kBytesPerBlock),
+                        static_cast<unsigned>(t.count));
+        gather_bytes_kernel<kBytesEntries><<<grid, kThreads, 0, stream>>>(t, out);
+        check(cudaGetLastError(), "gather_bytes_kernel launch");
+      });
 }
 
 void gather_normalize_u8(const void* const* src, int64_t n, int64_t height, int64_t width,
@@ -120,17 +208,17 @@ void gather_normalize_u8(const void* const* src, int64_t n, int64_t height, int6
     norm.shift[c] = -mean[c] / std[c];
   }
   auto stream = static_cast<cudaStream_t>(stream_handle);
-  std::vector<const uint8_t*> ptrs(n);
-  for (int64_t i = 0; i < n; ++i) ptrs[i] = static_cast<const uint8_t*>(src[i]);
-  auto* d_ptrs = stage(ptrs, stream);
   const int64_t hw = height * width;
-  dim3 block(256);
-  dim3 grid(static_cast<unsigned>(std::min<int64_t>((hw + 255) / 256, 1024)),
-            static_cast<unsigned>(std::min<int64_t>(n, 65535)));
-  gather_normalize_kernel<<<grid, block, 0, stream>>>(d_ptrs, n, hw, static_cast<int>(channels),
-                                                      norm, to_chw, dst);
-  check(cudaGetLastError(), "gather_normalize_kernel launch");
-  check(cudaFreeAsync(d_ptrs, stream), "cudaFreeAsync");
+  switch (channels) {
+    case 1:
+      return launch_normalize<1>(src, n, hw, norm, to_chw, dst, stream);
+    case 2:
+      return launch_normalize<2>(src, n, hw, norm, to_chw, dst, stream);
+    case 3:
+      return launch_normalize<3>(src, n, hw, norm, to_chw, dst, stream);
+    default:
+      return launch_normalize<4>(src, n, hw, norm, to_chw, dst, stream);
+  }
 }
 
 }  // namespace echopipe::cuda
