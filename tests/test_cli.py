@@ -65,6 +65,39 @@ def test_resume_file_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "gone.pt" in line
 
 
+def test_output_folder_of_an_earlier_run_is_refused_and_kept(
+    tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ck = tmp_path / "run" / "checkpoints"
+    ck.mkdir(parents=True)
+    earlier = ck / "ckpt-000000008.pt"
+    earlier.write_bytes(b"an earlier run's checkpoint")
+    line = _bad(["train", "--data", str(tiny_imagenet), "--output",
+                 str(tmp_path / "run" / "metrics.json")], capsys)  # fmt: skip
+    assert "earlier run" in line and "--resume" in line and str(tmp_path / "run") in line
+    assert earlier.read_bytes() == b"an earlier run's checkpoint"
+
+
+def test_bare_resume_refuses_a_planted_pickle_without_running_it(
+    tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    marker = tmp_path / "pwned"
+
+    class RunsCode:
+        def __reduce__(self) -> tuple[object, tuple[str, str]]:
+            return (open, (str(marker), "w"))
+
+    ck = tmp_path / "run" / "checkpoints"
+    ck.mkdir(parents=True)
+    torch.save({"kind": "echopipe-train", "x": RunsCode()}, ck / "ckpt-000000099.pt")
+    line = _bad(["train", "--data", str(tiny_imagenet), "--resume", "--output",
+                 str(tmp_path / "run" / "metrics.json")], capsys)  # fmt: skip
+    assert "ckpt-000000099.pt" in line and "not an echopipe checkpoint" in line
+    assert not marker.exists()
+
+
 def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["train", "--help"])

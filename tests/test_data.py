@@ -334,6 +334,37 @@ def test_scan_labels_sorted_classes_and_ignores_non_images(tmp_path: Path) -> No
     assert index.labels == [0, 0, 0, 0, 1, 1, 1]
 
 
+def test_scan_skips_and_counts_links_that_leave_the_root_or_loop(tmp_path: Path) -> None:
+    """A loop and a link out of the data folder in a class folder: followed silently they
+    would repeat files (or run forever) and pull in outside images. Both are left out and
+    listed; a link that stays inside the root is followed."""
+    root = tmp_path / "train"
+    root.mkdir()
+    _good_tree(root)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    for i in range(5):
+        (outside / f"o{i}.JPEG").write_bytes(_jpeg_bytes(i))
+    (root / "ant" / "loop").symlink_to(root / "ant")  # loops back to its own folder
+    (root / "ant" / "out").symlink_to(outside)
+    (root / "ant" / "one_out.JPEG").symlink_to(outside / "o0.JPEG")
+    (root / "cat" / "dangling.JPEG").symlink_to(tmp_path / "gone.JPEG")
+    (root / "cat" / "sibling").symlink_to(root / "ant")  # inside the root: followed
+    (root / "extra").symlink_to(outside)  # a class folder that is a link out
+    index = scan_image_folder(root)
+    assert index.classes == ["ant", "cat"]
+    names = [str(Path(f).relative_to(root)) for f in index.files]
+    assert names == [
+        "ant/img0.JPEG", "ant/img1.JPEG", "ant/img2.JPEG",
+        "cat/img0.JPEG", "cat/img1.JPEG",
+        "cat/sibling/img0.JPEG", "cat/sibling/img1.JPEG", "cat/sibling/img2.JPEG",
+    ]  # fmt: skip
+    skipped = {Path(p).name: why for p, why in index.links_skipped}
+    assert set(skipped) == {"extra", "loop", "out", "one_out.JPEG", "dangling.JPEG"}
+    assert "loops" in skipped["loop"] and "leaves the data folder" in skipped["out"]
+    assert "leaves" in skipped["one_out.JPEG"] and "dangles" in skipped["dangling.JPEG"]
+
+
 def test_scan_missing_folder(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match=str(missing)):

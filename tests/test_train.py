@@ -20,7 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from echopipe.train_io import CheckpointManager, atomic_write_bytes, write_metrics
+from echopipe.train_io import (
+    CHECKPOINT_MAGIC,
+    CheckpointError,
+    CheckpointManager,
+    atomic_write_bytes,
+    read_checkpoint,
+    write_checkpoint,
+    write_metrics,
+    write_plots,
+)
 
 pytestmark = pytest.mark.dali
 
@@ -85,10 +94,100 @@ def test_checkpoint_load_errors_name_the_file(tmp_path: Path) -> None:
         CheckpointManager.load(tmp_path / "nope.pt")
     other = tmp_path / "other.pt"
     torch.save({"weights": 1}, other)
-    with pytest.raises(ValueError, match=r"other\.pt"):
+    with pytest.raises(CheckpointError, match=r"other\.pt.*not an echopipe checkpoint"):
         CheckpointManager.load(other)
     with pytest.raises(ValueError, match="keep"):
         CheckpointManager(tmp_path, keep=0)
+
+
+class _RunsCode:
+    """Unpickling this calls ``open(marker, "w")``: it creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.marker), "w"))
+
+
+def _with_valid_header(payload: bytes) -> bytes:
+    import hashlib
+
+    digest = hashlib.sha256(payload).hexdigest()
+    return CHECKPOINT_MAGIC + f"sha256 {digest} {len(payload)}\n".encode() + payload
+
+
+def test_crafted_pickle_checkpoint_never_runs_code(tmp_path: Path) -> None:
+    """A checkpoint whose unpickling would create a file: as a bare torch.save (no header) and
+    with a correct header and digest around it. Both are refused and the file never appears."""
+    import io
+
+    marker = tmp_path / "pwned"
+    evil = {"kind": "echopipe-train", "global_step": 1, "x": _RunsCode(marker)}
+    bare = tmp_path / "bare.pt"
+    torch.save(evil, bare)
+    buf = io.BytesIO()
+    torch.save(evil, buf)
+    wrapped = tmp_path / "wrapped.pt"
+    wrapped.write_bytes(_with_valid_header(buf.getvalue()))
+    with pytest.raises(CheckpointError, match=r"bare\.pt.*not an echopipe checkpoint"):
+        read_checkpoint(bare)
+    with pytest.raises(CheckpointError, match=r"wrapped\.pt.*cannot be read"):
+        read_checkpoint(wrapped)
+    assert not marker.exists()
+    # The payload really would have run code without weights_only: the test can fail.
+    torch.load(bare, weights_only=False)["x"].close()
+    assert marker.exists()
+
+
+def test_checkpoint_round_trip_and_integrity(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    state = {
+        "kind": "echopipe-train",
+        "rng": {"numpy": np.random.get_state(), "python": random.getstate(),
+                "torch": torch.get_rng_state()},
+        "blob": b"\x00\x01dali", "empty": b"", "arr": np.arange(6, dtype=np.uint32).reshape(2, 3),
+        "pair": (1, (2.5, None)), "n": np.float64(1.5),
+    }  # fmt: skip
+    path = write_checkpoint(state, tmp_path / "c.pt")
+    assert path.read_bytes().startswith(CHECKPOINT_MAGIC)
+    back = read_checkpoint(path)
+    assert back["blob"] == b"\x00\x01dali" and back["empty"] == b""
+    assert back["arr"].dtype == np.uint32 and back["arr"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert back["pair"] == (1, (2.5, None)) and back["n"] == 1.5
+    np.random.set_state(back["rng"]["numpy"])
+    random.setstate(back["rng"]["python"])
+    torch.set_rng_state(back["rng"]["torch"])
+    raw = path.read_bytes()
+    flipped = bytearray(raw)
+    flipped[-10] ^= 0x01
+    (tmp_path / "flipped.pt").write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match=r"flipped\.pt.*SHA-256"):
+        read_checkpoint(tmp_path / "flipped.pt")
+    (tmp_path / "short.pt").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointError, match=r"short\.pt.*truncated"):
+        read_checkpoint(tmp_path / "short.pt")
+    (tmp_path / "head.pt").write_bytes(raw[:10])
+    with pytest.raises(CheckpointError, match=r"head\.pt"):
+        read_checkpoint(tmp_path / "head.pt")
+
+
+def test_plots_never_write_through_a_planted_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    # The names the earlier writer used for its temporary files, and the final names.
+    for name in (".metrics_acc_vs_fresh.png.tmp.png", ".metrics_acc_vs_time.png.tmp.png",
+                 "metrics_acc_vs_time.png"):  # fmt: skip
+        (run / name).symlink_to(victim)
+    rows = [{"val_top1": 0.5, "fresh_samples": 10, "wall_s": 1.0}]
+    for png in write_plots(rows, run / "metrics"):
+        assert not png.is_symlink() and png.read_bytes()[:4] == b"\x89PNG"
+    assert victim.read_text() == "keep me"
 
 
 def test_atomic_write_and_metrics_json(tmp_path: Path) -> None:

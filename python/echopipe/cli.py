@@ -382,9 +382,11 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         cfg.validate()
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
+    from .train_io import CheckpointError
+
     try:
         summary = train(cfg)
-    except FileExistsError as exc:
+    except (FileExistsError, FileNotFoundError, CheckpointError) as exc:
         parser.error(str(exc))
     import os
 

@@ -471,7 +471,8 @@ class ImageFolderIndex:
 
     Classes are the sorted names of ``root``'s sub-folders; ``labels[i]`` is the index in
     ``classes`` of ``files[i]``'s class. ``skipped`` lists ``(path, reason)`` for files left
-    out by ``on_corrupt="skip"``. ``root`` is the scanned folder.
+    out by ``on_corrupt="skip"``; ``links_skipped`` lists ``(path, reason)`` for symbolic
+    links left out because they leave ``root``, loop or dangle. ``root`` is the scanned folder.
     """
 
     files: list[str] = field(default_factory=list)
@@ -479,6 +480,7 @@ class ImageFolderIndex:
     classes: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     root: str = ""
+    links_skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -555,7 +557,10 @@ def scan_image_folder(
 
     Class folders are ``root``'s non-hidden sub-folders, sorted; images are found recursively
     inside them, in sorted order, by file extension (compared case-insensitively). Hidden files
-    and folders (leading ``.``) are ignored, as are files directly in ``root``.
+    and folders (leading ``.``) are ignored, as are files directly in ``root``. Symbolic links
+    are followed only while they stay inside ``root``; a link that leaves it, dangles, or leads
+    back into a folder already being walked (a loop) is left out and listed in
+    ``links_skipped``, so a link can neither pull in files from elsewhere nor repeat a folder.
 
     Args:
         root: the dataset split folder, e.g. ``.../train``.
@@ -581,16 +586,22 @@ def scan_image_folder(
     if not root_path.is_dir():
         what = "is not a folder" if root_path.exists() else "does not exist"
         raise FileNotFoundError(f"image folder {str(root_path)!r} {what}")
-    classes = sorted(
-        e.name
-        for e in os.scandir(root_path)
-        if e.is_dir(follow_symlinks=True) and not e.name.startswith(".")
-    )
+    real_root = os.path.realpath(root_path)
+    index = ImageFolderIndex(root=str(root_path))
+    classes = []
+    for e in sorted(os.scandir(root_path), key=lambda e: e.name):
+        if e.name.startswith(".") or not e.is_dir(follow_symlinks=True):
+            continue
+        reason = _link_problem(e.path, real_root, set()) if e.is_symlink() else None
+        if reason is None:
+            classes.append(e.name)
+        else:
+            index.links_skipped.append((e.path, reason))
     if not classes:
         raise ValueError(f"image folder {str(root_path)!r} has no class sub-folders")
-    index = ImageFolderIndex(root=str(root_path), classes=classes)
+    index.classes = classes
     for label, name in enumerate(classes):
-        for path in _walk_images(root_path / name, exts):
+        for path in _walk_images(root_path / name, exts, real_root, index.links_skipped):
             if check != "none":
                 try:
                     check_image_file(path, check)
@@ -610,12 +621,51 @@ def scan_image_folder(
     return index
 
 
-def _walk_images(folder: Path, exts: tuple[str, ...]) -> Iterator[str]:
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for fname in sorted(filenames):
-            if not fname.startswith(".") and fname.lower().endswith(exts):
-                yield os.path.join(dirpath, fname)
+def _inside(path: str, real_root: str) -> bool:
+    return path == real_root or path.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
+def _link_problem(path: str, real_root: str, walking: set[str]) -> str | None:
+    """Why the symbolic link ``path`` is left out, or ``None`` if it may be followed."""
+    try:
+        target = os.path.realpath(path, strict=True)
+    except (OSError, RuntimeError):
+        return "link loops or dangles"
+    if not _inside(target, real_root):
+        return f"link leaves the data folder (to {target})"
+    if target in walking:
+        return "link loops back into a folder above it"
+    return None
+
+
+def _walk_images(
+    folder: Path, exts: tuple[str, ...], real_root: str, links_skipped: list[tuple[str, str]]
+) -> Iterator[str]:
+    # Depth first with the real paths of the folders being walked, so a link back into one of
+    # them is seen as a loop; links out of the root are refused before they are followed.
+    stack = [(str(folder), frozenset({os.path.realpath(folder)}))]
+    while stack:
+        dirpath, walking = stack.pop()
+        try:
+            entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
+        except OSError as exc:
+            links_skipped.append((dirpath, f"cannot list: {exc.strerror or exc}"))
+            continue
+        subdirs = []
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            if e.is_symlink():
+                reason = _link_problem(e.path, real_root, set(walking))
+                if reason is not None:
+                    links_skipped.append((e.path, reason))
+                    continue
+            if e.is_dir(follow_symlinks=True):
+                subdirs.append(e.path)
+            elif e.name.lower().endswith(exts) and e.is_file(follow_symlinks=True):
+                yield e.path
+        for sub in reversed(subdirs):
+            stack.append((sub, walking | {os.path.realpath(sub)}))
 
 
 # --------------------------------------------------------------------------------------------

@@ -823,19 +823,17 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
     manager = CheckpointManager(ckpt_dir, keep=cfg.keep_checkpoints)
     state: dict[str, Any] | None = None
     if not cfg.resume and manager.list():
-        if not implicit:
-            raise FileExistsError(
-                f"--checkpoint-dir {str(ckpt_root)!r} holds checkpoints of an earlier run; pass "
-                "--resume to continue it, or choose another folder"
-            )
-        # The default folder belongs to the last default run; a new run starts it afresh.
-        old = manager.list()
-        for p in old:
-            p.unlink()
-        say(f"checkpoints: removed {len(old)} of an earlier run from {ckpt_dir} (no --resume)")
+        # Never delete another run's files: the user says whether to continue it.
+        flag = "--output" if implicit else "--checkpoint-dir"
+        where = Path(cfg.output).parent if implicit else ckpt_root
+        raise FileExistsError(
+            f"{flag} {str(where)!r} holds checkpoints of an earlier run ({ckpt_dir}): pass "
+            f"--resume to continue it, or choose another {flag}"
+        )
     if cfg.resume:
         path = cfg.resume if isinstance(cfg.resume, Path) else None
         if path is None:
+            # Only this run folder's own checkpoints, and only one that passes its checks.
             path = manager.latest()
             if path is None:
                 raise FileNotFoundError(f"--resume: no checkpoint in {str(ckpt_dir)!r}")
@@ -891,6 +889,10 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> Tr
         data.builds = int(state["input_builds"])
         data.base = dict(state["input_counters"])
     data.build(factor, None, state["input"] if state is not None else None)
+    links = data.pipe.folder_index.links_skipped
+    if links:
+        first, why = links[0]
+        say(f"data: {len(links)} symbolic link(s) left out of train/ (e.g. {first}: {why})")
     steps_per_epoch = (
         int(state["steps_per_epoch"]) if state is not None
         else ctx.all_reduce_min(data.natural_steps())

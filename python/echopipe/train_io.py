@@ -1,15 +1,29 @@
-"""Files written by ``echopipe train``: atomic checkpoints, the metrics JSON and the plots.
+"""Files written by ``echopipe train``: safe checkpoints, the metrics JSON and the plots.
 
-Checkpoints are written to a temporary file in the checkpoint folder, flushed and fsynced, moved
-over their final name with ``os.replace`` and the folder entry is fsynced too. A process killed
-at any point therefore leaves either the previous set of checkpoints or the new one, never a
-truncated file under a checkpoint name; stray temporary files from a killed write are ignored
-(and cleaned up by the next successful save).
+A checkpoint file is a two-line text header followed by a ``torch.save`` payload::
+
+    echopipe-checkpoint 1\\n
+    sha256 <64 hex digits> <payload bytes>\\n
+    <payload>
+
+The header is read and the digest checked before anything is unpickled, so a foreign, truncated
+or altered file is refused with one line naming it. The payload itself is loaded with
+``torch.load(weights_only=True)``: it holds only tensors and plain Python values. Values that
+``weights_only`` would refuse (``bytes``, numpy arrays, tuples such as the RNG states) are
+encoded as tagged dicts of tensors and plain values by :func:`encode_state` and decoded back by
+:func:`decode_state`, so no file can make the loader run code.
+
+Every file is written to a unique temporary file in the target folder (``tempfile.mkstemp``),
+fsynced and moved over its final name with ``os.replace``: a process killed at any point leaves
+the previous file or the complete new one, and a planted file or symlink at a predictable name
+is never written through.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import math
 import os
@@ -18,13 +32,34 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from .pipeline.checkpoint import atomic_save, atomic_write
+from .pipeline.checkpoint import atomic_write
 
-__all__ = ["CheckpointManager", "atomic_write_bytes", "write_metrics", "write_plots"]
+__all__ = [
+    "CHECKPOINT_MAGIC",
+    "CheckpointError",
+    "CheckpointManager",
+    "atomic_write_bytes",
+    "decode_state",
+    "encode_state",
+    "read_checkpoint",
+    "write_checkpoint",
+    "write_metrics",
+    "write_plots",
+]
 
+CHECKPOINT_MAGIC = b"echopipe-checkpoint 1\n"
+"""First line of every checkpoint file; a file that does not start with it is not read."""
+
+_DIGEST_RE = re.compile(rb"^sha256 ([0-9a-f]{64}) ([0-9]{1,15})\n$")
 _CKPT_RE = re.compile(r"^ckpt-(\d{9})\.pt$")
+_TAG = "__echopipe_codec__"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used; the message names the file and the reason."""
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
@@ -33,8 +68,128 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     return atomic_write(path, lambda f: f.write(data))
 
 
+# --------------------------------------------------------------------------------------------
+# Encoding for weights_only
+# --------------------------------------------------------------------------------------------
+
+
+def encode_state(obj: Any) -> Any:
+    """``obj`` with every value ``torch.load(weights_only=True)`` refuses made loadable.
+
+    ``bytes`` and numpy arrays become uint8 tensors with their dtype and shape, tuples become
+    tagged lists, numpy scalars become Python numbers. :func:`decode_state` reverses it.
+    """
+    if isinstance(obj, np.generic):  # before float: np.float64 is a float subclass
+        return obj.item()
+    if isinstance(obj, torch.Tensor | str | int | float | bool | type(None)):
+        return obj
+    if isinstance(obj, bytes | bytearray):
+        return {_TAG: "bytes", "data": torch.frombuffer(bytearray(obj), dtype=torch.uint8)
+                if obj else torch.empty(0, dtype=torch.uint8)}  # fmt: skip
+    if isinstance(obj, np.ndarray):
+        raw = np.ascontiguousarray(obj).tobytes()
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
+        return {_TAG: "ndarray", "dtype": obj.dtype.str, "shape": list(obj.shape),
+                "data": data.to(torch.uint8)}  # fmt: skip
+    if isinstance(obj, tuple):
+        return {_TAG: "tuple", "items": [encode_state(v) for v in obj]}
+    if isinstance(obj, list):
+        return [encode_state(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: encode_state(v) for k, v in obj.items()}
+    raise TypeError(f"checkpoint state holds a {type(obj).__name__}, which is not stored")
+
+
+def decode_state(obj: Any) -> Any:
+    """The inverse of :func:`encode_state`."""
+    if isinstance(obj, list):
+        return [decode_state(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    tag = obj.get(_TAG)
+    if tag == "bytes":
+        return obj["data"].numpy().tobytes()
+    if tag == "ndarray":
+        flat = np.frombuffer(obj["data"].numpy().tobytes(), dtype=np.dtype(obj["dtype"]))
+        return flat.reshape(obj["shape"]).copy()
+    if tag == "tuple":
+        return tuple(decode_state(v) for v in obj["items"])
+    return {k: decode_state(v) for k, v in obj.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# One checkpoint file
+# --------------------------------------------------------------------------------------------
+
+
+def write_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write ``state`` to ``path`` atomically in the checksummed, weights-only format."""
+    buffer = io.BytesIO()
+    torch.save(encode_state(state), buffer)
+    payload = buffer.getvalue()
+    digest = hashlib.sha256(payload).hexdigest()
+    header = CHECKPOINT_MAGIC + f"sha256 {digest} {len(payload)}\n".encode()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+    def write(f: Any) -> None:
+        f.write(header)
+        f.write(payload)
+
+    return atomic_write(path, write)
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`write_checkpoint` onto the CPU.
+
+    The magic line, the length and the SHA-256 digest are checked before the payload is
+    unpickled, and it is unpickled with ``weights_only=True``.
+
+    Raises:
+        FileNotFoundError: ``path`` is missing (named).
+        CheckpointError: the file is not an echopipe checkpoint, is truncated, or its digest
+            does not match (named, with the reason).
+    """
+    p = Path(path)
+    if not p.is_file():
+        what = "is not a file" if p.exists() else "does not exist"
+        raise FileNotFoundError(f"checkpoint {str(p)!r} {what}")
+    with open(p, "rb") as f:
+        magic = f.read(len(CHECKPOINT_MAGIC))
+        if magic != CHECKPOINT_MAGIC:
+            raise CheckpointError(
+                f"{str(p)!r} is not an echopipe checkpoint (its first line is not "
+                f"{CHECKPOINT_MAGIC.decode().strip()!r}); it is not loaded"
+            )
+        match = _DIGEST_RE.match(f.readline(100))
+        if match is None:
+            raise CheckpointError(f"checkpoint {str(p)!r} has a damaged header; it is not loaded")
+        payload = f.read()
+    digest, length = match.group(1).decode(), int(match.group(2))
+    if len(payload) != length:
+        raise CheckpointError(
+            f"checkpoint {str(p)!r} is truncated or padded ({len(payload)} payload bytes, the "
+            f"header says {length}); it is not loaded"
+        )
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise CheckpointError(
+            f"checkpoint {str(p)!r} fails its SHA-256 check (the file was altered or damaged); "
+            "it is not loaded"
+        )
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle errors come in many types
+        raise CheckpointError(f"checkpoint {str(p)!r} cannot be read: {exc}") from None
+    state = decode_state(state)
+    if not isinstance(state, dict) or state.get("kind") != "echopipe-train":
+        raise CheckpointError(f"{str(p)!r} is not an echopipe train checkpoint")
+    return state
+
+
 class CheckpointManager:
     """Numbered checkpoints ``ckpt-<step>.pt`` in one folder; keeps the newest ``keep``.
+
+    Only files this format wrote are ever deleted: checkpoints are pruned by their numbered
+    names, and stray temporary files only when they carry this folder's temp prefix.
 
     Args:
         folder: where the checkpoints live (created if missing).
@@ -48,7 +203,6 @@ class CheckpointManager:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self.written = 0
 
@@ -57,42 +211,44 @@ class CheckpointManager:
         return self.folder / f"ckpt-{int(step):09d}.pt"
 
     def list(self) -> list[Path]:
-        """Complete checkpoints in the folder, oldest first."""
+        """Checkpoint files in the folder by name, oldest first (not yet verified)."""
+        if not self.folder.is_dir():
+            return []
         found = []
         for p in self.folder.iterdir():
             m = _CKPT_RE.match(p.name)
-            if m and p.is_file():
+            if m and p.is_file() and not p.is_symlink():
                 found.append((int(m.group(1)), p))
         return [p for _, p in sorted(found)]
 
     def save(self, state: dict[str, Any], step: int) -> Path:
         """Write ``state`` as the checkpoint of ``step`` atomically, then prune old ones."""
-        final = atomic_save(state, self.path_for(step))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        final = write_checkpoint(state, self.path_for(step))
         self.written += 1
         for old in self.list()[: -self.keep]:
             with contextlib.suppress(FileNotFoundError):
                 old.unlink()
-        for stray in self.folder.glob(".ckpt-*.tmp"):
+        # Temporary files of this manager's own writes that a kill left behind.
+        for stray in self.folder.glob(".ckpt-*.pt.*.tmp"):
             with contextlib.suppress(FileNotFoundError):
                 stray.unlink()
         return final
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or ``None`` if there is none."""
+        """The newest checkpoint file by name, or ``None`` if there is none."""
         found = self.list()
         return found[-1] if found else None
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Load a checkpoint onto the CPU; ``FileNotFoundError`` names a missing file."""
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"checkpoint not found: {str(p)!r}")
-        # weights_only=False: the state holds numpy and Python RNG states (our own files).
-        state = torch.load(p, map_location="cpu", weights_only=False)
-        if not isinstance(state, dict) or state.get("kind") != "echopipe-train":
-            raise ValueError(f"{str(p)!r} is not an echopipe train checkpoint")
-        return state
+        """:func:`read_checkpoint`: checked, weights-only."""
+        return read_checkpoint(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics and plots
+# --------------------------------------------------------------------------------------------
 
 
 def _json_safe(value: Any) -> Any:
@@ -144,9 +300,7 @@ def write_plots(rows: Sequence[dict[str, Any]], stem: str | os.PathLike[str]) ->
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
         target = stem_path.parent / f"{stem_path.name}_{suffix}.png"
-        tmp = target.parent / f".{target.name}.tmp.png"
-        fig.savefig(tmp)
+        atomic_write(target, lambda f, fig=fig: fig.savefig(f, format="png"))
         plt.close(fig)
-        os.replace(tmp, target)
         out.append(target)
     return out
