@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gc
 import math
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -308,9 +311,27 @@ def test_zero_copy_views_numpy_and_torch() -> None:
     assert not a0.flags.writeable
     np.testing.assert_array_equal(a0, np.arange(12, dtype=np.float32).reshape(3, 4))
     t = by_id[0][0].torch()
-    assert t.data_ptr() == a0.__array_interface__["data"][0]
+    assert t.data_ptr() != a0.__array_interface__["data"][0]  # a copy: torch cannot be read-only
+    np.testing.assert_array_equal(t.numpy(), a0)
     bf = by_id[1][0].torch()
     assert bf.dtype == torch.bfloat16 and bf.tolist() == [1.5, -2.0]
+
+
+def test_writes_never_reach_the_copies_still_to_be_echoed() -> None:
+    pytest.importorskip("torch")
+    cache = EchoCache(1 << 16, 8, echo_factor=3, memory="pageable")
+    cache.put(np.full(16, 100, np.uint8))
+    cache.end_of_input()
+    first = cache.take(1)[0]
+    with pytest.raises(ValueError, match="read-only"):
+        first.array[0] = 1
+    with pytest.raises(ValueError, match="WRITEABLE"):
+        first.array.setflags(write=True)  # the base does not own the memory: cannot be unlocked
+    first.torch().sub_(50)  # in place on the tensor it got
+    (second,) = cache.take(1)
+    assert int(second.array[0]) == 100 and int(second.torch()[0]) == 100
+    batch = cache.take_batch(1)  # gathered copies are the caller's own, writable arrays
+    assert batch is not None and batch.fields[0].flags.writeable and batch.fields[0][0, 0] == 100
 
 
 def test_views_outlive_the_closed_cache() -> None:
@@ -434,3 +455,66 @@ def test_native_bench_driver_accounts_for_every_copy() -> None:
     assert r["bytes_out"] == 6000 * 4096 and r["seconds"] > 0
     m = _C._bench_memcpy(4096, 100, 2, 1 << 20, 16)
     assert m["bytes"] == 100 * 4096 and m["seconds"] > 0
+
+
+_EXIT_PRELUDE = """
+import sys, threading, time
+import numpy as np
+from echopipe.echo import CacheClosedError, EchoCache
+cache = EchoCache(1 << 16, 8, echo_factor=2, memory="pageable")
+"""
+
+_EXIT_CASES = {
+    # Daemon threads looping in take/put with short timeouts: exit must not abort (rc 134).
+    "daemon_polling": """
+def takes():
+    while True:
+        try:
+            cache.take(4, timeout=0.05)
+        except Exception:
+            pass
+def puts():
+    while True:
+        try:
+            cache.put(np.zeros(16, np.uint8), timeout=0.05)
+        except Exception:
+            pass
+for _ in range(4):
+    threading.Thread(target=takes, daemon=True).start()
+threading.Thread(target=puts, daemon=True).start()
+time.sleep(0.3)
+""",
+    # A daemon thread blocked in take() with no timeout when the main thread ends.
+    "daemon_blocked": """
+threading.Thread(target=lambda: cache.take(1), daemon=True).start()
+time.sleep(0.2)
+""",
+    # Non-daemon threads blocked in take() and put() with no timeout: Python joins them at exit,
+    # so the cache must be closed (and they woken) before that join.
+    "non_daemon_blocked": """
+full = EchoCache(1 << 16, 1, echo_factor=1, memory="pageable")
+full.put(np.zeros(4, np.uint8))
+def wait(fn):
+    try:
+        fn()
+    except CacheClosedError:
+        print("woken", flush=True)
+threading.Thread(target=wait, args=(lambda: cache.take(1),)).start()
+threading.Thread(target=wait, args=(lambda: full.put(np.zeros(4, np.uint8)),)).start()
+time.sleep(0.2)
+""",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_EXIT_CASES))
+def test_interpreter_exit_with_threads_inside_the_cache(case: str) -> None:
+    code = textwrap.dedent(_EXIT_PRELUDE) + textwrap.dedent(_EXIT_CASES[case]) + "print('end')\n"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - t0
+    print(f"{case}: rc={proc.returncode} after {elapsed:.2f}s")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "terminate called" not in proc.stderr
+    assert proc.stdout.splitlines()[0] == "end"
+    if case == "non_daemon_blocked":
+        assert proc.stdout.count("woken") == 2

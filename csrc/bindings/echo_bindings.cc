@@ -12,11 +12,13 @@
 #include <string>
 #include <vector>
 
+#include "bindings/gil.h"
 #include "cuda/gather.h"
 #include "echo/echo_cache.h"
 
 namespace py = pybind11;
 using namespace echopipe;
+using echopipe::bindings::without_gil;
 
 namespace {
 
@@ -105,8 +107,7 @@ py::dict stats_dict(const EchoStats& s) {
 std::vector<SampleLease> take_leases(EchoCache& c, int64_t n, double timeout, TakeStatus* st) {
   if (n < 1) throw std::invalid_argument("take(n) needs n >= 1, got n=" + std::to_string(n));
   std::vector<SampleLease> out;
-  py::gil_scoped_release nogil;
-  *st = c.take(static_cast<size_t>(n), out, timeout);
+  *st = without_gil([&] { return c.take(static_cast<size_t>(n), out, timeout); });
   return out;
 }
 
@@ -137,20 +138,14 @@ py::tuple gather_field(const std::vector<SampleLease>& leases, int f) {
     for (int i = 0; i < f0.ndim; ++i) shape.push_back(f0.shape[i]);
     py::array arr(dt, shape);
     void* dst = arr.mutable_data();
-    {
-      py::gil_scoped_release nogil;
-      gather(leases, f, dst, nullptr);
-    }
+    without_gil([&] { gather(leases, f, dst, nullptr); });
     return py::make_tuple(arr, py::none());
   }
   py::array flat(dt, std::vector<py::ssize_t>{static_cast<py::ssize_t>(total / esize)});
   py::array_t<int64_t> offsets(static_cast<py::ssize_t>(leases.size() + 1));
   void* dst = flat.mutable_data();
   int64_t* off = offsets.mutable_data();
-  {
-    py::gil_scoped_release nogil;
-    gather(leases, f, dst, off);
-  }
+  without_gil([&] { gather(leases, f, dst, off); });
   for (size_t i = 0; i <= leases.size(); ++i) off[i] /= static_cast<int64_t>(esize);
   return py::make_tuple(flat, offsets);
 }
@@ -243,8 +238,8 @@ void bind_echo(py::module_& m) {
             const void* data[kMaxFields];
             for (size_t i = 0; i < ptrs.size(); ++i)
               data[i] = reinterpret_cast<const void*>(ptrs[i]);
-            py::gil_scoped_release nogil;
-            return std::string(put_status_name(c.put(d, data, timeout)));
+            PutStatus st = without_gil([&] { return c.put(d, data, timeout); });
+            return std::string(put_status_name(st));
           },
           py::arg("ptrs"), py::arg("dtypes"), py::arg("shapes"), py::arg("timeout"),
           "Copies one sample in from raw host pointers (the caller keeps them alive). Returns "
@@ -263,8 +258,7 @@ void bind_echo(py::module_& m) {
               throw std::invalid_argument("rows must be >= 0, got " + std::to_string(rows));
             int64_t done = 0;
             PutStatus st = PutStatus::kOk;
-            {
-              py::gil_scoped_release nogil;
+            without_gil([&] {
               for (; done < rows; ++done) {
                 const void* data[kMaxFields];
                 for (int f = 0; f < d.num_fields; ++f) {
@@ -274,7 +268,7 @@ void bind_echo(py::module_& m) {
                 st = c.put(d, data, timeout);
                 if (st != PutStatus::kOk) break;
               }
-            }
+            });
             return py::make_tuple(std::string(put_status_name(st)), done);
           },
           py::arg("ptrs"), py::arg("dtypes"), py::arg("row_shapes"), py::arg("rows"),
@@ -322,8 +316,7 @@ void bind_echo(py::module_& m) {
                 }
                 shapes.append(per);
               }
-              py::gil_scoped_release nogil;
-              release_leases(leases);
+              without_gil([&] { release_leases(leases); });
             }
             return py::make_tuple(std::string(take_status_name(st)), fields, dtypes, shapes, ids,
                                   emissions);
@@ -333,21 +326,16 @@ void bind_echo(py::module_& m) {
           "[(array, offsets|None)], dtypes, per-sample shapes, sample_ids, emissions).")
       .def("end_of_input", &EchoCache::end_of_input)
       .def("reset_input", &EchoCache::reset_input)
-      .def("close", &EchoCache::close, py::call_guard<py::gil_scoped_release>())
+      .def("close", [](EchoCache& c) { without_gil([&] { c.close(); }); })
       .def("stats", [](const EchoCache& c) { return stats_dict(c.stats()); })
       .def("save_state",
            [](const EchoCache& c) {
-             std::vector<uint8_t> blob;
-             {
-               py::gil_scoped_release nogil;
-               blob = c.save_state();
-             }
+             std::vector<uint8_t> blob = without_gil([&] { return c.save_state(); });
              return py::bytes(reinterpret_cast<const char*>(blob.data()), blob.size());
            })
       .def("restore_state", [](EchoCache& c, py::bytes blob) {
         std::string_view v = blob;
-        py::gil_scoped_release nogil;
-        c.restore_state(reinterpret_cast<const uint8_t*>(v.data()), v.size());
+        without_gil([&] { c.restore_state(reinterpret_cast<const uint8_t*>(v.data()), v.size()); });
       });
 
   // CUDA: gather leased samples from the mapped pinned arena straight into a device batch.
@@ -366,9 +354,11 @@ void bind_echo(py::module_& m) {
           src.push_back(d);
           sizes.push_back(static_cast<int64_t>(p->lease.nbytes(field)));
         }
-        py::gil_scoped_release nogil;
-        echopipe::cuda::gather_bytes(src.data(), sizes.data(), static_cast<int64_t>(src.size()),
-                                     reinterpret_cast<void*>(dst), reinterpret_cast<void*>(stream));
+        without_gil([&] {
+          echopipe::cuda::gather_bytes(src.data(), sizes.data(), static_cast<int64_t>(src.size()),
+                                       reinterpret_cast<void*>(dst),
+                                       reinterpret_cast<void*>(stream));
+        });
       },
       py::arg("leases"), py::arg("field"), py::arg("dst_ptr"), py::arg("stream") = 0);
   m.def(
@@ -403,11 +393,12 @@ void bind_echo(py::module_& m) {
           }
           src.push_back(d);
         }
-        py::gil_scoped_release nogil;
-        echopipe::cuda::gather_normalize_u8(src.data(), static_cast<int64_t>(src.size()),
-                                            f0.shape[0], f0.shape[1], f0.shape[2], mean.data(),
-                                            std.data(), to_chw, reinterpret_cast<float*>(dst),
-                                            reinterpret_cast<void*>(stream));
+        without_gil([&] {
+          echopipe::cuda::gather_normalize_u8(src.data(), static_cast<int64_t>(src.size()),
+                                              f0.shape[0], f0.shape[1], f0.shape[2], mean.data(),
+                                              std.data(), to_chw, reinterpret_cast<float*>(dst),
+                                              reinterpret_cast<void*>(stream));
+        });
       },
       py::arg("leases"), py::arg("field"), py::arg("mean"), py::arg("std"), py::arg("to_chw"),
       py::arg("dst_ptr"), py::arg("stream") = 0);

@@ -15,8 +15,10 @@ fresh contiguous arrays (one memcpy per sample), which is what a host-to-device 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -182,19 +184,22 @@ class EchoSample:
         return str(self._lease.dtype(field))
 
     def torch(self, field: int = 0) -> Any:
-        """Zero-copy torch CPU tensor of a field (``torch.from_numpy``; read-only memory)."""
-        import warnings
+        """A torch CPU tensor holding a *copy* of a field (pinned when the cache is pinned).
 
+        The cache's memory is shared by every copy of the sample still to be emitted, and torch
+        has no read-only tensors, so a zero-copy tensor would let an in-place op (``sub_``,
+        ``clamp_``...) silently change the copies emitted later. This copy can be written freely.
+        For zero-copy reads use :attr:`arrays` (read-only numpy views: a write raises) or
+        :meth:`EchoCache.take_batch`.
+        """
         import torch
 
-        arr = self.arrays[field]
-        with warnings.catch_warnings():
-            # The memory is shared by all copies of the sample; torch warns that it is read-only.
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(arr)
+        out = torch.from_numpy(np.array(self.arrays[field], copy=True))
+        if self._lease.device_ptr(field) != 0:  # a GPU-mapped (pinned) arena: keep it pinned
+            out = out.pin_memory()
         if self.dtype(field) == "bfloat16":
-            t = t.view(torch.bfloat16)
-        return t
+            out = out.view(torch.bfloat16)
+        return out
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in self.arrays)
@@ -241,6 +246,35 @@ def _timeout_arg(timeout: float | None) -> float:
 def _close_native(native: Any, name: str) -> None:
     native.close()
     _C.remove_cache(name)
+
+
+# Every open cache, so that interpreter exit can close them all.
+_OPEN_CACHES: weakref.WeakSet[EchoCache] = weakref.WeakSet()
+
+
+def _close_all_caches() -> None:
+    """Closes every open cache, waking each thread blocked in put/take (they raise
+    CacheClosedError). Runs at interpreter exit *before* Python joins non-daemon threads
+    (threading's pre-join exit hook): a thread blocked in ``take()`` with no timeout would
+    otherwise keep the process alive for ever, and ``weakref.finalize``/``atexit`` run too late,
+    after that join."""
+    for cache in list(_OPEN_CACHES):
+        cache.close()
+
+
+def _register_exit_hook() -> None:
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - CPython has had it since 3.9
+        import atexit
+
+        atexit.register(_close_all_caches)
+        return
+    # RuntimeError: imported while the interpreter is already shutting down.
+    with contextlib.suppress(RuntimeError):
+        register(_close_all_caches)
+
+
+_register_exit_hook()
 
 
 def _check_echo_factor(value: Any) -> float:
@@ -317,9 +351,10 @@ class EchoCache:
             name=name or "",
         )
         self._name: str = self._native.name
-        # Closes the native cache (waking blocked threads) at garbage collection or interpreter
-        # exit, whichever comes first; a source blocked on a condition would otherwise hang exit.
+        # Closes the native cache (waking blocked threads) at garbage collection; at interpreter
+        # exit _close_all_caches closes it earlier, before non-daemon threads are joined.
         self._finalizer = weakref.finalize(self, _close_native, self._native, self._name)
+        _OPEN_CACHES.add(self)
 
     # ---- identity ----
     @property
@@ -494,8 +529,11 @@ class EchoCache:
         """Wakes every blocked put/take (they raise CacheClosedError) and unregisters the cache.
 
         Idempotent. Samples already taken stay readable until their views are dropped.
+        Interpreter exit closes every open cache before it joins non-daemon threads, so join
+        your own producer and consumer threads before the main thread returns.
         """
         self._finalizer()
+        _OPEN_CACHES.discard(self)
 
     def __enter__(self) -> EchoCache:
         return self
