@@ -27,7 +27,7 @@ _LAZY_ATTRIBUTES = {
     "StalePipeline": ("echopipe.pipeline", "StalePipeline"),
     "make_synthetic_imagenet": ("echopipe.data", "make_synthetic_imagenet"),
 }
-_LAZY_SUBMODULES = {"echo", "dali", "pipeline", "data", "models", "train", "cli"}
+_LAZY_SUBMODULES = {"echo", "dali", "pipeline", "data", "models", "train", "cli", "torch"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from .data import make_synthetic_imagenet

@@ -1,0 +1,248 @@
+"""How :class:`echopipe.torch.EchoLoader` turns batches of any structure into cache samples.
+
+A batch from a PyTorch input pipeline is a tree (dicts, tuples, lists, namedtuples) whose leaves
+hold one row per sample: tensors and numpy arrays of shape ``(B, ...)``, and lists of ``B``
+strings (file names, captions). :func:`describe` flattens the tree once and records a
+:class:`Layout`: the tree, and per leaf its kind, dtype and per-sample shape. :func:`encode` then
+cuts a batch into ``B`` samples of at most four byte fields (the cache's limit): fixed-size
+leaves as ``(B, nbytes)`` uint8 matrices (one field per leaf while they fit, else several leaves
+packed side by side in the last field), strings as one ragged UTF-8 field plus an int64 field of
+their lengths. :func:`decode` rebuilds a batch of the same structure, dtypes and shapes from an
+:class:`~echopipe.echo.EchoBatch` of such samples.
+
+Every leaf of a stream must keep its per-sample shape: samples of different batches are mixed in
+one output batch, so a leaf whose shape changes (padding to the longest sequence of each batch)
+cannot be stacked again and is rejected with :class:`LayoutError`, naming the leaf and shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Layout", "LayoutError", "decode", "describe", "encode"]
+
+_MAX_FIELDS = 4  # fields per cache sample (csrc/echo)
+
+
+class LayoutError(ValueError):
+    """A batch that cannot be split into samples, or that changed structure mid-stream."""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One leaf of the batch tree: ``kind`` is ``"tensor"``, ``"numpy"`` or ``"str"``."""
+
+    path: str
+    kind: str
+    dtype: str  # torch dtype name ("float32"), numpy dtype string ("<f4"), or "str"
+    shape: tuple[int, ...]  # per sample
+    nbytes: int  # per sample; 0 for strings
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The structure of a stream's batches, and which leaves go into which cache field."""
+
+    treedef: Any
+    leaves: tuple[Leaf, ...]
+    groups: tuple[tuple[int, ...], ...]  # fixed-size leaf indices per cache field
+    strings: tuple[int, ...]  # string leaf indices (two extra fields when present)
+
+    @property
+    def sample_bytes(self) -> int:
+        """Bytes of one sample's fixed-size leaves."""
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+    def signature(self) -> str:
+        """A JSON description (kept in state dicts to check that a resumed stream matches)."""
+        leaves = [[x.path, x.kind, x.dtype, list(x.shape)] for x in self.leaves]
+        return json.dumps({"tree": _tree_text(self.treedef), "leaves": leaves})
+
+
+def _tree_text(treedef: Any) -> Any:
+    kind = treedef[0]
+    if kind == "leaf":
+        return treedef[1]
+    if kind == "dict":
+        return {"dict": [repr(k) for k in treedef[1]], "of": [_tree_text(c) for c in treedef[2]]}
+    if kind == "namedtuple":
+        return {treedef[1].__qualname__: [_tree_text(c) for c in treedef[2]]}
+    return {kind: [_tree_text(c) for c in treedef[1]]}
+
+
+def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        out.append((path, obj))
+        return ("leaf", len(out) - 1)
+    if isinstance(obj, Mapping):
+        keys = tuple(obj)
+        return ("dict", keys, tuple(_flatten(obj[k], f"{path}[{k!r}]", out) for k in keys))
+    if isinstance(obj, (list, tuple)):
+        if obj and all(isinstance(v, str) for v in obj):
+            out.append((path, obj))
+            return ("leaf", len(out) - 1)
+        children = tuple(_flatten(v, f"{path}[{i}]", out) for i, v in enumerate(obj))
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return ("namedtuple", type(obj), children)
+        return ("tuple" if isinstance(obj, tuple) else "list", children)
+    raise LayoutError(
+        f"field batch{path} is a {type(obj).__name__}; EchoLoader echoes tensors, numpy arrays "
+        "and lists of str (nested in dicts, tuples and lists)"
+    )
+
+
+def _leaf(path: str, value: Any, rows: int | None) -> Leaf:
+    if isinstance(value, (list, tuple)):
+        if rows is not None and len(value) != rows:
+            raise LayoutError(f"field batch{path} has {len(value)} strings for {rows} samples")
+        return Leaf(path, "str", "str", (), 0)
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise LayoutError(f"field batch{path} is a {value.layout} tensor; only dense ones")
+        dtype = str(value.dtype).removeprefix("torch.")
+    else:
+        if value.dtype.hasobject or value.dtype.kind in "USVOMm":
+            raise LayoutError(f"field batch{path} has numpy dtype {value.dtype}, not a number")
+        dtype = value.dtype.str
+    if value.ndim == 0:
+        raise LayoutError(f"field batch{path} is a scalar (0-d); it has no row per sample")
+    if rows is not None and value.shape[0] != rows:
+        raise LayoutError(
+            f"field batch{path} has {value.shape[0]} rows but the batch has {rows} samples"
+        )
+    shape = tuple(int(s) for s in value.shape[1:])
+    per = int(np.prod(shape, dtype=np.int64)) * value.element_size() if isinstance(
+        value, torch.Tensor) else int(np.prod(shape, dtype=np.int64)) * value.itemsize  # fmt: skip
+    return Leaf(path, "tensor" if isinstance(value, torch.Tensor) else "numpy", dtype, shape, per)
+
+
+def describe(batch: Any) -> tuple[Layout, list[Any], int]:
+    """Flattens ``batch``; returns its layout, its leaves and its number of samples."""
+    flat: list[tuple[str, Any]] = []
+    treedef = _flatten(batch, "", flat)
+    rows = next((int(v.shape[0]) for _, v in flat if not isinstance(v, (list, tuple))
+                 and v.ndim > 0), None)  # fmt: skip
+    if rows is None:
+        raise LayoutError(
+            "the batch has no tensor or numpy field with a row per sample; nothing to echo"
+        )
+    leaves = tuple(_leaf(p, v, rows) for p, v in flat)
+    fixed = tuple(i for i, x in enumerate(leaves) if x.kind != "str")
+    strings = tuple(i for i, x in enumerate(leaves) if x.kind == "str")
+    slots = _MAX_FIELDS - (2 if strings else 0)
+    if len(fixed) <= slots:
+        groups = tuple((i,) for i in fixed)
+    else:  # the first leaves keep a field each (no copy on the way out), the rest share one
+        groups = (*((i,) for i in fixed[: slots - 1]), fixed[slots - 1 :])
+    return Layout(treedef, leaves, groups, strings), [v for _, v in flat], rows
+
+
+def check_same(layout: Layout, other: Layout) -> None:
+    """Raises LayoutError naming the first difference between two batches' layouts."""
+    if layout.treedef != other.treedef:
+        raise LayoutError(
+            f"the batch structure changed: {_tree_text(other.treedef)} instead of "
+            f"{_tree_text(layout.treedef)}"
+        )
+    for a, b in zip(layout.leaves, other.leaves, strict=True):
+        if a != b:
+            raise LayoutError(
+                f"field batch{a.path} changed from {a.kind} {a.dtype}{list(a.shape)} to "
+                f"{b.kind} {b.dtype}{list(b.shape)} per sample; echoed batches mix samples of "
+                "different batches, so every field needs one shape per sample (pad or resize "
+                "to a fixed shape)"
+            )
+
+
+def _rows_as_bytes(value: Any, rows: int) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.resolve_conj().resolve_neg().contiguous()
+        return t.reshape(rows, -1 if t.numel() else 0).view(torch.uint8).numpy()
+    a = np.ascontiguousarray(value)
+    return a.reshape(rows, -1 if a.size else 0).view(np.uint8)
+
+
+def encode(layout: Layout, leaves: list[Any], rows: int) -> list[np.ndarray]:
+    """The batch's fixed-size fields as ``(rows, nbytes)`` uint8 matrices, one per cache field."""
+    out = []
+    for group in layout.groups:
+        parts = [_rows_as_bytes(leaves[i], rows) for i in group]
+        out.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
+    return out
+
+
+def encode_strings(layout: Layout, leaves: list[Any], row: int) -> tuple[np.ndarray, np.ndarray]:
+    """One sample's strings: UTF-8 bytes back to back (plus one pad byte) and their lengths."""
+    data = [leaves[i][row].encode("utf-8") for i in layout.strings]
+    lengths = np.array([len(d) for d in data], dtype=np.int64)
+    return np.frombuffer(b"".join(data) + b"\0", dtype=np.uint8), lengths
+
+
+def _from_bytes(leaf: Leaf, rows: np.ndarray, n: int) -> Any:
+    if leaf.kind == "numpy":
+        return rows.view(np.dtype(leaf.dtype)).reshape(n, *leaf.shape)
+    t = torch.from_numpy(rows)
+    if leaf.nbytes:
+        t = t.view(getattr(torch, leaf.dtype))
+    else:
+        t = torch.empty(0, dtype=getattr(torch, leaf.dtype))
+    return t.reshape(n, *leaf.shape)
+
+
+def decode(layout: Layout, fields: list[np.ndarray], offsets: list[Any], n: int) -> Any:
+    """Rebuilds a batch of ``n`` samples (fields as gathered by ``EchoCache.take_batch``)."""
+    values: list[Any] = [None] * len(layout.leaves)
+    for f, group in enumerate(layout.groups):
+        data = fields[f].reshape(n, -1)
+        start = 0
+        for i in group:
+            leaf = layout.leaves[i]
+            rows = data if len(group) == 1 else np.ascontiguousarray(
+                data[:, start : start + leaf.nbytes])  # fmt: skip
+            values[i] = _from_bytes(leaf, rows, n)
+            start += leaf.nbytes
+    if layout.strings:
+        values_s = _decode_strings(layout, fields, offsets, n)
+        for i, column in zip(layout.strings, values_s, strict=True):
+            values[i] = column
+    return _unflatten(layout.treedef, values)
+
+
+def _decode_strings(
+    layout: Layout, fields: list[np.ndarray], offsets: list[Any], n: int
+) -> list[list[str]]:
+    f = len(layout.groups)
+    data, offs = fields[f].reshape(-1), offsets[f]
+    lengths = fields[f + 1].reshape(n, -1)
+    if offs is None:  # every sample had the same number of bytes
+        width = data.size // n if n else 0
+        offs = np.arange(n + 1, dtype=np.int64) * width
+    columns: list[list[str]] = [[] for _ in layout.strings]
+    for row in range(n):
+        blob = data[offs[row] : offs[row + 1]].tobytes()
+        pos = 0
+        for j, length in enumerate(lengths[row].tolist()):
+            columns[j].append(blob[pos : pos + length].decode("utf-8"))
+            pos += length
+    return columns
+
+
+def _unflatten(treedef: Any, values: list[Any]) -> Any:
+    kind = treedef[0]
+    if kind == "leaf":
+        return values[treedef[1]]
+    if kind == "dict":
+        return {k: _unflatten(c, values) for k, c in zip(treedef[1], treedef[2], strict=True)}
+    if kind == "namedtuple":
+        return treedef[1](*(_unflatten(c, values) for c in treedef[2]))
+    items = [_unflatten(c, values) for c in treedef[1]]
+    return tuple(items) if kind == "tuple" else items

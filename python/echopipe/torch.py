@@ -1,0 +1,11 @@
+"""``echopipe.torch``: data echoing for PyTorch input pipelines (:class:`EchoLoader`).
+
+Inside the package every import is absolute, so ``import torch`` elsewhere in echopipe still
+finds PyTorch, not this module.
+"""
+
+from __future__ import annotations
+
+from .torch_loader import EchoLoader, EchoLoaderStats, LayoutError, LoaderError
+
+__all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError"]

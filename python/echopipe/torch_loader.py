@@ -1,0 +1,653 @@
+"""Data echoing for any PyTorch input pipeline: :class:`EchoLoader` (public as ``echopipe.torch``).
+
+``EchoLoader(loader, echo_factor=2.0)`` wraps any iterable of batches (a ``DataLoader`` with
+worker processes, a webdataset pipeline, a Hugging Face dataset formatted for torch). A
+background producer thread reads the wrapped loader, splits every batch into samples and puts
+them into echopipe's native :class:`~echopipe.echo.EchoCache` (one cache slot per sample, so
+this is *example* echoing); iterating the ``EchoLoader`` draws random batches of the same size
+and structure from the cache. Each fresh sample is delivered ``floor(e)`` or ``ceil(e)`` times
+(mean ``e``), so an epoch yields about ``e`` times as many batches as the wrapped loader, while
+the wrapped loader is read once.
+
+See ``docs/echo_loader.md`` for the semantics (ordering, accounting, resume) and the limits.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _batch_layout as bl
+from .adaptive import EchoController
+from .echo import CacheClosedError, EchoCache, EchoStats
+
+__all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError"]
+
+LayoutError = bl.LayoutError
+_STATE_VERSION = 1
+_POLL_S = 0.2  # longest single wait; closing or an error ends every wait sooner
+_COUNTS = ("fresh_batches", "fresh_samples", "delivered_batches", "delivered_samples")
+
+
+class LoaderError(RuntimeError):
+    """The wrapped loader raised; the message names the batch, ``__cause__`` is the original."""
+
+
+@dataclass(frozen=True)
+class EchoLoaderStats:
+    """Exact counts: fresh samples read from the wrapped loader and echoed copies delivered.
+
+    ``*_epoch`` count the current (or last finished) epoch, the others every epoch so far.
+    """
+
+    epoch: int
+    fresh_batches: int
+    fresh_samples: int
+    delivered_batches: int
+    delivered_samples: int
+    fresh_batches_epoch: int
+    fresh_samples_epoch: int
+    delivered_batches_epoch: int
+    delivered_samples_epoch: int
+    echo_factor: float
+    echo_history: list[tuple[int, float]]
+    cache: EchoStats | None
+
+
+class _Producer(threading.Thread):
+    """Reads one epoch of the wrapped loader into the cache (one thread per epoch)."""
+
+    def __init__(self, owner: EchoLoader, epoch: int, skip_batches: int, skip_rows: int) -> None:
+        super().__init__(name=f"echopipe-echoloader-{epoch}", daemon=True)
+        self.source = owner._loader
+        self.shared = owner._shared
+        self.owner_ref = weakref.ref(owner)
+        self.epoch = epoch
+        self.skip_batches = skip_batches
+        self.skip_rows = skip_rows
+        self.stop = threading.Event()
+        self.ready = threading.Event()  # the cache exists (first batch seen, or restored)
+        self.lock = threading.Lock()  # held while samples go in: state_dict() waits on it
+        self.error: BaseException | None = None
+        self.batches_done = skip_batches  # whole batches in the cache (this epoch)
+        self.rows_in_flight = 0  # rows of the next batch already in the cache
+        self.samples_put = 0
+        self.up_seconds = 0.0
+        self.up_batches = 0
+        if self.shared.cache is not None:
+            self.ready.set()
+
+    def run(self) -> None:
+        it: Any = None
+        try:
+            it = iter(self.source)
+            index = 0
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                except Exception as exc:
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    raise LoaderError(
+                        f"EchoLoader: the wrapped loader raised at batch {index} of epoch "
+                        f"{self.epoch}: {type(exc).__name__}: {first}"
+                    ) from exc
+                if index >= self.skip_batches:
+                    self.up_seconds += time.perf_counter() - t0
+                    self.up_batches += 1
+                    self._put(batch, index, self.skip_rows if index == self.skip_batches else 0)
+                index += 1
+            if not self.stop.is_set():
+                cache = self.shared.cache
+                if cache is not None:
+                    cache.end_of_input()
+        except CacheClosedError:
+            pass  # closed by close() or an aborted epoch
+        except BaseException as exc:
+            self.error = exc
+            cache = self.shared.cache
+            if cache is not None:
+                cache.end_of_input()  # wakes the consumer, which raises self.error
+        finally:
+            _release_iterator(it)
+            it = None
+            self.ready.set()
+
+    def _put(self, batch: Any, index: int, start: int) -> None:
+        try:
+            layout, leaves, rows = bl.describe(batch)
+            owner = self.owner_ref()
+            if owner is None:
+                raise CacheClosedError("EchoLoader was garbage collected")
+            cache = owner._accept_layout(layout, rows, self.stop)
+        except bl.LayoutError as exc:
+            raise bl.LayoutError(
+                f"EchoLoader: batch {index} of epoch {self.epoch}: {exc}"
+            ) from None
+        del owner
+        self.ready.set()
+        fields = bl.encode(layout, leaves, rows)
+        done = start
+        while done < rows:
+            if self.stop.is_set():
+                raise CacheClosedError("stopped")
+            with self.lock:
+                before = done
+                if layout.strings:
+                    texts, lengths = bl.encode_strings(layout, leaves, done)
+                    try:
+                        cache.put((*(f[done] for f in fields), texts, lengths), timeout=_POLL_S)
+                        done += 1
+                    except TimeoutError:
+                        pass
+                else:
+                    try:
+                        done += cache.put_many([f[done:] for f in fields], timeout=_POLL_S)
+                    except TimeoutError as exc:
+                        done += int(exc.args[-1])
+                self.samples_put += done - before
+                self.rows_in_flight = done
+                if done == rows:
+                    self.batches_done = index + 1
+                    self.rows_in_flight = 0
+
+    def shutdown(self, timeout: float) -> None:
+        """Stops reading; returns once the thread ended (or ``timeout`` passed, with a warning)."""
+        self.stop.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+            if self.is_alive():
+                warnings.warn(
+                    f"EchoLoader: the wrapped loader did not return within {timeout:g}s of "
+                    "close(); its reader thread is left running (a daemon thread)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+
+def _release_iterator(it: Any) -> None:
+    """Ends the wrapped loader's iterator now: DataLoader workers exit, generators close."""
+    if it is None:
+        return
+    shutdown = getattr(it, "_shutdown_workers", None)  # torch DataLoader's multi-process iterator
+    try:
+        if callable(shutdown):
+            shutdown()
+        close = getattr(it, "close", None)
+        if callable(close):
+            close()
+    except Exception as exc:  # a failing close must not hide the reason the epoch ended
+        warnings.warn(f"EchoLoader: closing the wrapped loader failed: {exc}", RuntimeWarning,
+                      stacklevel=2)  # fmt: skip
+
+
+class _Shared:
+    """What the producer thread, the finalizer and the loader share (never the loader itself)."""
+
+    def __init__(self) -> None:
+        self.cache: EchoCache | None = None
+        self.producer: _Producer | None = None
+        self.lock = threading.Lock()
+
+
+def _shutdown(shared: _Shared, timeout: float) -> None:
+    producer, cache = shared.producer, shared.cache
+    if producer is not None:
+        producer.stop.set()
+    if cache is not None:
+        cache.close()  # wakes a producer blocked on a full cache
+    if producer is not None:
+        producer.shutdown(timeout)
+    shared.producer = None
+    shared.cache = None
+
+
+def _check_factor(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"echo_factor must be a number >= 1 or 'auto', got {value!r}")
+    e = float(value)
+    if not (math.isfinite(e) and 1 <= e <= 65535):
+        raise ValueError(f"echo_factor must be in [1, 65535] or 'auto', got {value!r}")
+    return e
+
+
+def _check_count(name: str, value: Any, minimum: int = 1) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+class _EpochIterator:
+    """One pass over an :class:`EchoLoader`; dropping or closing it mid-epoch ends the pass."""
+
+    def __init__(self, loader: EchoLoader) -> None:
+        self._loader: EchoLoader | None = loader
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        loader = self._loader
+        if loader is None:
+            raise StopIteration
+        try:
+            batch = loader._next(self)
+        except BaseException:
+            self._finish(abort=True)
+            raise
+        if batch is None:
+            self._finish(abort=False)
+            raise StopIteration
+        return batch
+
+    def close(self) -> None:
+        """Ends this pass now: stops the reader and the wrapped loader's workers."""
+        self._finish(abort=True)
+
+    def _finish(self, abort: bool) -> None:
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader._end_epoch(self, abort)
+
+    def __del__(self) -> None:
+        self._finish(abort=True)
+
+
+class EchoLoader:
+    """Example echoing in front of any iterable of batches, through the native echo cache.
+
+    Args:
+        loader: Any iterable of batches: a ``DataLoader`` (worker processes welcome), a
+            webdataset pipeline, a Hugging Face dataset formatted for torch. Each batch is a
+            tensor, numpy array, or dicts/tuples/lists/namedtuples of them with one row per
+            sample; lists of ``str`` (one per sample) pass through too. Iterated once per epoch.
+        echo_factor: ``e >= 1``: each fresh sample is delivered ``floor(e)`` or ``ceil(e)``
+            times; or ``"auto"``: start at 1 and follow ``R = t_up / t_down`` with the controller
+            ``echopipe train --echo auto`` uses (:class:`echopipe.adaptive.EchoController`).
+        shuffle_buffer: Samples the cache holds (default 4 batches; at least 2 batches). Copies
+            of a sample are drawn at random among them.
+        batch_size: Samples per output batch (default: the first input batch's).
+        pin_memory: Copy output tensors to pinned memory (default: when ``device`` is CUDA).
+        device: Move output tensors there (``non_blocking`` from pinned memory).
+        seed: Seeds the tickets and draws of the cache.
+        capacity_bytes: Cache arena size (default: the shuffle buffer's samples plus slack).
+        echo_max: Upper bound of ``e`` for ``"auto"``.
+        echo_interval: With ``"auto"``: output batches between changes of ``e``.
+        timeout: Longest wait for one output batch, seconds (``None``: no limit; closing and
+            errors of the wrapped loader always end a wait).
+        close_timeout: How long :meth:`close` waits for the wrapped loader to return.
+
+    Iterating yields about ``e`` times as many batches per epoch as the wrapped loader. A
+    failure of the wrapped loader raises :class:`LoaderError` naming the batch; a batch that
+    cannot be split into samples raises :class:`LayoutError`.
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        echo_factor: float | str = 2.0,
+        *,
+        shuffle_buffer: int | None = None,
+        batch_size: int | None = None,
+        pin_memory: bool | None = None,
+        device: torch.device | str | None = None,
+        seed: int = 0,
+        capacity_bytes: int | None = None,
+        echo_max: float = 4.0,
+        echo_interval: int = 50,
+        timeout: float | None = None,
+        close_timeout: float = 10.0,
+    ) -> None:
+        if not hasattr(loader, "__iter__"):
+            raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
+        self._loader = loader
+        self._controller = (
+            EchoController(1.0, e_max=echo_max) if echo_factor == "auto" else None
+        )  # fmt: skip
+        self._factor = 1.0 if self._controller is not None else _check_factor(echo_factor)
+        self._shuffle_buffer = _check_count("shuffle_buffer", shuffle_buffer)
+        self._batch_size = _check_count("batch_size", batch_size)
+        self._explicit_batch = self._batch_size is not None
+        self._seed = _check_count("seed", seed, minimum=0) or 0
+        self._capacity_bytes = _check_count("capacity_bytes", capacity_bytes)
+        self._interval = _check_count("echo_interval", echo_interval) or 1
+        for name, value in (("timeout", timeout), ("close_timeout", close_timeout)):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self._timeout = None if timeout is None else float(timeout)
+        self._close_timeout = float(close_timeout)
+        self._device = torch.device(device) if device is not None else None
+        cuda = self._device is not None and self._device.type == "cuda"
+        self._pin = bool(cuda if pin_memory is None else pin_memory)
+        if self._pin and not torch.cuda.is_available():
+            warnings.warn("EchoLoader: pin_memory=True but CUDA is not available; not pinning",
+                          RuntimeWarning, stacklevel=2)  # fmt: skip
+            self._pin = False
+        self._shared = _Shared()
+        self._layout: bl.Layout | None = None
+        self._saved_layout: str | None = None  # signature a resumed stream must match
+        self._cache_config: dict[str, int] | None = None
+        self._epoch = 0
+        self._totals = dict.fromkeys(_COUNTS, 0)
+        self._last_epoch = (0, 0, 0, 0)
+        self._delivered_epoch = [0, 0]  # batches, samples
+        self._fresh_base = 0  # fresh samples of this epoch from before a resume
+        self._history: list[tuple[int, float]] = [(0, self._factor)]
+        self._current: _EpochIterator | None = None
+        self._resume: dict[str, Any] | None = None
+        self._closed = False
+        self._last_yield: float | None = None
+        self._observed = (0.0, 0)
+        self._finalizer = weakref.finalize(self, _shutdown, self._shared, self._close_timeout)
+
+    # ---- configuration ----
+    @property
+    def echo_factor(self) -> float:
+        """The current ``e`` (applies to samples read from now on)."""
+        return self._factor
+
+    def set_echo_factor(self, value: float) -> None:
+        """Changes ``e`` for samples read from now on; samples in the cache keep their tickets.
+
+        With ``echo_factor="auto"`` the controller may change it again later.
+        """
+        e = _check_factor(value)
+        self._factor = e
+        cache = self._shared.cache
+        if cache is not None:
+            cache.echo_factor = e
+        self._history.append((self._totals["delivered_batches"] + self._delivered_epoch[0], e))
+
+    def _accept_layout(self, layout: bl.Layout, rows: int, stop: threading.Event) -> EchoCache:
+        """Called by the reader for every batch: checks it and returns the cache (made once)."""
+        with self._shared.lock:
+            if stop.is_set() or self._closed:
+                raise CacheClosedError("EchoLoader is closed")
+            if self._layout is None:
+                if self._saved_layout is not None and layout.signature() != self._saved_layout:
+                    raise bl.LayoutError(
+                        f"the batches differ from the saved state's: {layout.signature()} "
+                        f"instead of {self._saved_layout}"
+                    )
+                self._layout = layout
+            else:
+                bl.check_same(self._layout, layout)
+            if self._batch_size is None:
+                self._batch_size = rows
+            if self._shared.cache is None:
+                if self._cache_config is None:
+                    self._cache_config = self._default_config(layout)
+                self._shared.cache = self._new_cache()
+            return self._shared.cache
+
+    def _default_config(self, layout: bl.Layout) -> dict[str, int]:
+        assert self._batch_size is not None
+        buffer = self._shuffle_buffer or 4 * self._batch_size
+        if buffer < 2 * self._batch_size:
+            raise bl.LayoutError(
+                f"shuffle_buffer={buffer} holds fewer than two batches of {self._batch_size}"
+            )
+        per_sample = sum(
+            64 * math.ceil(sum(layout.leaves[i].nbytes for i in g) / 64) + 64 for g in layout.groups
+        )
+        per_sample += (2 * 64 + 1024 * len(layout.strings)) if layout.strings else 0
+        capacity = self._capacity_bytes or buffer * per_sample + (4 << 20)
+        return {
+            "capacity_bytes": capacity,
+            "capacity_samples": buffer,
+            "min_fill": buffer // 2,
+            "seed": self._seed,
+        }
+
+    def _new_cache(self) -> EchoCache:
+        assert self._cache_config is not None
+        return EchoCache(echo_factor=self._factor, memory="pageable", **self._cache_config)
+
+    # ---- iteration ----
+    def __iter__(self) -> Iterator[Any]:
+        """Starts an epoch (or continues the one restored by :meth:`load_state_dict`).
+
+        A previous iterator still in its epoch is ended first, as with a ``DataLoader``.
+        """
+        if self._closed:
+            raise RuntimeError("EchoLoader is closed")
+        if self._current is not None:
+            self._current.close()
+        resume, self._resume = self._resume, None
+        skip_batches = skip_rows = 0
+        if resume is not None:
+            skip_batches, skip_rows = resume["batches_done"], resume["rows_in_flight"]
+            self._fresh_base = resume["fresh_samples_epoch"]
+            self._delivered_epoch = [resume["delivered_batches_epoch"],
+                                     resume["delivered_samples_epoch"]]  # fmt: skip
+        else:
+            self._fresh_base = 0
+            self._delivered_epoch = [0, 0]
+            if self._shared.cache is not None:
+                self._shared.cache.reset_input()
+        producer = _Producer(self, self._epoch, skip_batches, skip_rows)
+        self._shared.producer = producer
+        self._last_yield = None
+        self._observed = (0.0, 0)
+        self._current = _EpochIterator(self)
+        producer.start()
+        return self._current
+
+    def _next(self, token: _EpochIterator) -> Any:
+        if token is not self._current:
+            raise RuntimeError("this EchoLoader iterator was replaced by a newer one")
+        producer = self._shared.producer
+        assert producer is not None
+        if self._last_yield is not None:
+            self._observe(producer, time.perf_counter() - self._last_yield)
+        got = self._take(producer)
+        if got is None:
+            return None
+        assert self._layout is not None
+        n = len(got)
+        batch = bl.decode(self._layout, got.fields, got.offsets, n)
+        if self._pin or self._device is not None:
+            batch = _map_tensors(batch, self._move)
+        self._delivered_epoch[0] += 1
+        self._delivered_epoch[1] += n
+        self._last_yield = time.perf_counter()
+        return batch
+
+    def _move(self, t: torch.Tensor) -> torch.Tensor:
+        if self._pin:
+            t = t.pin_memory()
+        if self._device is not None:
+            t = t.to(self._device, non_blocking=self._pin)
+        return t
+
+    def _take(self, producer: _Producer) -> Any:
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        while True:
+            if producer.error is not None:
+                raise producer.error
+            cache = self._shared.cache
+            if cache is None:
+                if self._closed:
+                    raise RuntimeError("EchoLoader was closed")
+                if producer.ready.is_set() and not producer.is_alive():
+                    if producer.error is not None:
+                        raise producer.error
+                    return None  # the wrapped loader yielded no batch this epoch
+                producer.ready.wait(_POLL_S)
+            else:
+                assert self._batch_size is not None
+                try:
+                    got = cache.take_batch(self._batch_size, timeout=_POLL_S)
+                except TimeoutError:
+                    got = False
+                except CacheClosedError:
+                    if producer.error is not None:
+                        raise producer.error from None
+                    raise RuntimeError("EchoLoader was closed") from None
+                if producer.error is not None:
+                    raise producer.error
+                if got is not False:
+                    return got
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"EchoLoader: no batch within timeout={self._timeout:g}s (epoch {self._epoch},"
+                    f" {self._delivered_epoch[0]} batches delivered, {producer.batches_done} "
+                    "read from the wrapped loader)"
+                )
+
+    def _observe(self, producer: _Producer, busy: float) -> None:
+        """Feeds the controller (``"auto"``) and applies its factor every ``echo_interval``."""
+        if self._controller is None:
+            return
+        up, count = producer.up_seconds, producer.up_batches
+        if count > self._observed[1]:
+            t_up = (up - self._observed[0]) / (count - self._observed[1])
+            self._observed = (up, count)
+            step = self._totals["delivered_batches"] + self._delivered_epoch[0]
+            self._controller.observe(t_up, max(busy, 1e-9), step)
+        step = self._totals["delivered_batches"] + self._delivered_epoch[0]
+        if step % self._interval == 0 and self._controller.factor != self._factor:
+            self.set_echo_factor(self._controller.factor)
+
+    def _end_epoch(self, token: _EpochIterator, abort: bool) -> None:
+        if token is not self._current:
+            return
+        self._current = None
+        producer = self._shared.producer
+        if abort:
+            _shutdown(self._shared, self._close_timeout)  # the cache goes; a new epoch makes one
+        elif producer is not None:
+            producer.shutdown(self._close_timeout)  # already ended: it ended the input
+        self._shared.producer = None
+        self._last_epoch = self._epoch_counts(producer)
+        for key, value in zip(_COUNTS, self._last_epoch, strict=True):
+            self._totals[key] += value
+        self._epoch += 1
+
+    def _epoch_counts(self, producer: _Producer | None) -> tuple[int, int, int, int]:
+        if producer is None:
+            return (0, self._fresh_base, *self._delivered_epoch)  # type: ignore[return-value]
+        return (producer.batches_done, self._fresh_base + producer.samples_put,
+                *self._delivered_epoch)  # type: ignore[return-value]  # fmt: skip
+
+    # ---- accounting and checkpoints ----
+    def stats(self) -> EchoLoaderStats:
+        """Exact counts so far (the epoch ones: the running epoch, else the last one)."""
+        producer = self._shared.producer
+        epoch = self._epoch_counts(producer) if producer is not None else self._last_epoch
+        totals = [self._totals[k] + (v if producer is not None else 0)
+                  for k, v in zip(_COUNTS, epoch, strict=True)]  # fmt: skip
+        cache = self._shared.cache
+        return EchoLoaderStats(
+            self._epoch, *totals, *epoch, echo_factor=self._factor,
+            echo_history=list(self._history), cache=cache.stats() if cache is not None else None,
+        )  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to continue later, mid-epoch too (call it between batches).
+
+        Holds the samples in the cache with their remaining tickets, the position in the
+        wrapped loader's epoch, the counters and the ``"auto"`` controller. Plain Python values
+        and bytes (``torch.save`` it with the model).
+        """
+        producer = self._shared.producer
+        guard = producer.lock if producer is not None else threading.Lock()
+        with guard:  # the reader is between two puts: the cache matches its position
+            cache = self._shared.cache
+            blob = cache.state_dict() if producer is not None and cache is not None else None
+            counts = self._epoch_counts(producer) if producer is not None else (0, 0, 0, 0)
+            position = (producer.batches_done, producer.rows_in_flight) if producer else (0, 0)
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "mid_epoch": producer is not None,
+            "batches_done": position[0],
+            "rows_in_flight": position[1],
+            "fresh_samples_epoch": counts[1],
+            "delivered_batches_epoch": counts[2],
+            "delivered_samples_epoch": counts[3],
+            "totals": dict(self._totals),
+            "echo_factor": self._factor,
+            "echo_history": [list(h) for h in self._history],
+            "controller": self._controller.state_dict() if self._controller else None,
+            "cache": blob,
+            "cache_config": dict(self._cache_config) if self._cache_config else None,
+            "layout": self._layout.signature() if self._layout else self._saved_layout,
+            "batch_size": self._batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` before iterating; the next ``iter()`` continues there.
+
+        A mid-epoch state re-reads the wrapped loader's epoch from its start and skips the
+        batches already read, so the wrapped loader must yield the same batches again (no
+        shuffling, or a seeded one). ValueError names a state that does not fit.
+        """
+        if self._current is not None:
+            raise RuntimeError("load_state_dict() during an epoch; call it before iter()")
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not an EchoLoader state of version {_STATE_VERSION}: {got!r}")
+        if (self._controller is None) != (state["controller"] is None):
+            raise ValueError("the state was saved with a different echo_factor mode (auto/fixed)")
+        _shutdown(self._shared, self._close_timeout)
+        self._epoch = int(state["epoch"])
+        self._totals = {k: int(state["totals"][k]) for k in _COUNTS}
+        self._factor = float(state["echo_factor"])
+        self._history = [(int(s), float(e)) for s, e in state["echo_history"]]
+        if self._controller is not None:
+            self._controller.load_state_dict(state["controller"])
+        if state["batch_size"] is not None and not self._explicit_batch:
+            self._batch_size = int(state["batch_size"])
+        self._cache_config = dict(state["cache_config"]) if state["cache_config"] else None
+        self._layout, self._saved_layout = None, state["layout"]
+        if state["cache"] is not None:
+            cache = self._new_cache()
+            cache.load_state_dict(state["cache"])
+            self._shared.cache = cache
+        self._resume = dict(state) if state["mid_epoch"] else None
+
+    # ---- lifecycle ----
+    def close(self) -> None:
+        """Stops the reader and the wrapped loader's workers, frees the cache. Idempotent.
+
+        Also runs when the ``EchoLoader`` is garbage collected and at interpreter exit.
+        """
+        self._closed = True
+        self._current = None
+        self._finalizer()
+
+    def __enter__(self) -> EchoLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        e = "auto" if self._controller is not None else f"{self._factor:g}"
+        return f"EchoLoader(echo_factor={e}, epoch={self._epoch}, closed={self._closed})"
