@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _device_gather
 from ._native import _C
 
 __all__ = [
@@ -591,70 +592,13 @@ class EchoCache:
             raise ValueError(f"layout must be 'HWC' or 'CHW', got {layout!r}")
         if layout == "CHW" and normalize is None:
             raise ValueError("layout='CHW' needs normalize=(mean, std) (the fused kernel permutes)")
-        samples = list(samples)
-        if not samples:
-            raise ValueError("samples is empty: nothing to gather")
-        for i, s in enumerate(samples):
-            if not isinstance(s, EchoSample):
-                raise TypeError(f"samples[{i}] must be an EchoSample, got {type(s).__name__}")
-        if isinstance(field, bool) or not isinstance(field, (int, np.integer)):
-            raise TypeError(f"field must be an int, got {field!r}")
-        field = int(field)
-        for i, s in enumerate(samples):
-            if not 0 <= field < len(s):
-                raise ValueError(
-                    f"field={field} is out of range for samples[{i}], which has {len(s)} field(s)"
-                )
-        arrays = [s.arrays[field] for s in samples]
-        dtypes = {s.dtype(field) for s in samples}
+        samples, field = _device_gather.check_samples(samples, field, EchoSample)
         if normalize is None:
-            if len(dtypes) != 1:
-                raise ValueError(f"samples have different dtypes for field {field}: {dtypes}")
-            want = getattr(torch, dtypes.pop())  # dtype names match torch's
-            if out.dtype != want:
-                raise ValueError(f"out has dtype {out.dtype} but field {field} is {want}")
-            numel = sum(int(a.size) for a in arrays)
-            if out.numel() != numel:
-                raise ValueError(
-                    f"out has {out.numel()} elements but the {len(samples)} samples hold {numel}"
-                )
+            _device_gather.check_plain_out(torch, samples, field, out)
         else:
-            try:
-                mean, std = (tuple(float(v) for v in part) for part in normalize)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"normalize must be (mean, std), two sequences of numbers, got {normalize!r}"
-                ) from None
-            shape = arrays[0].shape
-            if dtypes != {"uint8"} or len(shape) != 3:
-                raise ValueError(
-                    f"normalize needs uint8 HWC images, got {sorted(dtypes)} with shape "
-                    f"{tuple(shape)}"
-                )
-            bad = next((i for i, a in enumerate(arrays) if a.shape != shape), None)
-            if bad is not None:
-                raise ValueError(
-                    f"normalize needs equal image shapes: samples[0] is {tuple(shape)}, "
-                    f"samples[{bad}] is {tuple(arrays[bad].shape)}"
-                )
-            h, w, c = shape
-            if not 1 <= c <= 4 or len(mean) != c or len(std) != c:
-                raise ValueError(
-                    f"normalize needs one mean and one std per channel ({c}), got "
-                    f"{len(mean)} and {len(std)}"
-                )
-            if any(v == 0 or not math.isfinite(v) for v in std) or not all(
-                math.isfinite(v) for v in mean
-            ):
-                raise ValueError(f"normalize needs finite mean and non-zero std, got {normalize!r}")
-            if out.dtype != torch.float32:
-                raise ValueError(f"normalize writes float32, but out has dtype {out.dtype}")
-            n = len(samples)
-            want_shape = (n, c, h, w) if layout == "CHW" else (n, h, w, c)
-            if tuple(out.shape) != want_shape:
-                raise ValueError(
-                    f"out has shape {tuple(out.shape)}, layout={layout!r} needs {want_shape}"
-                )
+            mean, std = _device_gather.check_normalize(
+                torch, samples, field, out, normalize, layout
+            )
         if out.device.type != "cuda":
             raise ValueError(f"out must be a CUDA tensor, got one on device '{out.device}'")
         if not out.is_contiguous():
@@ -664,25 +608,23 @@ class EchoCache:
                 f"gather_to_device needs a pinned, GPU-mapped cache, but cache {self._name!r} is "
                 f"{self.memory_kind!r} (create it with memory='pinned' or 'auto' on a GPU machine)"
             )
-        if stream is None:
-            handle = torch.cuda.current_stream(out.device).cuda_stream
-        elif isinstance(stream, torch.cuda.Stream):
-            handle = stream.cuda_stream
-        elif isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
-            handle = int(stream)
-        else:
-            raise TypeError(
-                f"stream must be a torch.cuda.Stream, an int handle or None, got "
-                f"{type(stream).__name__}"
+        if self.arena_device_ptr == 0:
+            raise RuntimeError(
+                f"cache {self._name!r} is pinned but not mapped into the GPU's address space: "
+                "cudaHostGetDevicePointer failed when its arena was allocated (no unified "
+                "addressing on this device?); gather on the host with take_batch instead"
             )
+        stream_obj = _device_gather.resolve_stream(torch, stream, out.device)
         leases = [s._lease for s in samples]
         with torch.cuda.device(out.device):
             if normalize is None:
-                _C.gather_to_device(leases, field, out.data_ptr(), handle)
+                _C.gather_to_device(leases, field, out.data_ptr(), stream_obj.cuda_stream)
             else:
                 _C.gather_normalize_to_device(
-                    leases, field, list(mean), list(std), layout == "CHW", out.data_ptr(), handle
-                )
+                    leases, field, mean, std, layout == "CHW", out.data_ptr(),
+                    stream_obj.cuda_stream,
+                )  # fmt: skip
+            _device_gather.keep_until_done(torch, stream_obj, out, leases)
         return out
 
     def stats(self) -> EchoStats:
