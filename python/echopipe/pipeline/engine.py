@@ -23,7 +23,13 @@ import torch
 from torch import nn
 
 from .checkpoint import atomic_save, load_file
-from .partition import DeviceLike, parse_devices, partition_balance, split_sequential
+from .partition import (
+    DeviceLike,
+    check_stale_share,
+    parse_devices,
+    partition_balance,
+    split_sequential,
+)
 from .schedule import HybridSchedule, stage_staleness
 from .stage import StageCore
 from .stream import (
@@ -220,6 +226,9 @@ class StalePipeline:
             Typical use: average the gradients over data-parallel replicas of the pipeline
             (``all_reduce`` on a process group per stage). Runs for every update, in the
             stage's fixed operation order.
+        max_stale_share: bound on the share of trainable parameters in the stale stages (all
+            but the last): ``balance="auto"`` picks the fastest split within it, an explicit
+            balance above it raises ``ValueError`` (see ``partition.stale_share``).
     """
 
     def __init__(
@@ -240,6 +249,7 @@ class StalePipeline:
         intra_op_threads: int | Sequence[int] | None = None,
         max_prefetch: int = 2,
         grad_hook: StageGradHook | None = None,
+        max_stale_share: float | None = None,
     ) -> None:
         if not isinstance(module, nn.Sequential):
             raise TypeError(
@@ -269,9 +279,13 @@ class StalePipeline:
             stages_wanted = num_stages or (len(devices) if devices is not None else None)
             if stages_wanted is None:
                 raise ValueError("balance='auto' needs num_stages or devices")
-            balance = partition_balance(module, sample_input, stages_wanted, devices)
+            balance = partition_balance(
+                module, sample_input, stages_wanted, devices, max_stale_share=max_stale_share
+            )
         elif balance is None:
             balance = [len(module)]
+        if max_stale_share is not None:
+            check_stale_share(module, balance, max_stale_share)
         self.module = module
         self.stages = split_sequential(module, balance)
         self.balance = [len(s) for s in self.stages]

@@ -12,20 +12,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 __all__ = [
     "LayerProfile",
+    "check_stale_share",
     "parse_devices",
     "partition_balance",
     "profile_layers",
     "split_sequential",
+    "stale_share",
+    "stale_share_fits",
     "validate_balance",
 ]
 
 DeviceLike = str | int | torch.device
+StaleShareBy = Literal["params", "layers"]
 
 
 def parse_devices(devices: Sequence[DeviceLike] | None, num_stages: int) -> list[torch.device]:
@@ -230,6 +235,8 @@ def partition_balance(
     *,
     memory_caps: Sequence[int] | None = None,
     repeats: int = 3,
+    max_stale_share: float | None = None,
+    stale_share_by: StaleShareBy = "params",
 ) -> list[int]:
     """Choose a balance for ``num_stages`` stages by profiling each layer.
 
@@ -239,7 +246,11 @@ def partition_balance(
     (best of ``repeats``), and the one with the fastest slowest stage wins. When
     ``memory_caps`` (bytes per stage) is given, a stage's parameters plus the activations it
     keeps in flight must fit: stage ``k`` of ``K`` holds up to ``2(K-1-k)+1`` outputs in flight
-    under the stale-weight schedule.
+    under the stale-weight schedule. When ``max_stale_share`` is given, only splits whose
+    stale stages (all but the last) hold at most that share of the trainable parameters
+    (``stale_share_by="params"``) or of the layers with parameters (``"layers"``) are
+    considered: staleness costs accuracy mostly when it reaches deep layers
+    (``bench/staleness_remedies.py``), at the price of a less even split.
 
     Returns:
         ``balance``, a list of ``num_stages`` positive ints summing to ``len(module)``.
@@ -267,8 +278,19 @@ def partition_balance(
             return need <= caps[stage]
 
         stage_fits = fits
+    if max_stale_share is not None:
+        stale_fits = stale_share_fits(module, num_stages, max_stale_share, stale_share_by)
+        stage_fits = _both(stage_fits, stale_fits)
     balance = _min_max_partition(costs, num_stages, stage_fits)
     return _refine_by_stage_time(module, sample_input, device, balance, stage_fits, max(repeats, 5))
+
+
+def _both(
+    first: Callable[[int, int, int], bool] | None, second: Callable[[int, int, int], bool]
+) -> Callable[[int, int, int], bool]:
+    if first is None:
+        return second
+    return lambda stage, start, stop: first(stage, start, stop) and second(stage, start, stop)
 
 
 def _neighbour_balances(
@@ -356,3 +378,84 @@ def _refine_by_stage_time(
         module.to(original_device)
         module.load_state_dict(saved_state)
         module.train(was_training)
+
+
+# Accuracy-aware bound: how much of the model may run stale ------------------------------------
+
+
+def _child_weights(module: nn.Sequential, by: StaleShareBy) -> list[int]:
+    """Per child: its trainable parameter count (``"params"``) or 1 if it has any (``"layers"``)."""
+    if by not in ("params", "layers"):
+        raise ValueError(f"stale share is measured by 'params' or 'layers', got {by!r}")
+    counts = [sum(p.numel() for p in c.parameters() if p.requires_grad) for c in module]
+    return counts if by == "params" else [int(n > 0) for n in counts]
+
+
+def stale_share(
+    module: nn.Sequential, balance: Sequence[int], by: StaleShareBy = "params"
+) -> float:
+    """Share of ``module`` that trains with stale weights under ``balance``.
+
+    Every stage but the last is stale when pipelined (``D_k = 2(K-1-k) > 0``), so this is the
+    share of trainable parameters (``by="params"``) or of layers with trainable parameters
+    (``by="layers"``) in the children before the last stage. 0 for one stage or a model
+    without trainable parameters.
+    """
+    values = validate_balance(module, balance)
+    weights = _child_weights(module, by)
+    total = sum(weights)
+    return sum(weights[: len(module) - values[-1]]) / total if total else 0.0
+
+
+def stale_share_fits(
+    module: nn.Sequential,
+    num_stages: int,
+    max_stale_share: float,
+    by: StaleShareBy = "params",
+) -> Callable[[int, int, int], bool]:
+    """A ``stage_fits(stage, start, stop)`` rule keeping the stale share <= ``max_stale_share``.
+
+    The stale share depends only on where the last stage starts, so the rule limits that
+    start. Raises ``ValueError`` when no split into ``num_stages`` stages can meet the bound
+    (the stale stages need at least one child each), naming the smallest share reachable.
+    """
+    if isinstance(max_stale_share, bool) or not isinstance(max_stale_share, int | float):
+        raise TypeError(f"max_stale_share must be a number in [0, 1], got {max_stale_share!r}")
+    if not 0.0 <= max_stale_share <= 1.0:
+        raise ValueError(f"max_stale_share must be in [0, 1], got {max_stale_share!r}")
+    weights = _child_weights(module, by)
+    total = sum(weights)
+    last_start = 0  # the largest index the last stage may start at
+    running = 0
+    for j in range(len(weights) + 1):
+        if total == 0 or running <= max_stale_share * total * (1 + 1e-12):
+            last_start = j
+        if j < len(weights):
+            running += weights[j]
+    if last_start < num_stages - 1:
+        smallest = sum(weights[: num_stages - 1]) / total if total else 0.0
+        raise ValueError(
+            f"max_stale_share={max_stale_share} cannot be met with {num_stages} stages: "
+            f"the smallest stale share ({by}) is {smallest:.3f}, with one layer in each "
+            "stale stage"
+        )
+
+    def fits(stage: int, start: int, stop: int) -> bool:
+        return stage != num_stages - 1 or start <= last_start
+
+    return fits
+
+
+def check_stale_share(
+    module: nn.Sequential,
+    balance: Sequence[int],
+    max_stale_share: float,
+    by: StaleShareBy = "params",
+) -> None:
+    """Raise ``ValueError`` if ``balance`` runs more than ``max_stale_share`` of the model stale."""
+    share = stale_share(module, balance, by)
+    if share > max_stale_share * (1 + 1e-12):
+        raise ValueError(
+            f"balance {list(balance)!r} runs {share:.3f} of the model's {by} stale, above "
+            f"max_stale_share={max_stale_share}"
+        )
