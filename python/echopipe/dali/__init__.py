@@ -53,9 +53,10 @@ from .builders import (
     index_imagenet_split,
     resolve_split_dir,
 )
+from .definition import echo_pipeline_def
 from .iterator import EchoIterator, EchoIteratorStats, to_torch
 from .peer import PythonEchoBuffer, PythonEchoPipeline, python_echo_train_pipeline
-from .pipeline import EchoConfig, EchoPipeline, current_stage, echo, echo_pipeline_def
+from .pipeline import EchoConfig, EchoPipeline, current_stage, echo
 
 
 def load_plugin() -> None:

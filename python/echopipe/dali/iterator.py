@@ -114,7 +114,17 @@ class EchoIterator:
         last_batch_policy: ``FILL`` returns the last batch full (padded with repeats of its own
             samples at the end of a finite stream), ``DROP`` drops an incomplete last batch,
             ``PARTIAL`` trims it to the samples that belong to the epoch.
-        auto_reset: start the next epoch automatically after StopIteration.
+        auto_reset: start the next epoch automatically after StopIteration (also ``"yes"`` /
+            ``"no"``, as DALI's iterators take it).
+        reader_name: as in DALI's iterators: the epoch is the named reader's shard size times
+            the echo factor (the default epoch already is; the name is checked against the
+            pipeline's reader).
+        prepare_first_batch: as in DALI's iterators: start both pipelines now, so the first
+            batch is being prepared before the first ``next()``.
+
+    The same arguments as DALI's ``DALIGenericIterator`` are accepted, so switching between the
+    two is a change of the class name; DALI's iterators also work on an :class:`EchoPipeline`
+    directly (without echo statistics).
     """
 
     def __init__(
@@ -125,7 +135,9 @@ class EchoIterator:
         epoch_size: int | None = None,
         steps_per_epoch: int | None = None,
         last_batch_policy: LastBatchPolicy = LastBatchPolicy.FILL,
-        auto_reset: bool = False,
+        auto_reset: bool | str = False,
+        reader_name: str | None = None,
+        prepare_first_batch: bool = False,
     ) -> None:
         if not isinstance(pipeline, EchoPipeline):
             raise TypeError(f"pipeline must be an EchoPipeline, got {type(pipeline).__name__}")
@@ -139,10 +151,16 @@ class EchoIterator:
             raise ValueError(f"epoch_size must be >= 1, got {epoch_size}")
         if steps_per_epoch is not None and steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
+        if auto_reset not in (True, False, None, "yes", "no"):
+            raise ValueError(f"auto_reset must be a bool, 'yes' or 'no', got {auto_reset!r}")
         self.pipeline = pipeline
         self.output_map = list(output_map)
         self.last_batch_policy = last_batch_policy
-        self.auto_reset = auto_reset
+        self.auto_reset = auto_reset in (True, "yes")
+        if reader_name is not None:
+            pipeline.reader_meta(reader_name)  # names an unknown reader
+        if prepare_first_batch:
+            pipeline.start()
         self.stats = EchoIteratorStats()
         self._epoch_size = epoch_size
         self._steps_per_epoch = steps_per_epoch

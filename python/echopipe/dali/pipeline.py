@@ -22,7 +22,6 @@ manager, or at interpreter exit (``weakref.finalize``), so nothing hangs.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import math
 import os
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import _plugin
+from .dali_api import DaliPipelineApi
 
 _ECHO_MODES = ("example", "batch")
 _STATE_VERSION = 1
@@ -362,11 +362,13 @@ def _close_resources(cache: Any, runner: _UpstreamRunner, cache_name: str) -> No
     _plugin.forget(cache_name)
 
 
-class EchoPipeline:
+class EchoPipeline(DaliPipelineApi):
     """An upstream and a downstream DALI pipeline joined by a native echo cache.
 
     Create it with :func:`echo_pipeline_def`. Iterate it with :class:`~echopipe.dali.EchoIterator`
-    (PyTorch), or call :meth:`next_batch` for raw DALI outputs. DALI pipelines are built lazily
+    (PyTorch, with echo statistics), with DALI's own ``DALIGenericIterator`` /
+    ``DALIClassificationIterator`` (see :class:`~echopipe.dali.dali_api.DaliPipelineApi`), or
+    call :meth:`next_batch` for raw DALI outputs. DALI pipelines are built lazily
     (by :attr:`shard_size` or :meth:`start`, at the latest on the first batch) and nothing runs
     before the first batch, so :meth:`load_state_dict` can restore a checkpoint until then.
 
@@ -443,6 +445,7 @@ class EchoPipeline:
         self._closed = False
         self.upstream_wait_s = 0.0
         self.downstream_wait_s = 0.0
+        self._init_dali_api()
 
     # -- building --
 
@@ -496,6 +499,9 @@ class EchoPipeline:
         downstream.set_outputs(*outputs, down_state.info)
         upstream.build()
         downstream.build()
+        # Only echopipe drives this pipeline; DALI's check against mixing its run APIs would
+        # reject a checkpoint taken between a DALI iterator's steps.
+        downstream.enable_api_check(False)
         self.upstream, self.downstream = upstream, downstream
         self.num_fields = up_state.num_fields
         self.num_outputs = len(outputs)
@@ -593,24 +599,14 @@ class EchoPipeline:
         if self._exhausted:
             raise StopIteration
         self._raise_runner_error()
-        t0 = time.perf_counter()
         if self.config.deterministic:
-            try:
-                self._runner.fill()
-            except Exception as exc:
-                self._runner.error = exc
-                raise self._upstream_failed(exc) from exc
-            self.upstream_wait_s += time.perf_counter() - t0
+            self._fill_for_next_run()
             t0 = time.perf_counter()
             self.downstream.schedule_run()
             self._scheduled += 1
-        elif self._scheduled == 0 and not self._input_done:
-            # DALI prefetches the whole queue on its first schedule_run() only.
-            first = not self._dali_prefetched
-            self._dali_prefetched = True
-            for _ in range(1 if first else self._prefetch):
-                self.downstream.schedule_run()
-            self._scheduled = self._prefetch
+        else:
+            t0 = time.perf_counter()
+            self._schedule_free_running()
         if self._scheduled == 0:
             self._exhausted = True
             raise StopIteration
@@ -621,17 +617,43 @@ class EchoPipeline:
             raise
         self._scheduled -= 1
         self.downstream_wait_s += time.perf_counter() - t0
-        info = _host_dense(outputs[-1])
-        # Only a batch with no real sample ends the stream: in batch mode the input's short last
-        # unit can make a batch short while whole units are still to come.
-        if not info[:, 0].any():
-            self._input_done = True
-            self._exhausted = True
+        info = self._end_of_stream(outputs[-1])
+        if info is None:
             raise StopIteration
         if not self.config.deterministic:
             self.downstream.schedule_run()
             self._scheduled += 1
         return outputs[:-1], info
+
+    def _schedule_free_running(self) -> None:
+        if self._scheduled == 0 and not self._input_done:
+            # DALI prefetches the whole queue on its first schedule_run() only.
+            first = not self._dali_prefetched
+            self._dali_prefetched = True
+            for _ in range(1 if first else self._prefetch):
+                self.downstream.schedule_run()
+            self._scheduled = self._prefetch
+
+    def _fill_for_next_run(self) -> None:
+        """Deterministic mode: fills the cache in this thread before a downstream iteration."""
+        t0 = time.perf_counter()
+        try:
+            self._runner.fill()
+        except Exception as exc:
+            self._runner.error = exc
+            raise self._upstream_failed(exc) from exc
+        self.upstream_wait_s += time.perf_counter() - t0
+
+    def _end_of_stream(self, info_list: Any) -> np.ndarray | None:
+        """The batch's ``info`` as numpy, or None (and the stream marked ended) when it holds
+        no real sample. Only such a batch ends the stream: in batch mode the input's short last
+        unit can make a batch short while whole units are still to come."""
+        info = _host_dense(info_list)
+        if info[:, 0].any():
+            return info
+        self._input_done = True
+        self._exhausted = True
+        return None
 
     def reset(self) -> None:
         """Starts the next pass of a finite stream (no-op for an endless one before its end)."""
@@ -660,6 +682,7 @@ class EchoPipeline:
         """
         self.start()
         self._raise_runner_error()
+        self.release_outputs()
         # Take DALI's prepared batches out first, while the upstream still feeds the cache.
         while self._scheduled > 0:
             outputs = list(self.downstream.outputs())
@@ -833,118 +856,3 @@ def _to_numpy(tensor_list: Any) -> np.ndarray | list[np.ndarray]:
     if hasattr(tensor_list, "as_cpu"):
         tensor_list = tensor_list.as_cpu()
     return [np.array(tensor_list.at(i)) for i in range(len(tensor_list))]
-
-
-def echo_pipeline_def(
-    fn: Callable[..., Any] | None = None,
-    *,
-    batch_size: int,
-    num_threads: int = 2,
-    device_id: int | None = None,
-    echo_factor: float = 2.0,
-    mode: str = "example",
-    shuffle_buffer: int | None = None,
-    cache_samples: int | None = None,
-    cache_bytes: int = 256 << 20,
-    upstream_batch_size: int | None = None,
-    upstream_num_threads: int | None = None,
-    epochs: int | None = None,
-    deterministic: bool = False,
-    seed: int = 0,
-    memory: str = "auto",
-    prefetch_queue_depth: int = 2,
-    enable_checkpointing: bool = False,
-    on_upstream_error: Callable[[BaseException], BaseException | None] | None = None,
-    **pipeline_kwargs: Any,
-) -> Any:
-    """Decorator: a DALI pipeline function with one :func:`echo` call becomes an echoing pipeline.
-
-    Calling the decorated function returns an :class:`EchoPipeline` (nothing runs until the
-    first batch). Decorator arguments can be overridden per call with the same keywords.
-
-    Args:
-        batch_size: downstream batch size (what the training loop sees).
-        num_threads, device_id: as in DALI (``device_id=None`` for CPU-only pipelines).
-        echo_factor: e >= 1; each fresh sample is emitted floor(e) or ceil(e) times (ceil with
-            probability frac(e)), e.g. 2.0 or 1.5.
-        mode: ``"example"`` echoes samples; ``"batch"`` echoes whole upstream batches (requires
-            ``batch_size`` to be a multiple of ``upstream_batch_size``).
-        shuffle_buffer: samples the cache must hold before the first draw (its min fill);
-            default ``batch_size``.
-        cache_samples, cache_bytes: capacity of the cache, in samples and bytes.
-        upstream_batch_size: batch size of the reader part (default ``batch_size``).
-        upstream_num_threads: DALI threads of the upstream pipeline (default ``num_threads``).
-        epochs: None for an endless stream; N to read N epochs of the reader and then end the
-            stream (the reader needs ``pad_last_batch=True``).
-        deterministic: run the upstream in lock-step with the consumer, so the output is a pure
-            function of ``seed`` and the input order (also what makes checkpoints replay exactly).
-        seed: seeds the cache's tickets and draws, and both DALI pipelines.
-        memory: cache arena: ``"auto"`` (pinned when a GPU is present), ``"pageable"`` or
-            ``"pinned"``.
-        prefetch_queue_depth: downstream DALI prefetch (forced to 1 when deterministic).
-        enable_checkpointing: also checkpoint DALI's own operator states (reader position,
-            random augmentation state), so :meth:`EchoPipeline.state_dict` resumes exactly.
-        on_upstream_error: ``callback(error) -> exception or None`` for upstream failures
-            (see :meth:`EchoPipeline.describe_upstream_error`).
-        **pipeline_kwargs: passed to both ``nvidia.dali.Pipeline`` objects.
-    """
-    defaults = dict(
-        batch_size=batch_size,
-        num_threads=num_threads,
-        device_id=device_id,
-        echo_factor=echo_factor,
-        mode=mode,
-        shuffle_buffer=shuffle_buffer,
-        cache_samples=cache_samples,
-        cache_bytes=cache_bytes,
-        upstream_batch_size=upstream_batch_size,
-        upstream_num_threads=upstream_num_threads,
-        epochs=epochs,
-        deterministic=deterministic,
-        seed=seed,
-        memory=memory,
-        prefetch_queue_depth=prefetch_queue_depth,
-        enable_checkpointing=enable_checkpointing,
-        on_upstream_error=on_upstream_error,
-    )
-
-    def decorate(func: Callable[..., Any]) -> Callable[..., EchoPipeline]:
-        @functools.wraps(func)
-        def create(*args: Any, **kwargs: Any) -> EchoPipeline:
-            opts = dict(defaults)
-            extra = dict(pipeline_kwargs)
-            for key in list(kwargs):
-                if key in opts:
-                    opts[key] = kwargs.pop(key)
-            config = EchoConfig(
-                batch_size=opts["batch_size"],
-                echo_factor=opts["echo_factor"],
-                mode=opts["mode"],
-                shuffle_buffer=opts["shuffle_buffer"],
-                cache_samples=opts["cache_samples"],
-                cache_bytes=opts["cache_bytes"],
-                upstream_batch_size=opts["upstream_batch_size"],
-                epochs=opts["epochs"],
-                deterministic=opts["deterministic"],
-                seed=opts["seed"],
-                memory=opts["memory"],
-            )
-            return EchoPipeline(
-                func,
-                args,
-                kwargs,
-                config=config,
-                num_threads=opts["num_threads"],
-                device_id=opts["device_id"],
-                upstream_num_threads=opts["upstream_num_threads"],
-                prefetch_queue_depth=opts["prefetch_queue_depth"],
-                enable_checkpointing=opts["enable_checkpointing"],
-                pipeline_kwargs=extra,
-                on_upstream_error=opts["on_upstream_error"],
-            )
-
-        return create
-
-    if fn is not None:
-        return decorate(fn)
-    return decorate

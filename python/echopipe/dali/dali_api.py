@@ -1,0 +1,207 @@
+"""The part of ``nvidia.dali.Pipeline``'s interface that DALI's framework iterators use.
+
+With it, ``DALIGenericIterator`` and ``DALIClassificationIterator`` from
+``nvidia.dali.plugin.pytorch`` (and DALI's other framework plugins, which share the same base
+iterator) accept an :class:`~echopipe.dali.EchoPipeline` unchanged. The route is a proxy: the
+scheduling calls go to the downstream DALI pipeline (with echopipe's ``info`` output removed,
+and the upstream filled first in deterministic mode), and ``reader_meta`` / ``epoch_size``
+report the upstream reader's figures scaled by the echo factor, so ``reader_name=`` gives an
+epoch of e times the reader's samples. Checkpoints go through DALI's own route
+(``enable_checkpointing=True``, ``iterator.checkpoints()``, then ``checkpoint=`` when creating
+the pipeline again) and carry the whole echo state (see :mod:`.state_codec`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from . import state_codec
+
+
+class DaliPipelineApi:
+    """Mixin for :class:`EchoPipeline`: the DALI ``Pipeline`` methods its iterators call."""
+
+    # Set by EchoPipeline.__init__ / _build; declared here for readers and type checkers.
+    config: Any
+    downstream: Any
+    upstream: Any
+    _device_id: int | None
+    _prefetch: int
+    _scheduled: int
+    _stash: list[Any]
+    _exhausted: bool
+    _dali_prefetched: bool
+    _started: bool
+    _enable_checkpointing: bool
+
+    def _init_dali_api(self) -> None:
+        self._shared = False
+        self._is_restored = False
+        self._iterator_data = ""
+
+    # -- attributes DALI's iterators read --
+
+    @property
+    def max_batch_size(self) -> int:
+        """The downstream batch size (what each iteration returns)."""
+        return int(self.config.batch_size)
+
+    @property
+    def batch_size(self) -> int:
+        """Same as :attr:`max_batch_size`."""
+        return int(self.config.batch_size)
+
+    @property
+    def device_id(self) -> int | None:
+        """The CUDA device of both DALI pipelines (None for CPU-only pipelines)."""
+        return self._device_id
+
+    @property
+    def exec_dynamic(self) -> bool:
+        self.build()
+        return bool(self.downstream.exec_dynamic)
+
+    @property
+    def is_restored_from_checkpoint(self) -> bool:
+        """True when created with ``checkpoint=`` (DALI's restore route)."""
+        return self._is_restored
+
+    @property
+    def _first_iter(self) -> bool:
+        return not self._started
+
+    @contextlib.contextmanager
+    def _check_api_type_scope(self, api_type: Any) -> Iterator[None]:
+        self.build()
+        with self.downstream._check_api_type_scope(api_type):
+            yield
+
+    def build(self) -> None:
+        """Builds both DALI pipelines (idempotent; nothing runs)."""
+        self._build()  # type: ignore[attr-defined]
+
+    # -- epoch size: the reader's, times the echo factor --
+
+    def reader_meta(self, name: str | None = None) -> dict[str, Any]:
+        """The upstream reader's metadata with ``epoch_size`` and ``epoch_size_padded`` scaled
+        by the echo factor (e fresh-sample epochs' worth of emitted samples per epoch).
+
+        Read once by DALI's iterators when they are created: after ``set_echo_factor`` create
+        the iterator again, or use :class:`EchoIterator`, whose epoch follows the factor.
+        """
+        self.build()
+        if name is not None:
+            return self._scaled_meta(self.upstream.reader_meta(name))
+        return {k: self._scaled_meta(m) for k, m in self.upstream.reader_meta().items()}
+
+    def epoch_size(self, name: str | None = None) -> int | dict[str, int]:
+        """Like ``Pipeline.epoch_size``: the scaled ``epoch_size_padded`` of the reader(s)."""
+        if name is not None:
+            return int(self.reader_meta(name)["epoch_size_padded"])
+        return {k: int(m["epoch_size_padded"]) for k, m in self.reader_meta().items()}
+
+    def _scaled_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
+        e = float(self.config.echo_factor)
+        out = dict(meta)
+        for key in ("epoch_size", "epoch_size_padded"):
+            if key in out:
+                out[key] = max(1, round(int(out[key]) * e))
+        return out
+
+    # -- scheduling --
+
+    def schedule_run(self) -> None:
+        """Schedules downstream iterations up to the prefetch depth (fills the cache first in
+        deterministic mode)."""
+        self.start()  # type: ignore[attr-defined]
+        if self._dali_prefetched and self._scheduled >= self._prefetch:
+            return  # batches restored from a checkpoint took the places of scheduled ones
+        if self.config.deterministic:
+            self._fill_for_next_run()  # type: ignore[attr-defined]
+        # DALI's first schedule_run prefetches its whole queue, later ones run one iteration.
+        self._scheduled += 1 if self._dali_prefetched else self._prefetch
+        self._dali_prefetched = True
+        self.downstream.schedule_run()
+
+    def share_outputs(self) -> tuple[Any, ...]:
+        """The next batch's outputs (without echopipe's ``info``); StopIteration at the end of
+        a finite stream. Batches restored from a checkpoint come first."""
+        self.start()  # type: ignore[attr-defined]
+        if self._stash:
+            arrays, _info = self._stash.pop(0)
+            return tuple(_as_tensor_list(a) for a in arrays)
+        if self._exhausted:
+            raise StopIteration
+        self._raise_runner_error()  # type: ignore[attr-defined]
+        if self._scheduled == 0:
+            self.schedule_run()
+        try:
+            outputs = self.downstream.share_outputs()
+        except Exception:
+            self._raise_runner_error()  # type: ignore[attr-defined]
+            raise
+        self._scheduled -= 1
+        if self._end_of_stream(outputs[-1]) is None:  # type: ignore[attr-defined]
+            self.downstream.release_outputs()
+            raise StopIteration
+        self._shared = True
+        return tuple(outputs[:-1])
+
+    def release_outputs(self) -> None:
+        """Returns the buffers of the last :meth:`share_outputs` to DALI."""
+        if self._shared:
+            self._shared = False
+            self.downstream.release_outputs()
+
+    def outputs(self) -> tuple[Any, ...]:
+        """Like ``Pipeline.outputs``: the next scheduled batch, released on the next call."""
+        self.release_outputs()
+        return self.share_outputs()
+
+    def run(self) -> tuple[Any, ...]:
+        """Like ``Pipeline.run``: schedules an iteration and returns the next batch."""
+        self.schedule_run()
+        return self.outputs()
+
+    def empty(self) -> bool:
+        """True when no batch is scheduled or restored and waiting to be taken."""
+        return self._scheduled == 0 and not self._stash
+
+    # -- DALI's checkpoint route --
+
+    def _get_checkpoint(self, iterator_data: str = "") -> bytes:
+        """The whole echo state plus DALI's iterator data, as bytes (see :mod:`.state_codec`)."""
+        if not self._enable_checkpointing:
+            raise ValueError(
+                "create the pipeline with enable_checkpointing=True to take DALI checkpoints"
+            )
+        state = self.state_dict()  # type: ignore[attr-defined]
+        state["iterator_data"] = iterator_data
+        return state_codec.encode(state)
+
+    def checkpoint(self, filename: str | None = None) -> bytes:
+        """Like ``Pipeline.checkpoint``: the state as bytes, also written to ``filename``."""
+        blob = self._get_checkpoint()
+        if filename is not None:
+            with open(filename, "wb") as f:
+                f.write(blob)
+        return blob
+
+    def _restore_checkpoint(self, blob: bytes | str) -> None:
+        state = state_codec.decode(blob)
+        self._iterator_data = state.pop("iterator_data", "")
+        self.load_state_dict(state)  # type: ignore[attr-defined]
+        self._is_restored = True
+
+
+def _as_tensor_list(value: Any) -> Any:
+    """A stashed numpy batch (dense array or list of samples) as a DALI CPU TensorList."""
+    from nvidia.dali.backend import TensorListCPU
+
+    if isinstance(value, np.ndarray):
+        return TensorListCPU(np.ascontiguousarray(value))
+    return TensorListCPU([np.ascontiguousarray(v) for v in value])

@@ -1,0 +1,139 @@
+"""``@echo_pipeline_def``: DALI's ``@pipeline_def``, with one :func:`echo` point.
+
+It is used the way ``@pipeline_def`` is: bare or with arguments, and every argument of the
+decorator, every ``nvidia.dali.Pipeline`` argument (``batch_size``, ``num_threads``,
+``device_id``, ``seed``, ``prefetch_queue_depth``, ``enable_checkpointing``, ``checkpoint``,
+``exec_dynamic``, ...) and every echo option can also be given when the decorated function is
+called. Keywords the pipeline function itself declares go to the function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from .pipeline import EchoConfig, EchoPipeline
+
+#: Echo options and their defaults (see :func:`echo_pipeline_def`).
+ECHO_DEFAULTS: dict[str, Any] = dict(
+    batch_size=None,
+    num_threads=2,
+    device_id=None,
+    echo_factor=2.0,
+    mode="example",
+    shuffle_buffer=None,
+    cache_samples=None,
+    cache_bytes=256 << 20,
+    upstream_batch_size=None,
+    upstream_num_threads=None,
+    epochs=None,
+    deterministic=False,
+    seed=0,
+    memory="auto",
+    prefetch_queue_depth=2,
+    enable_checkpointing=False,
+    on_upstream_error=None,
+)
+_CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(EchoConfig))
+
+
+@functools.cache
+def _dali_pipeline_params() -> frozenset[str]:
+    from nvidia.dali import Pipeline
+
+    return frozenset(inspect.signature(Pipeline.__init__).parameters) - {"self"}
+
+
+def _create(
+    func: Callable[..., Any], decorator_kwargs: dict[str, Any], args: Any, kwargs: dict[str, Any]
+) -> EchoPipeline:
+    own = set(inspect.signature(func).parameters)
+    opts = {**ECHO_DEFAULTS}
+    extra: dict[str, Any] = {}
+    for source in (decorator_kwargs, kwargs):
+        for key in list(source):
+            if source is kwargs and key in own:
+                continue  # the pipeline function's own argument
+            value = source[key] if source is decorator_kwargs else kwargs.pop(key)
+            if key in opts:
+                opts[key] = value
+            elif key in _dali_pipeline_params() or source is decorator_kwargs:
+                extra[key] = value
+    if opts["batch_size"] is None:
+        name = getattr(func, "__name__", "the pipeline function")
+        raise ValueError(
+            f"{name}: batch_size is required; pass it to @echo_pipeline_def(batch_size=...) or "
+            f"when calling {name}(..., batch_size=...)"
+        )
+    checkpoint = extra.pop("checkpoint", None)
+    config = EchoConfig(**{k: opts[k] for k in _CONFIG_KEYS})
+    pipe = EchoPipeline(
+        func,
+        args,
+        kwargs,
+        config=config,
+        num_threads=opts["num_threads"],
+        device_id=opts["device_id"],
+        upstream_num_threads=opts["upstream_num_threads"],
+        prefetch_queue_depth=opts["prefetch_queue_depth"],
+        enable_checkpointing=opts["enable_checkpointing"],
+        pipeline_kwargs=extra,
+        on_upstream_error=opts["on_upstream_error"],
+    )
+    if checkpoint is not None:
+        pipe._restore_checkpoint(checkpoint)
+    return pipe
+
+
+def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: Any) -> Any:
+    """Decorator: a DALI pipeline function with one :func:`echo` call becomes an echoing pipeline.
+
+    Use it as DALI's ``@pipeline_def``: ``@echo_pipeline_def`` or
+    ``@echo_pipeline_def(echo_factor=2, ...)``, then ``pipe = train_pipe(batch_size=64,
+    num_threads=4, device_id=0, seed=12)``. Calling the decorated function returns an
+    :class:`EchoPipeline` (nothing runs until the first batch); it works with
+    :class:`EchoIterator` and with DALI's own framework iterators.
+
+    Keyword arguments (decorator or call; the call wins):
+        batch_size: downstream batch size (what the training loop sees). Required.
+        num_threads, device_id: as in DALI (``device_id=None`` for CPU-only pipelines).
+        echo_factor: e >= 1; each fresh sample is emitted floor(e) or ceil(e) times (ceil with
+            probability frac(e)), e.g. 2.0 or 1.5.
+        mode: ``"example"`` echoes samples; ``"batch"`` echoes whole upstream batches (requires
+            ``batch_size`` to be a multiple of ``upstream_batch_size``).
+        shuffle_buffer: samples the cache must hold before the first draw (its min fill);
+            default: see :class:`EchoConfig`.
+        cache_samples, cache_bytes: capacity of the cache, in samples and bytes.
+        upstream_batch_size: batch size of the reader part (default ``batch_size``).
+        upstream_num_threads: DALI threads of the upstream pipeline (default ``num_threads``).
+        epochs: None for an endless stream; N to read N epochs of the reader and then end the
+            stream (the reader needs ``pad_last_batch=True``).
+        deterministic: run the upstream in lock-step with the consumer, so the output is a pure
+            function of ``seed`` and the input order (also what makes checkpoints replay exactly).
+        seed: seeds the cache's tickets and draws, and both DALI pipelines.
+        memory: cache arena: ``"auto"`` (pinned when a GPU is present), ``"pageable"`` or
+            ``"pinned"``.
+        prefetch_queue_depth: downstream DALI prefetch (forced to 1 when deterministic).
+        enable_checkpointing: also checkpoint DALI's own operator states (reader position,
+            random augmentation state), so checkpoints resume exactly; needed for DALI
+            iterators' ``checkpoints()``.
+        checkpoint: (call only) a checkpoint from a DALI iterator's ``checkpoints()`` or
+            :meth:`EchoPipeline.checkpoint`; the pipeline resumes from it.
+        on_upstream_error: ``callback(error) -> exception or None`` for upstream failures
+            (see :meth:`EchoPipeline.describe_upstream_error`).
+        other ``nvidia.dali.Pipeline`` arguments: passed to both DALI pipelines.
+    """
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., EchoPipeline]:
+        @functools.wraps(func)
+        def create(*args: Any, **kwargs: Any) -> EchoPipeline:
+            return _create(func, decorator_kwargs, args, kwargs)
+
+        return create
+
+    if fn is not None:
+        return decorate(fn)
+    return decorate

@@ -1,0 +1,197 @@
+"""An EchoPipeline used as a DALI pipeline: ``@echo_pipeline_def`` like ``@pipeline_def``, and
+DALI's own PyTorch iterators on it, unchanged (real CPU pipelines over real JPEGs)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nvidia.dali")
+pytestmark = pytest.mark.dali
+
+from nvidia.dali import fn  # noqa: E402
+from nvidia.dali.plugin.pytorch import (  # noqa: E402
+    DALIClassificationIterator,
+    DALIGenericIterator,
+    LastBatchPolicy,
+)
+
+import echopipe.dali as edali  # noqa: E402
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("drop_in_jpegs")
+    out = []
+    for i in range(N):
+        path = root / f"img_{i:02d}.jpg"
+        Image.fromarray(np.full((10 + i % 3, 12, 3), 10 * i, np.uint8)).save(path, quality=95)
+        out.append(str(path))
+    return out
+
+
+@edali.echo_pipeline_def(echo_factor=2)
+def train_pipe(files, flip=True):
+    jpegs, labels = fn.readers.file(
+        files=files, labels=list(range(len(files))), random_shuffle=True, name="Reader"
+    )
+    images = fn.decoders.image(jpegs, device="cpu")
+    images, labels = edali.echo(images, labels)
+    images = fn.resize(images, size=(8, 8))
+    if flip:
+        images = fn.flip(images, horizontal=fn.random.coin_flip())
+    return images, labels
+
+
+def _make(files, **kwargs):
+    return train_pipe(files, batch_size=5, num_threads=1, device_id=None, seed=12, **kwargs)
+
+
+def test_decorator_takes_dali_arguments_at_call_time(files: list[str]) -> None:
+    @edali.echo_pipeline_def
+    def bare(files):
+        jpegs, labels = fn.readers.file(files=files, name="Reader")
+        return edali.echo(fn.decoders.image(jpegs), labels)
+
+    with bare(files, batch_size=3, num_threads=1, device_id=None, seed=1, echo_factor=1.5) as p:
+        assert p.max_batch_size == p.batch_size == 3 and p.device_id is None
+        assert p.config.echo_factor == 1.5 and p.config.seed == 1
+        outputs, _ = p.next_batch()
+        assert len(outputs[0]) == 3
+    with pytest.raises(ValueError, match=r"bare: batch_size is required"):
+        bare(files, num_threads=1, device_id=None)
+    # A keyword of the pipeline function goes to the function, not to DALI.
+    with _make(files, flip=False) as p:
+        assert p.reader_meta("Reader")["epoch_size"] == 2 * N
+
+
+@pytest.mark.parametrize(
+    ("policy", "steps", "last"),
+    [(LastBatchPolicy.PARTIAL, 10, 3), (LastBatchPolicy.FILL, 10, 5), (LastBatchPolicy.DROP, 9, 5)],
+)
+def test_dali_classification_iterator_with_reader_name(
+    files: list[str], policy: LastBatchPolicy, steps: int, last: int
+) -> None:
+    with _make(files) as pipe:
+        it = DALIClassificationIterator(
+            pipe, reader_name="Reader", last_batch_policy=policy, auto_reset=True
+        )
+        assert len(it) == steps  # the epoch is e * 24 = 48 samples, batches of 5
+        labels: list[int] = []
+        for epoch in range(2):
+            sizes = []
+            for batch in it:
+                x, y = batch[0]["data"], batch[0]["label"]
+                assert x.dtype == torch.uint8 and x.shape[1:] == (8, 8, 3)
+                assert y.shape == (len(x), 1)  # DALI's label layout: (N, 1)
+                sizes.append(len(y))
+                labels += y.reshape(-1).tolist()
+            assert len(sizes) == steps and sizes[-1] == last, (epoch, sizes)
+    counts = Counter(labels)
+    assert set(counts) == set(range(N))  # two epochs of 48 cover every file
+    assert pipe.stats()["fresh_in"] >= N
+
+
+def test_dali_generic_iterator_lazy_and_auto_reset(files: list[str]) -> None:
+    with _make(files) as pipe:
+        it = DALIGenericIterator(
+            pipe, ["data", "label"], reader_name="Reader", auto_reset="yes",
+            prepare_first_batch=False,
+        )  # fmt: skip
+        assert not pipe.upstream_alive  # nothing ran yet
+        first = [len(b[0]["label"]) for b in it]
+        second = [len(b[0]["label"]) for b in it]
+        assert first == second == [5] * 10
+        emitted = pipe.stats()["emitted"]
+        assert emitted >= 100  # 20 batches taken (plus DALI's prefetch)
+
+
+def test_finite_stream_ends_dali_iterator(files: list[str]) -> None:
+    @edali.echo_pipeline_def(echo_factor=2, epochs=1)
+    def finite(files):
+        jpegs, labels = fn.readers.file(
+            files=files, labels=list(range(len(files))), pad_last_batch=True, name="Reader"
+        )
+        return edali.echo(fn.resize(fn.decoders.image(jpegs), size=(8, 8)), labels)
+
+    with finite(files, batch_size=5, num_threads=1, device_id=None) as pipe:
+        it = DALIGenericIterator(pipe, ["data", "label"])
+        for _ in range(2):
+            labels = [x for b in it for x in b[0]["label"].reshape(-1).tolist()]
+            # 48 real samples in 10 batches, the last one filled with repeats of its own.
+            assert len(labels) == 50 and set(Counter(labels[:45]).values()) <= {1, 2}
+            assert Counter(labels)[labels[-1]] >= 2
+            it.reset()
+
+
+def test_dali_checkpoints_resume_the_same_stream(files: list[str]) -> None:
+    def make(**kw):
+        return _make(files, deterministic=True, enable_checkpointing=True, **kw)
+
+    def take(it, n):
+        out = []
+        for _ in range(n):
+            b = next(it)[0]
+            out.append((b["label"].reshape(-1).tolist(), b["data"].numpy().copy()))
+        return out
+
+    with make() as pipe:
+        it = DALIGenericIterator(pipe, ["data", "label"], reader_name="Reader")
+        take(it, 3)
+        (checkpoint,) = it.checkpoints()
+        assert isinstance(checkpoint, bytes)
+        expected = take(it, 6)
+    with make(checkpoint=checkpoint) as pipe:
+        assert pipe.is_restored_from_checkpoint
+        it = DALIGenericIterator(pipe, ["data", "label"], reader_name="Reader")
+        got = take(it, 6)
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    assert all(np.array_equal(g[1], e[1]) for g, e in zip(got, expected, strict=True))
+    with pytest.raises(ValueError, match="not an echopipe"):
+        make(checkpoint=b"plain DALI bytes")
+
+
+def test_echo_iterator_takes_dali_iterator_arguments(files: list[str]) -> None:
+    with _make(files) as pipe:
+        it = edali.EchoIterator(
+            pipe, ["data", "label"], reader_name="Reader", auto_reset="yes",
+            last_batch_policy=LastBatchPolicy.PARTIAL, prepare_first_batch=True,
+        )  # fmt: skip
+        assert pipe.upstream_alive
+        assert len(it) == math.ceil(2 * N / 5)
+        assert sum(len(b[0]["label"]) for b in it) == 2 * N
+        with pytest.raises(RuntimeError, match="Nope"):
+            edali.EchoIterator(pipe, ["data", "label"], reader_name="Nope")
+
+
+def test_migration_guide_runs(tiny_imagenet) -> None:
+    """docs/dali.md's migrated ResNet-50 loader, run as written with device_id=None (no GPU)."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "dali.md").read_text()
+    section = doc[doc.index("## Migrating DALI's ResNet-50") :]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:1]
+    assert code.count("# echopipe") == 3  # the lines that differ from DALI's example
+    assert "device_id=local_rank" in code
+    code = code.replace("device_id=local_rank", "device_id=None")
+    scope = dict(
+        batch_size=4, workers=1, local_rank=0, world_size=1, crop_size=16,
+        traindir=str(tiny_imagenet / "train"),
+    )  # fmt: skip
+    exec(compile(code, "docs/dali.md", "exec"), scope)
+    loader, images, target = scope["train_loader"], scope["images"], scope["target"]
+    assert len(loader) == math.ceil(2 * 32 / 4)  # 32 training images, e = 2
+    assert images.shape == (4, 3, 16, 16) and images.dtype == torch.float32
+    assert target.shape == (4,) and target.dtype == torch.int64
+    seen = sum(len(d[0]["label"]) for d in loader)  # auto_reset: a second full epoch
+    assert seen == 2 * 32
+    scope["pipe"].close()
