@@ -40,10 +40,14 @@ from .stage import StageCore
 
 __all__ = ["DistributedStalePipeline"]
 
+# Message kinds, for error messages only. Every message goes with tag 0: NCCL ignores tags, so
+# each pair of ranks must post its receives in the order the peer posts the sends, and using no
+# tags on Gloo either makes the tests over Gloo check that order too.
 _TAG_ACT = 1
 _TAG_GRAD = 2
 _TAG_TARGET = 3
 _TAG_EVAL = 4
+_P2P_TAG = 0
 _TAG_NAMES = {
     _TAG_ACT: "activations",
     _TAG_GRAD: "gradients",
@@ -215,7 +219,7 @@ class DistributedStalePipeline:
         header[1] = _DTYPES.index(tensor.dtype)
         header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         header = header.to(tensor.device)
-        works = [dist.isend(header, dst, tag=tag), dist.isend(tensor, dst, tag=tag)]
+        works = [dist.isend(header, dst, tag=_P2P_TAG), dist.isend(tensor, dst, tag=_P2P_TAG)]
         for work in works:
             # The tensors stay referenced until the send completes.
             self._pending_sends.append((work, (header, tensor, dst, tag)))
@@ -223,12 +227,12 @@ class DistributedStalePipeline:
 
     def _recv(self, src: int, tag: int) -> torch.Tensor:
         header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(header, src, tag=tag), "receive", src, tag)
+        self._wait(dist.irecv(header, src, tag=_P2P_TAG), "receive", src, tag)
         values = header.tolist()
         ndim, dtype = int(values[0]), _DTYPES[int(values[1])]
         shape = [int(v) for v in values[2 : 2 + ndim]]
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        self._wait(dist.irecv(tensor, src, tag=tag), "receive", src, tag)
+        self._wait(dist.irecv(tensor, src, tag=_P2P_TAG), "receive", src, tag)
         return tensor
 
     def _wait(self, work: Any, what: str, peer: int, tag: int) -> None:
@@ -289,9 +293,11 @@ class DistributedStalePipeline:
                 self._send(tgt, self._last_rank, _TAG_TARGET)
         else:
             assert self._prev is not None
-            x = self._recv(self._prev, _TAG_ACT)
             if self.is_last:
+                # Stage 0 sends the target before its activations; with two stages both go to
+                # this rank, and without tags the receives must come in the same order.
                 target = self._recv(self._base, _TAG_TARGET)
+            x = self._recv(self._prev, _TAG_ACT)
         out, loss = core.forward(index, x, target)
         if self.is_last:
             assert loss is not None
