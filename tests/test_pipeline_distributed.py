@@ -134,3 +134,20 @@ def test_bad_timeout_is_named() -> None:
 def test_distributed_pipeline_needs_an_initialised_process_group() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         DistributedStalePipeline(small_cnn(), balance=[4, 4], optimizer=sgd, loss_fn=loss_fn)
+
+
+def test_two_ranks_on_one_gpu_are_refused_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from echopipe.pipeline import check_gpus_per_rank, init_distributed
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"2 local ranks and sees 1 GPU\(s\) \(rank 1 would share"):
+        check_gpus_per_rank(gpus=1)
+    check_gpus_per_rank(gpus=2)
+    if torch.cuda.device_count() < 2:
+        # Refused before any process group exists (nothing to clean up, nothing hangs).
+        with pytest.raises(ValueError, match="use the Gloo backend"):
+            init_distributed("nccl")
+        assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="backend must be"):
+        init_distributed("mpi")  # type: ignore[arg-type]

@@ -19,14 +19,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from echopipe.pipeline import DistributedStalePipeline, HybridSchedule
+from echopipe.pipeline import DistributedStalePipeline, HybridSchedule, init_distributed
 from pipeline_support.models import make_batches, sgd, small_cnn
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # "auto": Gloo on this CPU-only machine (and wherever GPUs are fewer than local ranks).
+    backend, device = init_distributed("auto", timeout_s=120)
+    assert (backend, device.type) == ("gloo", "cpu") or torch.cuda.device_count() >= 2
     rank = dist.get_rank()
     batches = make_batches(15)
     loss_fn = torch.nn.functional.cross_entropy

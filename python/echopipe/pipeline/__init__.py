@@ -12,6 +12,7 @@ See ``docs/pipeline.md`` for the schedule, the staleness of each stage and the w
 
 from __future__ import annotations
 
+from .dist_setup import check_gpus_per_rank, init_distributed
 from .distributed import DistributedStalePipeline
 from .engine import (
     EpochResult,
@@ -41,6 +42,8 @@ __all__ = [
     "StageGradHook",
     "StalePipeline",
     "StepResult",
+    "check_gpus_per_rank",
+    "init_distributed",
     "parse_devices",
     "partition_balance",
     "profile_layers",

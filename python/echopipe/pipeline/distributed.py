@@ -15,7 +15,9 @@ stage. Sends are asynchronous and reaped lazily; receives block. With ``timeout_
 receive or a send that does not complete in time raises :class:`TimeoutError` naming the peer
 rank and the message (on CPU tensors, i.e. Gloo; NCCL bounds its waits with the process group's
 own ``timeout``, given to ``init_process_group``). A rank that raises exits non-zero and
-torchrun then stops the others.
+torchrun then stops the others. :func:`~echopipe.pipeline.init_distributed` joins the group with
+a backend that works on the node (Gloo where GPUs are fewer than local ranks, NCCL with
+``device_id`` otherwise).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import atomic_save, load_file
+from .dist_setup import check_gpus_per_rank
 from .engine import CHECKPOINT_FORMAT, LossFn, OptimizerFactory, SchedulerFactory, _stage_optimizer
 from .partition import DeviceLike, parse_devices, split_sequential
 from .schedule import HybridSchedule, stage_staleness
@@ -125,11 +128,13 @@ class DistributedStalePipeline:
         self.num_replicas = self.world_size // self.num_stages
         self.stage_index = self.rank % self.num_stages
         self.replica = self.rank // self.num_stages
+        backend = str(dist.get_backend())
         if device is None:
-            backend = dist.get_backend()
             local = int(os.environ.get("LOCAL_RANK", "0"))
             device = f"cuda:{local}" if backend == "nccl" else "cpu"
         (self.device,) = parse_devices([device], 1)
+        if self.device.type == "cuda" and "nccl" in backend:
+            check_gpus_per_rank()  # two ranks on one GPU: one clear line, not an NCCL error
         self.balance = [len(s) for s in stages]
         self.stage = stages[self.stage_index].to(self.device)
         self.stage.train()
