@@ -5,8 +5,10 @@ selection and per-test timeout of ``bench/gpu/run.sh``."""
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -179,3 +181,112 @@ def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return cond()
+
+
+# ---------------------------------------------------------------------------------------------
+# bench/gpu/run.sh: which steps a pass runs, and the per-test timeout of its pytest steps
+# ---------------------------------------------------------------------------------------------
+
+RUN_SH = REPO / "bench" / "gpu" / "run.sh"
+PASS1 = ["environment", "build", "test_gpu", "bench_gather_bw", "train_mixed"]
+PASS2 = ["test_echo_pinned", "train_mixed_amp", "bench_pipeline", "bench_dali_gpu"]
+
+
+def _plan(steps: str | None, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("ECHOPIPE_GPU_")}
+    if steps is not None:
+        full["ECHOPIPE_GPU_STEPS"] = steps
+    full.update(env)
+    return subprocess.run(
+        ["bash", str(RUN_SH), "--plan"], env=full, capture_output=True, text=True, timeout=30
+    )
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected", "budget"),
+    [
+        (None, PASS1, 210),
+        ("pass1", PASS1, 210),
+        ("pass2", ["environment", "build", *PASS2], 210),
+        ("all", PASS1 + PASS2, 440),
+        ("pass2,pass1", PASS1 + PASS2, 440),  # run order, not the order named
+        ("build,test_gpu", ["environment", "build", "test_gpu"], 210),
+        # A step that needs the installed package brings the build (skipped there if current).
+        (" bench_dali_gpu ", ["environment", "build", "bench_dali_gpu"], 210),
+        ("environment", ["environment"], 210),
+        ("test_gpu,test_gpu", ["environment", "build", "test_gpu"], 210),
+    ],
+)
+def test_step_filter_selects_steps_in_run_order(
+    steps: str | None, expected: list[str], budget: int
+) -> None:
+    got = _plan(steps)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.splitlines() == [f"steps: {' '.join(expected)}", f"budget: {budget}s"]
+
+
+def test_step_filter_budget_can_be_set() -> None:
+    got = _plan("test_gpu", ECHOPIPE_GPU_BUDGET_S="100")
+    assert got.returncode == 0 and got.stdout.splitlines()[1] == "budget: 100s"
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ("test_gpu,tset_echo", "unknown step 'tset_echo'"),
+        ("pass3", "unknown step 'pass3'"),
+        (",,", "names no step"),
+    ],
+)
+def test_step_filter_rejects_a_bad_name_in_one_line(steps: str, message: str) -> None:
+    got = _plan(steps)
+    assert got.returncode == 2 and got.stdout == ""
+    assert message in got.stderr and len(got.stderr.strip().splitlines()) == 1
+
+
+_SLOW_TESTS = textwrap.dedent(
+    """
+    import signal
+    import time
+
+    def test_sleeps_past_the_timeout():
+        time.sleep(30)
+
+    def test_cannot_be_interrupted():
+        # As if stuck in C code: the soft timeout's signal never reaches Python code.
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+        time.sleep(30)
+
+    def test_after_the_hang():
+        assert 1 + 1 == 2
+    """
+)
+
+
+def test_a_hung_test_costs_only_itself(tmp_path: Path) -> None:
+    (tmp_path / "test_slow.py").write_text(_SLOW_TESTS)
+    work = tmp_path / "work"
+    env = dict(
+        os.environ,
+        PY=sys.executable,
+        ECHOPIPE_TEST_TIMEOUT_S="1",
+        ECHOPIPE_TEST_HARD_GRACE_S="1",
+    )
+    env.pop("PYTEST_ADDOPTS", None)
+    t0 = time.monotonic()
+    got = subprocess.run(
+        ["bash", str(REPO / "bench/gpu/pytest_steps.sh"), "demo", str(work), "test_slow.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert got.returncode == 1, got.stdout + got.stderr
+    assert time.monotonic() - t0 < 60
+    progress = (work / "demo.progress.tsv").read_text().splitlines()
+    # The soft timeout failed the first test; the second ended the process; the third ran.
+    assert "call\tfailed\ttest_slow.py::test_sleeps_past_the_timeout" in "\n".join(progress)
+    assert "start\ttest_slow.py::test_cannot_be_interrupted" in progress
+    assert not any("\ttest_slow.py::test_cannot_be_interrupted\t" in ln for ln in progress)
+    assert any(ln.startswith("call\tpassed\ttest_slow.py::test_after_the_hang") for ln in progress)
+    # The log shows where the uninterruptible test was stuck.
+    assert "ended the process" in got.stdout and "in test_cannot_be_interrupted" in got.stdout
+    rest = (work / "demo.rest.xml").read_text()
+    assert 'name="test_after_the_hang"' in rest and 'failures="0"' in rest

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.node(),
         "platform": platform.platform(),
         "gpus": nvidia_smi(),
+        "source": load(out / "source.json"),
         "build_info": load(out / "build_info.json"),
         "steps": steps,
         "gather_bw": load(out / "gather_bw.json"),
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         "dali_gpu": load(out / "dali_gpu.json"),
         "train": {
             name: (load(out / name / "metrics.json") or {}).get("summary")
-            for name in ("train_mixed", "train_amp")
+            for name in ("train_mixed", "train_mixed_amp")
         },
     }
     try:
@@ -87,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"GPU: {gpu.get('name', '?')}  driver {gpu.get('driver_version', '?')}  "
         f"({len(results['gpus'])} device(s))  {results['date_utc']}"
+    )
+    src = results["source"] or {}
+    print(
+        f"commit {src.get('commit', 'unknown')}  uncommitted changes: {src.get('dirty')}  "
+        f"sources {src.get('sources_sha256', '?')}  steps: {src.get('steps', '?')}"
     )
     print(f"{'step':<24}{'status':>8}{'seconds':>9}")
     for s in steps:
