@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Layout", "LayoutError", "decode", "describe", "encode"]
+__all__ = ["Layout", "LayoutError", "decode", "decode_many", "describe", "encode"]
 
 _MAX_FIELDS = 4  # fields per cache sample (csrc/echo)
 
@@ -198,8 +198,31 @@ def _from_bytes(leaf: Leaf, rows: np.ndarray, n: int) -> Any:
     return t.reshape(n, *leaf.shape)
 
 
+def decode_many(layout: Layout, parts: list[tuple[list[np.ndarray], list[Any], int]]) -> Any:
+    """Rebuilds one batch from several gathered parts (``(fields, offsets, n)`` each)."""
+    if len(parts) == 1:
+        return _unflatten(layout.treedef, _decode_leaves(layout, *parts[0]))
+    columns = [_decode_leaves(layout, *part) for part in parts]
+    values = []
+    for i, leaf in enumerate(layout.leaves):
+        pieces = [c[i] for c in columns]
+        if leaf.kind == "tensor":
+            values.append(torch.cat(pieces))
+        elif leaf.kind == "numpy":
+            values.append(np.concatenate(pieces))
+        else:
+            values.append([text for piece in pieces for text in piece])
+    return _unflatten(layout.treedef, values)
+
+
 def decode(layout: Layout, fields: list[np.ndarray], offsets: list[Any], n: int) -> Any:
     """Rebuilds a batch of ``n`` samples (fields as gathered by ``EchoCache.take_batch``)."""
+    return _unflatten(layout.treedef, _decode_leaves(layout, fields, offsets, n))
+
+
+def _decode_leaves(
+    layout: Layout, fields: list[np.ndarray], offsets: list[Any], n: int
+) -> list[Any]:
     values: list[Any] = [None] * len(layout.leaves)
     for f, group in enumerate(layout.groups):
         data = fields[f].reshape(n, -1)
@@ -214,7 +237,7 @@ def decode(layout: Layout, fields: list[np.ndarray], offsets: list[Any], n: int)
         values_s = _decode_strings(layout, fields, offsets, n)
         for i, column in zip(layout.strings, values_s, strict=True):
             values[i] = column
-    return _unflatten(layout.treedef, values)
+    return values
 
 
 def _decode_strings(

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from . import _batch_layout as bl
+from ._echo_reader import _POLL_S, LoaderError, _Producer, _Shared, _shutdown
 from .adaptive import EchoController
 from .echo import CacheClosedError, EchoCache, EchoStats
 
@@ -34,12 +35,7 @@ __all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError"]
 
 LayoutError = bl.LayoutError
 _STATE_VERSION = 1
-_POLL_S = 0.2  # longest single wait; closing or an error ends every wait sooner
 _COUNTS = ("fresh_batches", "fresh_samples", "delivered_batches", "delivered_samples")
-
-
-class LoaderError(RuntimeError):
-    """The wrapped loader raised; the message names the batch, ``__cause__`` is the original."""
 
 
 @dataclass(frozen=True)
@@ -61,156 +57,6 @@ class EchoLoaderStats:
     echo_factor: float
     echo_history: list[tuple[int, float]]
     cache: EchoStats | None
-
-
-class _Producer(threading.Thread):
-    """Reads one epoch of the wrapped loader into the cache (one thread per epoch)."""
-
-    def __init__(self, owner: EchoLoader, epoch: int, skip_batches: int, skip_rows: int) -> None:
-        super().__init__(name=f"echopipe-echoloader-{epoch}", daemon=True)
-        self.source = owner._loader
-        self.shared = owner._shared
-        self.owner_ref = weakref.ref(owner)
-        self.epoch = epoch
-        self.skip_batches = skip_batches
-        self.skip_rows = skip_rows
-        self.stop = threading.Event()
-        self.ready = threading.Event()  # the cache exists (first batch seen, or restored)
-        self.lock = threading.Lock()  # held while samples go in: state_dict() waits on it
-        self.error: BaseException | None = None
-        self.batches_done = skip_batches  # whole batches in the cache (this epoch)
-        self.rows_in_flight = 0  # rows of the next batch already in the cache
-        self.samples_put = 0
-        self.up_seconds = 0.0
-        self.up_batches = 0
-        if self.shared.cache is not None:
-            self.ready.set()
-
-    def run(self) -> None:
-        it: Any = None
-        try:
-            it = iter(self.source)
-            index = 0
-            while not self.stop.is_set():
-                t0 = time.perf_counter()
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
-                except Exception as exc:
-                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                    raise LoaderError(
-                        f"EchoLoader: the wrapped loader raised at batch {index} of epoch "
-                        f"{self.epoch}: {type(exc).__name__}: {first}"
-                    ) from exc
-                if index >= self.skip_batches:
-                    self.up_seconds += time.perf_counter() - t0
-                    self.up_batches += 1
-                    self._put(batch, index, self.skip_rows if index == self.skip_batches else 0)
-                index += 1
-            if not self.stop.is_set():
-                cache = self.shared.cache
-                if cache is not None:
-                    cache.end_of_input()
-        except CacheClosedError:
-            pass  # closed by close() or an aborted epoch
-        except BaseException as exc:
-            self.error = exc
-            cache = self.shared.cache
-            if cache is not None:
-                cache.end_of_input()  # wakes the consumer, which raises self.error
-        finally:
-            _release_iterator(it)
-            it = None
-            self.ready.set()
-
-    def _put(self, batch: Any, index: int, start: int) -> None:
-        try:
-            layout, leaves, rows = bl.describe(batch)
-            owner = self.owner_ref()
-            if owner is None:
-                raise CacheClosedError("EchoLoader was garbage collected")
-            cache = owner._accept_layout(layout, rows, self.stop)
-        except bl.LayoutError as exc:
-            raise bl.LayoutError(
-                f"EchoLoader: batch {index} of epoch {self.epoch}: {exc}"
-            ) from None
-        del owner
-        self.ready.set()
-        fields = bl.encode(layout, leaves, rows)
-        done = start
-        while done < rows:
-            if self.stop.is_set():
-                raise CacheClosedError("stopped")
-            with self.lock:
-                before = done
-                if layout.strings:
-                    texts, lengths = bl.encode_strings(layout, leaves, done)
-                    try:
-                        cache.put((*(f[done] for f in fields), texts, lengths), timeout=_POLL_S)
-                        done += 1
-                    except TimeoutError:
-                        pass
-                else:
-                    try:
-                        done += cache.put_many([f[done:] for f in fields], timeout=_POLL_S)
-                    except TimeoutError as exc:
-                        done += int(exc.args[-1])
-                self.samples_put += done - before
-                self.rows_in_flight = done
-                if done == rows:
-                    self.batches_done = index + 1
-                    self.rows_in_flight = 0
-
-    def shutdown(self, timeout: float) -> None:
-        """Stops reading; returns once the thread ended (or ``timeout`` passed, with a warning)."""
-        self.stop.set()
-        if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout)
-            if self.is_alive():
-                warnings.warn(
-                    f"EchoLoader: the wrapped loader did not return within {timeout:g}s of "
-                    "close(); its reader thread is left running (a daemon thread)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-
-
-def _release_iterator(it: Any) -> None:
-    """Ends the wrapped loader's iterator now: DataLoader workers exit, generators close."""
-    if it is None:
-        return
-    shutdown = getattr(it, "_shutdown_workers", None)  # torch DataLoader's multi-process iterator
-    try:
-        if callable(shutdown):
-            shutdown()
-        close = getattr(it, "close", None)
-        if callable(close):
-            close()
-    except Exception as exc:  # a failing close must not hide the reason the epoch ended
-        warnings.warn(f"EchoLoader: closing the wrapped loader failed: {exc}", RuntimeWarning,
-                      stacklevel=2)  # fmt: skip
-
-
-class _Shared:
-    """What the producer thread, the finalizer and the loader share (never the loader itself)."""
-
-    def __init__(self) -> None:
-        self.cache: EchoCache | None = None
-        self.producer: _Producer | None = None
-        self.lock = threading.Lock()
-
-
-def _shutdown(shared: _Shared, timeout: float) -> None:
-    producer, cache = shared.producer, shared.cache
-    if producer is not None:
-        producer.stop.set()
-    if cache is not None:
-        cache.close()  # wakes a producer blocked on a full cache
-    if producer is not None:
-        producer.shutdown(timeout)
-    shared.producer = None
-    shared.cache = None
 
 
 def _check_factor(value: Any) -> float:
@@ -245,8 +91,9 @@ def _map_tensors(obj: Any, fn: Any) -> Any:
 class _EpochIterator:
     """One pass over an :class:`EchoLoader`; dropping or closing it mid-epoch ends the pass."""
 
-    def __init__(self, loader: EchoLoader) -> None:
+    def __init__(self, loader: EchoLoader, serial: int) -> None:
         self._loader: EchoLoader | None = loader
+        self._serial = serial
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -256,7 +103,7 @@ class _EpochIterator:
         if loader is None:
             raise StopIteration
         try:
-            batch = loader._next(self)
+            batch = loader._next(self._serial)
         except BaseException:
             self._finish(abort=True)
             raise
@@ -272,7 +119,7 @@ class _EpochIterator:
     def _finish(self, abort: bool) -> None:
         loader, self._loader = self._loader, None
         if loader is not None:
-            loader._end_epoch(self, abort)
+            loader._end_epoch(self._serial, abort)
 
     def __del__(self) -> None:
         self._finish(abort=True)
@@ -358,7 +205,8 @@ class EchoLoader:
         self._delivered_epoch = [0, 0]  # batches, samples
         self._fresh_base = 0  # fresh samples of this epoch from before a resume
         self._history: list[tuple[int, float]] = [(0, self._factor)]
-        self._current: _EpochIterator | None = None
+        self._serial = 0  # numbers the passes; the running one's iterator carries it
+        self._current: int | None = None
         self._resume: dict[str, Any] | None = None
         self._closed = False
         self._last_yield: float | None = None
@@ -436,8 +284,8 @@ class EchoLoader:
         """
         if self._closed:
             raise RuntimeError("EchoLoader is closed")
-        if self._current is not None:
-            self._current.close()
+        if self._current is not None:  # an iterator still in its epoch (as DataLoader does)
+            self._end_epoch(self._current, abort=True)
         resume, self._resume = self._resume, None
         skip_batches = skip_rows = 0
         if resume is not None:
@@ -454,23 +302,34 @@ class EchoLoader:
         self._shared.producer = producer
         self._last_yield = None
         self._observed = (0.0, 0)
-        self._current = _EpochIterator(self)
+        self._serial += 1
+        self._current = self._serial
         producer.start()
-        return self._current
+        return _EpochIterator(self, self._serial)
 
-    def _next(self, token: _EpochIterator) -> Any:
-        if token is not self._current:
+    def _next(self, token: int) -> Any:
+        if self._closed:
+            raise RuntimeError("EchoLoader is closed")
+        if token != self._current:
             raise RuntimeError("this EchoLoader iterator was replaced by a newer one")
         producer = self._shared.producer
         assert producer is not None
         if self._last_yield is not None:
             self._observe(producer, time.perf_counter() - self._last_yield)
-        got = self._take(producer)
-        if got is None:
+        # take_batch() may return a short batch before the end (a full, small cache): the
+        # rest is taken too, so only an epoch's last batch can be short.
+        parts: list[Any] = []
+        n = 0
+        while self._batch_size is None or n < self._batch_size:
+            got = self._take(producer, n)
+            if got is None:
+                break
+            parts.append(got)
+            n += len(got)
+        if not parts:
             return None
         assert self._layout is not None
-        n = len(got)
-        batch = bl.decode(self._layout, got.fields, got.offsets, n)
+        batch = bl.decode_many(self._layout, [(g.fields, g.offsets, len(g)) for g in parts])
         if self._pin or self._device is not None:
             batch = _map_tensors(batch, self._move)
         self._delivered_epoch[0] += 1
@@ -485,13 +344,13 @@ class EchoLoader:
             t = t.to(self._device, non_blocking=self._pin)
         return t
 
-    def _take(self, producer: _Producer) -> Any:
+    def _take(self, producer: _Producer, have: int) -> Any:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         while True:
             if producer.error is not None:
                 raise producer.error
             cache = self._shared.cache
-            if cache is None:
+            if cache is None or self._layout is None:
                 if self._closed:
                     raise RuntimeError("EchoLoader was closed")
                 if producer.ready.is_set() and not producer.is_alive():
@@ -502,7 +361,7 @@ class EchoLoader:
             else:
                 assert self._batch_size is not None
                 try:
-                    got = cache.take_batch(self._batch_size, timeout=_POLL_S)
+                    got = cache.take_batch(self._batch_size - have, timeout=_POLL_S)
                 except TimeoutError:
                     got = False
                 except CacheClosedError:
@@ -534,8 +393,8 @@ class EchoLoader:
         if step % self._interval == 0 and self._controller.factor != self._factor:
             self.set_echo_factor(self._controller.factor)
 
-    def _end_epoch(self, token: _EpochIterator, abort: bool) -> None:
-        if token is not self._current:
+    def _end_epoch(self, token: int, abort: bool) -> None:
+        if token != self._current:
             return
         self._current = None
         producer = self._shared.producer

@@ -1,0 +1,185 @@
+"""The reader thread of :class:`echopipe.torch.EchoLoader`: one epoch of the wrapped loader
+into the echo cache, stoppable at any point, with the wrapped loader's workers ended with it.
+
+It holds the loader only weakly and shares a small :class:`_Shared` record with it, so that the
+loader can be garbage collected (its finalizer then stops the reader and closes the cache).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from . import _batch_layout as bl
+from .echo import CacheClosedError, EchoCache
+
+if TYPE_CHECKING:
+    from .torch_loader import EchoLoader
+
+_POLL_S = 0.2  # longest single wait; closing or an error ends every wait sooner
+
+
+class LoaderError(RuntimeError):
+    """The wrapped loader raised; the message names the batch, ``__cause__`` is the original."""
+
+
+class _Producer(threading.Thread):
+    """Reads one epoch of the wrapped loader into the cache (one thread per epoch)."""
+
+    def __init__(self, owner: EchoLoader, epoch: int, skip_batches: int, skip_rows: int) -> None:
+        super().__init__(name=f"echopipe-echoloader-{epoch}", daemon=True)
+        self.source = owner._loader
+        self.shared = owner._shared
+        self.owner_ref = weakref.ref(owner)
+        self.epoch = epoch
+        self.skip_batches = skip_batches
+        self.skip_rows = skip_rows
+        self.stop = threading.Event()
+        self.ready = threading.Event()  # the cache exists and the batches' layout is known
+        self.lock = threading.Lock()  # held while samples go in: state_dict() waits on it
+        self.error: BaseException | None = None
+        self.batches_done = skip_batches  # whole batches in the cache (this epoch)
+        self.rows_in_flight = 0  # rows of the next batch already in the cache
+        self.samples_put = 0
+        self.up_seconds = 0.0
+        self.up_batches = 0
+
+    def run(self) -> None:
+        it: Any = None
+        try:
+            it = iter(self.source)
+            index = 0
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                except Exception as exc:
+                    raise LoaderError(
+                        f"EchoLoader: the wrapped loader raised at batch {index} of epoch "
+                        f"{self.epoch}: {type(exc).__name__}: {_summary(exc)}"
+                    ) from exc
+                if index < self.skip_batches:  # read before a resume: only checked
+                    self._put(batch, index, 0, skip=True)
+                else:
+                    self.up_seconds += time.perf_counter() - t0
+                    self.up_batches += 1
+                    self._put(batch, index, self.skip_rows if index == self.skip_batches else 0)
+                index += 1
+            if not self.stop.is_set():
+                cache = self.shared.cache
+                if cache is not None:
+                    cache.end_of_input()
+        except CacheClosedError:
+            pass  # closed by close() or an aborted epoch
+        except BaseException as exc:
+            self.error = exc
+            cache = self.shared.cache
+            if cache is not None:
+                cache.end_of_input()  # wakes the consumer, which raises self.error
+        finally:
+            _release_iterator(it)
+            it = None
+            self.ready.set()
+
+    def _put(self, batch: Any, index: int, start: int, skip: bool = False) -> None:
+        try:
+            layout, leaves, rows = bl.describe(batch)
+            owner = self.owner_ref()
+            if owner is None:
+                raise CacheClosedError("EchoLoader was garbage collected")
+            cache = owner._accept_layout(layout, rows, self.stop)
+        except bl.LayoutError as exc:
+            raise bl.LayoutError(
+                f"EchoLoader: batch {index} of epoch {self.epoch}: {exc}"
+            ) from None
+        del owner
+        self.ready.set()
+        if skip:
+            return
+        fields = bl.encode(layout, leaves, rows)
+        done = start
+        while done < rows:
+            if self.stop.is_set():
+                raise CacheClosedError("stopped")
+            with self.lock:
+                before = done
+                if layout.strings:
+                    texts, lengths = bl.encode_strings(layout, leaves, done)
+                    try:
+                        cache.put((*(f[done] for f in fields), texts, lengths), timeout=_POLL_S)
+                        done += 1
+                    except TimeoutError:
+                        pass
+                else:
+                    try:
+                        done += cache.put_many([f[done:] for f in fields], timeout=_POLL_S)
+                    except TimeoutError as exc:
+                        done += int(exc.args[-1])
+                self.samples_put += done - before
+                self.rows_in_flight = done
+                if done == rows:
+                    self.batches_done = index + 1
+                    self.rows_in_flight = 0
+
+    def shutdown(self, timeout: float) -> None:
+        """Stops reading; returns once the thread ended (or ``timeout`` passed, with a warning)."""
+        self.stop.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+            if self.is_alive():
+                warnings.warn(
+                    f"EchoLoader: the wrapped loader did not return within {timeout:g}s of "
+                    "close(); its reader thread is left running (a daemon thread)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+
+def _summary(exc: BaseException) -> str:
+    """First and last line: a worker's error arrives as a header, a traceback and its line."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    return f"{lines[0]} ... {lines[-1].strip()}"
+
+
+def _release_iterator(it: Any) -> None:
+    """Ends the wrapped loader's iterator now: DataLoader workers exit, generators close."""
+    if it is None:
+        return
+    shutdown = getattr(it, "_shutdown_workers", None)  # torch DataLoader's multi-process iterator
+    try:
+        if callable(shutdown):
+            shutdown()
+        close = getattr(it, "close", None)
+        if callable(close):
+            close()
+    except Exception as exc:  # a failing close must not hide the reason the epoch ended
+        warnings.warn(f"EchoLoader: closing the wrapped loader failed: {exc}", RuntimeWarning,
+                      stacklevel=2)  # fmt: skip
+
+
+class _Shared:
+    """What the producer thread, the finalizer and the loader share (never the loader itself)."""
+
+    def __init__(self) -> None:
+        self.cache: EchoCache | None = None
+        self.producer: _Producer | None = None
+        self.lock = threading.Lock()
+
+
+def _shutdown(shared: _Shared, timeout: float) -> None:
+    producer, cache = shared.producer, shared.cache
+    if producer is not None:
+        producer.stop.set()
+    if cache is not None:
+        cache.close()  # wakes a producer blocked on a full cache
+    if producer is not None:
+        producer.shutdown(timeout)
+    shared.producer = None
+    shared.cache = None

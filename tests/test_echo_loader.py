@@ -1,0 +1,340 @@
+"""echopipe.torch.EchoLoader with real DataLoaders (worker processes), real threads, real cache."""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from echopipe.torch import EchoLoader, LayoutError, LoaderError
+
+
+class Indexed(Dataset):
+    """Sample i is (x = i repeated, i, the worker's pid); optionally slow or failing."""
+
+    def __init__(self, n: int, delay: float = 0.0, fail_at: int | None = None) -> None:
+        self.n, self.delay, self.fail_at = n, delay, fail_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i == self.fail_at:
+            raise ValueError(f"sample {i} is corrupt")
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.full((3, 5), float(i)), i, os.getpid()
+
+
+def loader(n: int = 200, batch: int = 16, workers: int = 2, **kw) -> DataLoader:
+    return DataLoader(Indexed(n, **{k: kw.pop(k) for k in ("delay", "fail_at") if k in kw}),
+                      batch_size=batch, num_workers=workers, **kw)  # fmt: skip
+
+
+def counts(batches) -> collections.Counter:
+    """Copies delivered per sample id, checking that every row still carries its own data."""
+    got: collections.Counter = collections.Counter()
+    for x, y, _pid in batches:
+        assert x.dtype == torch.float32 and x.shape[1:] == (3, 5)
+        assert torch.equal(x, y.view(-1, 1, 1).float().expand_as(x))
+        got.update(y.tolist())
+    return got
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    """True once ``pid`` no longer runs (exited, or a zombie left to its new parent)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("e", [2.5, 1.0])
+def test_every_fresh_sample_is_delivered_floor_or_ceil_e_times(e: float) -> None:
+    with EchoLoader(loader(200, 16), e, seed=3) as el:
+        batches = list(el)
+        got = counts(batches)
+        stats = el.stats()
+    assert sorted(got) == list(range(200))
+    assert set(got.values()) <= {math.floor(e), math.ceil(e)}
+    total = sum(got.values())
+    assert stats.fresh_samples == 200 and stats.fresh_batches == 13  # 12 full + 1 of 8
+    assert stats.delivered_samples == total and stats.delivered_batches == len(batches)
+    assert len(batches) == math.ceil(total / 16)
+    assert all(len(b[1]) == 16 for b in batches[:-1])
+    assert stats.cache is not None and stats.cache.emitted == total
+    if e == 1.0:
+        assert total == 200 and [int(b[1][0]) for b in batches[:3]] != [0, 16, 32]  # shuffled
+
+
+def test_epochs_repeat_with_exact_counts_and_labels_kept() -> None:
+    with EchoLoader(loader(64, 8), 3.0) as el:
+        for epoch in range(2):
+            got = counts(el)
+            assert got == {i: 3 for i in range(64)}
+            s = el.stats()
+            assert (s.epoch, s.delivered_samples_epoch, s.fresh_samples) == (
+                epoch + 1, 192, 64 * (epoch + 1))  # fmt: skip
+
+
+class Pair(NamedTuple):
+    image: torch.Tensor
+    mask: np.ndarray
+
+
+def test_batch_structures_dtypes_and_strings_survive() -> None:
+    def batch(k: int) -> dict:
+        ids = torch.arange(4 * k, 4 * k + 4)
+        return {
+            "pair": Pair(ids.view(4, 1, 1).expand(4, 2, 3).to(torch.bfloat16),
+                         np.stack([np.full((2,), i % 2 == 0) for i in ids.tolist()])),
+            "meta": (ids, ids.double() / 2, [f"img_{i}.jpg" for i in ids.tolist()]),
+            "flags": [ids % 3 == 0, ids.to(torch.int16)],
+        }  # fmt: skip
+
+    source = [batch(k) for k in range(6)]
+    with EchoLoader(source, 2.0, shuffle_buffer=8) as el:
+        out = list(el)
+    assert len(out) == 12
+    seen: collections.Counter = collections.Counter()
+    for b in out:
+        assert isinstance(b, dict) and list(b) == ["pair", "meta", "flags"]
+        assert isinstance(b["pair"], Pair) and isinstance(b["meta"], tuple)
+        assert isinstance(b["flags"], list)
+        ids = b["meta"][0]
+        assert ids.dtype == torch.int64 and b["meta"][1].dtype == torch.float64
+        assert b["pair"].image.dtype == torch.bfloat16 and b["pair"].image.shape == (4, 2, 3)
+        assert torch.equal(b["pair"].image[:, 0, 0].long(), ids)
+        assert b["pair"].mask.dtype == np.bool_ and b["pair"].mask.shape == (4, 2)
+        assert (b["pair"].mask[:, 0] == (ids.numpy() % 2 == 0)).all()
+        assert b["meta"][2] == [f"img_{i}.jpg" for i in ids.tolist()]
+        assert torch.equal(b["meta"][1], ids.double() / 2)
+        assert b["flags"][0].dtype == torch.bool and torch.equal(b["flags"][0], ids % 3 == 0)
+        assert b["flags"][1].dtype == torch.int16
+        seen.update(ids.tolist())
+    assert seen == {i: 2 for i in range(24)}
+
+
+def test_more_than_four_leaves_share_one_field() -> None:
+    source = [tuple(torch.arange(4 * k, 4 * k + 4) * (j + 1) for j in range(6)) for k in range(4)]
+    with EchoLoader(source, 1.0) as el:
+        for b in el:
+            assert isinstance(b, tuple) and len(b) == 6
+            for j in range(6):
+                assert torch.equal(b[j], b[0] * (j + 1))
+
+
+def test_resume_mid_epoch_delivers_the_remaining_copies_exactly() -> None:
+    first: list = []
+    el = EchoLoader(loader(160, 16, shuffle=False), 2.0, seed=1)
+    it = iter(el)
+    for _ in range(7):
+        first.append(next(it))
+    state = el.state_dict()
+    el.close()
+    assert state["mid_epoch"] and state["delivered_batches_epoch"] == 7
+    el2 = EchoLoader(loader(160, 16, shuffle=False), 2.0, seed=1)
+    el2.load_state_dict(state)
+    rest = list(el2)
+    stats = el2.stats()
+    el2.close()
+    got = counts(first) + counts(rest)
+    assert got == {i: 2 for i in range(160)}
+    assert stats.delivered_samples_epoch == 320 and stats.fresh_samples_epoch == 160
+    assert stats.epoch == 1 and stats.fresh_batches == 10
+
+
+def test_state_between_epochs_and_mismatched_stream() -> None:
+    with EchoLoader(loader(32, 8, workers=0), 2.0) as el:
+        list(el)
+        state = el.state_dict()
+    assert not state["mid_epoch"] and state["epoch"] == 1
+    with EchoLoader(loader(32, 8, workers=0), 2.0) as el:
+        el.load_state_dict(state)
+        assert counts(el) == {i: 2 for i in range(32)}
+        assert el.stats().epoch == 2 and el.stats().delivered_samples == 128
+    other = [(torch.zeros(8, 2), torch.zeros(8))] * 4
+    with EchoLoader(other, 2.0) as el:
+        el.load_state_dict(state)
+        with pytest.raises(LayoutError, match="differ from the saved state"):
+            list(el)
+    with pytest.raises(ValueError, match="different echo_factor mode"):
+        EchoLoader(other, "auto").load_state_dict(state)
+    with pytest.raises(ValueError, match="not an EchoLoader state"):
+        EchoLoader(other).load_state_dict({"version": 99})
+
+
+def test_loader_error_names_the_batch_and_ends_the_workers() -> None:
+    el = EchoLoader(loader(200, 8, fail_at=37), 2.0, timeout=60)
+    pids: set[int] = set()
+    t0 = time.monotonic()
+    with pytest.raises(LoaderError, match=r"batch 4 of epoch 0: ValueError: .*sample 37") as info:
+        for _x, _y, pid in el:
+            pids.update(pid.tolist())
+    assert time.monotonic() - t0 < 30
+    assert isinstance(info.value.__cause__, ValueError)
+    assert pids and all(gone(p) for p in pids)
+    assert counts([]) == {}  # the loader stays usable: a new epoch starts over
+    with pytest.raises(LoaderError, match="batch 4"):
+        list(el)
+    el.close()
+
+
+@pytest.mark.parametrize(
+    ("batches", "message"),
+    [
+        (
+            [(torch.zeros(4, 3),), (torch.zeros(4, 5),)],
+            r"batch 1 of epoch 0: field batch\[0\] "
+            r"changed from tensor float32\[3\] to tensor float32\[5\].*fixed shape",
+        ),
+        ([{"x": torch.zeros(4), "n": None}], r"batch 0 .*field batch\['n'\] is a NoneType"),
+        ([(torch.zeros(4), torch.tensor(1.0))], r"field batch\[1\] is a scalar"),
+        ([(torch.zeros(4), torch.zeros(3))], r"field batch\[1\] has 3 rows .* 4 samples"),
+        ([(torch.zeros(4), ["a", "b"])], r"field batch\[1\] has 2 strings for 4 samples"),
+        ([(np.array(["a"] * 4),)], r"numpy dtype <U1"),
+        ([{"y": 3}], r"batch\['y'\] is a int"),
+    ],
+)
+def test_bad_batches_get_one_clear_error(batches: list, message: str) -> None:
+    with EchoLoader(batches, 2.0, timeout=30) as el, pytest.raises(LayoutError, match=message):
+        list(el)
+
+
+def _read_four(el: EchoLoader) -> set[int]:
+    pids: set[int] = set()
+    for i, (_x, _y, pid) in enumerate(el):
+        pids.update(pid.tolist())
+        if i == 3:
+            break  # drops the iterator mid-epoch
+    return pids
+
+
+def test_closing_mid_epoch_ends_reader_and_workers() -> None:
+    threads_before = threading.active_count()
+    el = EchoLoader(loader(400, 8, delay=0.005), 2.0)
+    it = iter(el)
+    pids = {p for _ in range(4) for p in next(it)[2].tolist()}
+    el.close()
+    assert pids and all(gone(p) for p in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it)
+    el = EchoLoader(loader(400, 8, delay=0.005), 2.0)
+    it = iter(el)
+    pids = {p for _ in range(4) for p in next(it)[2].tolist()}
+    del it, el  # no close(): dropping the last references ends the epoch and the workers
+    assert pids and all(gone(p) for p in pids)
+    with EchoLoader(loader(400, 8, delay=0.005), 2.0) as el:
+        pids = _read_four(el)  # break: the epoch ends, the loader stays usable
+        assert pids and all(gone(p) for p in pids)
+        pids = _read_four(el)
+    assert pids and all(gone(p) for p in pids)
+    deadline = time.monotonic() + 5
+    while threading.active_count() > threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads_before
+
+
+def test_wait_times_out_and_close_does_not_hang() -> None:
+    release = threading.Event()
+
+    def stuck():
+        yield torch.zeros(4, 2)
+        release.wait(30)  # a reader that never delivers the rest
+
+    el = EchoLoader(stuck(), 2.0, timeout=0.5, close_timeout=0.5, shuffle_buffer=64)
+    t0 = time.monotonic()
+    # The timeout ends the epoch; its reader is stuck in the wrapped loader, which is reported.
+    with (
+        pytest.raises(TimeoutError, match=r"no batch within timeout=0\.5s"),
+        pytest.warns(RuntimeWarning, match=r"did not return within 0\.5s"),
+    ):
+        list(el)
+    assert time.monotonic() - t0 < 5
+    el.close()
+    release.set()
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(el)
+
+
+def test_auto_changes_e_in_place_while_running() -> None:
+    el = EchoLoader(loader(480, 8, delay=0.004), "auto", echo_interval=4, echo_max=4.0)
+    with el:
+        got = counts(el)
+        stats = el.stats()
+    factors = [e for _, e in stats.echo_history]
+    assert factors[0] == 1.0 and max(factors) > 1.0, stats.echo_history
+    assert sorted(got) == list(range(480))
+    assert sum(got.values()) == stats.delivered_samples == stats.cache.emitted
+    assert max(got.values()) <= math.ceil(max(factors))
+
+
+def test_argument_errors_name_the_value() -> None:
+    with pytest.raises(ValueError, match="echo_factor must be in"):
+        EchoLoader([], 0.5)
+    with pytest.raises(ValueError, match="or 'auto', got 'fast'"):
+        EchoLoader([], "fast")
+    with pytest.raises(ValueError, match="shuffle_buffer must be an integer >= 1, got 0"):
+        EchoLoader([], shuffle_buffer=0)
+    with pytest.raises(TypeError, match="must be iterable"):
+        EchoLoader(3)
+    with (
+        EchoLoader([(torch.zeros(8),)], shuffle_buffer=8) as el,
+        pytest.raises(LayoutError, match="shuffle_buffer=8 holds fewer than two batches"),
+    ):
+        list(el)
+    if not torch.cuda.is_available():
+        with pytest.warns(RuntimeWarning, match="CUDA is not available"):
+            EchoLoader([], pin_memory=True).close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_batches_come_pinned_and_on_the_gpu() -> None:
+    with EchoLoader(loader(64, 8), 2.0, device="cuda") as el:
+        for x, y, _ in el:
+            assert x.is_cuda and y.is_cuda
+            assert torch.equal(x.cpu(), y.cpu().view(-1, 1, 1).float().expand_as(x.cpu()))
+
+
+def test_interpreter_exit_mid_epoch_is_clean(tmp_path) -> None:
+    script = tmp_path / "exit_mid_epoch.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_echo_loader import loader
+        from echopipe.torch import EchoLoader
+        el = EchoLoader(loader(4000, 8, delay=0.002), 2.0)
+        it = iter(el)
+        pids = set()
+        for _ in range(3):
+            pids.update(next(it)[2].tolist())
+        print(" ".join(map(str, sorted(pids))), flush=True)
+        # exits with the reader, the workers and the iterator still alive
+    """)
+    )
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - t0 < 30
+    pids = [int(p) for p in done.stdout.split()]
+    assert pids and all(gone(p) for p in pids)
+    assert "Traceback" not in done.stderr, done.stderr
