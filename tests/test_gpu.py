@@ -58,7 +58,14 @@ def test_native_core_was_built_with_cuda_and_sees_the_devices() -> None:
     assert _C.cuda_device_count() == torch.cuda.device_count()
     info = echopipe.build_info()
     assert info["cuda_compiled"] is True
-    assert info["memory_kind"] == "pinned"
+    # build_info() predicts what a new cache allocates; a real allocation must agree (and be
+    # mapped: test_auto_memory_is_pinned_and_mapped_into_the_device asks the driver).
+    cache = _cache(memory="auto")
+    try:
+        assert cache.memory_kind == info["memory_kind"] == "pinned"
+        assert cache.arena_device_ptr != 0
+    finally:
+        cache.close()
 
 
 class _Driver:
@@ -294,6 +301,90 @@ def test_batches_made_on_the_callers_gpu_stream_are_waited_for() -> None:
     _assert_same_weights(expected, got)
 
 
+# About 10 ms of spinning at ~2 GHz: thousands of times longer than the tiny kernels around it,
+# so a stage that did not wait for its neighbour would read a half-written tensor.
+_WAIT_CYCLES = 20_000_000
+
+
+class _LateOutput(nn.Module):
+    """A linear layer whose output is written only after a long spin on the current stream."""
+
+    def __init__(self, fin: int, fout: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(fin, fout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            torch.cuda._sleep(_WAIT_CYCLES)
+        return self.fc(x)
+
+
+class _LateGradFn(torch.autograd.Function):
+    """Identity forward; the gradient is written only after a long spin (on CUDA)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if grad.is_cuda:
+            torch.cuda._sleep(_WAIT_CYCLES)
+        return grad * 1.0
+
+
+class _LateGrad(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LateGradFn.apply(x)
+
+
+def _late_model(stages: int) -> nn.Sequential:
+    """One child per stage: each writes its activation late (forward edge) and the gradient
+    of its input late (backward edge), so every edge between stages is a real race."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(_LateGrad(), _LateOutput(16, 16), nn.Tanh()) for _ in range(stages - 1)]
+    blocks.append(nn.Sequential(_LateGrad(), nn.Linear(16, 4)))
+    return nn.Sequential(*blocks).double()
+
+
+def _train_late(devices: list[str], steps: int = 6) -> dict[str, torch.Tensor]:
+    from echopipe.pipeline import StalePipeline
+
+    model = _late_model(len(devices))
+    with StalePipeline(
+        model, balance=[1] * len(devices), devices=devices,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        loss_fn=nn.functional.cross_entropy,
+    ) as pipe:  # fmt: skip
+        pipe.run_epoch(_batches(steps), step_schedulers=False)
+        pipe.drain()
+        assert pipe.steps_applied == steps
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_missing_wait_would_be_visible_with_these_spins() -> None:
+    """The control: a consumer stream that does NOT wait reads a different value, so the
+    weight-equality test below can fail when the pipeline's waits are missing."""
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    x = torch.randn(64, 16, dtype=torch.float64, device="cuda")
+    w = torch.randn(16, 16, dtype=torch.float64, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(_WAIT_CYCLES)
+        y = x @ w
+    with torch.cuda.stream(consumer):
+        early = y.clone()  # no consumer.wait_stream(producer)
+    torch.cuda.synchronize()
+    assert not torch.equal(early, x @ w), "the spin did not delay the producer"
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_stage_waits_hold_when_every_edge_is_a_race(stages: int) -> None:
+    cpu = _train_late(["cpu"] * stages)
+    gpu = _train_late(["cuda:0"] * stages)
+    _assert_same_weights(cpu, gpu)
+
+
 @needs_two_gpus
 def test_stale_pipeline_across_gpus_matches_cpu() -> None:
     n = min(torch.cuda.device_count(), 4)
@@ -383,26 +474,35 @@ def test_stage_streams_overlap_on_one_gpu(tmp_path: Path) -> None:
     by_stream: dict[int, list[tuple[float, float]]] = {}
     for stream, start, end, _ in spins:
         by_stream.setdefault(stream, []).append((start, end))
-    assert len(by_stream) >= 2, f"spin kernels ran on streams {sorted(by_stream)}, expected 2"
-    s0, s1 = sorted(by_stream, key=lambda s: -len(by_stream[s]))[:2]
-    overlap = _overlap_us(by_stream[s0], by_stream[s1])
-    busy = sum(e - s for s, e in by_stream[s0]) + sum(e - s for s, e in by_stream[s1])
+    assert len(by_stream) == 2, f"spin kernels ran on streams {sorted(by_stream)}, expected 2"
+    # Stage 0's stream is the one whose first spin came first.
+    s0, s1 = sorted(by_stream, key=lambda s: min(start for start, _ in by_stream[s]))
+    first, second = sorted(by_stream[s0]), sorted(by_stream[s1])
+    # Step i's stage-1 forward reads stage 0's output of step i, written after stage 0's spin:
+    # with the wait in place its spin cannot start before that one ended. (Overlap alone
+    # would pass more easily without the wait.)
+    early = [i for i in range(min(len(first), len(second))) if second[i][0] < first[i][1]]
+    overlap = _overlap_us(first, second)
+    busy = sum(e - s for s, e in first) + sum(e - s for s, e in second)
     evidence = {
         "streams": {str(s): len(v) for s, v in by_stream.items()},
         "spin_kernels": len(spins),
         "busy_us": busy,
         "overlap_us": overlap,
         "overlap_fraction_of_busy": overlap / busy if busy else 0.0,
+        "stage1_spins_started_before_their_input": early,
         "device": torch.cuda.get_device_name(0),
     }
     out_dir = os.environ.get("ECHOPIPE_GPU_EVIDENCE")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "stream_overlap.json").write_text(json.dumps(evidence, indent=1))
+    assert len(first) == len(second) == len(batches), evidence
+    assert not early, evidence
     # Each stage's forward spins on its own stream; pipelining must run them at the same time.
-    assert overlap > 0.2 * min(
-        sum(e - s for s, e in by_stream[s0]), sum(e - s for s, e in by_stream[s1])
-    ), evidence
+    assert overlap > 0.2 * min(sum(e - s for s, e in first), sum(e - s for s, e in second)), (
+        evidence
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,3 +544,130 @@ def test_dali_mixed_decode_echo_gpu_augment(tiny_imagenet: Path) -> None:
     assert images.shape == (64, 3, 24, 24)  # 32 files, each handed out twice
     assert torch.isfinite(images).all()
     assert stats.fresh == 32 and stats.echoed == 32
+
+
+def _known_image(k: int) -> np.ndarray:
+    """Sample k: random bytes from seed k, of a height that depends on k (ragged batches)."""
+    return np.random.default_rng(k).integers(0, 256, size=(16 + k % 7, 24, 3), dtype=np.uint8)
+
+
+class _KnownSource:
+    """Batches of known samples for ``fn.external_source``: image k goes with label k."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.next = 0
+
+    def __call__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        ks = range(self.next, self.next + self.batch)
+        self.next += self.batch
+        return [_known_image(k) for k in ks], [np.array([k], dtype=np.int32) for k in ks]
+
+
+def _check_emissions(batches: list[tuple[Any, Any, np.ndarray]], expected: Any) -> dict[int, int]:
+    """Every valid emission byte-exact against ``expected(label)``; one label per sample id."""
+    label_of: dict[int, int] = {}
+    for images, labels, info in batches:
+        for i in np.flatnonzero(info[:, 0] == 1):
+            label = int(np.array(labels.at(i)).reshape(-1)[0])
+            np.testing.assert_array_equal(
+                np.array(images.at(i)), expected(label), err_msg=f"sample id {info[i, 1]}"
+            )
+            # A slot reused under a lease would show another sample under the same id.
+            assert label_of.setdefault(int(info[i, 1]), label) == label, info[i]
+    assert len(set(label_of.values())) == len(label_of), "two sample ids carry the same sample"
+    return label_of
+
+
+def test_dali_gpu_echo_returns_known_arrays_byte_exact() -> None:
+    """Known arrays enter on the GPU, a GPU flip writes them on DALI's stream, the GPU sink
+    copies them into the cache and the GPU source hands them out twice: each emission must be
+    exactly the flipped array of its label, and each sample id must always be the same sample
+    (no copy racing the flip, no stale slot, no image/label mispairing)."""
+    _dali_or_skip()
+    from nvidia.dali import fn
+
+    import echopipe.dali as edali
+
+    @edali.echo_pipeline_def(
+        batch_size=8, upstream_batch_size=8, num_threads=2, device_id=0, echo_factor=2.0,
+        cache_samples=48, shuffle_buffer=16, seed=1,
+    )  # fmt: skip
+    def known() -> tuple[Any, Any]:
+        images, labels = fn.external_source(
+            source=_KnownSource(8), num_outputs=2, batch=True, device="gpu", layout=["HWC", ""]
+        )
+        images = fn.flip(images, horizontal=1)
+        images, labels = edali.echo(images, labels)
+        return images, labels
+
+    batches = []
+    with known() as pipe:
+        for _ in range(16):
+            outputs, info = pipe.next_batch()
+            assert outputs[0].__class__.__name__ == "TensorListGPU"
+            batches.append((outputs[0].as_cpu(), outputs[1].as_cpu(), info.copy()))
+    label_of = _check_emissions(batches, lambda k: _known_image(k)[:, ::-1])
+    emissions = np.concatenate([info[info[:, 0] == 1] for _, _, info in batches])
+    assert len(emissions) == 16 * 8 and set(emissions[:, 2]) <= {0, 1}
+    assert len(label_of) >= 40  # a cache of 48 slots was cycled through, not a few samples
+
+
+@pytest.fixture(scope="module")
+def flat_jpegs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """16 JPEGs, file i filled with the value 12 * i + 20 (decodes to within a few levels)."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("flat_jpegs")
+    files = []
+    for i in range(16):
+        path = root / f"img_{i:02d}.jpg"
+        Image.fromarray(np.full((40 + 8 * (i % 3), 48, 3), 12 * i + 20, np.uint8)).save(
+            path, quality=95
+        )
+        files.append(str(path))
+    return files
+
+
+def test_dali_mixed_decode_echo_keeps_each_image_with_its_label(flat_jpegs: list[str]) -> None:
+    """nvJPEG decodes on DALI's stream, the sink copies the decoded image into the cache. A copy
+    racing the decode or a stale slot would show pixels of another value (or of no image)."""
+    _dali_or_skip()
+    from nvidia.dali import fn
+
+    import echopipe.dali as edali
+
+    n = len(flat_jpegs)
+
+    @edali.echo_pipeline_def(
+        batch_size=4, num_threads=2, device_id=0, echo_factor=2.0, epochs=1,
+        cache_samples=16, shuffle_buffer=4, seed=2,
+    )  # fmt: skip
+    def decoded(files: list[str]) -> tuple[Any, Any]:
+        jpegs, labels = fn.readers.file(
+            files=files, labels=list(range(n)), random_shuffle=True, pad_last_batch=True
+        )
+        images = fn.decoders.image(jpegs, device="mixed")
+        images, labels = edali.echo(images, labels)
+        return fn.resize(images, size=(16, 16), interp_type=0), labels  # nearest: no blending
+
+    batches = []
+    with decoded(flat_jpegs) as pipe:
+        while True:
+            try:
+                outputs, info = pipe.next_batch()
+            except StopIteration:
+                break
+            batches.append((outputs[0].as_cpu(), outputs[1].as_cpu(), info.copy()))
+    first: dict[int, np.ndarray] = {}
+    for images, labels, info in batches:
+        for i in np.flatnonzero(info[:, 0] == 1):
+            image = np.array(images.at(i)).astype(np.int16)
+            label = int(np.array(labels.at(i)).reshape(-1)[0])
+            assert image.shape == (16, 16, 3)
+            assert np.abs(image - (12 * label + 20)).max() <= 4, (label, image.min(), image.max())
+            # Both copies of a sample come from one cached decode: byte-identical.
+            sid = int(info[i, 1])
+            np.testing.assert_array_equal(image, first.setdefault(sid, image))
+    emitted = sum(int((info[:, 0] == 1).sum()) for _, _, info in batches)
+    assert len(first) == n and emitted == 2 * n
