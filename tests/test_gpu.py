@@ -165,6 +165,38 @@ def test_gather_bytes_matches_cpu_for_ragged_unaligned_samples(use_side_stream: 
         cache.close()
 
 
+def test_gather_keeps_the_slots_until_the_kernel_has_read_them() -> None:
+    """The caller drops its samples right after queueing the gather (behind a ~20 ms spin) and
+    the producer refills the cache at once: the new samples may only take the slots after the
+    kernel read them, so the batch holds the old bytes."""
+    import time
+
+    from echopipe import _inflight
+
+    cache = _cache(memory="pinned", echo_factor=1.0, capacity_samples=8, min_fill=0)
+    try:
+        cache.put_many([np.full(4096, i, np.uint8) for i in range(8)])
+        samples = cache.take(8, timeout=5)
+        expected = np.concatenate([s.array for s in samples])  # a copy: the slots' bytes now
+        dst = torch.zeros(expected.size, dtype=torch.uint8, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(40_000_000)
+        cache.gather_to_device(samples, 0, dst, stream=side)
+        del samples
+        # Every slot is full, so each put waits for a slot the gather still holds.
+        cache.put_many([np.full(4096, 200 + i, np.uint8) for i in range(8)], timeout=10)
+        side.synchronize()
+        np.testing.assert_array_equal(dst.cpu().numpy(), expected)
+        deadline = time.monotonic() + 5
+        while _inflight.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _inflight.pending() == 0, "the leases were not released after the kernel ran"
+    finally:
+        cache.close()
+
+
 @pytest.mark.parametrize("to_chw", [True, False])
 @pytest.mark.parametrize("channels", [1, 3, 4])
 def test_gather_normalize_matches_cpu(to_chw: bool, channels: int) -> None:
