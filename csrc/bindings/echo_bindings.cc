@@ -114,14 +114,16 @@ std::vector<SampleLease> take_leases(EchoCache& c, int64_t n, double timeout, Ta
 // Gathers field `f` of `leases` into new arrays: (N, *shape) when all shapes agree, else a flat
 // array plus int64 element offsets (N + 1).
 py::tuple gather_field(const std::vector<SampleLease>& leases, int f) {
-  const FieldDesc& f0 = leases[0].desc().fields[f];
-  bool uniform = true;
   for (const auto& l : leases) {
-    if (f >= l.desc().num_fields) {
+    if (f < 0 || f >= l.desc().num_fields) {
       throw std::invalid_argument("take_batch: field " + std::to_string(f) +
                                   " is missing in a sample with " +
                                   std::to_string(l.desc().num_fields) + " fields");
     }
+  }
+  const FieldDesc& f0 = leases[0].desc().fields[f];
+  bool uniform = true;
+  for (const auto& l : leases) {
     const FieldDesc& fd = l.desc().fields[f];
     if (fd.dtype != f0.dtype) {
       throw std::invalid_argument(std::string("take_batch: field ") + std::to_string(f) +
@@ -159,6 +161,14 @@ void bind_echo(py::module_& m) {
   m.def("cuda_available", &cuda_available);
   m.def("cache_names", &cache_names, "Names of registered echo caches.");
   m.def("remove_cache", &remove_cache, py::arg("name"));
+  m.def(
+      "find_cache",
+      [](const std::string& name) -> py::object {
+        auto c = find_cache(name);
+        if (!c) return py::none();
+        return py::cast(c);
+      },
+      py::arg("name"), "The registered native cache called `name`, or None.");
   m.def("find_cache_handle", [](const std::string& name) -> py::object {
     auto c = find_cache(name);
     if (!c) return py::none();
@@ -324,6 +334,23 @@ void bind_echo(py::module_& m) {
           py::arg("n"), py::arg("timeout"),
           "Takes n copies and gathers each field into one new contiguous array. Returns (status, "
           "[(array, offsets|None)], dtypes, per-sample shapes, sample_ids, emissions).")
+      .def(
+          "wait_for_room",
+          [](EchoCache& c, int64_t n, double timeout) {
+            if (n < 0) {
+              throw std::invalid_argument("wait_for_room(n) needs n >= 0, got n=" +
+                                          std::to_string(n));
+            }
+            PutStatus st =
+                without_gil([&] { return c.wait_for_room(static_cast<size_t>(n), timeout); });
+            return std::string(put_status_name(st));
+          },
+          py::arg("n"), py::arg("timeout"),
+          "Blocks until n slots are free; returns 'ok', 'timeout', 'closed' or 'ended'.")
+      .def_property("quota", &EchoCache::quota, &EchoCache::set_quota,
+                    "Fresh samples a DALI sink may still store (-1: unlimited).")
+      .def_property("layouts", &EchoCache::layouts, &EchoCache::set_layouts,
+                    "Tensor layout of each field as a DALI sink saw it ('' where none).")
       .def("end_of_input", &EchoCache::end_of_input)
       .def("reset_input", &EchoCache::reset_input)
       .def("close", [](EchoCache& c) { without_gil([&] { c.close(); }); })
@@ -367,6 +394,13 @@ void bind_echo(py::module_& m) {
          const std::vector<float>& mean, const std::vector<float>& std, bool to_chw, uintptr_t dst,
          uintptr_t stream) {
         if (leases.empty()) return;
+        for (const auto& p : leases) {
+          if (field < 0 || field >= p->lease.desc().num_fields) {
+            throw std::invalid_argument("field " + std::to_string(field) +
+                                        " is out of range for a sample with " +
+                                        std::to_string(p->lease.desc().num_fields) + " fields");
+          }
+        }
         const FieldDesc& f0 = leases[0]->lease.desc().fields[field];
         if (f0.dtype != DType::kUInt8 || f0.ndim != 3) {
           throw std::invalid_argument("gather_normalize_to_device needs uint8 HWC images, got " +

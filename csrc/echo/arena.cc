@@ -83,17 +83,28 @@ Arena arena_allocate(size_t bytes, MemoryKind requested) {
   return a;
 }
 
-void arena_free(Arena& a) noexcept {
-  if (a.host == nullptr) return;
-  if (a.kind == MemoryKind::kPinned) {
+Arena& Arena::operator=(Arena&& other) noexcept {
+  if (this != &other) {
+    reset();
+    host = std::exchange(other.host, nullptr);
+    device = std::exchange(other.device, nullptr);
+    size = std::exchange(other.size, 0);
+    kind = other.kind;
+  }
+  return *this;
+}
+
+void Arena::reset() noexcept {
+  if (host == nullptr) return;
+  if (kind == MemoryKind::kPinned) {
 #ifdef ECHOPIPE_WITH_CUDA
-    (void)cudaFreeHost(a.host);
+    (void)cudaFreeHost(host);
 #endif
   } else {
-    munmap(a.host, a.size);
+    munmap(host, size);
   }
-  a.host = nullptr;
-  a.device = nullptr;
+  host = nullptr;
+  device = nullptr;
 }
 
 }  // namespace detail

@@ -10,7 +10,7 @@
 //    best-fit free-extent allocator that coalesces neighbours on free; when the tree cannot serve
 //    a request, the parked extents are coalesced back into it and the request retried, so space
 //    is found whenever the coalescing allocator alone would find it. One short lock, taken once
-//    per put and once per retired sample (never per draw).
+//    per put (never per draw or release).
 //  * Units and tickets. The unit of echoing is one sample (EchoMode::kExample) or one batch of
 //    `batch_size` consecutive commits (EchoMode::kBatch). A fresh unit gets floor(e) or ceil(e)
 //    tickets, ceil with probability frac(e), from a counter-based RNG keyed by (seed, sample_id),
@@ -19,22 +19,27 @@
 //    its batch closed), so a new factor applies to units published after the call and never
 //    changes the tickets of a unit already in the index. Each unit has one 64-bit atomic state
 //    word `tickets << 32 | readers`.
-//  * Random draw without a global lock. Units holding tickets live in S sharded index sets
-//    (arrays with swap-removal), each under its own small mutex. A global atomic `available`
-//    counts tickets in the index. A taker first claims n tickets from `available` with a CAS
-//    (all or nothing), which guarantees that n draws will succeed; then, per draw, it picks a
-//    shard with probability proportional to its size (S relaxed loads), locks only that shard,
-//    picks a uniform member, and applies `state += readers_per_unit - (1 << 32)` (one ticket
-//    becomes `k` reader references, one per member sample). The taker that removes the last
-//    ticket swap-removes the unit from the shard, under the same shard lock.
-//  * Exact accounting. A unit enters an index exactly once (publish) with tickets >= 1, and
-//    leaves it exactly once (its last ticket). Each ticket is consumed by exactly one draw because
-//    decrements are serialised by the shard lock and `available` never over-commits. A lease
-//    drops one reader with fetch_sub; the one release that brings the state word to 0 (no tickets
-//    AND no readers) retires the unit and frees its extents and slots. The word can only reach 0
-//    once, because nothing adds to it after the unit left the index. So a slot is reused only when
-//    its tickets are 0 and no reader holds it, and every sample is emitted exactly its ticket
-//    count (the C++ stress test and TSAN check this).
+//  * Random draw without a lock. Every slot has a 64-bit atomic state word
+//    `tickets:16 | generation:16 | readers:32`; a unit (identified by its first slot) is in the
+//    index exactly while its tickets are > 0. A global atomic `available` counts tickets in the
+//    index not yet claimed. A taker first claims n tickets from `available` with a CAS (all or
+//    nothing), which guarantees that n draws will succeed; then, per draw, it probes uniformly
+//    random slots and claims a ticket from the first unit that holds one with a CAS
+//    `state -> state - 1 ticket + k readers` (k = the unit's samples). Rejection sampling makes
+//    the pick uniform among the units holding tickets; after a bounded number of misses (few
+//    tickets left, or batch mode's sparse units) it scans on from the last random probe. The
+//    generation changes at every publish of a slot, so a stale CAS cannot hit a later unit (ABA).
+//  * Exact accounting. A unit enters the index exactly once (publish: a release store of its
+//    tickets, after its data and fields) with tickets >= 1, and leaves it exactly once (the CAS
+//    that takes its last ticket). Each ticket is consumed by exactly one successful CAS, and
+//    `available` never over-commits. A lease drops one reader with fetch_sub; the one release
+//    that brings tickets and readers to 0 retires the unit, which can only happen once because
+//    nothing adds readers to a unit without tickets. Retiring pushes the unit onto a lock-free
+//    stack (one CAS; a whole batch of leases pushes one chain); the allocator, under its lock,
+//    empties that stack with one exchange before it allocates (and stats() before it counts), so
+//    a slot is reused only when its tickets are 0 and no reader holds it, and every sample is
+//    emitted exactly its ticket count (the C++ stress test, under TSAN and ASAN, checks this).
+//    Neither a draw nor a release takes a lock; a put takes the allocator lock once.
 //  * Waiting. Only an empty or full cache waits, on a condition variable with a waiter count.
 //    The waiter registers (seq_cst), re-checks its condition under the mutex, then waits; the
 //    notifier changes the state (seq_cst), reads the waiter count and, when non-zero, notifies
@@ -152,7 +157,7 @@ struct EchoConfig {
   EchoMode mode = EchoMode::kExample;
   size_t batch_size = 1;  ///< batch mode: samples per unit (>= 1); ignored in example mode
   MemoryKind memory = MemoryKind::kAuto;
-  size_t num_shards = 0;  ///< index shards; 0 = automatic (16, fewer for tiny caches)
+  size_t num_shards = 0;  ///< unused since draws probe slots without locks (kept for callers)
 
   /// Throws std::invalid_argument whose message names the field and the bad value.
   ECHOPIPE_API void validate() const;
@@ -301,14 +306,22 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   /// Gives a reservation back without publishing it. Idempotent on an invalid reservation.
   void abort(PutReservation& r);
 
+  /// Blocks until at least n slots are free (n <= capacity_samples), as a put would for one
+  /// sample: kOk, kTimeout, kClosed, or kEnded after end_of_input(). The caller counts as a
+  /// blocked producer meanwhile (takers may then take short batches and skip min_fill). Throws
+  /// std::invalid_argument for n > capacity_samples (it could never succeed).
+  PutStatus wait_for_room(size_t n, double timeout_s = -1.0);
+
   // -- consumers (any number of threads) --
 
   /// Appends up to n sample copies to `out`, drawn uniformly at random among resident units with
-  /// tickets. Example mode: n samples. Batch mode: n must be a multiple of batch_size and the
-  /// result is n / batch_size whole batches, each in put order. All or nothing: on kTimeout /
-  /// kClosed / kEnd nothing is appended. Fewer than n only for the partial last batch after
-  /// end_of_input(), or when producers are blocked on a full cache holding fewer than n tickets.
-  /// Throws std::invalid_argument for n == 0 or (batch mode) n not a multiple of batch_size.
+  /// tickets. Strong guarantee: it throws (bad n, no memory for `out`) before any ticket is
+  /// claimed, so on an exception `out` and the cache are unchanged. Example mode: n samples. Batch
+  /// mode: n must be a multiple of batch_size and the result is n / batch_size whole batches, each
+  /// in put order. All or nothing: on kTimeout / kClosed / kEnd nothing is appended. Fewer than n
+  /// only for the partial last batch after end_of_input(), or when producers are blocked on a full
+  /// cache holding fewer than n tickets. Throws std::invalid_argument for n == 0 or (batch mode) n
+  /// not a multiple of batch_size.
   TakeStatus take(size_t n, std::vector<SampleLease>& out, double timeout_s = -1.0);
 
   // -- stream control (any thread) --
@@ -349,18 +362,33 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
 
   // -- checkpointing --
 
-  /// Serialises resident samples that still hold tickets (with data and tickets left), the open
-  /// batch, the RNG/draw counters and the statistics, under a brief stop-the-world (all shard
-  /// locks + the allocator lock). Samples in uncommitted reservations or in leases are not
-  /// included (their copies are already out). For a snapshot aligned with the input stream,
-  /// quiesce producers and consumers first. Format: magic "ECHOCAC1", version, config digest.
+  /// Serialises resident samples that still hold tickets (with data, slots and tickets left),
+  /// the open batch, the free-slot order, the RNG/draw counters and the statistics, holding the
+  /// batch-assembly and allocator locks (no put, publish or slot reuse meanwhile). Draws are
+  /// lock-free, so quiesce consumers (and producers) for a snapshot aligned with the stream.
+  /// Samples in uncommitted reservations or in leases are not included (their copies are out).
+  /// Format: magic "ECHOCAC1", version 3.
   std::vector<uint8_t> save_state() const;
   /// Loads a save_state() blob into this cache, which must be empty (nothing committed yet) and
-  /// have the same mode, batch_size and shard count, and room for the saved bytes and samples.
-  /// The echo factor is runtime state: the cache adopts the saved current factor (format
-  /// version 2; a version-1 blob carries the creation factor, which is adopted the same way).
-  /// Throws std::invalid_argument with the reason otherwise (bad magic/version, mismatch, size).
+  /// have the same mode, batch_size and capacity_samples, and room for the saved bytes. The
+  /// echo factor is runtime state: the cache adopts the saved current factor. Strong guarantee:
+  /// the blob is parsed and placed completely before anything is committed, so on
+  /// std::invalid_argument (bad magic/version, mismatch, size, corruption) the cache is unchanged.
   void restore_state(const uint8_t* data, size_t size);
+
+  // -- the DALI sink's side state (so that Python and the plugin share one registry) --
+
+  /// The sink stores at most `remaining` more fresh samples (< 0: unlimited, the default).
+  void set_quota(int64_t remaining);
+  int64_t quota() const;
+  /// Takes one unit of the quota (lock-free): true if one more sample may be stored.
+  bool take_quota();
+  /// Tensor layouts ("HWC", "" when none) of each field, as the sink saw them.
+  void set_layouts(std::vector<std::string> layouts);
+  std::vector<std::string> layouts() const;
+  /// Records the layout of field `field` (cheap when unchanged). Throws std::invalid_argument
+  /// for a field outside [0, kMaxFields).
+  void record_layout(int field, std::string_view layout);
 
   // internal: used by leases and reservations
   struct Impl;
@@ -384,8 +412,8 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
 
 // ---- reading helpers -----------------------------------------------------------------------
 
-/// Releases every lease (like destroying them) and clears `leases`, but frees the samples whose
-/// last reader this drops under one allocator lock per cache instead of one per sample.
+/// Releases every lease (like destroying them) and clears `leases`, but retires the samples
+/// whose last reader this drops with one push per cache instead of one per sample.
 ECHOPIPE_API void release_leases(std::vector<SampleLease>& leases);
 
 /// Bytes gather() writes for `field` over `leases` (sum of the field sizes).

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -449,6 +450,123 @@ void test_restore() {
   CHECK_THROWS(d2->restore_state(cut.data(), cut.size()), "truncated");
 }
 
+// Strong guarantees: a corrupt blob or a failing take leaves the cache exactly as it was.
+void test_strong_guarantees() {
+  EchoConfig cfg;
+  cfg.capacity_samples = 64;
+  cfg.capacity_bytes = 64 * 128;
+  cfg.echo_factor = 2.0;
+  cfg.seed = 5;
+  auto a = EchoCache::create(cfg);
+  SampleDesc d = int64_desc(1);
+  for (uint64_t i = 0; i < 20; ++i) {
+    const void* p = &i;
+    CHECK(a->put(d, &p, 0) == PutStatus::kOk);
+  }
+  std::vector<uint8_t> blob = a->save_state();
+  // Every truncation and a flipped byte in the middle (a slot id, a count, a desc...) either
+  // restores completely or throws with the target untouched.
+  for (size_t cut : {blob.size() - 1, blob.size() - 5, blob.size() / 2, size_t{60}}) {
+    auto b = EchoCache::create(cfg);
+    CHECK_THROWS(b->restore_state(blob.data(), cut), "corrupt");
+    EchoStats st = b->stats();
+    CHECK(st.resident == 0 && st.fresh_in == 0 && st.tickets_left == 0 && st.bytes_used == 0);
+    b->restore_state(blob.data(), blob.size());  // still empty, so a good blob loads
+    CHECK(b->stats().tickets_left == 40);
+  }
+  std::vector<uint8_t> bad = blob;
+  bad.push_back(0);  // trailing garbage
+  auto b = EchoCache::create(cfg);
+  CHECK_THROWS(b->restore_state(bad.data(), bad.size()), "trailing");
+  CHECK(b->stats().resident == 0);
+  // A take whose output cannot be allocated throws before claiming tickets.
+  std::vector<SampleLease> out;
+  bool threw = false;
+  try {
+    a->take(std::numeric_limits<size_t>::max() / 2, out, 0);
+  } catch (const std::exception&) {
+    threw = true;
+  }
+  CHECK(threw);
+  CHECK(out.empty() && a->stats().tickets_left == 40);
+  a->end_of_input();
+  size_t copies = 0;
+  while (a->take(7, out, 1) == TakeStatus::kOk) {
+    copies += out.size();
+    release_leases(out);
+  }
+  CHECK(copies == 40);
+  CHECK(a->stats().resident == 0);
+}
+
+// wait_for_room blocks like a put, counts as a blocked producer, and ends on close/end of input.
+// The sink's quota and layouts live in the core cache.
+void test_wait_for_room_quota_layouts() {
+  EchoConfig cfg;
+  cfg.capacity_samples = 8;
+  cfg.capacity_bytes = 8 * 128;
+  cfg.echo_factor = 1.0;
+  cfg.min_fill = 8;  // takers would wait for 8 samples unless a producer is blocked
+  auto c = EchoCache::create(cfg);
+  SampleDesc d = int64_desc(1);
+  for (uint64_t i = 0; i < 6; ++i) {
+    const void* p = &i;
+    CHECK(c->put(d, &p, 0) == PutStatus::kOk);
+  }
+  CHECK(c->wait_for_room(2, 0) == PutStatus::kOk);
+  CHECK(c->wait_for_room(3, 0.05) == PutStatus::kTimeout);
+  CHECK_THROWS(c->wait_for_room(9, 0), "capacity_samples=8");
+  std::atomic<int> status{-1};
+  std::thread waiter([&] { status = static_cast<int>(c->wait_for_room(3, 10)); });
+  std::vector<SampleLease> out;
+  // The waiter counts as a blocked producer: the warm-up is skipped and a take succeeds.
+  CHECK(c->take(1, out, 5) == TakeStatus::kOk);
+  release_leases(out);
+  waiter.join();
+  CHECK(status == static_cast<int>(PutStatus::kOk));
+  std::thread closed_waiter([&] { status = static_cast<int>(c->wait_for_room(8, -1)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  c->close();
+  closed_waiter.join();
+  CHECK(status == static_cast<int>(PutStatus::kClosed));
+
+  CHECK(c->quota() < 0 && c->take_quota());
+  c->set_quota(2);
+  CHECK(c->take_quota() && c->take_quota() && !c->take_quota() && c->quota() == 0);
+  c->set_quota(-5);
+  CHECK(c->quota() == -1 && c->take_quota());
+  CHECK(c->layouts().empty());
+  c->record_layout(1, "HWC");
+  CHECK((c->layouts() == std::vector<std::string>{"", "HWC"}));
+  c->set_layouts({"CHW"});
+  CHECK((c->layouts() == std::vector<std::string>{"CHW"}));
+  CHECK_THROWS(c->record_layout(4, "x"), "field 4");
+  CHECK_THROWS(c->set_layouts({"a", "b", "c", "d", "e"}), "at most 4");
+}
+
+// A big cache with very few tickets left: draws fall back from random probes to a scan and still
+// find every ticket (each of the few samples is emitted exactly its ticket count).
+void test_sparse_draws() {
+  EchoConfig cfg;
+  cfg.capacity_samples = 1 << 16;
+  cfg.capacity_bytes = size_t{1} << 23;
+  cfg.echo_factor = 3.0;
+  auto c = EchoCache::create(cfg);
+  SampleDesc d = int64_desc(1);
+  for (uint64_t i = 0; i < 3; ++i) {
+    const void* p = &i;
+    CHECK(c->put(d, &p, 0) == PutStatus::kOk);
+  }
+  c->end_of_input();
+  std::vector<int> seen(3, 0);
+  std::vector<SampleLease> out;
+  while (c->take(1, out, 1) == TakeStatus::kOk) {
+    ++seen[*static_cast<const uint64_t*>(out[0].data(0))];
+    release_leases(out);
+  }
+  CHECK(seen == std::vector<int>({3, 3, 3}));
+}
+
 // Tickets follow set_echo_factor() for units published after the call; units already in the
 // cache keep theirs; accounting stays exact.
 void test_set_echo_factor() {
@@ -607,6 +725,9 @@ int main() {
   test_drain_and_reset();
   test_batch_mode();
   test_restore();
+  test_strong_guarantees();
+  test_wait_for_room_quota_layouts();
+  test_sparse_draws();
   test_set_echo_factor();
   test_ragged();
   for (double e : {1.0, 2.0, 3.5}) test_stress(e, n);

@@ -1,0 +1,227 @@
+// Internals of the echo cache shared by its translation units (echo_cache.cc: put/take/leases,
+// echo_state.cc: save/restore); not installed. The algorithm and its correctness argument are in
+// echo_cache.h. Lock order, outermost first: assembly_mu (batch assembly) -> alloc_mu; wait_mu
+// and side_mu are leaves. The draw path (take) and the release path (leases) take no lock.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "echo/arena.h"
+#include "echo/echo_cache.h"
+
+namespace echopipe::detail {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+constexpr uint64_t kNoEmit = std::numeric_limits<uint64_t>::max();
+constexpr size_t kMaxHist = 64;
+// Upper bound on any blocking wait, so close() is seen within this even if a notify were lost.
+constexpr auto kPoll = std::chrono::milliseconds(100);
+
+// The state word of a unit: tickets (16 bits: e <= 65535) | generation (16) | readers (32).
+// The generation changes at every publish of the slot, so a draw's CAS cannot succeed against a
+// later publication of the same slot that happens to have equal tickets and readers (ABA).
+constexpr int kTicketShift = 48;
+constexpr uint64_t kTicket = uint64_t{1} << kTicketShift;
+constexpr uint64_t kGenOne = uint64_t{1} << 32;
+constexpr uint64_t kGenMask = uint64_t{0xFFFF} << 32;
+constexpr uint64_t kLiveMask = ~kGenMask;  // tickets and readers: 0 means the unit can retire
+constexpr uint32_t kMaxTickets = 65535;
+
+inline uint32_t tickets_of(uint64_t state) { return static_cast<uint32_t>(state >> kTicketShift); }
+
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Uniform integer in [0, n) from 32 random bits (Lemire's multiply-shift; bias < n / 2^32).
+inline uint32_t bounded(uint32_t r, uint32_t n) {
+  return static_cast<uint32_t>((static_cast<uint64_t>(r) * n) >> 32);
+}
+
+inline size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Best-fit extent allocator with coalescing, fronted by exact-size free lists (caller holds the
+// cache's alloc_mu for every call).
+class ExtentAllocator {
+ public:
+  ExtentAllocator(uint64_t usable_bytes, size_t capacity_samples);
+  bool alloc(uint64_t size, uint64_t* offset);
+  void free(uint64_t offset, uint64_t size);
+
+ private:
+  // An extent freed with one of the first kSizeClasses sizes seen is parked uncoalesced, and a
+  // request of that size pops it in O(1) without touching (or allocating nodes of) the tree.
+  // When the tree cannot serve a request, every parked extent is coalesced back and the request
+  // retried, so space is found exactly when the coalescing allocator alone would find it.
+  static constexpr int kSizeClasses = 8;
+  struct SizeClass {
+    uint64_t size = 0;
+    std::vector<uint64_t> offsets;
+  };
+  SizeClass* size_class(uint64_t size, bool create);
+  bool alloc_from_tree(uint64_t size, uint64_t* offset);
+  void coalesce_into_tree(uint64_t offset, uint64_t size);
+
+  uint64_t usable_;
+  size_t capacity_samples_;
+  std::map<uint64_t, uint64_t> by_offset_;           // offset -> size
+  std::set<std::pair<uint64_t, uint64_t>> by_size_;  // (size, offset)
+  std::array<SizeClass, kSizeClasses> classes_;
+  int num_classes_ = 0;
+  uint64_t parked_ = 0;
+};
+
+struct CacheImpl {
+  struct Slot {
+    SampleDesc desc;
+    uint64_t offset = 0;  // extent start in the arena
+    uint64_t extent = 0;  // extent bytes
+    uint64_t sample_id = 0;
+    uint32_t next = kNone;  // next member of the same unit (batch mode), put order
+    uint32_t unit = kNone;  // first member's slot id
+    uint32_t index_in_unit = 0;
+  };
+  // A unit is identified by its first member's slot id. Its fields are written by the publisher
+  // before the release store of its state word and read by drawers after an acquire load of it;
+  // they are atomics (relaxed) only so that a drawer that lost a race reads them without a data
+  // race while the slot is being republished.
+  struct UnitInfo {
+    std::atomic<uint32_t> members{0};
+    std::atomic<uint32_t> tickets_total{0};
+    std::atomic<uint64_t> last_emit{kNoEmit};  // emission position of the previous copy
+    uint32_t retire_next = kNone;              // link in the retired stack
+  };
+  // Striped reuse-distance counters: takers add to the stripe of the unit they drew.
+  struct alignas(64) ReuseStripe {
+    std::atomic<uint64_t> sum{0};
+    std::atomic<uint64_t> pairs{0};
+  };
+  static constexpr uint32_t kStripes = 16;
+
+  explicit CacheImpl(const EchoConfig& c);
+
+  const EchoConfig cfg;
+  const uint32_t capacity;      // slots = units
+  const uint32_t unit_samples;  // 1, or batch_size in batch mode
+  const uint64_t usable_bytes;
+  const uint32_t probe_limit;  // random probes of a draw before it scans
+  Arena arena;
+  std::vector<Slot> slots;
+  // Dense, so that a random probe touches one 8-byte word; drawers probe it without locks.
+  std::unique_ptr<std::atomic<uint64_t>[]> state;
+  std::unique_ptr<UnitInfo[]> info;
+  std::array<ReuseStripe, kStripes> reuse;
+  std::atomic<double> echo_factor{2.0};  // read once per published unit
+  uint64_t seed = 0;                     // replaced by restore_state
+
+  // Allocator (alloc_mu). The counters share the lock's cache line: taking it brings them along.
+  alignas(64) mutable std::mutex alloc_mu;
+  std::atomic<uint64_t> resident{0};
+  std::atomic<uint64_t> bytes_used{0};
+  std::atomic<uint64_t> space_gen{0};  // bumped when blocked producers should re-check
+  std::vector<uint32_t> free_slots;    // a stack: the next put takes the back
+  ExtentAllocator extents;
+  std::vector<uint64_t> histogram = std::vector<uint64_t>(kMaxHist, 0);
+  uint64_t retired = 0;
+  bool input_ended_locked = false;  // mirror of input_ended under alloc_mu
+
+  // Retired units not yet given back to the allocator: a lock-free stack (Treiber) that any
+  // releasing thread pushes onto and that the allocator, under alloc_mu, empties in one exchange
+  // (so no ABA: nodes are only ever popped all at once).
+  alignas(64) std::atomic<uint32_t> retired_head{kNone};
+  std::atomic<int64_t> retired_pending{0};        // samples on the stack (approximate)
+  std::atomic<int64_t> retired_pending_bytes{0};  // their extent bytes (approximate)
+
+  // Batch assembly (assembly_mu).
+  std::mutex assembly_mu;
+  uint32_t open_unit = kNone;
+  uint32_t open_tail = kNone;
+  uint32_t open_count = 0;
+
+  // Lock-free counters, grouped by who writes them, one cache line per group.
+  alignas(64) std::atomic<int64_t> available{0};  // tickets in the index not yet claimed
+  std::atomic<int64_t> live_samples{0};           // samples of units holding tickets
+  alignas(64) std::atomic<int64_t> pending{0};    // reservations not yet committed/aborted
+  std::atomic<uint64_t> fresh_in{0};
+  std::atomic<uint64_t> next_sample_id{0};
+  alignas(64) std::atomic<uint64_t> emitted{0};
+  std::atomic<uint64_t> emit_pos{0};      // emission position (units)
+  std::atomic<uint64_t> draw_counter{0};  // RNG counter for draws
+  alignas(64) std::atomic<bool> closed{false};
+  std::atomic<bool> input_ended{false};
+  std::atomic<bool> sealed{false};  // input ended, no pending puts, open batch flushed
+  std::atomic<int64_t> quota{-1};   // fresh samples a sink may still store; < 0 = unlimited
+
+  // Waiting (wait_mu is a leaf lock).
+  std::mutex wait_mu;
+  std::condition_variable space_cv;
+  std::condition_variable data_cv;
+  std::atomic<int> put_waiters{0};  // producers (and wait_for_room) blocked for space
+  std::atomic<int> take_waiters{0};
+  // Smallest ticket count a waiting taker needs; publishes below it do not wake anybody.
+  std::atomic<int64_t> want_hint{std::numeric_limits<int64_t>::max()};
+  // Retired samples (or bytes) that wake blocked producers: one wakeup per 1/16 of the cache
+  // instead of one per retired sample.
+  const int64_t wake_slots;
+  const int64_t wake_bytes;
+  std::atomic<uint64_t> puts_blocked{0}, put_blocked_ns{0};
+  std::atomic<uint64_t> takes_waited{0}, take_wait_ns{0};
+
+  // Field layouts ("HWC"...) recorded by a DALI sink, restored by the source (side_mu).
+  mutable std::mutex side_mu;
+  std::vector<std::string> layouts;
+
+  uint32_t tickets_for(uint64_t sample_id) const;
+
+  // -- allocator (caller holds alloc_mu) --
+  bool alloc_slot_locked(const SampleDesc& desc, uint64_t need, uint32_t* slot);
+  void free_slot_locked(uint32_t s);
+  // Gives every retired unit on the stack back to the allocator.
+  void collect_retired_locked();
+
+  // -- publication and draws --
+  void publish(uint32_t u, uint32_t members, uint64_t first_sample_id);
+  void flush_open_locked();  // caller holds assembly_mu
+  void try_seal();
+  // Draws one unit for a taker that already owns a ticket in `available`. Lock-free.
+  uint32_t draw_one(uint64_t rnd, uint64_t pos, uint32_t* emission) noexcept;
+  // Pushes a chain of retired units (linked by retire_next, `first`..`last`) in one CAS.
+  void push_retired(uint32_t first, uint32_t last, int64_t samples, int64_t bytes) noexcept;
+  // Drops one reader of unit u; returns true when that retired it (the caller pushes it).
+  bool drop_reader(uint32_t u) noexcept;
+  // Samples and bytes a retiring unit gives back.
+  void unit_size(uint32_t u, int64_t* samples, int64_t* bytes) const noexcept;
+
+  // -- notification (Dekker: state change is seq_cst, then read the waiter count) --
+  void notify_space() noexcept;
+  void notify_data_published() noexcept;
+  void notify_data() noexcept;
+  void notify_all() noexcept;
+  // Blocks a producer-side caller until space may have appeared (space_gen moved from `gen`, a
+  // retired unit waits for collection, close, end of input) or `deadline` (unless forever).
+  void wait_for_space(uint64_t gen, bool forever, Clock::time_point deadline);
+};
+
+}  // namespace echopipe::detail
+
+namespace echopipe {
+struct EchoCache::Impl : detail::CacheImpl {
+  using detail::CacheImpl::CacheImpl;
+};
+}  // namespace echopipe
