@@ -84,6 +84,7 @@ def test_two_gloo_ranks_equal_the_threaded_engine(torchrun_results: Path) -> Non
     for r, result in enumerate(ranks):
         assert result["stage_index"] == r
         assert result["updates"] == 15
+        assert result["updates_per_stage"] == [15 if k == r else None for k in range(2)]
         _assert_close(result["after_12"], after_12[r])
         _assert_close(result["final"], final[r])
         # A fresh pipeline resumed from the checkpoint continues exactly like the original.
@@ -94,6 +95,27 @@ def test_two_gloo_ranks_equal_the_threaded_engine(torchrun_results: Path) -> Non
     assert [v for _, v in ranks[1]["losses"]] == pytest.approx(losses, rel=1e-12)
     torch.testing.assert_close(ranks[1]["logits"], logits, rtol=1e-12, atol=1e-12)
     assert (torchrun_results / "ck.stage0").is_file() and (torchrun_results / "ck.stage1").is_file()
+
+
+@pytest.mark.distributed
+def test_distributed_api_matches_stale_pipeline(torchrun_results: Path) -> None:
+    batches = make_batches(15)[:7]
+    ref = StalePipeline(small_cnn(0), balance=[4, 4], optimizer=sgd, loss_fn=loss_fn)
+    loader = [[{"data": x, "label": y.reshape(-1, 1).int()}] for x, y in batches]
+    expected = ref.run_epoch(loader, drain=True)
+    accuracy = ref.accuracy(batches[0][0], batches[0][1], batch_size=4)
+    final = [s.state_dict() for s in ref.stages]
+    ref.close()
+    ranks = [torch.load(torchrun_results / f"api_rank{r}.pt") for r in range(2)]
+    assert ranks[0]["auto_balance"] == ranks[1]["auto_balance"]  # rank 0 chose, both adopted
+    assert sum(ranks[0]["auto_balance"]) == 8 and len(ranks[0]["auto_balance"]) == 2
+    for r, result in enumerate(ranks):
+        assert result["steps"] == expected.steps == 7
+        _assert_close(result["final"], final[r])
+        assert result["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+        assert result["optimizers"] == [k == r for k in range(2)]
+    assert ranks[0]["samples"] == expected.samples and ranks[0]["losses"] == []
+    assert ranks[1]["losses"] == pytest.approx(expected.losses, rel=1e-12)
 
 
 @pytest.mark.distributed

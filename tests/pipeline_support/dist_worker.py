@@ -46,15 +46,16 @@ def main() -> None:
     assert pipe.staleness() == [2, 0]
     losses = []
     for x, y in batches[:12]:
-        losses.extend(pipe.train_step(x, y) if pipe.is_first else pipe.train_step())
-    losses.extend(pipe.drain())
+        result = pipe.train_step(x, y) if pipe.is_first else pipe.train_step()
+        losses.extend((r.index, r.value) for r in result.finished)
+    losses.extend((r.index, r.value) for r in pipe.drain())
     assert pipe.staleness() == [0, 0] and not pipe.pipelined
     logits = pipe.evaluate(batches[0][0] if pipe.is_first else None)
     pipe.save_checkpoint(out / "ck")
     stage_after_12 = {k: v.clone() for k, v in pipe.stage.state_dict().items()}
     for x, y in batches[12:]:
-        losses.extend(pipe.train_step(x, y))
-    losses.extend(pipe.drain())
+        losses.extend((r.index, r.value) for r in pipe.train_step(x, y).finished)
+    losses.extend((r.index, r.value) for r in pipe.drain())
     resumed = build(99)
     resumed.load_checkpoint(out / "ck")
     for x, y in batches[12:]:
@@ -68,7 +69,8 @@ def main() -> None:
             "resumed": resumed.stage.state_dict(),
             "losses": losses,
             "logits": logits,
-            "updates": pipe.updates_applied,
+            "updates": pipe.steps_applied,
+            "updates_per_stage": pipe.updates_per_stage,
             "samples_seen": pipe.samples_seen,
         },
         out / f"pipeline_rank{rank}.pt",
@@ -81,6 +83,32 @@ def main() -> None:
         dp.train_step(x[half], y[half])
     dp.drain()
     torch.save({"final": dp.stage.state_dict()}, out / f"dp_rank{rank}.pt")
+
+    # 3. The StalePipeline API: balance="auto" agreed by both ranks, run_epoch over DALI-style
+    # dict batches with (N, 1) int32 labels (stage 0 reads them, rank 1 passes None), accuracy.
+    auto = DistributedStalePipeline(
+        small_cnn(0), balance="auto", num_stages=2, sample_input=batches[0][0],
+        optimizer=sgd, loss_fn=loss_fn,
+    )  # fmt: skip
+    epoch = DistributedStalePipeline(small_cnn(0), balance=[4, 4], optimizer=sgd, loss_fn=loss_fn)
+    loader = [[{"data": x, "label": y.reshape(-1, 1).int()}] for x, y in batches[:7]]
+    result = epoch.run_epoch(loader if epoch.is_first else None, drain=True)
+    accuracy = epoch.accuracy(
+        batches[0][0] if epoch.is_first else None, batches[0][1] if epoch.is_first else None,
+        batch_size=4,
+    )  # fmt: skip
+    torch.save(
+        {
+            "auto_balance": auto.balance,
+            "steps": result.steps,
+            "samples": result.samples,
+            "losses": result.losses,
+            "final": epoch.stage.state_dict(),
+            "accuracy": accuracy,
+            "optimizers": [o is not None for o in epoch.optimizers],
+        },
+        out / f"api_rank{rank}.pt",
+    )
     dist.barrier()
     dist.destroy_process_group()
 

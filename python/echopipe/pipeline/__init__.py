@@ -14,14 +14,7 @@ from __future__ import annotations
 
 from .dist_setup import check_gpus_per_rank, init_distributed
 from .distributed import DistributedStalePipeline
-from .engine import (
-    EpochResult,
-    LossRecord,
-    PipelineError,
-    StageGradHook,
-    StalePipeline,
-    StepResult,
-)
+from .engine import PipelineError, StageGradHook, StalePipeline
 from .partition import (
     LayerProfile,
     parse_devices,
@@ -30,6 +23,7 @@ from .partition import (
     split_sequential,
     validate_balance,
 )
+from .results import EpochResult, LossRecord, StepResult, unpack_batch
 from .schedule import HybridSchedule, stage_staleness
 
 __all__ = [
@@ -49,5 +43,6 @@ __all__ = [
     "profile_layers",
     "split_sequential",
     "stage_staleness",
+    "unpack_batch",
     "validate_balance",
 ]

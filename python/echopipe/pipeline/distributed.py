@@ -36,8 +36,10 @@ from torch import nn
 
 from .checkpoint import atomic_save, load_file
 from .dist_setup import check_gpus_per_rank
+from .distributed_epoch import DistributedEpochApi, agreed_auto_balance
 from .engine import CHECKPOINT_FORMAT, LossFn, OptimizerFactory, SchedulerFactory, _stage_optimizer
 from .partition import DeviceLike, parse_devices, split_sequential
+from .results import LossRecord, StepResult
 from .schedule import HybridSchedule, stage_staleness
 from .stage import StageCore
 
@@ -70,7 +72,7 @@ _DTYPES = [
 ]
 
 
-class DistributedStalePipeline:
+class DistributedStalePipeline(DistributedEpochApi):
     """Stale-weight pipeline with one stage per rank (see the module docstring).
 
     ``torch.distributed`` must be initialised. Every rank builds the same full model (same
@@ -79,20 +81,29 @@ class DistributedStalePipeline:
 
     Args:
         module: the full ``nn.Sequential`` (identical on every rank).
-        balance: children per stage; ``len(balance)`` must divide the world size.
+        balance: children per stage; ``len(balance)`` must divide the world size. ``"auto"``:
+            rank 0 profiles ``sample_input`` and chooses ``num_stages`` stages
+            (``partition_balance``), and every rank adopts that choice.
         optimizer, scheduler, scheduler_interval, loss_fn, recompute, pipelined, hybrid: as for
             :class:`~echopipe.pipeline.StalePipeline`.
         device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
         timeout_s: longest wait, in seconds, for one message to or from a neighbouring rank
             before :class:`TimeoutError` (``None``: wait as long as the process group allows).
             Applies to CPU tensors (Gloo); on NCCL the process group's timeout bounds waits.
+        num_stages, sample_input: for ``balance="auto"``.
+
+    The calls and results are those of :class:`~echopipe.pipeline.StalePipeline`
+    (``train_step`` returns a :class:`StepResult`, ``drain`` a list of :class:`LossRecord`,
+    ``run_epoch``, ``accuracy``, ``steps_applied``, ``updates_per_stage``, ``optimizers``,
+    ``schedulers``), except that they are collective and per-stage lists hold ``None`` for
+    the stages other ranks run.
     """
 
     def __init__(
         self,
         module: nn.Sequential,
         *,
-        balance: Sequence[int],
+        balance: Sequence[int] | Literal["auto"],
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         scheduler: SchedulerFactory | None = None,
@@ -102,6 +113,8 @@ class DistributedStalePipeline:
         hybrid: HybridSchedule | None = None,
         device: DeviceLike | None = None,
         timeout_s: float | None = None,
+        num_stages: int | None = None,
+        sample_input: torch.Tensor | None = None,
     ) -> None:
         if timeout_s is not None and (
             isinstance(timeout_s, bool)
@@ -116,6 +129,10 @@ class DistributedStalePipeline:
                 "DistributedStalePipeline needs torch.distributed initialised "
                 "(launch with torchrun and call torch.distributed.init_process_group)"
             )
+        if isinstance(balance, str):
+            if balance != "auto":
+                raise ValueError(f"balance must be a list of ints or 'auto', got {balance!r}")
+            balance = agreed_auto_balance(module, sample_input, num_stages)
         stages = split_sequential(module, balance)
         self.num_stages = len(stages)
         self.world_size = dist.get_world_size()
@@ -171,7 +188,7 @@ class DistributedStalePipeline:
             deque()
         )
         self._inputs: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
-        self._losses: list[tuple[int, float]] = []
+        self._losses: list[LossRecord] = []
         self.steps_fed = 0
         self.samples_seen = 0
 
@@ -186,9 +203,16 @@ class DistributedStalePipeline:
         return self._pipelined
 
     @property
-    def updates_applied(self) -> int:
-        """Updates this rank's stage has applied."""
+    def steps_applied(self) -> int:
+        """Minibatches whose update this rank's stage has applied (every stage has, after a
+        drain); the same name as :attr:`StalePipeline.steps_applied`."""
         return self._core.updates_applied
+
+    @property
+    def updates_per_stage(self) -> list[int | None]:
+        """Updates applied per stage, as in :class:`StalePipeline`; ``None`` for the stages
+        that other ranks run."""
+        return self._per_stage(self._core.updates_applied)
 
     @property
     def is_first(self) -> bool:
@@ -201,14 +225,18 @@ class DistributedStalePipeline:
         return self.stage_index == self.num_stages - 1
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """This rank's stage optimizer."""
-        return self._core.optimizer
+    def optimizers(self) -> list[torch.optim.Optimizer | None]:
+        """Per-stage optimizers, as in :class:`StalePipeline`: this rank's at
+        ``stage_index``, ``None`` for the stages other ranks run."""
+        return self._per_stage(self._core.optimizer)
 
     @property
-    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
-        """This rank's stage LR scheduler."""
-        return self._core.scheduler
+    def schedulers(self) -> list[torch.optim.lr_scheduler.LRScheduler | None]:
+        """Per-stage LR schedulers (``None`` for the stages other ranks run)."""
+        return self._per_stage(self._core.scheduler)
+
+    def _per_stage(self, mine: Any) -> list[Any]:
+        return [mine if k == self.stage_index else None for k in range(self.num_stages)]
 
     # Messaging -----------------------------------------------------------------------------
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
@@ -306,7 +334,7 @@ class DistributedStalePipeline:
         out, loss = core.forward(index, x, target)
         if self.is_last:
             assert loss is not None
-            self._losses.append((index, float(loss.item())))
+            self._losses.append(LossRecord(index, loss.detach()))
         else:
             assert self._next is not None
             self._send(out, self._next, _TAG_ACT)
@@ -340,11 +368,13 @@ class DistributedStalePipeline:
     # Public --------------------------------------------------------------------------------
     def train_step(
         self, x: torch.Tensor | None = None, target: torch.Tensor | None = None
-    ) -> list[tuple[int, float]]:
+    ) -> StepResult:
         """Feed one minibatch (collective: every rank calls it once per minibatch).
 
-        Stage 0 needs ``x`` and ``target``; other ranks ignore them. Returns, on the last
-        stage, ``(index, loss)`` of minibatches finished during this call (empty elsewhere).
+        Stage 0 needs ``x`` and ``target``; other ranks ignore them. Returns a
+        :class:`StepResult` as :meth:`StalePipeline.train_step` does; its ``finished`` losses
+        are those of the minibatches this rank finished during the call (only the last stage
+        has any).
         """
         index = self.steps_fed
         if self.hybrid is not None and self._pipelined and not self.hybrid.pipelined_at(index):
@@ -357,9 +387,9 @@ class DistributedStalePipeline:
         self.steps_fed += 1
         self._advance(drain=False)
         finished, self._losses = self._losses, []
-        return finished
+        return StepResult(index, finished)
 
-    def drain(self) -> list[tuple[int, float]]:
+    def drain(self) -> list[LossRecord]:
         """Finish all in-flight minibatches on this rank (collective); returns finished losses."""
         self._advance(drain=True)
         self._reap_sends(wait_all=True)
@@ -418,8 +448,8 @@ class DistributedStalePipeline:
             "balance": list(self.balance),
             "stage_index": self.stage_index,
             "stage": self.stage.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "optimizer": opt.state_dict() if (opt := self._core.optimizer) is not None else None,
+            "scheduler": sch.state_dict() if (sch := self._core.scheduler) is not None else None,
             "updates_applied": self._core.updates_applied,
             "scheduler_steps": self._core.scheduler_steps,
             "steps_fed": self.steps_fed,
@@ -438,10 +468,10 @@ class DistributedStalePipeline:
             )
         self.drain()
         self.stage.load_state_dict(state["stage"])
-        if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
+        if self._core.optimizer is not None and state["optimizer"] is not None:
+            self._core.optimizer.load_state_dict(state["optimizer"])
+        if self._core.scheduler is not None and state["scheduler"] is not None:
+            self._core.scheduler.load_state_dict(state["scheduler"])
         core = self._core
         core.updates_applied = int(state["updates_applied"])
         core.scheduler_steps = int(state["scheduler_steps"])

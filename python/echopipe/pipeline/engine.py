@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -30,6 +30,7 @@ from .partition import (
     partition_balance,
     split_sequential,
 )
+from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult, unpack_batch
 from .schedule import HybridSchedule, stage_staleness
 from .stage import StageCore
 from .stream import (
@@ -65,56 +66,6 @@ class PipelineError(RuntimeError):
     def __init__(self, stage: int, message: str) -> None:
         super().__init__(message)
         self.stage = stage
-
-
-@dataclass
-class LossRecord:
-    """The loss of one finished minibatch (resolved lazily so CUDA streams are not synced)."""
-
-    index: int
-    tensor: torch.Tensor
-    ready: StreamEvent = field(default_factory=StreamEvent)
-
-    @property
-    def value(self) -> float:
-        """The loss as a Python float (waits for the stage's stream on CUDA)."""
-        self.ready.synchronize()
-        return float(self.tensor.item())
-
-
-@dataclass
-class StepResult:
-    """What :meth:`StalePipeline.train_step` reports.
-
-    Attributes:
-        index: 0-based index of the minibatch just fed.
-        finished: losses of minibatches whose forward on the last stage completed since the
-            previous call, oldest first. With ``K`` stages a minibatch's loss appears about
-            ``K-1`` steps after it was fed.
-    """
-
-    index: int
-    finished: list[LossRecord]
-
-    @property
-    def losses(self) -> list[float]:
-        """The finished losses as floats."""
-        return [r.value for r in self.finished]
-
-
-@dataclass
-class EpochResult:
-    """Summary of :meth:`StalePipeline.run_epoch`."""
-
-    steps: int
-    samples: int
-    losses: list[float]
-    seconds: float
-
-    @property
-    def mean_loss(self) -> float:
-        """Mean of the losses that finished during the epoch (nan if none did)."""
-        return sum(self.losses) / len(self.losses) if self.losses else float("nan")
 
 
 # Messages between the caller and the stage workers ------------------------------------------
@@ -552,23 +503,26 @@ class StalePipeline:
 
     def run_epoch(
         self,
-        loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        loader: Iterable[Any],
         *,
         drain: bool = False,
         step_schedulers: bool = True,
+        output_map: Sequence[str] = DEFAULT_OUTPUT_MAP,
     ) -> EpochResult:
-        """Feed every ``(x, target)`` batch of ``loader``; no flush at the end unless ``drain``.
+        """Feed every batch of ``loader``; no flush at the end unless ``drain``.
 
-        With ``scheduler_interval="epoch"`` and ``step_schedulers``, each stage's scheduler
-        steps once after its update of the epoch's last minibatch.
+        Batches are ``(x, target)`` pairs or DALI-style dicts (``[{"data": x, "label": y}]``
+        from ``DALIGenericIterator``, ``DALIClassificationIterator`` or ``EchoIterator``), whose
+        keys ``output_map`` names; ``(N, 1)`` integer labels become ``(N,)`` int64 (see
+        :func:`~echopipe.pipeline.results.unpack_batch`). With ``scheduler_interval="epoch"``
+        and ``step_schedulers``, each stage's scheduler steps once after its update of the
+        epoch's last minibatch.
         """
         start = time.perf_counter()
         steps = samples = 0
         losses: list[float] = []
         for batch in loader:
-            if not isinstance(batch, tuple | list) or len(batch) < 2:
-                raise TypeError(f"loader must yield (x, target) pairs, got {type(batch).__name__}")
-            x, target = batch[0], batch[1]
+            x, target = unpack_batch(batch, output_map)
             result = self.train_step(x, target)
             losses.extend(result.losses)
             steps += 1

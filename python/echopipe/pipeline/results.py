@@ -1,0 +1,120 @@
+"""What both pipeline engines return, and how they read a loader's batches.
+
+:class:`~echopipe.pipeline.StalePipeline` and
+:class:`~echopipe.pipeline.DistributedStalePipeline` share these types, so code written against
+one runs against the other. :func:`unpack_batch` lets ``run_epoch`` take what data loaders
+yield: ``(x, target)`` pairs, and DALI-style ``[{"data": x, "label": y}]`` lists of dicts
+(``DALIGenericIterator``, ``DALIClassificationIterator``, ``EchoIterator``), whose class labels
+come as ``(N, 1)`` int32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .stream import StreamEvent
+
+__all__ = ["EpochResult", "LossRecord", "StepResult", "unpack_batch"]
+
+#: Default names of the input and the target in dict batches (DALI's and echopipe's iterators).
+DEFAULT_OUTPUT_MAP = ("data", "label")
+
+
+@dataclass
+class LossRecord:
+    """The loss of one finished minibatch (resolved lazily so CUDA streams are not synced)."""
+
+    index: int
+    tensor: torch.Tensor
+    ready: StreamEvent = field(default_factory=StreamEvent)
+
+    @property
+    def value(self) -> float:
+        """The loss as a Python float (waits for the stage's stream on CUDA)."""
+        self.ready.synchronize()
+        return float(self.tensor.item())
+
+
+@dataclass
+class StepResult:
+    """What ``train_step`` reports.
+
+    Attributes:
+        index: 0-based index of the minibatch just fed.
+        finished: losses of minibatches whose forward on the last stage completed since the
+            previous call, oldest first. With ``K`` stages a minibatch's loss appears about
+            ``K-1`` steps after it was fed. In the distributed engine only the last stage's
+            ranks see losses (elsewhere the list is empty).
+    """
+
+    index: int
+    finished: list[LossRecord]
+
+    @property
+    def losses(self) -> list[float]:
+        """The finished losses as floats."""
+        return [r.value for r in self.finished]
+
+
+@dataclass
+class EpochResult:
+    """Summary of ``run_epoch``."""
+
+    steps: int
+    samples: int
+    losses: list[float]
+    seconds: float
+
+    @property
+    def mean_loss(self) -> float:
+        """Mean of the losses that finished during the epoch (nan if none did)."""
+        return sum(self.losses) / len(self.losses) if self.losses else float("nan")
+
+
+def unpack_batch(
+    batch: Any, output_map: Sequence[str] = DEFAULT_OUTPUT_MAP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, target)`` from a loader's batch.
+
+    Accepts an ``(x, target, ...)`` tuple or list, a dict, or a list holding one dict (DALI's
+    iterators yield one dict per pipeline); ``output_map`` names the input and the target keys.
+    Integer class labels of shape ``(N, 1)`` become ``(N,)`` int64, which classification losses
+    expect; other targets pass unchanged. TypeError / KeyError name what was found instead.
+    """
+    if isinstance(output_map, str) or len(output_map) != 2:
+        raise ValueError(f"output_map must name (input, target), got {output_map!r}")
+    if isinstance(batch, list) and len(batch) == 1 and isinstance(batch[0], dict):
+        batch = batch[0]
+    if isinstance(batch, dict):
+        missing = [k for k in output_map if k not in batch]
+        if missing:
+            raise KeyError(
+                f"batch has keys {sorted(batch)}, but output_map asks for {list(output_map)}"
+            )
+        x, target = batch[output_map[0]], batch[output_map[1]]
+    elif isinstance(batch, tuple | list) and len(batch) >= 2:
+        x, target = batch[0], batch[1]
+    else:
+        raise TypeError(
+            "loader must yield (x, target) pairs or dicts (DALI style, keys from output_map), "
+            f"got {type(batch).__name__}"
+            + (f" of {len(batch)} items" if isinstance(batch, tuple | list) else "")
+        )
+    if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(
+            f"batch must hold tensors, got {type(x).__name__} and {type(target).__name__}"
+        )
+    return x, as_class_target(target)
+
+
+def as_class_target(target: torch.Tensor) -> torch.Tensor:
+    """Integer labels of shape (N, 1) as (N,) int64; anything else unchanged."""
+    if target.dtype.is_floating_point or target.dtype == torch.bool:
+        return target
+    if target.dim() == 2 and target.shape[1] == 1:
+        target = target.reshape(-1)
+    return target if target.dtype == torch.int64 else target.long()
