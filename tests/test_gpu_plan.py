@@ -290,3 +290,26 @@ def test_a_hung_test_costs_only_itself(tmp_path: Path) -> None:
     assert "ended the process" in got.stdout and "in test_cannot_be_interrupted" in got.stdout
     rest = (work / "demo.rest.xml").read_text()
     assert 'name="test_after_the_hang"' in rest and 'failures="0"' in rest
+
+
+def test_a_forked_child_gets_a_keeper_of_its_own() -> None:
+    """The parent's keeper thread does not exist in a forked child: holds there still end."""
+    import multiprocessing as mp
+
+    from echopipe import _inflight
+
+    never = threading.Event()
+    _inflight.hold_until(lambda: never.wait(5), _Payload())  # busy in the parent at fork time
+    ctx = mp.get_context("fork")
+    child = ctx.Process(target=_hold_and_drain_in_child)
+    child.start()
+    child.join(30)
+    never.set()
+    assert child.exitcode == 0
+
+
+def _hold_and_drain_in_child() -> None:
+    from echopipe import _inflight
+
+    _inflight.hold_until(lambda: None, _Payload())
+    os._exit(0 if _inflight._KEEPER.drain(timeout=5) else 3)

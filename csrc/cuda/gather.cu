@@ -40,8 +40,8 @@ template <int K>
 __global__ void __launch_bounds__(kThreads)
     gather_bytes_kernel(const __grid_constant__ BytesTable<K> t, uint8_t* dst) {
   const int s = blockIdx.y;
-  const uint8_t* in = t.src[s];
-  uint8_t* out = dst + t.offset[s];
+  const uint8_t* __restrict__ in = t.src[s];
+  uint8_t* __restrict__ out = dst + t.offset[s];
   const int64_t size = t.offset[s + 1] - t.offset[s];
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;

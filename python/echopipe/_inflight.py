@@ -15,6 +15,7 @@ The waits are plain callables, so the keeping is the same for any kind of event.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -81,9 +82,18 @@ class InFlight:
                     self._busy = False
                     self._cond.notify_all()
 
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the parent's thread does not exist here (nor do its CUDA reads)."""
+        self._cond = threading.Condition()
+        self._queue.clear()
+        self._busy = False
+        self._thread = None
+
 
 _KEEPER = InFlight()
 atexit.register(_KEEPER.close)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_KEEPER._forget_after_fork)
 
 
 def hold_until(wait: Callable[[], Any], payload: Any) -> None:
