@@ -556,12 +556,14 @@ class EchoCache:
         """Gathers field ``field`` of ``samples`` from the GPU-mapped arena into ``out`` (CUDA).
 
         A kernel reads the pinned, mapped cache memory directly (no staging copy) and writes
-        the batch back to back into ``out``, asynchronously on ``stream``.
+        the batch back to back into ``out``, asynchronously on ``stream``. When ``stream`` is
+        not torch's current stream, ``out`` is marked as used by it (``record_stream``).
 
         Args:
-            samples: Copies taken from this cache (:meth:`take`). Keep them (their leases)
-                alive until ``stream`` has run the gather, e.g. until you synchronize it or use
-                ``out`` on the same stream.
+            samples: Copies taken from this cache (:meth:`take`). They may be dropped right
+                after the call: their slots stay leased until an event recorded on ``stream``
+                behind the kernel has fired (a background thread waits for it), so the cache
+                cannot reuse a slot the kernel still reads.
             field: Field index, the same for every sample.
             out: A contiguous CUDA ``torch.Tensor``. Without ``normalize`` its dtype must be the
                 field's and its ``numel()`` the sum of the samples' (ragged samples are written
@@ -582,8 +584,9 @@ class EchoCache:
                 ``stream`` has the wrong type.
             ValueError: a bad field, layout, shape, dtype, ``normalize`` value, or a non-CUDA or
                 non-contiguous ``out`` (the message names the value).
-            RuntimeError: the cache is not pinned and GPU-mapped (``memory_kind`` is not
-                ``"pinned"``), or echopipe was built without CUDA.
+            RuntimeError: the cache is not pinned (``memory_kind`` is not ``"pinned"``), its
+                pinned arena could not be mapped into the GPU's address space
+                (``cudaHostGetDevicePointer`` failed), or echopipe was built without CUDA.
         """
         torch = _torch_module()
         if torch is None or not isinstance(out, torch.Tensor):
