@@ -199,20 +199,31 @@ def _from_bytes(leaf: Leaf, rows: np.ndarray, n: int) -> Any:
 
 
 def decode_many(layout: Layout, parts: list[tuple[list[np.ndarray], list[Any], int]]) -> Any:
-    """Rebuilds one batch from several gathered parts (``(fields, offsets, n)`` each)."""
+    """Rebuilds one batch from several gathered parts (``(fields, offsets, n)`` each).
+
+    The parts' fields are joined with numpy (one copy, no intra-op thread pool) and decoded once.
+    """
     if len(parts) == 1:
-        return _unflatten(layout.treedef, _decode_leaves(layout, *parts[0]))
-    columns = [_decode_leaves(layout, *part) for part in parts]
-    values = []
-    for i, leaf in enumerate(layout.leaves):
-        pieces = [c[i] for c in columns]
-        if leaf.kind == "tensor":
-            values.append(torch.cat(pieces))
-        elif leaf.kind == "numpy":
-            values.append(np.concatenate(pieces))
-        else:
-            values.append([text for piece in pieces for text in piece])
-    return _unflatten(layout.treedef, values)
+        return decode(layout, *parts[0])
+    n = sum(p[2] for p in parts)
+    fields = [np.concatenate([p[0][f].reshape(p[2], -1) for p in parts])
+              for f in range(len(layout.groups))]  # fmt: skip
+    offsets: list[Any] = [None] * len(fields)
+    if layout.strings:
+        f = len(layout.groups)
+        flat, offs, base = [], [np.zeros(1, dtype=np.int64)], 0
+        for data, part_offsets, k in parts:
+            blob = data[f].reshape(-1)
+            o = part_offsets[f]
+            if o is None:
+                o = np.arange(k + 1, dtype=np.int64) * (blob.size // k)
+            flat.append(blob)
+            offs.append(np.asarray(o[1:], dtype=np.int64) + base)
+            base += blob.size
+        fields += [np.concatenate(flat), np.concatenate([p[0][f + 1].reshape(p[2], -1)
+                                                         for p in parts])]  # fmt: skip
+        offsets += [np.concatenate(offs), None]
+    return decode(layout, fields, offsets, n)
 
 
 def decode(layout: Layout, fields: list[np.ndarray], offsets: list[Any], n: int) -> Any:
