@@ -15,37 +15,133 @@ from echopipe.cli import BENCH_DEFAULT, BENCH_STUDIES, BENCH_SUITES, build_parse
 
 
 def _bad(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
+    """The one line of a bad argument (exit status 2), from the parser or the run."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code  # type: ignore[assignment]
+    assert code == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("echopipe train: error: ")
+    assert lines[0].startswith(("echopipe train: error: ", "echopipe export: error: "))
     return lines[0]
 
 
-@pytest.mark.parametrize(
-    ("argv", "needle"),
-    [
-        (["--data", "/no/such/folder"], "/no/such/folder"),
-        (["--echo", "0.5"], "'0.5'"),
-        (["--echo", "often"], "'often'"),
-        (["--devices", "tpu:0"], "tpu:0"),
-        (["--devices", "cuda:7"], "cuda:7"),
-        (["--balance", "3,x"], "3,x"),
-        (["--balance", "4,4", "--stages", "3"], "[4, 4]"),
-        (["--epochs", "0"], "--epochs"),
-        (["--batch-size", "-2"], "-2"),
-        (["--lr", "0"], "--lr"),
-        (["--echo-insert", "before_read"], "before_read"),
-        (["--model", "vgg"], "'vgg'"),
-        (["--read-delay-ms", "-1"], "--read-delay-ms"),
-        (["--dist-timeout-s", "0"], "--dist-timeout-s must be > 0, got 0"),
-        (["--decode", "mixed", "--devices", "cpu"], "--devices cpu has none"),
-        (["--decode", "gpu"], "'gpu'"),
-    ],
-)
+def _jpeg(path: Path, size: tuple[int, int] = (40, 30), seed: int = 0) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=85)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buf.getvalue())
+    return buf.getvalue()
+
+
+def _dataset(root: Path, classes: tuple[str, ...] = ("ant", "cat"), per_class: int = 4) -> Path:
+    for split in ("train", "val"):
+        for c in classes:
+            (root / split / c).mkdir(parents=True, exist_ok=True)
+            for i in range(per_class if split == "train" else 2):
+                _jpeg(root / split / c / f"{i}.JPEG", seed=i)
+    return root
+
+
+def _only_non_images(root: Path) -> None:
+    _dataset(root)
+    for f in (root / "train").rglob("*.JPEG"):
+        f.unlink()
+        f.with_suffix(".txt").write_text("not an image")
+
+
+def _empty_jpeg(root: Path) -> None:
+    _dataset(root)
+    (root / "train" / "ant" / "empty.JPEG").write_bytes(b"")
+
+
+def _truncated_jpeg(root: Path) -> None:
+    _dataset(root)
+    whole = (root / "train" / "ant" / "0.JPEG").read_bytes()
+    (root / "train" / "ant" / "cut.JPEG").write_bytes(whole[: len(whole) // 2])
+
+
+def _no_classes(root: Path) -> None:
+    (root / "train").mkdir(parents=True)
+    (root / "val").mkdir()
+
+
+def _one_class(root: Path) -> None:
+    _dataset(root, classes=("ant",))
+
+
+def _too_big_for_the_cache(root: Path) -> None:
+    _dataset(root, per_class=8)
+    _jpeg(root / "train" / "ant" / "huge.JPEG", size=(1000, 1000))
+
+
+BAD_DATA = {
+    "only non-images": (_only_non_images, [], 1, "has no images"),
+    "empty JPEG": (_empty_jpeg, [], 1, "empty.JPEG"),
+    "truncated JPEG": (_truncated_jpeg, [], 1, "cut.JPEG"),
+    "no classes": (_no_classes, [], 1, "no class sub-folders"),
+    "one class": (_one_class, [], 1, "1 class folder"),
+    "image larger than the cache": (
+        _too_big_for_the_cache,
+        ["--cache-mb", "1", "--echo", "2"],
+        1,
+        "--cache-mb 1",
+    ),
+}
+
+BAD_ARGUMENTS = [
+    (["--data", "/no/such/folder"], "/no/such/folder"),
+    (["--echo", "0.5"], "--echo must be >= 1"),
+    (["--echo", "often"], "'often'"),
+    (["--echo", "1e9"], "--echo 1e+09 is above 100"),
+    (["--image-size", "100000"], "--image-size must be <= 1024"),
+    (["--shuffle-buffer", "1e8"], "'1e8' is not an integer"),
+    (["--shuffle-buffer", "100000000"], "--shuffle-buffer must be <= 65536"),
+    (["--devices", "tpu:0"], "tpu:0"),
+    (["--devices", "cuda:7"], "cuda:7"),
+    (["--balance", "3,x"], "3,x"),
+    (["--balance", "2,2"], "covers 4 blocks; resnet_small has 8"),
+    (["--balance", "4,4", "--stages", "3"], "[4, 4]"),
+    (["--stages", "20"], "--stages 20: resnet_small has only 8 blocks"),
+    (["--epochs", "0"], "--epochs"),
+    (["--batch-size", "-2"], "-2"),
+    (["--lr", "0"], "--lr"),
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--echo-insert", "before_read"], "before_read"),
+    (["--model", "vgg"], "'vgg'"),
+    (["--read-delay-ms", "-1"], "--read-delay-ms"),
+    (["--dist-timeout-s", "0"], "--dist-timeout-s must be > 0, got 0"),
+    (["--decode", "mixed", "--devices", "cpu"], "--devices cpu has none"),
+    (["--decode", "gpu"], "'gpu'"),
+    (["--on-corrupt", "ignore"], "'ignore'"),
+    (["--output", "/etc/hostname"], "--output '/etc/hostname' is a file"),
+    (["--resume", "/no/such.pt"], "/no/such.pt"),
+]
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """Exit status and the one error line; the error is the last line and no traceback."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith("echopipe train: error: "), err
+    assert not any(line.startswith("echopipe train: error") for line in lines[:-1]), err
+    return int(code), lines[-1]
+
+
+@pytest.mark.parametrize(("argv", "needle"), BAD_ARGUMENTS)
 def test_bad_train_arguments_give_one_line_and_exit_2(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -53,16 +149,78 @@ def test_bad_train_arguments_give_one_line_and_exit_2(
     assert needle in line
 
 
+@pytest.mark.parametrize("case", sorted(BAD_DATA))
+def test_bad_data_gives_one_line_and_exit_1(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make, extra, status, needle = BAD_DATA[case]
+    make(tmp_path / "data")
+    argv = [
+        "train",
+        "--data",
+        str(tmp_path / "data"),
+        "--output",
+        str(tmp_path / "run"),
+        "-b",
+        "4",
+        "--image-size",
+        "32",
+        "--epochs",
+        "1",
+        "--stages",
+        "1",
+        *extra,
+    ]
+    code, line = _fails(argv, capsys)
+    assert code == status and needle in line, line
+
+
+def test_debug_shows_the_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _one_class(tmp_path / "data")
+    argv = ["train", "--data", str(tmp_path / "data"), "--output", str(tmp_path / "run"), "--debug"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "1 class folder" in err
+
+
+def test_on_corrupt_skip_and_empty_class_folders_are_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    _empty_jpeg(data)
+    (data / "train" / "bee").mkdir()
+    (data / "val" / "bee").mkdir()
+    argv = [
+        "train",
+        "--data",
+        str(data),
+        "--output",
+        str(tmp_path / "run"),
+        "-b",
+        "4",
+        "--image-size",
+        "32",
+        "--epochs",
+        "1",
+        "--stages",
+        "1",
+        "--on-corrupt",
+        "skip",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: class folder train/bee has no images" in err
+    assert "1 corrupt image(s) left out of train/" in err and "empty.JPEG" in err
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["resolved"]["classes"] == ["ant", "bee", "cat"]
+
+
 def test_data_folder_without_train_split(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    line = _bad(["train", "--data", str(tmp_path)], capsys)
-    assert str(tmp_path) in line and "train/" in line
-
-
-def test_resume_file_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    line = _bad(["train", "--resume", str(tmp_path / "gone.pt")], capsys)
-    assert "gone.pt" in line
+    code, line = _fails(["train", "--data", str(tmp_path), "--output", str(tmp_path / "r")], capsys)
+    assert code == 1 and str(tmp_path) in line and "train/" in line
 
 
 def test_output_folder_of_an_earlier_run_is_refused_and_kept(
@@ -70,31 +228,49 @@ def test_output_folder_of_an_earlier_run_is_refused_and_kept(
 ) -> None:
     ck = tmp_path / "run" / "checkpoints"
     ck.mkdir(parents=True)
-    earlier = ck / "ckpt-000000008.pt"
+    earlier = ck / "last.pt"
     earlier.write_bytes(b"an earlier run's checkpoint")
-    line = _bad(["train", "--data", str(tiny_imagenet), "--output",
-                 str(tmp_path / "run" / "metrics.json")], capsys)  # fmt: skip
+    line = _bad(["train", "--data", str(tiny_imagenet), "--output", str(tmp_path / "run")], capsys)
     assert "earlier run" in line and "--resume" in line and str(tmp_path / "run") in line
     assert earlier.read_bytes() == b"an earlier run's checkpoint"
 
 
-def test_bare_resume_refuses_a_planted_pickle_without_running_it(
+class _RunsCode:
+    """Unpickling this calls ``open(marker, "w")``: it creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.marker), "w"))
+
+
+def test_resume_refuses_planted_foreign_and_damaged_files_without_running_them(
     tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import torch
 
     marker = tmp_path / "pwned"
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    base = ["train", "--data", str(tiny_imagenet), "--output", str(run)]
+    # An old-style name is not this run folder's checkpoint: bare --resume ignores it.
+    torch.save(
+        {"kind": "echopipe-train", "x": _RunsCode(marker)},
+        run / "checkpoints" / "ckpt-000000099.pt",
+    )
+    (run / "checkpoints" / "ckpt-000000099.pt").rename(tmp_path / "evil.pt")
+    assert "no checkpoint" in _bad([*base, "--resume"], capsys)
+    # Planted under the run folder's own name, or given by path: refused before unpickling.
+    (run / "checkpoints" / "last.pt").write_bytes((tmp_path / "evil.pt").read_bytes())
+    assert "not an echopipe checkpoint" in _bad([*base, "--resume"], capsys)
+    assert "evil.pt" in _bad([*base, "--resume", str(tmp_path / "evil.pt")], capsys)
+    (run / "checkpoints" / "last.pt").unlink()
+    from echopipe.train import write_checkpoint
 
-    class RunsCode:
-        def __reduce__(self) -> tuple[object, tuple[str, str]]:
-            return (open, (str(marker), "w"))
-
-    ck = tmp_path / "run" / "checkpoints"
-    ck.mkdir(parents=True)
-    torch.save({"kind": "echopipe-train", "x": RunsCode()}, ck / "ckpt-000000099.pt")
-    line = _bad(["train", "--data", str(tiny_imagenet), "--resume", "--output",
-                 str(tmp_path / "run" / "metrics.json")], capsys)  # fmt: skip
-    assert "ckpt-000000099.pt" in line and "not an echopipe checkpoint" in line
+    good = write_checkpoint({"kind": "echopipe-train"}, tmp_path / "good.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(good[:-100])
+    assert "truncated" in _bad([*base, "--resume", str(tmp_path / "cut.pt")], capsys)
     assert not marker.exists()
 
 
@@ -103,13 +279,43 @@ def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
         main(["train", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--data", "--epochs", "--batch-size", "--lr", "--workers", "--seed", "--echo",
-                 "--echo-insert", "--echo-mode", "--read-delay-ms", "--stages", "--balance",
-                 "--hybrid-switch", "--devices", "--amp", "--checkpoint-dir", "--resume",
-                 "--checkpoint-every", "--output"):  # fmt: skip
+    for flag in (
+        "--data",
+        "--epochs",
+        "--batch-size",
+        "--lr",
+        "--workers",
+        "--seed",
+        "--echo",
+        "--echo-insert",
+        "--echo-mode",
+        "--read-delay-ms",
+        "--stages",
+        "--balance",
+        "--hybrid-switch",
+        "--devices",
+        "--amp",
+        "--resume",
+        "--checkpoint-every",
+        "--output",
+        "--max-steps",
+        "--evaluate",
+        "--deterministic",
+        "--on-corrupt",
+        "--cache-mb",
+        "--channels-last",
+        "--log-interval",
+        "--debug",
+    ):
         assert flag in out
+    # Each default once, and the choices of --model listed.
+    flat = " ".join(out.split())
+    assert flat.count("(default: 0.1)") == 1 and "(default: (default" not in flat
+    assert "{lenet5,resnet110,resnet18,resnet20,resnet50,resnet56,resnet_cifar,resnet_small}" in out
+    assert "--epochs, --max-steps" in flat  # what may change on resume
     parser = build_parser()
-    assert parser.parse_args(["train"]).echo == 2.0
+    assert parser.parse_args(["train"]).echo == "auto"
+    assert parser.parse_args(["train"]).stages == "auto"
     assert parser.parse_args(["train", "--echo", "auto"]).echo == "auto"
     assert parser.parse_args(["train", "--balance", "3,5"]).balance == [3, 5]
 
@@ -125,22 +331,84 @@ def test_cli_train_runs_with_amp_and_hybrid(tiny_imagenet: Path, tmp_path: Path)
         [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
     )
     done = subprocess.run(
-        [sys.executable, "-m", "echopipe.cli", "train", "--data", str(tiny_imagenet),
-         "--batch-size", "8", "--image-size", "32", "--epochs", "2", "--amp",
-         "--hybrid-switch", "1", "--devices", "cpu,cpu", "--balance", "4,4",
-         "--echo-insert", "after_augment", "--echo-mode", "batch", "--output", str(out)],
-        env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "echopipe.cli",
+            "train",
+            "--data",
+            str(tiny_imagenet),
+            "--batch-size",
+            "8",
+            "--image-size",
+            "32",
+            "--epochs",
+            "2",
+            "--amp",
+            "--hybrid-switch",
+            "1",
+            "--devices",
+            "cpu,cpu",
+            "--balance",
+            "4,4",
+            "--channels-last",
+            "--echo",
+            "2",
+            "--echo-insert",
+            "after_augment",
+            "--echo-mode",
+            "batch",
+            "--log-interval",
+            "3",
+            "--output",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "echopipe train: summary" in done.stdout
     assert "staleness per stage [2, 0]" in done.stdout
-    assert "epochs" in done.stderr  # tqdm bars go to stderr
-    doc = json.loads(out.read_text())
+    # Not a terminal: plain log lines every 3 steps and one per epoch, no progress bars.
+    assert "step 3: " in done.stderr and "epoch 1/2: val top-1" in done.stderr
+    assert "\r" not in done.stderr
+    run = tmp_path  # an --output naming metrics.json runs in its folder
+    doc = json.loads((run / "metrics.json").read_text())
     assert [r["pipelined"] for r in doc["epochs"]] == [True, False]
     assert doc["summary"]["balance"] == [4, 4]
-    assert doc["config"]["amp"] is True
-    assert (tmp_path / "metrics_acc_vs_fresh.png").is_file()
-    assert (tmp_path / "metrics_acc_vs_time.png").is_file()
+    config = json.loads((run / "config.json").read_text())
+    assert config["options"]["amp"] is True and config["options"]["channels_last"] is True
+    assert (run / "training.png").is_file()
+
+
+def test_docs_table_lists_every_option_with_its_default() -> None:
+    """docs/train.md's option table and the one definition of the options agree."""
+    import dataclasses
+
+    from echopipe.training.config import TrainConfig, flag
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "train.md").read_text()
+    cells = [re.split(r"(?<!\\)\|", line) for line in docs.splitlines()]
+    table = {c[1].strip(): c[2].strip() for c in cells if len(c) > 3 and c[1].strip()[:2] == "`-"}
+    for f in dataclasses.fields(TrainConfig):
+        if not f.metadata["cli"]:
+            continue
+        row = next(
+            (
+                k
+                for k in table
+                if f"`{flag(f.name)}" in k
+                or f", {flag(f.name)}" in k
+                or f"`{f.metadata['alias']}" in k
+            ),
+            None,
+        )
+        assert row is not None, flag(f.name)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if default not in (None, False) and "default:" not in f.metadata["help"]:
+            assert str(default) in table[row], (flag(f.name), table[row])
 
 
 def test_bench_unknown_suite_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,10 +449,22 @@ def test_bench_quick_pipeline_writes_the_convention(tmp_path: Path) -> None:
         [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
     )
     done = subprocess.run(
-        [sys.executable, "-m", "echopipe.cli", "bench", "--quick", "--only", "pipeline",
-         "--results-dir", str(results)],
-        env=env, capture_output=True, text=True, timeout=150,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "echopipe.cli",
+            "bench",
+            "--quick",
+            "--only",
+            "pipeline",
+            "--results-dir",
+            str(results),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| stale pipeline K=2 (threads)" in done.stdout
     summary = done.stdout[done.stdout.index("=== echopipe bench: suites ===") :]

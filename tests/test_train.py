@@ -6,10 +6,12 @@ thread-per-stage engine, torchrun with Gloo, and a SIGKILL in the middle of trai
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,16 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from echopipe.train_io import (
+from echopipe.training.checkpoints import (
     CHECKPOINT_MAGIC,
     CheckpointError,
-    CheckpointManager,
-    atomic_write_bytes,
+    RunCheckpoints,
     read_checkpoint,
     write_checkpoint,
-    write_metrics,
-    write_plots,
 )
+from echopipe.training.report import write_csv, write_json, write_plot
 
 pytestmark = pytest.mark.dali
 
@@ -73,31 +73,30 @@ def _free_port() -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def test_checkpoint_manager_keeps_newest_and_ignores_partial_writes(tmp_path: Path) -> None:
-    m = CheckpointManager(tmp_path / "ck", keep=2)
-    for step in (3, 7, 11):
-        m.save({"kind": "echopipe-train", "step": step, "w": torch.arange(step)}, step)
-    assert m.written == 3
-    assert [p.name for p in m.list()] == ["ckpt-000000007.pt", "ckpt-000000011.pt"]
-    # A write killed mid-way leaves only a temporary file, which is never taken for a checkpoint.
-    (tmp_path / "ck" / ".ckpt-000000015.pt.abc.tmp").write_bytes(b"\x80half a pickle")
-    latest = m.latest()
-    assert latest is not None and latest.name == "ckpt-000000011.pt"
-    assert CheckpointManager.load(latest)["step"] == 11
-    assert torch.equal(CheckpointManager.load(latest)["w"], torch.arange(11))
-    m.save({"kind": "echopipe-train", "step": 20}, 20)
-    assert not list((tmp_path / "ck").glob(".*.tmp"))
+def test_run_checkpoints_keep_last_and_best_and_ignore_partial_writes(tmp_path: Path) -> None:
+    ck = RunCheckpoints(tmp_path / "ck")
+    assert ck.existing() == []
+    ck.save({"kind": "echopipe-train", "step": 3, "w": torch.arange(3)}, best=True)
+    ck.save({"kind": "echopipe-train", "step": 7}, best=False)
+    assert ck.written == 2
+    assert [p.name for p in ck.existing()] == ["best.pt", "last.pt"]
+    assert read_checkpoint(ck.last)["step"] == 7
+    assert torch.equal(read_checkpoint(ck.best)["w"], torch.arange(3))
+    # A write killed mid-way leaves only a temporary file under another name.
+    (tmp_path / "ck" / ".last.pt.abc.tmp").write_bytes(b"\x80half a pickle")
+    assert read_checkpoint(ck.last)["step"] == 7
 
 
 def test_checkpoint_load_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"nope\.pt"):
-        CheckpointManager.load(tmp_path / "nope.pt")
+        read_checkpoint(tmp_path / "nope.pt")
     other = tmp_path / "other.pt"
     torch.save({"weights": 1}, other)
     with pytest.raises(CheckpointError, match=r"other\.pt.*not an echopipe checkpoint"):
-        CheckpointManager.load(other)
-    with pytest.raises(ValueError, match="keep"):
-        CheckpointManager(tmp_path, keep=0)
+        read_checkpoint(other)
+    plain = write_checkpoint({"weights": 1}, tmp_path / "plain.pt")
+    with pytest.raises(CheckpointError, match=r"plain\.pt.*not an echopipe train checkpoint"):
+        read_checkpoint(plain)
 
 
 class _RunsCode:
@@ -147,11 +146,17 @@ def test_checkpoint_round_trip_and_integrity(tmp_path: Path) -> None:
 
     state = {
         "kind": "echopipe-train",
-        "rng": {"numpy": np.random.get_state(), "python": random.getstate(),
-                "torch": torch.get_rng_state()},
-        "blob": b"\x00\x01dali", "empty": b"", "arr": np.arange(6, dtype=np.uint32).reshape(2, 3),
-        "pair": (1, (2.5, None)), "n": np.float64(1.5),
-    }  # fmt: skip
+        "rng": {
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+            "torch": torch.get_rng_state(),
+        },
+        "blob": b"\x00\x01dali",
+        "empty": b"",
+        "arr": np.arange(6, dtype=np.uint32).reshape(2, 3),
+        "pair": (1, (2.5, None)),
+        "n": np.float64(1.5),
+    }
     path = write_checkpoint(state, tmp_path / "c.pt")
     assert path.read_bytes().startswith(CHECKPOINT_MAGIC)
     back = read_checkpoint(path)
@@ -180,22 +185,30 @@ def test_plots_never_write_through_a_planted_link(tmp_path: Path) -> None:
     victim.write_text("keep me")
     run = tmp_path / "run"
     run.mkdir()
-    # The names the earlier writer used for its temporary files, and the final names.
-    for name in (".metrics_acc_vs_fresh.png.tmp.png", ".metrics_acc_vs_time.png.tmp.png",
-                 "metrics_acc_vs_time.png"):  # fmt: skip
+    # The name the earlier writer used for its temporary file, and the final name.
+    for name in (".training.png.tmp.png", "training.png"):
         (run / name).symlink_to(victim)
-    rows = [{"val_top1": 0.5, "fresh_samples": 10, "wall_s": 1.0}]
-    for png in write_plots(rows, run / "metrics"):
-        assert not png.is_symlink() and png.read_bytes()[:4] == b"\x89PNG"
+    rows = [
+        {
+            "epoch": 1,
+            "val_top1": 0.5,
+            "fresh_samples": 10,
+            "train_s": 1.0,
+            "train_loss": 1.2,
+            "val_loss": 1.3,
+        }
+    ]
+    png = write_plot(rows, run / "training.png")
+    assert not png.is_symlink() and png.read_bytes()[:4] == b"\x89PNG"
     assert victim.read_text() == "keep me"
 
 
-def test_atomic_write_and_metrics_json(tmp_path: Path) -> None:
-    target = atomic_write_bytes(tmp_path / "a" / "b.bin", b"123")
-    assert target.read_bytes() == b"123"
-    path = write_metrics(tmp_path / "m.json", {"epochs": [{"R": float("nan"), "x": 1.5}]})
+def test_metrics_json_and_csv_are_written_atomically(tmp_path: Path) -> None:
+    path = write_json(tmp_path / "a" / "m.json", {"epochs": [{"R": float("nan"), "x": 1.5}]})
     assert json.loads(path.read_text()) == {"epochs": [{"R": None, "x": 1.5}]}
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    rows = [{"epoch": 1, "R": float("nan")}, {"epoch": 2, "R": 0.5}]
+    assert write_csv(tmp_path / "m.csv", rows).read_text() == "epoch,R\n1,\n2,0.5\n"
+    assert [p.name for p in tmp_path.rglob(".*")] == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,16 +216,31 @@ def test_atomic_write_and_metrics_json(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_train_end_to_end_writes_metrics_plots_and_checkpoints(
-    tiny_imagenet: Path, tmp_path: Path
-) -> None:
-    from echopipe.train import TrainConfig, format_summary, train
+def test_train_end_to_end_writes_the_run_folder(tiny_imagenet: Path, tmp_path: Path) -> None:
+    from echopipe.models import build_model
+    from echopipe.train import (
+        TrainConfig,
+        UsageError,
+        evaluate_checkpoint,
+        export_state_dict,
+        format_summary,
+        train,
+    )
 
-    out = tmp_path / "run" / "metrics.json"
+    out = tmp_path / "run"
     cfg = TrainConfig(
-        data=tiny_imagenet, image_size=32, batch_size=8, epochs=3, echo=2.0, lr=0.05,
-        warmup_epochs=0, checkpoint_dir=tmp_path / "ck", output=out, progress=False,
-    )  # fmt: skip
+        data=tiny_imagenet,
+        image_size=32,
+        batch_size=8,
+        epochs=3,
+        echo=2.0,
+        lr=0.05,
+        warmup_epochs=0,
+        stages=2,
+        checkpoint_every=1,
+        output=out,
+        progress=False,
+    )
     s = train(cfg, log=lambda m: None)
     # 32 training images, e = 2, batch 8: 8 steps per epoch.
     assert s.steps == 3 * 8 and s.epochs == 3
@@ -223,45 +251,144 @@ def test_train_end_to_end_writes_metrics_plots_and_checkpoints(
     assert s.echo_factor == 2.0 and s.echo_factors_used == [2.0]
     assert s.staleness == [2, 0] and len(s.balance) == 2 and sum(s.balance) == 8
     assert s.devices == ["cpu", "cpu"]
-    assert 0.0 <= s.top1 <= 1.0 and s.images_per_s > 0 and s.t_up_ms > 0 and s.t_down_ms > 0
-    assert s.checkpoints_written == 3
-    assert sorted(p.name for p in (tmp_path / "ck").glob("ckpt-*.pt")) == [
-        "ckpt-000000016.pt",
-        "ckpt-000000024.pt",
-    ]
-    doc = json.loads(out.read_text())
+    assert 0.0 <= s.top1 <= 1.0 and s.t_up_ms > 0 and s.t_down_ms > 0
+    # Delivered images/s counts echoed copies, fresh only fresh ones, both over training time.
+    assert s.images_per_s == pytest.approx(s.steps * 8 / s.train_s, rel=1e-6)
+    assert s.fresh_images_per_s == pytest.approx(s.fresh_samples / s.train_s, rel=1e-6)
+    assert 0 < s.train_s < s.wall_s
+    assert s.checkpoints_written == 24  # every step (the last of each epoch: at its end)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+    doc = json.loads((out / "metrics.json").read_text())
     assert [r["epoch"] for r in doc["epochs"]] == [1, 2, 3]
     assert [r["step"] for r in doc["epochs"]] == [8, 16, 24]
+    # With a checkpoint every step the drain's losses are kept: every epoch has a loss.
+    assert all(r["train_loss"] is not None for r in doc["epochs"])
     fresh = [r["fresh_samples"] for r in doc["epochs"]]
     assert fresh == sorted(fresh) and fresh[-1] == s.fresh_samples
     assert all(r["val_images"] == 8 for r in doc["epochs"])
-    assert doc["summary"]["steps"] == 24 and doc["summary"]["checkpoints_written"] == 3
-    for png in s.plots:
-        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {Path(p).name for p in s.plots} == {
-        "metrics_acc_vs_fresh.png",
-        "metrics_acc_vs_time.png",
-    }
+    assert doc["summary"]["steps"] == 24 and doc["summary"]["checkpoints_written"] == 24
+    csv_lines = (out / "metrics.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("epoch,step,") and len(csv_lines) == 4
+    config = json.loads((out / "config.json").read_text())
+    assert config["options"]["echo"] == 2.0 and config["options"]["stages"] == 2
+    assert config["resolved"]["balance"] == s.balance
+    assert config["resolved"]["devices"] == ["cpu", "cpu"]
+    assert {"echopipe", "torch", "dali", "python"} <= set(config["versions"])
+    assert config["command"]
+    assert s.plots == [str(out / "training.png")]
+    assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = format_summary(s)
-    for needle in ("top-1", "images/s", "fresh", "echoed", "R =", "echo factor", "staleness"):
-        assert needle in text
+    for needle in (
+        "top-1",
+        "fresh,",
+        "delivered",
+        "echoed",
+        "R =",
+        "echo factor",
+        "staleness",
+        "decision",
+        "echo does not help here",
+    ):
+        assert needle in text, needle
+
+    # The exported weights load into the plain model under its own names and give the
+    # checkpoint's validation result.
+    weights, _ = export_state_dict(out / "checkpoints" / "last.pt")
+    model = build_model("resnet_small", num_classes=4)
+    model.load_state_dict(weights, strict=True)
+    top1, loss, n = evaluate_checkpoint(cfg, out / "checkpoints" / "last.pt")
+    assert n == 8 and top1 == pytest.approx(doc["epochs"][-1]["val_top1"])
+    assert loss == pytest.approx(doc["epochs"][-1]["val_loss"], rel=1e-4)
+
+    # A resume that changes an option the run depends on is refused, naming it and the
+    # options that may change; nothing is overwritten.
+    before = (out / "checkpoints" / "last.pt").read_bytes()
+    for change, needle in (
+        ({"echo": 3.0}, "--echo was 2.0, now 3.0"),
+        ({"batch_size": 4}, "--batch-size was 8, now 4"),
+        ({"balance": [4, 4]}, "--balance was 'auto', now [4, 4]"),
+    ):
+        bad = dataclasses.replace(cfg, resume=True, **change)
+        with pytest.raises(UsageError, match=re.escape(needle) + ".*may change: .*--epochs"):
+            train(bad, log=lambda m: None)
+    assert (out / "checkpoints" / "last.pt").read_bytes() == before
+    # Without --resume the folder is refused; nothing of the earlier run is deleted.
+    with pytest.raises(UsageError, match=r"holds checkpoints of an earlier run.*--resume"):
+        train(cfg, log=lambda m: None)
+    assert (out / "checkpoints" / "last.pt").read_bytes() == before
 
 
-@pytest.mark.slow
-def test_default_run_learns_well_above_chance(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_amp_run_exports_a_state_dict_under_the_model_names(
+    tiny_imagenet: Path, tmp_path: Path
 ) -> None:
-    """No --data: the synthetic set (10 classes) is generated into the cache folder and the
-    default model learns it well above the 10 % of chance (shortened: 30 images per class)."""
+    from echopipe.cli import main
+    from echopipe.models import build_model
     from echopipe.train import TrainConfig, train
 
-    monkeypatch.setenv("ECHOPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "run"
     cfg = TrainConfig(
-        epochs=2, synthetic_per_class=30, output=tmp_path / "m.json", progress=False,
-    )  # fmt: skip
-    s = train(cfg, log=lambda m: None)
-    assert len(list((tmp_path / "cache").glob("synthetic-imagenet-c10-n30-*"))) == 1
-    assert s.top1 > 0.3
+        data=tiny_imagenet,
+        image_size=32,
+        batch_size=8,
+        epochs=1,
+        amp=True,
+        stages=2,
+        balance=[3, 5],
+        output=out,
+        progress=False,
+    )
+    train(cfg, log=lambda m: None)
+    assert main(["export", str(out / "checkpoints" / "best.pt"), str(tmp_path / "w.pt")]) == 0
+    weights = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert not any(".block." in k for k in weights)
+    build_model("resnet_small", num_classes=4).load_state_dict(weights, strict=True)
+
+
+def test_deterministic_runs_are_identical(tiny_imagenet: Path, tmp_path: Path) -> None:
+    from echopipe.train import TrainConfig, train
+
+    docs = []
+    for name in ("a", "b"):
+        cfg = TrainConfig(
+            data=tiny_imagenet,
+            image_size=32,
+            batch_size=8,
+            epochs=2,
+            echo=2.0,
+            stages=2,
+            seed=1,
+            deterministic=True,
+            output=tmp_path / name,
+            progress=False,
+        )
+        s = train(cfg, log=lambda m: None)
+        assert s.balance == [7, 1] or len(s.balance) == 2
+        docs.append(json.loads((tmp_path / name / "metrics.json").read_text())["epochs"])
+    keys = ("step", "train_loss", "val_top1", "val_loss", "fresh_samples", "echoed_samples")
+    assert [[r[k] for k in keys] for r in docs[0]] == [[r[k] for k in keys] for r in docs[1]]
+
+
+def test_max_steps_and_a_diverging_loss(tiny_imagenet: Path, tmp_path: Path) -> None:
+    from echopipe.train import DataError, TrainConfig, train
+
+    base = dict(
+        data=tiny_imagenet,
+        image_size=32,
+        batch_size=8,
+        epochs=3,
+        echo=1.0,
+        stages=1,
+        warmup_epochs=0,
+        progress=False,
+    )
+    s = train(TrainConfig(**base, max_steps=6, output=tmp_path / "short"), log=lambda m: None)
+    assert s.steps == 6 and s.stopped == "--max-steps 6 reached" and s.epochs == 1
+    doc = json.loads((tmp_path / "short" / "metrics.json").read_text())
+    assert [r["step"] for r in doc["epochs"]] == [4, 6]
+    with pytest.raises(
+        DataError, match=r"training loss became (nan|inf).*lower --lr \(now 1e\+30\)"
+    ):
+        train(TrainConfig(**base, lr=1e30, output=tmp_path / "nan"), log=lambda m: None)
 
 
 def test_echo_auto_raises_the_factor_when_reading_is_slow(
@@ -271,16 +398,26 @@ def test_echo_auto_raises_the_factor_when_reading_is_slow(
     training step on 32 px: R > 1, so the controller must raise e above 1 (up to e_max)."""
     from echopipe.train import TrainConfig, train
 
-    out = tmp_path / "m.json"
+    out = tmp_path / "run"
     cfg = TrainConfig(
-        data=tiny_imagenet, image_size=32, batch_size=8, epochs=3, echo="auto", echo_max=3.0,
-        read_delay_ms=15.0, warmup_epochs=0, output=out, progress=False,
-    )  # fmt: skip
+        data=tiny_imagenet,
+        image_size=32,
+        batch_size=8,
+        epochs=3,
+        echo="auto",
+        echo_max=3.0,
+        read_delay_ms=15.0,
+        warmup_epochs=0,
+        stages=2,
+        output=out,
+        progress=False,
+    )
     s = train(cfg, log=lambda m: None)
     assert s.ratio > 1.0
     assert s.echo_factors_used[0] == 1.0 and len(s.echo_factors_used) >= 2
     assert 1.0 < s.echo_factor <= 3.0
-    doc = json.loads(out.read_text())
+    assert any("echo helps" in d for d in s.decisions)
+    doc = json.loads((out / "metrics.json").read_text())
     assert doc["epochs"][0]["echo_factor"] == 1.0
     assert doc["epochs"][-1]["echo_factor"] == s.echo_factor
     assert len(doc["echo_history"]) >= 2 and doc["echo_history"][0]["factor"] == 1.0
@@ -305,21 +442,30 @@ def test_echo_auto_changes_the_factor_within_an_epoch(tiny_imagenet: Path, tmp_p
     re-planned for the fresh samples it still owes; the second epoch is a whole one at the new
     e; the LR ends at its floor on the last step. Reading (30 ms a sample) is far slower than
     training here, so R is well above e_max = 2 and the one change goes straight to 2."""
-    from echopipe.train import TrainConfig, train
+    from echopipe.train import TrainConfig, _EpochClock, train
 
-    out = tmp_path / "m.json"
+    out = tmp_path / "run"
     messages: list[str] = []
     cfg = TrainConfig(
-        data=tiny_imagenet, image_size=32, batch_size=4, epochs=2, echo="auto", echo_max=2.0,
-        echo_interval=2, read_delay_ms=30.0, warmup_epochs=0, output=out, progress=False,
-        checkpoint_dir=tmp_path / "ck",
-    )  # fmt: skip
+        data=tiny_imagenet,
+        image_size=32,
+        batch_size=4,
+        epochs=2,
+        echo="auto",
+        echo_max=2.0,
+        echo_interval=2,
+        read_delay_ms=30.0,
+        warmup_epochs=0,
+        stages=2,
+        output=out,
+        progress=False,
+    )
     s = train(cfg, log=messages.append)
     assert s.echo_factors_used == [1.0, 2.0]
     (change,) = [m for m in messages if m.startswith("echo: factor")]
     assert "epoch 1" in change and "steps left in it" in change
     changed_at = int(change.split("from step ")[1].split()[0])
-    doc = json.loads(out.read_text())
+    doc = json.loads((out / "metrics.json").read_text())
     first, second = doc["epochs"][0]["step"], doc["epochs"][1]["step"] - doc["epochs"][0]["step"]
     # 32 fresh samples: `changed_at` steps of 4 at e = 1, the rest at e = 2 in steps of 4.
     assert first == changed_at + math.ceil((32 - 4 * changed_at) * 2 / 4)
@@ -327,11 +473,7 @@ def test_echo_auto_changes_the_factor_within_an_epoch(tiny_imagenet: Path, tmp_p
     assert s.echoed_samples > 0
     assert doc["epochs"][-1]["lr"] == pytest.approx(cfg.lr * 0.02, rel=1e-6)
     # The checkpoint carries the re-planned clock, so a resumed run keeps the same schedule.
-    from echopipe.train import _EpochClock
-
-    latest = CheckpointManager(tmp_path / "ck").latest()
-    assert latest is not None
-    clock = _EpochClock(CheckpointManager.load(latest)["epoch_clock"])
+    clock = _EpochClock(read_checkpoint(out / "checkpoints" / "last.pt")["run"]["epoch_clock"])
     assert len(clock.segments) >= 3 and clock.epochs_at(s.steps) == pytest.approx(2.0)
 
 
@@ -362,11 +504,26 @@ def test_lr_schedule_follows_epochs_done_through_replanned_epochs() -> None:
 def test_resume_after_sigkill_continues_and_steps_add_up(
     tiny_imagenet: Path, tmp_path: Path
 ) -> None:
-    ck = tmp_path / "ck"
-    out = tmp_path / "m.json"
-    args = ["train", "--data", str(tiny_imagenet), *TINY, "--epochs", "3",
-            "--checkpoint-dir", str(ck), "--checkpoint-every", "3", "--output", str(out),
-            "--read-delay-ms", "2"]  # fmt: skip
+    out = tmp_path / "run"
+    last = out / "checkpoints" / "last.pt"
+    args = [
+        "train",
+        "--data",
+        str(tiny_imagenet),
+        *TINY,
+        "--epochs",
+        "3",
+        "--stages",
+        "2",
+        "--echo",
+        "2",
+        "--checkpoint-every",
+        "3",
+        "--output",
+        str(out),
+        "--read-delay-ms",
+        "2",
+    ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "echopipe.cli", *args],
         env=_env(),
@@ -376,7 +533,7 @@ def test_resume_after_sigkill_continues_and_steps_add_up(
     )
     try:
         deadline = time.monotonic() + 120
-        while not list(ck.glob("ckpt-*.pt")):
+        while not last.exists():
             assert proc.poll() is None, f"run ended before its first checkpoint: {proc.stderr}"
             assert time.monotonic() < deadline, "no checkpoint within 120 s"
             time.sleep(0.01)
@@ -388,40 +545,57 @@ def test_resume_after_sigkill_continues_and_steps_add_up(
             proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert "summary" not in err
-    first = CheckpointManager(ck).latest()
-    assert first is not None
-    killed_at = CheckpointManager.load(first)["global_step"]
+    killed_at = read_checkpoint(last)["run"]["global_step"]
     assert 0 < killed_at < 24
 
+    # The same command again is refused (the folder holds the killed run's checkpoints)...
+    again = _cli(args)
+    assert again.returncode == 2 and "--resume" in again.stderr
+    # ... and with --resume (and more epochs, which may change) it continues.
     done = _cli([*args, "--resume"])
     assert done.returncode == 0, done.stderr
-    assert f"resume: {first}" in done.stderr
-    doc = json.loads(out.read_text())
+    assert f"resume: {last}" in done.stderr
+    doc = json.loads((out / "metrics.json").read_text())
     assert doc["summary"]["steps"] == 24 and doc["summary"]["epochs"] == 3
     assert [r["step"] for r in doc["epochs"]] == [8, 16, 24]
     assert doc["summary"]["fresh_samples"] + doc["summary"]["echoed_samples"] >= 24 * 8
     # The checkpoints of both runs are counted.
     written = doc["summary"]["checkpoints_written"]
     assert written >= 1 + 3
-    latest = CheckpointManager(ck).latest()
-    assert latest is not None and CheckpointManager.load(latest)["checkpoints_written"] == written
-    assert len(list(ck.glob("ckpt-*.pt"))) == 2
+    assert read_checkpoint(last)["run"]["checkpoints_written"] == written
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_torchrun_two_gloo_replicas(tiny_imagenet: Path, tmp_path: Path) -> None:
-    out = tmp_path / "m.json"
+    out = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-        "-m", "echopipe.cli", "train", "--data", str(tiny_imagenet), *TINY, "--epochs", "2",
-        "--checkpoint-dir", str(tmp_path / "ck"), "--output", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        "-m",
+        "echopipe.cli",
+        "train",
+        "--data",
+        str(tiny_imagenet),
+        *TINY,
+        "--epochs",
+        "2",
+        "--stages",
+        "2",
+        "--echo",
+        "2",
+        "--output",
+        str(out),
+    ]
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("echopipe train: summary") == 1  # rank 0 only
-    doc = json.loads(out.read_text())
+    doc = json.loads((out / "metrics.json").read_text())
     s = doc["summary"]
     assert s["world_size"] == 2
     # Each replica reads its own half (16 images), echoes it twice: 4 steps of 8 per epoch.
@@ -429,8 +603,7 @@ def test_torchrun_two_gloo_replicas(tiny_imagenet: Path, tmp_path: Path) -> None
     assert s["fresh_samples"] + s["echoed_samples"] == 2 * 2 * 4 * 8
     assert all(r["val_images"] == 8 for r in doc["epochs"])
     # Replicas average gradients and BN statistics, so their weights agree.
-    w = [CheckpointManager.load(CheckpointManager(tmp_path / "ck" / f"rank{r}").latest())
-         for r in (0, 1)]  # fmt: skip
+    w = [read_checkpoint(out / "checkpoints" / f"rank{r}" / "last.pt") for r in (0, 1)]
     for a, b in zip(w[0]["pipeline"]["stages"], w[1]["pipeline"]["stages"], strict=True):
         for key in a:
             assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key

@@ -1,4 +1,4 @@
-"""The ``echopipe`` command: ``echopipe train`` and ``echopipe bench``.
+"""The ``echopipe`` command: ``echopipe train``, ``echopipe export`` and ``echopipe bench``.
 
 ``echopipe train`` runs DALI input with data echoing into a stale-weight pipelined model (see
 :mod:`echopipe.train` and ``docs/train.md``). ``echopipe bench`` runs the benchmark suites and
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import sys
 import time
 import traceback
@@ -38,236 +37,39 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _echo_value(text: str) -> float | str:
-    if text == "auto":
-        return "auto"
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid echo factor {text!r}: give a number >= 1 or 'auto'"
-        ) from None
-    if not math.isfinite(value) or value < 1:
-        raise argparse.ArgumentTypeError(
-            f"invalid echo factor {text!r}: e must be >= 1 (e < 1 would drop data)"
-        )
-    return value
-
-
-def _balance_value(text: str) -> list[int] | str:
-    if text == "auto":
-        return "auto"
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid balance {text!r}: give blocks per stage like 4,4 or 'auto'"
-        ) from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"invalid balance {text!r}: every stage needs >= 1 block")
-    return values
-
-
-def _devices_value(text: str) -> list[str]:
-    devices = [d.strip() for d in text.split(",") if d.strip()]
-    if not devices:
-        raise argparse.ArgumentTypeError(
-            f"invalid devices {text!r}: give e.g. cpu or cuda:0,cuda:1"
-        )
-    return devices
-
-
-def _existing_dir(text: str) -> Path:
-    path = Path(text).expanduser()
-    if not path.is_dir():
-        what = "is not a folder" if path.exists() else "does not exist"
-        raise argparse.ArgumentTypeError(f"folder {text!r} {what}")
-    return path
-
-
 def _add_train(sub: Any) -> argparse.ArgumentParser:
+    from .training.config import add_arguments
+
     p = sub.add_parser(
         "train",
         help="train a ResNet with DALI + data echoing + stale-weight pipelining",
         description=(
             "Train an image classifier end to end: DALI reads and decodes JPEGs, the echo cache "
-            "reuses each fresh sample e times, and the model is split into pipeline stages "
-            "trained with stale weights (PPL-SGD). With no arguments it builds a small synthetic "
-            "ImageNet-style set once (cached), trains resnet_small on 2 CPU stages (or the GPUs), "
-            "validates every epoch and prints a summary. Under torchrun, each process is a "
-            "data-parallel replica reading its own shard."
+            "reuses each fresh sample e times when the input is the bottleneck, and the model is "
+            "split into pipeline stages trained with stale weights (PPL-SGD) when that measures "
+            "faster. With no arguments it builds a small synthetic ImageNet-style set once "
+            "(cached), trains resnet_small, validates every epoch and prints a summary; the run "
+            "folder (--output) holds metrics, config, plot and checkpoints. Under torchrun, each "
+            "process is a data-parallel replica reading its own shard. Exit status: 2 for a bad "
+            "argument, 1 for bad data or a failed run."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = p.add_argument_group("data and schedule")
-    g.add_argument("--data", type=_existing_dir, default=None,
-                   help="ImageNet-layout folder with train/<class>/*.JPEG and val/<class>/*.JPEG "
-                   "(default: the cached synthetic set)")  # fmt: skip
-    g.add_argument(
-        "--model",
-        default="resnet_small",
-        help="model name from echopipe.models (resnet_small, resnet18, resnet50, ...)",
+    add_arguments(p)
+    return p
+
+
+def _add_export(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "export",
+        help="write a training checkpoint's model weights as a plain state_dict",
+        description=(
+            "Read an echopipe train checkpoint (checked, weights only) and write the model's "
+            "state_dict under the model's own parameter names, loadable with "
+            "build_model(name, num_classes).load_state_dict(torch.load(OUT))."
+        ),
     )
-    g.add_argument("--image-size", type=int, default=64, help="training/validation crop side (px)")
-    g.add_argument("--epochs", type=int, default=8, help="passes over the fresh training data")
-    g.add_argument("-b", "--batch-size", type=int, default=32, help="minibatch size per replica")
-    g.add_argument("--lr", type=float, default=0.1, help="peak learning rate (SGD, Nesterov)")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    g.add_argument(
-        "--wd",
-        "--weight-decay",
-        dest="weight_decay",
-        type=float,
-        default=5e-4,
-        help="weight decay (not applied to biases and norm scales)",
-    )
-    g.add_argument(
-        "--warmup-epochs",
-        type=float,
-        default=0.5,
-        help="linear LR warm-up, then cosine decay (per step)",
-    )
-    g.add_argument(
-        "-j",
-        "--workers",
-        type=int,
-        default=1,
-        help="DALI CPU threads per pipeline (upstream and downstream each)",
-    )
-    g.add_argument(
-        "--decode",
-        choices=("cpu", "mixed"),
-        default="cpu",
-        help="JPEG decoding on the CPU, or DALI's mixed (nvJPEG on the GPU; then the augmentations "
-        "run on the GPU too)",
-    )
-    g.add_argument("--seed", type=int, default=0, help="seed for model init, DALI and echo draws")
-    g.add_argument(
-        "--synthetic-classes",
-        type=int,
-        default=10,
-        help="classes of the synthetic set (without --data)",
-    )
-    g.add_argument(
-        "--synthetic-per-class",
-        type=int,
-        default=100,
-        help="training images per class of the synthetic set (without --data)",
-    )
-    g = p.add_argument_group("data echoing")
-    g.add_argument(
-        "--echo",
-        type=_echo_value,
-        default=2.0,
-        metavar="FACTOR|auto",
-        help="echo factor e >= 1 (1 = no echoing), or 'auto' to follow R = t_up/t_down",
-    )
-    g.add_argument("--echo-max", type=float, default=4.0, help="upper bound for --echo auto")
-    g.add_argument(
-        "--echo-interval",
-        type=int,
-        default=50,
-        metavar="STEPS",
-        help="with --echo auto: steps between decisions on e (also at every epoch end)",
-    )
-    g.add_argument(
-        "--echo-insert",
-        choices=("after_decode", "after_augment"),
-        default="after_decode",
-        help="where the echo cache sits in the DALI pipeline",
-    )
-    g.add_argument(
-        "--echo-mode",
-        choices=("example", "batch"),
-        default="example",
-        help="echo single examples or whole batches",
-    )
-    g.add_argument(
-        "--shuffle-buffer",
-        type=int,
-        default=None,
-        help="samples the echo cache holds before the first draw (default: batch size)",
-    )
-    g.add_argument(
-        "--read-delay-ms",
-        type=float,
-        default=0.0,
-        help="simulated read latency per sample (a network file system), ms",
-    )
-    g = p.add_argument_group("pipelining and devices")
-    g.add_argument(
-        "--stages",
-        type=int,
-        default=None,
-        help="pipeline stages (default: one per GPU, or 2 on one GPU / on CPU)",
-    )
-    g.add_argument(
-        "--balance",
-        type=_balance_value,
-        default=None,
-        metavar="N,N,...|auto",
-        help="model blocks per stage (default: auto, by profiling)",
-    )
-    g.add_argument(
-        "--hybrid-switch",
-        type=int,
-        default=None,
-        metavar="EPOCH",
-        help="train pipelined (stale) until this epoch, then synchronously",
-    )
-    g.add_argument(
-        "--devices",
-        type=_devices_value,
-        default=None,
-        metavar="DEV,DEV,...",
-        help="one device per stage (cpu, cuda:0, ...), or one for all stages",
-    )
-    g.add_argument(
-        "--amp", action="store_true", help="mixed precision: run each block under bfloat16 autocast"
-    )
-    g.add_argument(
-        "--dist-timeout-s",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="under torchrun: longest wait for another rank in a collective before the job "
-        "fails instead of hanging (default 600)",
-    )
-    g = p.add_argument_group("checkpoints and output")
-    g.add_argument(
-        "--checkpoint-dir",
-        type=Path,
-        default=None,
-        help="write checkpoints here, per rank under torchrun (default: a "
-        "checkpoints/ folder next to --output)",
-    )
-    g.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=0,
-        metavar="STEPS",
-        help="also checkpoint every N steps (0: only at epoch ends)",
-    )
-    g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept")
-    g.add_argument(
-        "--resume",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="CKPT",
-        help="continue from a checkpoint file, or from the newest in --checkpoint-dir",
-    )
-    g.add_argument(
-        "--output",
-        type=Path,
-        default=Path("echopipe-train/metrics.json"),
-        help="metrics JSON (one row per epoch); the PNG plots go next to it",
-    )
-    g.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="no progress bars; print one line per epoch instead",
-    )
+    p.add_argument("checkpoint", type=Path, metavar="CKPT", help="e.g. RUN/checkpoints/best.pt")
+    p.add_argument("out", type=Path, metavar="OUT.pt", help="where to write the state_dict")
     return p
 
 
@@ -317,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
     sub.required = True
     _add_train(sub)
+    _add_export(sub)
     _add_bench(sub)
     return parser
 
@@ -326,72 +129,78 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------
 
 
-def _train_config(args: argparse.Namespace) -> Any:
-    from .train import TrainConfig
+def _fail(prog: str, exc: BaseException, debug: bool) -> int:
+    """One line naming the problem (the traceback with ``--debug``); the exit status."""
+    from .data import CorruptImageError
+    from .training.checkpoints import CheckpointError
+    from .training.config import TrainError
 
-    resume: bool | Path = args.resume if args.resume is True or args.resume is False else Path(
-        args.resume
-    )  # fmt: skip
-    return TrainConfig(
-        data=args.data,
-        model=args.model,
-        image_size=args.image_size,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        warmup_epochs=args.warmup_epochs,
-        workers=args.workers,
-        decode=args.decode,
-        seed=args.seed,
-        synthetic_classes=args.synthetic_classes,
-        synthetic_per_class=args.synthetic_per_class,
-        echo=args.echo,
-        echo_max=args.echo_max,
-        echo_interval=args.echo_interval,
-        echo_insert=args.echo_insert,
-        echo_mode=args.echo_mode,
-        shuffle_buffer=args.shuffle_buffer,
-        read_delay_ms=args.read_delay_ms,
-        stages=args.stages,
-        balance=args.balance,
-        devices=args.devices,
-        hybrid_switch=args.hybrid_switch,
-        amp=args.amp,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        dist_timeout_s=args.dist_timeout_s,
-        keep_checkpoints=args.keep_checkpoints,
-        resume=resume,
-        output=args.output,
-        progress=not args.no_progress,
-    )
+    if debug:
+        traceback.print_exception(exc)
+    else:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+    if isinstance(exc, TrainError):
+        return exc.exit_code
+    return 1 if isinstance(exc, CorruptImageError) else 2 if isinstance(exc, CheckpointError) else 1
 
 
 def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from ._allocator import tune_host_allocator
-    from .train import format_summary, train
+    from .data import CorruptImageError
+    from .training.checkpoints import CheckpointError
+    from .training.config import TrainError, UsageError, from_namespace
+    from .training.report import format_summary
+    from .training.trainer import evaluate_checkpoint, train
 
     # Before the first large allocation, so activations are reused rather than page-faulted in.
     tune_host_allocator(single_arena=not torch.cuda.is_available())
-    cfg = _train_config(args)
+    cfg = from_namespace(args)
     try:
         cfg.validate()
-    except (ValueError, FileNotFoundError) as exc:
+    except UsageError as exc:
+        if args.debug:
+            raise
         parser.error(str(exc))
-    from .train_io import CheckpointError
-
+    expected = (TrainError, CheckpointError, CorruptImageError, FileNotFoundError, OSError)
     try:
+        if args.evaluate is not None:
+            top1, loss, n = evaluate_checkpoint(cfg, args.evaluate)
+            print(
+                f"echopipe train --evaluate: top-1 {100 * top1:.2f} %, loss {loss:.4f} on {n} "
+                "validation images",
+                flush=True,
+            )
+            return 0
         summary = train(cfg)
-    except (FileExistsError, FileNotFoundError, CheckpointError) as exc:
-        parser.error(str(exc))
+    except expected as exc:
+        return _fail(parser.prog, exc, args.debug)
     import os
 
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(summary), flush=True)
+    return 1 if summary.stopped and "diverged" in summary.stopped else 0
+
+
+def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import torch
+
+    from .pipeline.checkpoint import atomic_write
+    from .training.checkpoints import CheckpointError, export_state_dict
+
+    try:
+        weights, saved = export_state_dict(args.checkpoint)
+    except (CheckpointError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(args.out, lambda f: torch.save(weights, f))
+    model = saved["model"]
+    print(
+        f"echopipe export: {len(weights)} tensors of {model['name']} ({model['num_classes']} "
+        f"classes) -> {args.out}",
+        flush=True,
+    )
     return 0
 
 
@@ -482,10 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``echopipe`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "train":
-        train_parser = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
-        return _run_train(train_parser, args)
-    return _run_bench(args)
+    if args.command == "bench":
+        return _run_bench(args)
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    return _run_train(sub, args) if args.command == "train" else _run_export(sub, args)
 
 
 if __name__ == "__main__":

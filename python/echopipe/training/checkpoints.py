@@ -1,4 +1,4 @@
-"""Files written by ``echopipe train``: safe checkpoints, the metrics JSON and the plots.
+"""Checkpoints of ``echopipe train``: checksummed, weights-only, atomic; last, best, export.
 
 A checkpoint file is a two-line text header followed by a ``torch.save`` payload::
 
@@ -21,40 +21,34 @@ is never written through.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
-import json
-import math
 import os
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from .pipeline.checkpoint import atomic_write
+from ..pipeline.checkpoint import atomic_write
 
 __all__ = [
     "CHECKPOINT_MAGIC",
     "CheckpointError",
-    "CheckpointManager",
+    "RunCheckpoints",
     "atomic_write_bytes",
     "decode_state",
     "encode_state",
+    "export_state_dict",
     "read_checkpoint",
     "write_checkpoint",
-    "write_metrics",
-    "write_plots",
 ]
 
 CHECKPOINT_MAGIC = b"echopipe-checkpoint 1\n"
 """First line of every checkpoint file; a file that does not start with it is not read."""
 
 _DIGEST_RE = re.compile(rb"^sha256 ([0-9a-f]{64}) ([0-9]{1,15})\n$")
-_CKPT_RE = re.compile(r"^ckpt-(\d{9})\.pt$")
 _TAG = "__echopipe_codec__"
 
 
@@ -84,13 +78,21 @@ def encode_state(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor | str | int | float | bool | type(None)):
         return obj
     if isinstance(obj, bytes | bytearray):
-        return {_TAG: "bytes", "data": torch.frombuffer(bytearray(obj), dtype=torch.uint8)
-                if obj else torch.empty(0, dtype=torch.uint8)}  # fmt: skip
+        return {
+            _TAG: "bytes",
+            "data": torch.frombuffer(bytearray(obj), dtype=torch.uint8)
+            if obj
+            else torch.empty(0, dtype=torch.uint8),
+        }
     if isinstance(obj, np.ndarray):
         raw = np.ascontiguousarray(obj).tobytes()
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
-        return {_TAG: "ndarray", "dtype": obj.dtype.str, "shape": list(obj.shape),
-                "data": data.to(torch.uint8)}  # fmt: skip
+        return {
+            _TAG: "ndarray",
+            "dtype": obj.dtype.str,
+            "shape": list(obj.shape),
+            "data": data.to(torch.uint8),
+        }
     if isinstance(obj, tuple):
         return {_TAG: "tuple", "items": [encode_state(v) for v in obj]}
     if isinstance(obj, list):
@@ -122,20 +124,25 @@ def decode_state(obj: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def write_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write ``state`` to ``path`` atomically in the checksummed, weights-only format."""
+def write_checkpoint(
+    state: dict[str, Any], path: str | os.PathLike[str], *also: str | os.PathLike[str]
+) -> Path:
+    """Write ``state`` to ``path`` (and the same bytes to each of ``also``) atomically in the
+    checksummed, weights-only format."""
     buffer = io.BytesIO()
     torch.save(encode_state(state), buffer)
     payload = buffer.getvalue()
     digest = hashlib.sha256(payload).hexdigest()
     header = CHECKPOINT_MAGIC + f"sha256 {digest} {len(payload)}\n".encode()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
 
     def write(f: Any) -> None:
         f.write(header)
         f.write(payload)
 
-    return atomic_write(path, write)
+    for target in (*also, path):
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(target, write)
+    return Path(path)
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -185,122 +192,48 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     return state
 
 
-class CheckpointManager:
-    """Numbered checkpoints ``ckpt-<step>.pt`` in one folder; keeps the newest ``keep``.
+class RunCheckpoints:
+    """A run folder's ``checkpoints/``: ``last.pt`` (newest) and ``best.pt`` (best top-1).
 
-    Only files this format wrote are ever deleted: checkpoints are pruned by their numbered
-    names, and stray temporary files only when they carry this folder's temp prefix.
-
-    Args:
-        folder: where the checkpoints live (created if missing).
-        keep: how many of the newest checkpoints to keep (``>= 1``).
-
-    Attributes:
-        written: checkpoints written by this manager (the caller adds earlier runs' count).
+    Only these two names are ever written or replaced, so nothing else in the folder, nor any
+    other run's files, is touched.
     """
 
-    def __init__(self, folder: str | os.PathLike[str], keep: int = 2) -> None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.folder = Path(folder)
-        self.keep = keep
+        self.last = self.folder / "last.pt"
+        self.best = self.folder / "best.pt"
         self.written = 0
 
-    def path_for(self, step: int) -> Path:
-        """The file name of the checkpoint at global step ``step``."""
-        return self.folder / f"ckpt-{int(step):09d}.pt"
-
-    def list(self) -> list[Path]:
-        """Checkpoint files in the folder by name, oldest first (not yet verified)."""
+    def existing(self) -> list[Path]:
+        """Checkpoint files already in the folder (an earlier run's, when starting)."""
         if not self.folder.is_dir():
             return []
-        found = []
-        for p in self.folder.iterdir():
-            m = _CKPT_RE.match(p.name)
-            if m and p.is_file() and not p.is_symlink():
-                found.append((int(m.group(1)), p))
-        return [p for _, p in sorted(found)]
+        return sorted(p for p in self.folder.iterdir() if p.suffix == ".pt")
 
-    def save(self, state: dict[str, Any], step: int) -> Path:
-        """Write ``state`` as the checkpoint of ``step`` atomically, then prune old ones."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        final = write_checkpoint(state, self.path_for(step))
+    def save(self, state: dict[str, Any], *, best: bool) -> Path:
+        """Write ``state`` as ``last.pt``, and as ``best.pt`` too when ``best``."""
         self.written += 1
-        for old in self.list()[: -self.keep]:
-            with contextlib.suppress(FileNotFoundError):
-                old.unlink()
-        # Temporary files of this manager's own writes that a kill left behind.
-        for stray in self.folder.glob(".ckpt-*.pt.*.tmp"):
-            with contextlib.suppress(FileNotFoundError):
-                stray.unlink()
-        return final
-
-    def latest(self) -> Path | None:
-        """The newest checkpoint file by name, or ``None`` if there is none."""
-        found = self.list()
-        return found[-1] if found else None
-
-    @staticmethod
-    def load(path: str | os.PathLike[str]) -> dict[str, Any]:
-        """:func:`read_checkpoint`: checked, weights-only."""
-        return read_checkpoint(path)
+        return write_checkpoint(state, self.last, *((self.best,) if best else ()))
 
 
-# --------------------------------------------------------------------------------------------
-# Metrics and plots
-# --------------------------------------------------------------------------------------------
+def export_state_dict(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], Any]:
+    """The model's plain ``state_dict`` from a training checkpoint, and its config.
 
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def write_metrics(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
-    """Write the metrics document as JSON atomically (non-finite floats become ``null``)."""
-    text = json.dumps(_json_safe(document), indent=2, sort_keys=False)
-    return atomic_write_bytes(path, (text + "\n").encode())
-
-
-def write_plots(rows: Sequence[dict[str, Any]], stem: str | os.PathLike[str]) -> list[Path]:
-    """Validation top-1 against fresh examples seen and against wall time, as two PNGs.
-
-    Args:
-        rows: the per-epoch metric rows (``val_top1``, ``fresh_samples``, ``wall_s``).
-        stem: path prefix; the files are ``<stem>_acc_vs_fresh.png`` and
-            ``<stem>_acc_vs_time.png``.
-
-    Returns:
-        The two paths written.
+    The pipeline stores each stage's weights under the stage's own child numbers; they are
+    renamed back to the flat model's (``<block>.<name>``), and the ``--amp`` wrapper's
+    ``block.`` level is removed, so the result loads into
+    ``build_model(config["model"], num_classes)`` with ``strict=True``.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    from matplotlib import pyplot as plt
-
-    stem_path = Path(stem)
-    stem_path.parent.mkdir(parents=True, exist_ok=True)
-    acc = [100.0 * float(r["val_top1"]) for r in rows]
-    out = []
-    for key, xlabel, suffix in (
-        ("fresh_samples", "fresh training examples read", "acc_vs_fresh"),
-        ("wall_s", "wall time (s)", "acc_vs_time"),
-    ):
-        xs = [float(r[key]) for r in rows]
-        fig, ax = plt.subplots(figsize=(5.0, 3.5), dpi=100)
-        ax.plot(xs, acc, marker="o")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("validation top-1 (%)")
-        ax.set_title(f"echopipe train: top-1 vs {xlabel.split(' (')[0]}")
-        ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        target = stem_path.parent / f"{stem_path.name}_{suffix}.png"
-        atomic_write(target, lambda f, fig=fig: fig.savefig(f, format="png"))
-        plt.close(fig)
-        out.append(target)
-    return out
+    state = read_checkpoint(checkpoint)
+    pipe = state["pipeline"]
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for count, stage in zip(pipe["balance"], pipe["stages"], strict=True):
+        for key, value in stage.items():
+            child, _, rest = key.partition(".")
+            if rest.startswith("block."):  # the autocast wrapper of --amp
+                rest = rest[len("block.") :]
+            out[f"{offset + int(child)}.{rest}"] = value
+        offset += count
+    return out, state

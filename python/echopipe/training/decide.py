@@ -1,0 +1,141 @@
+"""The ``auto`` choices of a run, each taken on a measurement and recorded with its reason.
+
+``--stages auto`` pipelines only where a short timed run shows the stale pipeline faster than
+one stage that has all the threads; ``--balance auto`` profiles the blocks (or, with
+``--deterministic``, splits by parameter count, which does not depend on timing).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+
+__all__ = ["balance_by_parameters", "choose_split", "measure_step_seconds"]
+
+_WARMUP_STEPS = 2
+_TIMED_STEPS = 4
+
+
+def measure_step_seconds(
+    model: nn.Sequential, sample: torch.Tensor, balance: list[int], devices: list[str]
+) -> float:
+    """Seconds per training step of a copy of ``model`` split by ``balance``.
+
+    Random labels, plain SGD; the copy is thrown away, so the real model is untouched.
+    """
+    from ..pipeline import StalePipeline
+
+    probe = copy.deepcopy(model)
+    target = torch.randint(0, 2, (sample.shape[0],))
+    pipe = StalePipeline(
+        probe,
+        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
+        loss_fn=nn.CrossEntropyLoss(),
+        balance=balance,
+        devices=devices[: len(balance)],
+    )
+    try:
+        for _ in range(_WARMUP_STEPS):
+            pipe.train_step(sample, target)
+        pipe.drain()
+        t0 = time.perf_counter()
+        for _ in range(_TIMED_STEPS):
+            pipe.train_step(sample, target)
+        pipe.drain()
+        return (time.perf_counter() - t0) / _TIMED_STEPS
+    finally:
+        pipe.close()
+
+
+def choose_split(
+    cfg: TrainConfig,
+    model: nn.Sequential,
+    sample: torch.Tensor,
+    default: int,
+    devices: list[str],
+    decisions: list[str],
+) -> list[int]:
+    """The balance (blocks per stage; its length is the number of stages).
+
+    ``--balance`` when given. Otherwise the stage count is ``--stages``, one per GPU, or, with
+    ``--stages auto`` on one device, 2 only when a timed run of the 2-stage pipeline beats one
+    stage using all the threads; the split is profiled (by parameters with ``--deterministic``).
+    """
+    if isinstance(cfg.balance, list):
+        return list(cfg.balance)
+    if isinstance(cfg.stages, int):
+        return _split(cfg, model, sample, cfg.stages, devices, decisions)
+    if any(d.startswith("cuda") for d in devices) and len(set(devices)) > 1:
+        decisions.append(f"stages: {default}, one per GPU ({', '.join(sorted(set(devices)))})")
+        return _split(cfg, model, sample, default, devices, decisions)
+    if cfg.deterministic:
+        decisions.append("stages: 1 (--deterministic: no timing-based choice)")
+        return [len(model)]
+    two = _split(cfg, model, sample, 2, devices, [])
+    t1 = measure_step_seconds(model, sample, [len(model)], devices)
+    t2 = measure_step_seconds(model, sample, two, devices)
+    speed = (
+        f"{t1 / t2:.2f}x the speed of one stage with all threads ({1000 * t2:.0f} vs "
+        f"{1000 * t1:.0f} ms/step)"
+    )
+    if t2 < t1:
+        decisions.append(f"stages: 2, balance {two}: the stale pipeline measured {speed}")
+        return two
+    decisions.append(f"stages: 1: the 2-stage pipeline (balance {two}) measured only {speed}")
+    return [len(model)]
+
+
+def balance_by_parameters(model: nn.Sequential, stages: int) -> list[int]:
+    """Contiguous split of the blocks that minimises the largest stage's parameter count."""
+    weights = [max(1, sum(p.numel() for p in block.parameters())) for block in model]
+    lo, hi = max(weights), sum(weights)
+    while lo < hi:  # binary search on the largest stage's size
+        mid = (lo + hi) // 2
+        if len(_greedy(weights, mid, stages)) <= stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    balance = _greedy(weights, lo, stages)
+    while len(balance) < stages:  # split the largest group until every stage has a block
+        k = max(range(len(balance)), key=lambda i: balance[i])
+        balance[k : k + 1] = [balance[k] - balance[k] // 2, balance[k] // 2]
+    return balance
+
+
+def _greedy(weights: list[int], cap: int, stages: int) -> list[int]:
+    groups: list[int] = []
+    total = cap + 1
+    for i, w in enumerate(weights):
+        left_blocks = len(weights) - i
+        if total + w > cap or (len(groups) < stages and left_blocks <= stages - len(groups)):
+            groups.append(0)
+            total = 0
+        groups[-1] += 1
+        total += w
+    return groups
+
+
+def _split(
+    cfg: TrainConfig,
+    model: nn.Sequential,
+    sample: torch.Tensor,
+    stages: int,
+    devices: list[str],
+    decisions: list[str],
+) -> list[int]:
+    if stages == 1:
+        return [len(model)]
+    if cfg.deterministic:
+        balance = balance_by_parameters(model, stages)
+        decisions.append(f"balance: {balance} by parameter count (--deterministic)")
+        return balance
+    from ..pipeline import partition_balance
+
+    balance = partition_balance(model, sample, stages, devices[:stages])
+    decisions.append(f"balance: {balance}, the fastest slowest stage when profiled")
+    return balance

@@ -1,0 +1,181 @@
+"""Data-parallel replicas under torchrun: process groups, gradient and buffer averaging.
+
+Each process runs a replica of the whole pipeline on its own data shard. Every stage averages
+its gradients with the same stage of the other replicas before its update, over a process group
+of its own, so stage threads never share a communicator.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DistContext", "all_reduce_grads", "average_buffers", "default_devices"]
+
+
+def default_devices(stages: int | None) -> tuple[int, list[str]]:
+    """``(stages, devices)`` for this process when ``--devices`` is not given.
+
+    GPUs are shared out among the processes of this machine (``LOCAL_WORLD_SIZE`` under
+    torchrun); a process with two or more GPUs puts one stage on each, a process with one GPU
+    puts ``stages`` (default 2) stages on it, and without GPUs there are ``stages`` (default 2)
+    CPU stages.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        k = stages or 2
+        return k, ["cpu"] * k
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    per = max(1, gpus // local_world)
+    mine = [(local * per + i) % gpus for i in range(per)]
+    k = stages or (per if per >= 2 else 2)
+    return k, [f"cuda:{mine[i % len(mine)]}" for i in range(k)]
+
+
+@dataclass
+class DistContext:
+    """This process's place among the data-parallel replicas (``world_size == 1`` alone)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    timeout_s: float = 600.0
+    stage_groups: list[Any] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        """True under torchrun with more than one process."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes metrics, plots and the summary."""
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, timeout_s: float = 600.0) -> DistContext:
+        """Join the process group that ``torchrun`` describes in the environment, if any.
+
+        NCCL when this process has a GPU, Gloo otherwise. A collective that waits longer than
+        ``timeout_s`` for another rank fails (and torchrun stops the job) instead of hanging.
+        """
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if backend == "nccl":
+            # This process's first GPU in default_devices' sharing of the machine's GPUs.
+            torch.cuda.set_device(torch.device(default_devices(None)[1][0]))
+        if not dist.is_initialized():
+            # Gradients and BatchNorm buffers (CUDA tensors) go over NCCL; the small control
+            # messages (epoch lengths, counters, rank 0's echo factor, CPU tensors and objects)
+            # over Gloo, which a pure NCCL group would reject, and which keeps them off the GPU
+            # while the stage threads run their own NCCL all-reduces.
+            spec = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+            dist.init_process_group(backend=spec, timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
+
+    def make_stage_groups(self, num_stages: int) -> None:
+        """One process group per stage (every rank creates all of them, in the same order)."""
+        if not self.enabled:
+            return
+        import torch.distributed as dist
+
+        ranks = list(range(self.world_size))
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.stage_groups = [dist.new_group(ranks, timeout=timeout) for _ in range(num_stages)]
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        """Sum of ``values`` over ranks (identity when alone)."""
+        if not self.enabled:
+            return list(values)
+        import torch.distributed as dist
+
+        t = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def all_reduce_min(self, value: int) -> int:
+        """Minimum of ``value`` over ranks."""
+        if not self.enabled:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.enabled:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        """Leave the process group (only if this module joined it)."""
+        if self.enabled:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def all_reduce_grads(
+    ctx: DistContext,
+) -> Callable[[int, list[nn.Parameter], list[torch.Tensor | None]], None] | None:
+    """``StalePipeline`` grad hook that averages each stage's gradients over the replicas.
+
+    The pipeline calls it in stage ``k``'s worker thread after each backward, right before the
+    stage's optimizer step; stage ``k`` uses its own process group, so stage threads never share
+    a communicator. One flat buffer per update; a parameter without a gradient contributes zeros
+    (every replica must send the same buffer).
+    """
+    if not ctx.enabled:
+        return None
+    import torch.distributed as dist
+
+    world = float(ctx.world_size)
+
+    def hook(stage: int, params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+        if not params:
+            return
+        filled = [
+            g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)
+        ]
+        flat = torch.cat([g.reshape(-1) for g in filled])
+        dist.all_reduce(flat, group=ctx.stage_groups[stage])
+        flat.div_(world)
+        offset = 0
+        for i, g in enumerate(filled):
+            n = g.numel()
+            grads[i] = flat[offset : offset + n].view_as(g)
+            offset += n
+
+    return hook
+
+
+def average_buffers(model: nn.Module, ctx: DistContext) -> None:
+    """Average BatchNorm running statistics over the replicas (each saw only its shard)."""
+    if not ctx.enabled:
+        return
+    import torch.distributed as dist
+
+    for buf in model.buffers():
+        if buf.is_floating_point():
+            dist.all_reduce(buf)
+            buf.div_(ctx.world_size)

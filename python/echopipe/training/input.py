@@ -1,0 +1,261 @@
+"""The training input (DALI + the echo cache), its clocks, and validation.
+
+:class:`TrainInput` wraps :func:`echopipe.dali.imagenet_train_pipeline` (reader, decode, echo,
+augmentation) and :class:`echopipe.dali.EchoIterator`; its :meth:`TrainInput.build` is the one
+place the DALI training input is constructed. ``t_up`` is the upstream time per fresh batch that
+the echo pipeline measures; ``t_down`` comes from :class:`StageClock`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+from .distributed import DistContext
+
+__all__ = ["Autocast", "StageClock", "TrainInput", "evaluate"]
+
+
+class Autocast(nn.Module):
+    """Runs the wrapped block under ``torch.autocast`` in bfloat16 (``--amp``).
+
+    Autocast state is per thread, and every pipeline stage runs in its own thread, so the
+    wrapper enters it inside each block's forward rather than around the training loop.
+    bfloat16 keeps float32's exponent range, so no loss scaling is needed per stage.
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The block's own device: with --devices cpu,cuda:0 each stage autocasts its own way.
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            out = self.block(x)
+        return out.float() if out.is_floating_point() else out
+
+
+class StageClock:
+    """Downstream seconds per step: ``3 x`` the slowest stage's mean training forward time.
+
+    ``train_step`` returns as soon as the minibatch is queued, so the caller cannot see how long
+    the stages compute; forward hooks on each stage module (they run in the stage's thread)
+    time its forward, and backward is taken as twice the forward, the usual ratio for conv
+    nets. The slowest stage sets the pipeline's pace. On a GPU the forward only queues kernels,
+    so it is timed with CUDA events on the stage's stream, read once they have completed.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        self.seconds = [0.0] * len(stages)
+        self.calls = [0] * len(stages)
+        self._starts: dict[tuple[int, int], Any] = {}
+        # Per stage: (start, end) CUDA events not read yet. Appended by the stage's thread,
+        # drained by the training loop (deque appends and pops are atomic).
+        self._pending: list[collections.deque[tuple[Any, Any]]] = [
+            collections.deque() for _ in stages
+        ]
+        import threading
+
+        self._ident = threading.get_ident
+        for k, stage in enumerate(stages):
+            stage.register_forward_pre_hook(self._pre(k))
+            stage.register_forward_hook(self._post(k))
+
+    @staticmethod
+    def _on_gpu(args: Any) -> bool:
+        return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_cuda
+
+    def _pre(self, k: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if not module.training:
+                return
+            if self._on_gpu(args):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()  # on the stage thread's current stream
+                self._starts[(k, self._ident())] = start
+            else:
+                self._starts[(k, self._ident())] = time.perf_counter()
+
+        return hook
+
+    def _post(self, k: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            t0 = self._starts.pop((k, self._ident()), None)
+            if isinstance(t0, torch.cuda.Event):
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._pending[k].append((t0, end))
+            elif t0 is not None:
+                self.seconds[k] += time.perf_counter() - t0
+                self.calls[k] += 1
+
+        return hook
+
+    def step_seconds(self) -> float | None:
+        """Estimated seconds per training step, or ``None`` before every stage ran once."""
+        for k, pending in enumerate(self._pending):
+            while pending and pending[0][1].query():
+                start, end = pending.popleft()
+                self.seconds[k] += start.elapsed_time(end) / 1000.0
+                self.calls[k] += 1
+        if min(self.calls) == 0:
+            return None
+        return 3.0 * max(s / c for s, c in zip(self.seconds, self.calls, strict=True))
+
+
+class TrainInput:
+    """The echoing DALI training input of one replica.
+
+    A new echo factor takes effect through :meth:`set_factor` (at a decision step), which
+    changes the running cache's ``e`` in place (no rebuild).
+    """
+
+    def __init__(self, cfg: TrainConfig, data_dir: Path, ctx: DistContext, device_id: int | None):
+        self.cfg = cfg
+        self.data_dir = data_dir
+        self.ctx = ctx
+        self.device_id = device_id
+        self.iterator: Any = None
+        self.pipe: Any = None
+        self.factor = 0.0
+        self.builds = 0
+        # Counters of earlier pipelines (rebuilds and resumed runs), added to the live one's.
+        self.base = {"fresh": 0, "echoed": 0, "samples": 0, "up_s": 0.0, "up_iters": 0}
+
+    def build(self, factor: float, steps_per_epoch: int | None, state: Any = None) -> None:
+        from ..dali import EchoIterator, imagenet_train_pipeline
+
+        self.close()
+        cfg = self.cfg
+        self.pipe = imagenet_train_pipeline(
+            self.data_dir,
+            batch_size=cfg.batch_size,
+            image_size=cfg.image_size,
+            echo_factor=factor,
+            echo_insert=cfg.echo_insert,
+            echo_mode=cfg.echo_mode,
+            shuffle_buffer=cfg.shuffle_buffer,
+            read_delay_ms=cfg.read_delay_ms,
+            shard_id=self.ctx.rank,
+            num_shards=self.ctx.world_size,
+            # The same seed on resume: DALI's checkpoint restores the reader's position in the
+            # file order that this seed permutes, so the resumed epoch goes on where it stopped.
+            seed=cfg.seed + 104729 * self.ctx.rank,
+            decode_device=cfg.decode,
+            device_id=self.device_id,
+            num_threads=cfg.workers,
+            cache_bytes=cfg.cache_mb << 20,
+            on_corrupt=cfg.on_corrupt,
+            deterministic=cfg.deterministic,
+            enable_checkpointing=True,
+        )
+        self.iterator = EchoIterator(self.pipe, ["data", "label"], steps_per_epoch=steps_per_epoch)
+        if state is not None:
+            self.iterator.load_state_dict(state)
+        self.factor = factor
+        self.builds += 1
+
+    def set_factor(self, factor: float) -> None:
+        """Use echo factor ``factor`` for fresh samples cached from now on.
+
+        The running cache changes ``e`` in place: samples already cached keep their tickets, so
+        nothing is dropped or rebuilt. Called at a step where all replicas agree on the factor;
+        the caller re-plans the epoch's length.
+        """
+        self.pipe.set_echo_factor(factor)
+        self.factor = factor
+
+    def natural_steps(self) -> int:
+        """Steps of one epoch for this shard at the current factor (resets a fixed length)."""
+        self.iterator.set_epoch_size()  # back to the reader's shard size
+        return self.iterator.steps_per_epoch
+
+    def set_steps(self, steps: int) -> None:
+        """Fix the epoch length (all replicas must run the same number of steps)."""
+        self.iterator.steps_per_epoch = steps
+
+    def counters(self) -> dict[str, float]:
+        s = self.iterator.stats if self.iterator is not None else None
+        batches, seconds = self.pipe.upstream_time() if self.pipe is not None else (0, 0.0)
+        return {
+            "fresh": self.base["fresh"] + (s.fresh if s else 0),
+            "echoed": self.base["echoed"] + (s.echoed if s else 0),
+            "samples": self.base["samples"] + (s.samples if s else 0),
+            "up_s": self.base["up_s"] + seconds,
+            "up_iters": self.base["up_iters"] + batches,
+        }
+
+    def upstream_step_seconds(self) -> float | None:
+        """``t_up`` of the live pipeline: upstream seconds per downstream batch of fresh
+        samples (mean since it was built; restored with a checkpoint), or ``None`` before any."""
+        t_up = self.pipe.upstream_step_seconds()
+        return None if math.isnan(t_up) else t_up
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.iterator.state_dict()
+
+    def close(self) -> None:
+        """Close the live pipeline; its counters are kept in ``base``."""
+        if self.iterator is not None:
+            self.base = self.counters()  # type: ignore[assignment]
+            with contextlib.suppress(Exception):
+                self.iterator.close()
+        self.iterator = self.pipe = None
+
+
+def evaluate(
+    pipeline: Any,
+    cfg: TrainConfig,
+    data_dir: Path,
+    ctx: DistContext,
+    device_id: int | None,
+    val_iter: list[Any],
+) -> tuple[float, float, int]:
+    """``(top1, mean loss, images)`` over this rank's validation shard, summed over ranks."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    from ..dali import imagenet_val_pipeline
+
+    if not val_iter:
+        pipe = imagenet_val_pipeline(
+            data_dir,
+            batch_size=min(cfg.batch_size * 4, 256),
+            image_size=cfg.image_size,
+            decode_device=cfg.decode,
+            shard_id=ctx.rank,
+            num_shards=ctx.world_size,
+            num_threads=cfg.workers,
+            device_id=device_id,
+            on_corrupt=cfg.on_corrupt,
+        )
+        pipe.build()
+        val_iter.append(
+            DALIGenericIterator(
+                [pipe],
+                ["data", "label"],
+                reader_name=pipe.reader_name,
+                last_batch_policy=LastBatchPolicy.PARTIAL,
+                auto_reset=True,
+            )
+        )
+    correct = 0.0
+    loss_sum = 0.0
+    count = 0
+    for batch in val_iter[0]:
+        x = batch[0]["data"]
+        y = batch[0]["label"].reshape(-1).long()
+        logits = pipeline.evaluate(x).float()
+        correct += float((logits.argmax(1) == y.cpu()).sum())
+        loss_sum += float(nn.functional.cross_entropy(logits, y.cpu(), reduction="sum"))
+        count += int(y.numel())
+    correct, loss_sum, total = ctx.all_reduce_sum([correct, loss_sum, float(count)])
+    return correct / max(total, 1.0), loss_sum / max(total, 1.0), int(total)

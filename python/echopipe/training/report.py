@@ -1,0 +1,245 @@
+"""What a run tells: progress, the run folder's metrics, config and plot, and the summary.
+
+On a terminal, tqdm bars; otherwise (a log file, a pipe) one plain line every
+``--log-interval`` steps and one per epoch. The run folder gets ``metrics.json`` (rewritten
+atomically each epoch), ``metrics.csv`` (one row per epoch), ``config.json`` (the resolved
+config, versions, the command line and the decisions taken), ``training.png`` and, when
+``tensorboard`` is installed, TensorBoard event files in ``tb/``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..pipeline.checkpoint import atomic_write
+
+__all__ = [
+    "Progress",
+    "TrainSummary",
+    "format_summary",
+    "write_csv",
+    "write_json",
+    "write_plot",
+]
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _write(path: str | os.PathLike[str], data: bytes) -> Path:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
+    """Write ``document`` as JSON atomically (non-finite floats become ``null``)."""
+    return _write(path, (json.dumps(_json_safe(document), indent=2) + "\n").encode())
+
+
+def write_csv(path: str | os.PathLike[str], rows: Sequence[dict[str, Any]]) -> Path:
+    """Write the metric rows as CSV atomically (columns from the first row)."""
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(_json_safe(list(rows)))
+    return _write(path, buf.getvalue().encode())
+
+
+def write_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """One figure: top-1 against fresh examples and against training time, and the losses."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib import pyplot as plt
+
+    acc = [100.0 * float(r["val_top1"]) for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13.0, 3.8), dpi=100)
+    for ax, key, label in (
+        (axes[0], "fresh_samples", "fresh training examples read"),
+        (axes[1], "train_s", "training time (s)"),
+    ):
+        ax.plot([float(r[key]) for r in rows], acc, marker="o")
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation top-1 (%)")
+        ax.grid(True, alpha=0.3)
+    epochs = [r["epoch"] for r in rows]
+    for key, label in (("train_loss", "training loss"), ("val_loss", "validation loss")):
+        points = [(e, r[key]) for e, r in zip(epochs, rows, strict=True) if r[key] is not None]
+        axes[2].plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    axes[2].set_xlabel("epoch")
+    axes[2].set_ylabel("cross-entropy")
+    axes[2].legend()
+    axes[2].grid(True, alpha=0.3)
+    fig.suptitle("echopipe train")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return _write(path, buf.getvalue())
+
+
+class Progress:
+    """Progress of rank 0: tqdm bars on a terminal, else a plain line every ``interval`` steps."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        bars: bool,
+        interval: int,
+        epochs: int,
+        say: Callable[[str], None],
+        tb_dir: Path | None,
+    ) -> None:
+        self.enabled = enabled
+        self.bars = enabled and bars and sys.stderr.isatty()
+        self.interval = interval
+        self.epochs = epochs
+        self.say = say
+        self.bar: Any = None
+        self.tb: Any = None
+        if enabled and tb_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self.tb = SummaryWriter(str(tb_dir))
+
+    def start_epoch(self, epoch: int, steps: int, done: int) -> None:
+        if self.bars:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=steps,
+                initial=done,
+                desc=f"epoch {epoch + 1}/{self.epochs}",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+
+    def step(self, step: int, fields: dict[str, float | None]) -> None:
+        if not self.enabled:
+            return
+        shown = {k: v for k, v in fields.items() if v is not None}
+        if self.bar is not None:
+            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+            self.bar.update(1)
+        elif step % self.interval == 0:
+            self.say(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+        if self.tb is not None and fields.get("loss") is not None:
+            self.tb.add_scalar("train/loss", fields["loss"], step)
+
+    def set_total(self, steps: int) -> None:
+        if self.bar is not None:
+            self.bar.total = steps
+            self.bar.refresh()
+
+    def end_epoch(self, row: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if not self.enabled:
+            return
+        loss = "n/a" if row["train_loss"] is None else f"{row['train_loss']:.3f}"
+        self.say(
+            f"epoch {row['epoch']}/{self.epochs}: val top-1 {100 * row['val_top1']:.1f} %, "
+            f"loss {loss}, {row['fresh_per_s']:.0f} fresh img/s, "
+            f"{row['delivered_per_s']:.0f} delivered img/s, e={row['echo_factor']:g}"
+        )
+        if self.tb is not None:
+            for key in ("val_top1", "val_loss", "train_loss", "echo_factor", "lr"):
+                if row.get(key) is not None:
+                    self.tb.add_scalar(f"epoch/{key}", row[key], row["step"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+@dataclass
+class TrainSummary:
+    """What a finished run reports (also the ``summary`` block of ``metrics.json``).
+
+    ``images_per_s`` counts delivered samples (fresh and echoed copies) and
+    ``fresh_images_per_s`` fresh ones, both over ``train_s``, the time the training steps took
+    (start-up and validation excluded). ``decisions`` says what ``auto`` options chose and why.
+    """
+
+    top1: float
+    best_top1: float
+    epochs: int
+    steps: int
+    images_per_s: float
+    fresh_images_per_s: float
+    train_s: float
+    fresh_samples: int
+    echoed_samples: int
+    t_up_ms: float
+    t_down_ms: float
+    ratio: float
+    echo_factor: float
+    echo_factors_used: list[float]
+    staleness: list[int]
+    balance: list[int]
+    devices: list[str]
+    world_size: int
+    checkpoints_written: int
+    wall_s: float
+    output: str | None
+    metrics_path: str | None
+    plots: list[str]
+    decisions: list[str]
+    stopped: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The summary as plain JSON-able values."""
+        return dataclasses.asdict(self)
+
+
+def format_summary(s: TrainSummary) -> str:
+    """The human-readable summary block printed at the end of ``echopipe train``."""
+    total = s.fresh_samples + s.echoed_samples
+    used = ", ".join(f"{e:g}" for e in s.echo_factors_used)
+    realised = total / s.fresh_samples if s.fresh_samples else float("nan")
+    lines = [
+        "echopipe train: summary",
+        f"  top-1 (val)         {100 * s.top1:.1f} %  (best {100 * s.best_top1:.1f} %)",
+        f"  images/s            {s.fresh_images_per_s:.0f} fresh, {s.images_per_s:.0f} delivered "
+        f"over {s.train_s:.1f} s of training ({s.steps} steps, {s.epochs} epochs, "
+        f"{s.wall_s:.1f} s wall, {s.world_size} replica(s))",
+        f"  samples             {total} = {s.fresh_samples} fresh + {s.echoed_samples} echoed "
+        f"(realised echo {realised:.2f}x)",
+        f"  t_up / t_down       {s.t_up_ms:.1f} ms / {s.t_down_ms:.1f} ms per step  "
+        f"(R = {s.ratio:.2f})",
+        f"  echo factor         {s.echo_factor:g}  (used: {used})",
+        f"  stages              balance {s.balance} on {', '.join(s.devices)}; staleness per "
+        f"stage {s.staleness}",
+    ]
+    lines += [f"  decision            {d}" for d in s.decisions]
+    if s.stopped:
+        lines.append(f"  stopped             {s.stopped}")
+    lines.append(f"  checkpoints written {s.checkpoints_written}")
+    if s.output:
+        lines.append(f"  run folder          {s.output}")
+    return "\n".join(lines)

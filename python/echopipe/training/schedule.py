@@ -1,0 +1,66 @@
+"""The learning-rate schedule over epochs done, and the SGD optimizer of each stage."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+
+__all__ = ["EpochClock", "lr_factor", "sgd_factory"]
+
+
+class EpochClock:
+    """Epochs of training done after a given number of steps, for the LR schedule.
+
+    With ``--echo auto`` the steps per epoch change with the echo factor, also within an epoch,
+    so a schedule counted in steps would end early or late. The training loop starts a segment
+    whenever the epoch length is (re)planned: from step ``first`` on, each step adds ``rate``
+    epochs. Stage threads read it while the loop appends to it.
+    """
+
+    def __init__(self, segments: list[tuple[int, float, float]] | None = None) -> None:
+        self.segments: list[tuple[int, float, float]] = list(segments or [])
+
+    def plan(self, step: int, epochs_done: float, steps_left: int, epoch_end: float) -> None:
+        """From ``step`` on, ``steps_left`` steps take the run from ``epochs_done`` to
+        ``epoch_end`` epochs."""
+        rate = max(epoch_end - epochs_done, 0.0) / max(steps_left, 1)
+        self.segments.append((step, epochs_done, rate))
+
+    def epochs_at(self, step: int) -> float:
+        """Epochs done once ``step`` steps have run (0 before the first planned segment)."""
+        # reversed() reads the length once, and list appends are atomic: no copy is needed
+        # while the training loop plans a new segment.
+        for first, done, rate in reversed(self.segments):
+            if step >= first:
+                return done + (step - first) * rate
+        return 0.0
+
+
+def lr_factor(epochs_next: float, epochs_now: float, warmup_epochs: float, epochs: int) -> float:
+    """Linear warm-up over ``warmup_epochs``, then cosine decay to 2 % at ``epochs``.
+
+    ``epochs_next`` is the progress once the coming update is applied (warm-up never starts at
+    zero), ``epochs_now`` the progress before it.
+    """
+    if warmup_epochs > 0 and epochs_next <= warmup_epochs:
+        return epochs_next / warmup_epochs
+    span = max(epochs - warmup_epochs, 1e-9)
+    progress = min(1.0, max(0.0, (epochs_now - warmup_epochs) / span))
+    return 0.02 + 0.98 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def sgd_factory(cfg: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        decay = [p for p in params if p.ndim > 1]
+        no_decay = [p for p in params if p.ndim <= 1]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+
+    return make

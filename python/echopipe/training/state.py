@@ -1,0 +1,94 @@
+"""The run's own state: counters, clocks and history, saved and restored from one place.
+
+Everything the trainer counts lives in :class:`RunState`. A checkpoint stores
+:meth:`RunState.state_dict`, a resumed run starts from :meth:`RunState.from_state_dict`, and the
+metric rows and the summary read their figures from it, so a counter is written in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["RunState", "get_rng_state", "set_rng_state"]
+
+
+@dataclass
+class RunState:
+    """Counters of one run, continued over resumes.
+
+    Attributes:
+        epoch: epochs finished.
+        global_step: training steps taken.
+        step_in_epoch: steps taken in the unfinished epoch.
+        steps_per_epoch: planned steps of the current epoch.
+        epoch_fresh: fresh samples the unfinished epoch has taken (``batch / e`` per step).
+        epoch_clock: the LR schedule's segments (see :class:`~.schedule.EpochClock`).
+        checkpoints_written: checkpoint files written, over all resumes.
+        wall_s: wall time of the earlier (resumed) runs.
+        train_s: time spent in training steps, without start-up and validation.
+        samples_trained: samples delivered to the model (fresh and echoed).
+        step_time_s, steps_timed: the trainer's compute time per step (``t_down``) sums.
+        factors_used: echo factors in the order they were used.
+        rows: one metrics row per finished epoch.
+        best_top1: the best validation top-1 so far.
+        world_size: replicas of the run that wrote the state.
+    """
+
+    epoch: int = 0
+    global_step: int = 0
+    step_in_epoch: int = 0
+    steps_per_epoch: int = 0
+    epoch_fresh: float = 0.0
+    epoch_clock: list[tuple[int, float, float]] = field(default_factory=list)
+    checkpoints_written: int = 0
+    wall_s: float = 0.0
+    train_s: float = 0.0
+    samples_trained: int = 0
+    step_time_s: float = 0.0
+    steps_timed: int = 0
+    factors_used: list[float] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    best_top1: float = -1.0
+    world_size: int = 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values for a checkpoint."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> RunState:
+        """The state a checkpoint stored (unknown keys are an error: a different format)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(state) - names
+        if unknown:
+            raise ValueError(f"run state has unknown fields {sorted(unknown)}")
+        out = cls(**state)
+        out.epoch_clock = [tuple(s) for s in out.epoch_clock]  # type: ignore[misc]
+        return out
+
+    @property
+    def t_down_s(self) -> float:
+        """Mean compute seconds per step, or NaN before any was timed."""
+        return self.step_time_s / self.steps_timed if self.steps_timed else float("nan")
+
+
+def get_rng_state() -> dict[str, Any]:
+    """torch, numpy and Python RNG states (the checkpoint codec stores their tuples)."""
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])

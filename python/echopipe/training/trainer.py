@@ -1,0 +1,679 @@
+"""The run: ``prepare`` -> ``setup`` -> (``run_epoch`` -> ``end_epoch``)* -> ``finish``.
+
+``prepare`` does everything cheap that can refuse the run: the run folder and its lock, the
+checkpoint to resume and whether its options match, the data folder's classes and files.
+``setup`` builds the input, the model and the pipeline and takes the ``auto`` decisions.
+Counters live in one :class:`~.state.RunState`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..adaptive import EchoController
+from .checkpoints import RunCheckpoints, read_checkpoint
+from .config import DataError, TrainConfig, UsageError, flag, free_on_resume
+from .decide import choose_split
+from .distributed import DistContext, all_reduce_grads, average_buffers, default_devices
+from .input import Autocast, StageClock, TrainInput, evaluate
+from .report import Progress, TrainSummary, write_csv, write_json, write_plot
+from .schedule import EpochClock, lr_factor, sgd_factory
+from .state import RunState, get_rng_state, set_rng_state
+
+__all__ = ["Trainer", "evaluate_checkpoint", "train"]
+
+_CACHE_FULL = re.compile(r"sample of (\d+) bytes.*larger than the cache arena", re.S)
+
+
+def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> TrainSummary:
+    """Run ``echopipe train`` with ``cfg`` and return its summary.
+
+    Raises :class:`~.config.UsageError` for bad options and :class:`~.config.DataError` for
+    bad data, each with one line naming the value or file, before any heavy work where it can.
+    """
+    cfg.validate()
+    ctx = DistContext.from_env(cfg.dist_timeout_s)
+    try:
+        trainer = Trainer(cfg, ctx, log or (lambda m: print(m, file=sys.stderr, flush=True)))
+        return trainer.run()
+    finally:
+        ctx.close()
+
+
+class Trainer:
+    """One run of ``echopipe train`` (see the module notes for its phases)."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.say = log if ctx.is_main else (lambda m: None)
+        self.wall0 = time.perf_counter()
+        self.run_state = RunState(world_size=ctx.world_size)
+        self.decisions: list[str] = []
+        self.stopped: str | None = None
+        self.saved: dict[str, Any] | None = None
+        self.lock: Any = None
+        self.losses: list[float] = []
+        self._val: list[Any] = []  # the validation iterator, built on first use
+        self._open: list[Any] = []  # what close() must close, in order
+
+    # ---- phases --------------------------------------------------------------------------
+
+    def run(self) -> TrainSummary:
+        """All phases; whatever was opened is closed, also on an error."""
+        try:
+            self.prepare()
+            self.setup()
+            while self.run_state.epoch < self.cfg.epochs and self.stopped is None:
+                self.run_epoch()
+                self.end_epoch()
+        finally:
+            for thing in reversed(self._open):
+                thing.close()
+            if self.lock is not None:
+                self.lock.release()
+        return self.finish()
+
+    def prepare(self) -> None:
+        """Run folder, lock, resume checks and the data folder: nothing heavy."""
+        cfg = self.cfg
+        self.out = Path(cfg.output)
+        if self.out.suffix == ".json" and not self.out.is_dir():
+            # Older scripts named the metrics file; its folder is the run folder now.
+            self.out = self.out.parent
+            self.say(f"--output: {cfg.output} names a file; using its folder {self.out}")
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.ctx.is_main:
+            self._lock_output()
+        folder = self.out / "checkpoints"
+        self.ckpts = RunCheckpoints(folder / f"rank{self.ctx.rank}" if self.ctx.enabled else folder)
+        earlier = self.ckpts.existing()
+        if not cfg.resume and earlier:
+            raise UsageError(
+                f"--output {str(self.out)!r} holds checkpoints of an earlier run "
+                f"({earlier[0].name}): pass --resume to continue it, or choose another --output"
+            )
+        if cfg.resume:
+            self._load_resume()
+        self.data_dir, self.classes = self._check_data()
+
+    def _lock_output(self) -> None:
+        from filelock import FileLock, Timeout
+
+        lock = FileLock(str(self.out / ".echopipe-train.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise UsageError(
+                f"--output {str(self.out)!r} is in use by another echopipe train; wait for it "
+                "or choose another --output"
+            ) from None
+        self.lock = lock
+
+    def _load_resume(self) -> None:
+        cfg = self.cfg
+        path = cfg.resume if isinstance(cfg.resume, Path) else self.ckpts.last
+        if not path.is_file():
+            raise UsageError(
+                f"--resume: no checkpoint {str(path)!r} in this run folder; start without "
+                "--resume, or give --resume CKPT"
+            )
+        saved = read_checkpoint(path)
+        was, now = saved["config"], cfg.fixed_on_resume()
+        changed = [k for k in now if k in was and was[k] != now[k]]
+        if changed:
+            diffs = "; ".join(f"{flag(k)} was {was[k]!r}, now {now[k]!r}" for k in changed)
+            raise UsageError(
+                f"--resume {str(path)!r}: {diffs}. Resume with the checkpoint's options; only "
+                f"these may change: {', '.join(free_on_resume())}"
+            )
+        if saved["run"]["world_size"] != self.ctx.world_size:
+            raise UsageError(
+                f"--resume: the checkpoint was written by {saved['run']['world_size']} "
+                f"replica(s), this run has {self.ctx.world_size}"
+            )
+        self.saved = saved
+        self.resume_path = path
+
+    def _check_data(self) -> tuple[Path, list[str]]:
+        from ..data import scan_image_folder
+
+        cfg = self.cfg
+        if cfg.data is None:
+            from ..data import ensure_synthetic_imagenet
+
+            data_dir = ensure_synthetic_imagenet(
+                classes=cfg.synthetic_classes, per_class=cfg.synthetic_per_class
+            )
+            self.say(f"data: synthetic set {data_dir}")
+        else:
+            data_dir = Path(cfg.data)
+        for split in ("train", "val"):
+            if not (data_dir / split).is_dir():
+                raise DataError(
+                    f"--data {str(data_dir)!r} has no {split}/ folder (ImageNet "
+                    "layout: train/<class>/*.JPEG and val/<class>/*.JPEG)"
+                )
+        try:
+            train = scan_image_folder(data_dir / "train", check="none")
+            val = scan_image_folder(data_dir / "val", check="none")
+        except (ValueError, FileNotFoundError) as exc:
+            raise DataError(f"--data: {exc}") from None
+        if len(train.classes) < 2:
+            raise DataError(
+                f"--data {str(data_dir)!r}: train/ has {len(train.classes)} class "
+                "folder(s); a classifier needs at least 2"
+            )
+        if val.classes != train.classes:
+            extra = sorted(set(val.classes) ^ set(train.classes))
+            raise DataError(
+                f"--data {str(data_dir)!r}: val/ and train/ have different class "
+                f"folders (e.g. {extra[0]!r})"
+            )
+        for name, n in zip(train.classes, train.counts_per_class(), strict=True):
+            if n == 0:
+                self.say(
+                    f"warning: class folder train/{name} has no images; the class stays "
+                    "among the model's outputs but is never trained"
+                )
+        return data_dir, train.classes
+
+    def setup(self) -> None:
+        """Seeds, devices, input, model, the ``auto`` decisions, the pipeline, the state."""
+        from ..pipeline import StalePipeline
+
+        cfg, ctx, st = self.cfg, self.ctx, self.run_state
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        random.seed(cfg.seed)
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        stages, devices = self._devices()
+        device_id = next(
+            (torch.device(d).index or 0 for d in devices if d.startswith("cuda")), None
+        )
+        self.controller = EchoController(1.0, e_max=cfg.echo_max) if cfg.echo == "auto" else None
+        saved = self.saved
+        factor = (
+            float(saved["input_factor"])
+            if saved
+            else (1.0 if self.controller is not None else float(cfg.echo))
+        )
+        if saved and self.controller is not None:
+            self.controller.load_state_dict(saved["controller"])
+        self.data = TrainInput(cfg, self.data_dir, ctx, device_id)
+        self._open.append(self.data)
+        if saved:
+            self.data.builds = int(saved["input_builds"])
+            self.data.base = dict(saved["input_counters"])
+        self.data.build(factor, None, saved["input"] if saved else None)
+        self._report_skipped()
+        model = self._model()
+        sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+        if saved:
+            balance = list(saved["pipeline"]["balance"])
+        else:
+            balance = choose_split(cfg, model, sample, stages, devices, self.decisions)
+            balance = ctx.broadcast_object(balance)  # timing-based: rank 0's choice for all
+        stages = len(balance)
+        devices = [devices[i % len(devices)] for i in range(stages)]
+        ctx.make_stage_groups(stages)
+        if saved:
+            self.run_state = st = RunState.from_state_dict(saved["run"])
+        else:
+            st.steps_per_epoch = ctx.all_reduce_min(self.data.natural_steps())
+            st.factors_used = [factor]
+        self.data.set_steps(st.steps_per_epoch)
+        self.clock = EpochClock(st.epoch_clock)
+        if not saved:
+            self.clock.plan(0, 0.0, st.steps_per_epoch, 1.0)
+        st.epoch_clock = self.clock.segments
+        self.model = model
+        self.pipeline = StalePipeline(
+            model,
+            optimizer=sgd_factory(cfg),
+            grad_hook=all_reduce_grads(ctx),
+            scheduler=self._scheduler,
+            scheduler_interval="step",
+            loss_fn=nn.CrossEntropyLoss(),
+            balance=balance,
+            devices=devices,
+        )
+        self._open.append(self.pipeline)
+        if saved:
+            self.pipeline.load_state_dict(saved["pipeline"])
+            set_rng_state(saved["rng"])
+            self.say(f"resume: {self.resume_path} (step {st.global_step}, epoch {st.epoch})")
+        self.stage_clock = StageClock(self.pipeline.stages)
+        self.progress = Progress(
+            ctx.is_main, cfg.progress, cfg.log_interval, cfg.epochs, self.say, self.out / "tb"
+        )
+        self._open.append(self.progress)
+        self.say(
+            f"train: {cfg.model} on {len(self.classes)} classes, {stages} stage(s) balance "
+            f"{balance} on {', '.join(devices)}, staleness {self.pipeline.staleness()}, "
+            f"{ctx.world_size} replica(s); echo {cfg.echo if cfg.echo == 'auto' else factor} "
+            f"({cfg.echo_insert}, {cfg.echo_mode}); {st.steps_per_epoch} steps/epoch of "
+            f"{cfg.batch_size}"
+        )
+        if ctx.is_main:
+            self._write_config(balance, devices)
+
+    def _devices(self) -> tuple[int, list[str]]:
+        """The default stage count and one device per stage (``--devices`` or the GPUs)."""
+        cfg = self.cfg
+        wanted = (
+            len(cfg.balance)
+            if isinstance(cfg.balance, list)
+            else (cfg.stages if isinstance(cfg.stages, int) else None)
+        )
+        stages, devices = default_devices(wanted)
+        if cfg.devices is not None:
+            devices = list(cfg.devices)
+            stages = wanted or (len(devices) if len(devices) > 1 else stages)
+        return stages, [devices[i % len(devices)] for i in range(stages)]
+
+    def _model(self) -> nn.Sequential:
+        from ..models import build_model
+
+        model = build_model(self.cfg.model, num_classes=len(self.classes))
+        if self.cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        if self.cfg.amp:
+            model = nn.Sequential(*[Autocast(b) for b in model])
+        return model
+
+    def _scheduler(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        cfg, clock = self.cfg, self.clock
+
+        def factor(updates: int) -> float:
+            return lr_factor(
+                clock.epochs_at(updates + 1),
+                clock.epochs_at(updates),
+                cfg.warmup_epochs,
+                cfg.epochs,
+            )
+
+        return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+    def _report_skipped(self) -> None:
+        index = self.data.pipe.folder_index
+        for what, items in (
+            ("symbolic link(s)", index.links_skipped),
+            ("corrupt image(s)", index.skipped),
+        ):
+            if items:
+                path, why = items[0]
+                self.say(f"data: {len(items)} {what} left out of train/ (e.g. {path}: {why})")
+
+    # ---- one epoch -----------------------------------------------------------------------
+
+    def run_epoch(self) -> None:
+        cfg, st = self.cfg, self.run_state
+        if (
+            cfg.hybrid_switch is not None
+            and st.epoch >= cfg.hybrid_switch
+            and self.pipeline.pipelined
+        ):
+            self.pipeline.set_pipelined(False)
+            self.say(f"hybrid: synchronous from epoch {st.epoch + 1} (staleness now 0)")
+        self.progress.start_epoch(st.epoch, st.steps_per_epoch, st.step_in_epoch)
+        if st.step_in_epoch == 0 and self.clock.segments[-1][0] != st.global_step:
+            self.clock.plan(
+                st.global_step, float(st.epoch), st.steps_per_epoch, float(st.epoch + 1)
+            )
+        t0 = time.perf_counter()
+        self.losses: list[float] = []
+        self.epoch_samples = 0
+        fresh0 = self.data.counters()["fresh"]
+        while st.step_in_epoch < st.steps_per_epoch:
+            if cfg.max_steps is not None and st.global_step >= cfg.max_steps:
+                self.stopped = f"--max-steps {cfg.max_steps} reached"
+                break
+            self._step()
+            if (
+                self.controller is not None
+                and st.global_step % cfg.echo_interval == 0
+                and st.step_in_epoch < st.steps_per_epoch
+            ):
+                self._retune_echo(within_epoch=True)
+            if (
+                cfg.checkpoint_every
+                and st.global_step % cfg.checkpoint_every == 0
+                and st.step_in_epoch < st.steps_per_epoch
+            ):
+                self.checkpoint(best=False)
+            elapsed = time.perf_counter() - t0
+            fresh = self.data.counters()["fresh"] - fresh0
+            self.progress.step(
+                st.global_step,
+                {
+                    "loss": self.losses[-1] if self.losses else None,
+                    "e": self.data.factor,
+                    "img/s": self.epoch_samples / max(elapsed, 1e-9),
+                    "fresh/s": fresh / max(elapsed, 1e-9),
+                },
+            )
+        self._drain()
+        average_buffers(self.model, self.ctx)
+        st.train_s += time.perf_counter() - t0
+        st.samples_trained += self.epoch_samples
+
+    def _drain(self) -> None:
+        """Finish every minibatch in flight and keep the losses they report."""
+        losses = [r.value for r in self.pipeline.drain()]
+        self._check_losses(losses)
+        self.losses.extend(losses)
+
+    def _step(self) -> None:
+        cfg, st = self.cfg, self.run_state
+        try:
+            batch = next(self.data.iterator)[0]
+        except RuntimeError as exc:
+            raise self._input_error(exc) from None
+        x, y = batch["data"], batch["label"].reshape(-1).long()
+        if cfg.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        result = self.pipeline.train_step(x, y)
+        self._check_losses(result.losses)
+        self.losses.extend(result.losses)
+        st.global_step += 1
+        st.step_in_epoch += 1
+        st.epoch_fresh += cfg.batch_size / self.data.factor
+        self.epoch_samples += int(x.shape[0])
+        busy = self.stage_clock.step_seconds()
+        if busy is not None:
+            st.step_time_s += busy
+            st.steps_timed += 1
+            t_up = self.data.upstream_step_seconds()
+            if self.controller is not None and t_up is not None:
+                self.controller.observe(t_up, busy, st.global_step)
+
+    def _check_losses(self, losses: list[float]) -> None:
+        bad = next((v for v in losses if not math.isfinite(v)), None)
+        if bad is not None:
+            raise DataError(
+                f"the training loss became {bad} at step {self.run_state.global_step}: training "
+                f"diverged; lower --lr (now {self.cfg.lr:g}) or the warm-up (--warmup-epochs)"
+            )
+
+    def _input_error(self, exc: RuntimeError) -> Exception:
+        from ..data import CorruptImageError
+
+        match = _CACHE_FULL.search(str(exc))
+        if match:
+            need = int(match.group(1)) / 2**20
+            return DataError(
+                f"a decoded training image needs {need:.1f} MiB, more than the echo cache "
+                f"holds (--cache-mb {self.cfg.cache_mb}); raise --cache-mb to at least "
+                f"{math.ceil(need) * 4}"
+            )
+        if isinstance(exc, CorruptImageError):
+            return DataError(f"{exc} (--on-corrupt skip leaves such files out)")
+        return exc
+
+    def _retune_echo(self, within_epoch: bool) -> None:
+        """Adopt rank 0's echo factor. Within an epoch, the fresh samples it still owes are
+        re-planned at the new factor; at its end, the next epoch's length follows the factor."""
+        assert self.controller is not None
+        cfg, st, data = self.cfg, self.run_state, self.data
+        wanted = self.ctx.broadcast_object(self.controller.factor)
+        if wanted != data.factor:
+            if within_epoch:
+                fresh_left = max(data.iterator.shard_size - st.epoch_fresh, 0.0)
+                left = max(1, math.ceil(fresh_left * wanted / cfg.batch_size))
+                left = self.ctx.all_reduce_min(left)
+                st.steps_per_epoch = st.step_in_epoch + left
+                data.set_steps(st.steps_per_epoch)
+                self.clock.plan(
+                    st.global_step, self.clock.epochs_at(st.global_step), left, float(st.epoch + 1)
+                )
+                self.progress.set_total(st.steps_per_epoch)
+                where = f"step {st.global_step} (epoch {st.epoch + 1}, {left} steps left in it; "
+            else:
+                where = f"epoch {st.epoch + 1} ("
+            data.set_factor(wanted)
+            st.factors_used.append(wanted)
+            self.say(f"echo: factor {wanted:g} from {where}R = {self.controller.ratio:.2f})")
+        if not within_epoch:  # also when e stayed: the epoch that ended may have been re-planned
+            st.steps_per_epoch = self.ctx.all_reduce_min(data.natural_steps())
+            data.set_steps(st.steps_per_epoch)
+
+    def end_epoch(self) -> None:
+        """Validate, record the row, retune echo, checkpoint, rewrite the run folder's files."""
+        cfg, st = self.cfg, self.run_state
+        top1, val_loss, val_n = evaluate(
+            self.pipeline, cfg, self.data_dir, self.ctx, self.data.device_id, self._val
+        )
+        if (
+            self.stopped is not None
+            and st.step_in_epoch == 0
+            and st.rows
+            and st.rows[-1]["step"] == st.global_step
+        ):
+            return  # --max-steps fell on an epoch end: that epoch is already recorded
+        finished = st.step_in_epoch >= st.steps_per_epoch
+        if finished:
+            st.epoch += 1
+            st.step_in_epoch = 0
+            st.epoch_fresh = 0.0
+        row = self._row(top1, val_loss, val_n)
+        st.rows.append(row)
+        best = top1 > st.best_top1
+        st.best_top1 = max(st.best_top1, top1)
+        self.progress.end_epoch(row)
+        if finished and self.controller is not None and st.epoch < cfg.epochs:
+            self._retune_echo(within_epoch=False)
+        if finished:
+            self.data.iterator.reset()
+        self.checkpoint(best=best)
+        if self.ctx.is_main:
+            self._write_metrics()
+
+    def _row(self, top1: float, val_loss: float, val_n: int) -> dict[str, Any]:
+        st = self.run_state
+        c = self.data.counters()
+        fresh, echoed, up_s, up_n = self.ctx.all_reduce_sum(
+            [c["fresh"], c["echoed"], c["up_s"], c["up_iters"]]
+        )
+        t_up = up_s / up_n if up_n else math.nan
+        world = self.ctx.world_size
+        n = st.global_step  # the LR after n updates, as the stages' schedulers computed it
+        lr = self.cfg.lr * lr_factor(
+            self.clock.epochs_at(n + 1),
+            self.clock.epochs_at(n),
+            self.cfg.warmup_epochs,
+            self.cfg.epochs,
+        )
+        return {
+            "epoch": st.epoch,
+            "step": st.global_step,
+            "wall_s": st.wall_s + time.perf_counter() - self.wall0,
+            "train_s": st.train_s,
+            "train_loss": float(np.mean(self.losses)) if self.losses else None,
+            "val_top1": top1,
+            "val_loss": val_loss,
+            "val_images": val_n,
+            "fresh_samples": int(fresh),
+            "echoed_samples": int(echoed),
+            "fresh_per_s": fresh / max(st.train_s, 1e-9),
+            "delivered_per_s": world * st.samples_trained / max(st.train_s, 1e-9),
+            "echo_factor": self.data.factor,
+            "input_builds": self.data.builds,
+            "t_up_ms": 1000 * t_up,
+            "t_down_ms": 1000 * st.t_down_s,
+            "R": t_up / st.t_down_s if st.steps_timed else None,
+            "pipelined": self.pipeline.pipelined,
+            "lr": lr,
+        }
+
+    # ---- files ---------------------------------------------------------------------------
+
+    def checkpoint(self, *, best: bool) -> None:
+        """Write ``last.pt`` (and ``best.pt``); the pipeline drains first (nothing in flight)."""
+        st = self.run_state
+        self._drain()  # state_dict() would drain too, and drop the losses
+        st.checkpoints_written += 1
+        wall = st.wall_s
+        st.wall_s = wall + time.perf_counter() - self.wall0
+        payload = {
+            "kind": "echopipe-train",
+            "config": self.cfg.fixed_on_resume(),
+            "model": {"name": self.cfg.model, "num_classes": len(self.classes)},
+            "pipeline": self.pipeline.state_dict(),
+            "input": self.data.state_dict(),
+            "input_builds": self.data.builds,
+            "input_counters": self.data.base,
+            "input_factor": self.data.factor,
+            "controller": self.controller.state_dict() if self.controller else None,
+            "rng": get_rng_state(),
+            "run": st.state_dict(),
+        }
+        st.wall_s = wall
+        self.ckpts.save(payload, best=best)
+
+    def _write_metrics(self) -> None:
+        st = self.run_state
+        history = (
+            [dataclasses.asdict(h) for h in self.controller.history] if self.controller else []
+        )
+        write_json(self.out / "metrics.json", {"epochs": st.rows, "echo_history": history})
+        write_csv(self.out / "metrics.csv", st.rows)
+        write_plot(st.rows, self.out / "training.png")
+
+    def _write_config(self, balance: list[int], devices: list[str]) -> None:
+        from .. import __version__
+
+        versions = {
+            "echopipe": __version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+        }
+        try:
+            import nvidia.dali as dali
+
+            versions["dali"] = dali.__version__
+        except ImportError:
+            pass
+        write_json(
+            self.out / "config.json",
+            {
+                "options": self.cfg.as_json(),
+                "command": list(sys.argv),
+                "resolved": {
+                    "balance": balance,
+                    "devices": devices,
+                    "stages": len(balance),
+                    "classes": self.classes,
+                    "data": str(self.data_dir),
+                },
+                "decisions": self.decisions,
+                "versions": versions,
+            },
+        )
+
+    def finish(self) -> TrainSummary:
+        st, cfg, ctx = self.run_state, self.cfg, self.ctx
+        last = st.rows[-1] if st.rows else None
+        summary = TrainSummary(
+            top1=last["val_top1"] if last else math.nan,
+            best_top1=max((r["val_top1"] for r in st.rows), default=math.nan),
+            epochs=st.epoch,
+            steps=st.global_step,
+            images_per_s=last["delivered_per_s"] if last else 0.0,
+            fresh_images_per_s=last["fresh_per_s"] if last else 0.0,
+            train_s=st.train_s,
+            fresh_samples=last["fresh_samples"] if last else 0,
+            echoed_samples=last["echoed_samples"] if last else 0,
+            t_up_ms=last["t_up_ms"] if last else math.nan,
+            t_down_ms=1000 * st.t_down_s,
+            ratio=(last["R"] or math.nan) if last else math.nan,
+            echo_factor=self.data.factor,
+            echo_factors_used=list(st.factors_used),
+            staleness=_stale_list(cfg, len(self.pipeline.balance)),
+            balance=list(self.pipeline.balance),
+            devices=[str(d) for d in self.pipeline.devices],
+            world_size=ctx.world_size,
+            checkpoints_written=st.checkpoints_written,
+            wall_s=st.wall_s + time.perf_counter() - self.wall0,
+            output=str(self.out) if ctx.is_main else None,
+            metrics_path=str(self.out / "metrics.json") if ctx.is_main else None,
+            plots=[str(self.out / "training.png")] if ctx.is_main and st.rows else [],
+            decisions=self.decisions + self._echo_verdict(),
+            stopped=self.stopped,
+        )
+        if ctx.is_main:
+            history = (
+                [dataclasses.asdict(h) for h in self.controller.history] if self.controller else []
+            )
+            write_json(
+                self.out / "metrics.json",
+                {"epochs": st.rows, "echo_history": history, "summary": summary.as_dict()},
+            )
+        return summary
+
+    def _echo_verdict(self) -> list[str]:
+        rows = self.run_state.rows
+        if not rows or rows[-1]["R"] is None:
+            return []
+        r, e = rows[-1]["R"], self.data.factor
+        if e <= 1.0:
+            why = "the input kept up" if r < 1 else "--echo 1"
+            return [f"echo: e = 1 (R = t_up/t_down = {r:.2f}; {why}): no sample was repeated"]
+        helps = (
+            "echo helps: the trainer would otherwise wait for input"
+            if r > 1
+            else "echo does not help here: the input was not the bottleneck, so each repeat only "
+            "adds a training step"
+        )
+        return [f"echo: e = {e:g} at R = {r:.2f}; {helps}"]
+
+
+def _stale_list(cfg: TrainConfig, stages: int) -> list[int]:
+    from ..pipeline import stage_staleness
+
+    # The staleness of the pipelined phase, also after a hybrid switch ended it; a run that was
+    # never pipelined (--hybrid-switch 0) had none.
+    return stage_staleness(stages, cfg.hybrid_switch != 0)
+
+
+def evaluate_checkpoint(
+    cfg: TrainConfig, checkpoint: Path, log: Callable[[str], None] | None = None
+) -> tuple[float, float, int]:
+    """``(top1, loss, images)`` of a checkpoint's weights on ``cfg``'s validation split."""
+    from ..models import build_model
+    from .checkpoints import export_state_dict
+
+    weights, saved = export_state_dict(checkpoint)
+    ctx = DistContext()
+    trainer = Trainer(cfg, ctx, log or (lambda m: print(m, file=sys.stderr, flush=True)))
+    data_dir, classes = trainer._check_data()
+    name, num_classes = saved["model"]["name"], saved["model"]["num_classes"]
+    if len(classes) != num_classes:
+        raise DataError(
+            f"--evaluate {str(checkpoint)!r}: the model has {num_classes} classes, "
+            f"--data has {len(classes)}"
+        )
+    model = build_model(name, num_classes=num_classes)
+    model.load_state_dict(weights)
+    model.eval()
+
+    class _Plain:
+        @staticmethod
+        def evaluate(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return model(x)
+
+    return evaluate(_Plain(), cfg, data_dir, ctx, None, [])
