@@ -518,3 +518,79 @@ def test_interpreter_exit_with_threads_inside_the_cache(case: str) -> None:
     assert proc.stdout.splitlines()[0] == "end"
     if case == "non_daemon_blocked":
         assert proc.stdout.count("woken") == 2
+
+
+def test_batch_path_moves_whole_batches() -> None:
+    cache = EchoCache(capacity_bytes=1 << 22, capacity_samples=512, echo_factor=2.0, seed=2)
+    images = np.arange(300 * 48, dtype=np.uint8).reshape(300, 4, 4, 3)
+    labels = np.arange(300, dtype=np.int64)
+    assert cache.put_batch((images, labels)) == 300
+    cache.end_of_input()
+    seen = np.zeros(300, np.int64)
+    while (batch := cache.take_batch(64, timeout=5)) is not None:
+        img, lab = batch.fields
+        assert img.shape[1:] == (4, 4, 3) and batch.offsets == [None, None]
+        np.testing.assert_array_equal(img, images[lab])  # fields of one sample stay together
+        np.testing.assert_array_equal(batch.sample_ids, lab)
+        assert batch.shapes[0] == ((4, 4, 3), ()) and len(batch.shapes) == len(lab)
+        np.add.at(seen, lab, 1)
+    assert (seen == 2).all()
+    st = cache.stats()
+    assert st.emitted == 600 and st.resident == 0 and st.retired == 300
+    with pytest.raises(ValueError, match="common first dimension"):
+        cache.put_batch((images[:3], labels[:2]))
+
+
+def test_put_batch_stops_at_close_and_reports_rows_done() -> None:
+    cache = EchoCache(capacity_bytes=1 << 16, capacity_samples=100, echo_factor=1.0)
+    rows = np.zeros((150, 8), np.uint8)
+    result: dict[str, object] = {}
+
+    def put() -> None:
+        try:
+            cache.put_batch(rows)
+        except echo.CacheClosedError as exc:
+            result["done"] = exc.args[1]
+
+    t = threading.Thread(target=put)
+    t.start()
+    time.sleep(0.2)  # 100 rows fit, the 101st blocks
+    cache.close()
+    t.join(5)
+    assert result == {"done": 100}
+
+
+def test_wait_for_room_quota_and_layouts_live_in_the_cache() -> None:
+    cache = EchoCache(capacity_bytes=1 << 16, capacity_samples=8, echo_factor=1.0, min_fill=8)
+    cache.put_batch(np.arange(6, dtype=np.int64))
+    cache.wait_for_room(2, timeout=0)
+    with pytest.raises(TimeoutError, match="room for 3"):
+        cache.wait_for_room(3, timeout=0.05)
+    with pytest.raises(ValueError, match="capacity_samples=8"):
+        cache.wait_for_room(9)
+    done = threading.Event()
+
+    def wait() -> None:
+        cache.wait_for_room(3, timeout=10)
+        done.set()
+
+    t = threading.Thread(target=wait)
+    t.start()
+    # The waiter counts as a blocked producer, so the min_fill warm-up does not block this take.
+    taken = cache.take(1, timeout=5)
+    del taken
+    gc.collect()
+    assert done.wait(5)
+    t.join()
+    assert cache.quota == -1
+    cache.quota = 2
+    assert cache.quota == 2
+    cache.layouts = ["HWC", ""]
+    assert cache.layouts == ["HWC", ""]
+    assert _C.find_cache(cache.name).layouts == ["HWC", ""]  # one registry, seen by the plugin
+    cache.end_of_input()
+    with pytest.raises(echo.InputEndedError):
+        cache.wait_for_room(1)
+    cache.close()
+    with pytest.raises(echo.CacheClosedError):
+        cache.wait_for_room(1)

@@ -111,18 +111,19 @@ std::vector<SampleLease> take_leases(EchoCache& c, int64_t n, double timeout, Ta
   return out;
 }
 
-// Gathers field `f` of `leases` into new arrays: (N, *shape) when all shapes agree, else a flat
-// array plus int64 element offsets (N + 1).
-py::tuple gather_field(const std::vector<SampleLease>& leases, int f) {
-  for (const auto& l : leases) {
-    if (f < 0 || f >= l.desc().num_fields) {
-      throw std::invalid_argument("take_batch: field " + std::to_string(f) +
-                                  " is missing in a sample with " +
-                                  std::to_string(l.desc().num_fields) + " fields");
-    }
-  }
-  const FieldDesc& f0 = leases[0].desc().fields[f];
+// One field of a gathered batch: (N, *shape) when all shapes agree, else a flat array plus
+// int64 element offsets (N + 1).
+struct GatheredField {
+  py::array data;
+  py::object offsets = py::none();
+  int64_t* offsets_ptr = nullptr;
   bool uniform = true;
+};
+
+GatheredField plan_field(const std::vector<SampleLease>& leases, int f) {
+  const FieldDesc& f0 = leases[0].desc().fields[f];
+  GatheredField g;
+  size_t total = 0;
   for (const auto& l : leases) {
     const FieldDesc& fd = l.desc().fields[f];
     if (fd.dtype != f0.dtype) {
@@ -130,26 +131,100 @@ py::tuple gather_field(const std::vector<SampleLease>& leases, int f) {
                                   " mixes dtypes " + dtype_name(f0.dtype) + " and " +
                                   dtype_name(fd.dtype));
     }
-    if (fd.ndim != f0.ndim || !std::equal(fd.shape, fd.shape + fd.ndim, f0.shape)) uniform = false;
+    if (fd.ndim != f0.ndim || !std::equal(fd.shape, fd.shape + fd.ndim, f0.shape)) {
+      g.uniform = false;
+    }
+    total += fd.nbytes();
   }
-  size_t total = gather_bytes(leases, f);
-  size_t esize = dtype_size(f0.dtype);
-  py::dtype dt(numpy_name(f0.dtype));
-  if (uniform) {
+  const py::dtype dt(numpy_name(f0.dtype));
+  if (g.uniform) {
     std::vector<py::ssize_t> shape{static_cast<py::ssize_t>(leases.size())};
-    for (int i = 0; i < f0.ndim; ++i) shape.push_back(f0.shape[i]);
-    py::array arr(dt, shape);
-    void* dst = arr.mutable_data();
-    without_gil([&] { gather(leases, f, dst, nullptr); });
-    return py::make_tuple(arr, py::none());
+    shape.insert(shape.end(), f0.shape, f0.shape + f0.ndim);
+    g.data = py::array(dt, shape);
+  } else {
+    const size_t esize = dtype_size(f0.dtype);
+    g.data = py::array(dt, std::vector<py::ssize_t>{static_cast<py::ssize_t>(total / esize)});
+    py::array_t<int64_t> offsets(static_cast<py::ssize_t>(leases.size() + 1));
+    g.offsets_ptr = offsets.mutable_data();
+    g.offsets = std::move(offsets);
   }
-  py::array flat(dt, std::vector<py::ssize_t>{static_cast<py::ssize_t>(total / esize)});
-  py::array_t<int64_t> offsets(static_cast<py::ssize_t>(leases.size() + 1));
-  void* dst = flat.mutable_data();
-  int64_t* off = offsets.mutable_data();
-  without_gil([&] { gather(leases, f, dst, off); });
-  for (size_t i = 0; i <= leases.size(); ++i) off[i] /= static_cast<int64_t>(esize);
-  return py::make_tuple(flat, offsets);
+  return g;
+}
+
+py::tuple shape_tuple(const FieldDesc& fd) {
+  py::tuple t(fd.ndim);
+  for (int i = 0; i < fd.ndim; ++i) t[i] = py::int_(fd.shape[i]);
+  return t;
+}
+
+// The per-sample shapes list: one shared tuple repeated when every field is uniform (no Python
+// object per sample), else one tuple per sample.
+py::list batch_shapes(const std::vector<SampleLease>& leases, int nf, bool uniform) {
+  if (uniform) {
+    py::tuple per(nf);
+    for (int f = 0; f < nf; ++f) per[f] = shape_tuple(leases[0].desc().fields[f]);
+    py::list one;
+    one.append(per);
+    return py::reinterpret_steal<py::list>(
+        PySequence_Repeat(one.ptr(), static_cast<Py_ssize_t>(leases.size())));
+  }
+  py::list shapes;
+  for (const auto& l : leases) {
+    py::tuple per(nf);
+    for (int f = 0; f < nf; ++f) per[f] = shape_tuple(l.desc().fields[f]);
+    shapes.append(per);
+  }
+  return shapes;
+}
+
+py::tuple take_batch(EchoCache& c, int64_t n, double timeout) {
+  TakeStatus st;
+  std::vector<SampleLease> leases = take_leases(c, n, timeout, &st);
+  const auto count = static_cast<py::ssize_t>(leases.size());
+  py::array_t<uint64_t> ids(count);
+  py::array_t<uint32_t> emissions(count);
+  py::list fields, dtypes, shapes;
+  if (leases.empty()) {
+    return py::make_tuple(std::string(take_status_name(st)), fields, dtypes, shapes, ids,
+                          emissions);
+  }
+  const int nf = leases[0].desc().num_fields;
+  for (const auto& l : leases) {
+    if (l.desc().num_fields != nf) {
+      throw std::invalid_argument("take_batch: the batch mixes samples with " + std::to_string(nf) +
+                                  " and " + std::to_string(l.desc().num_fields) +
+                                  " fields (use take() for such caches)");
+    }
+  }
+  std::vector<GatheredField> planned;
+  bool all_uniform = true;
+  for (int f = 0; f < nf; ++f) {
+    planned.push_back(plan_field(leases, f));
+    all_uniform = all_uniform && planned.back().uniform;
+    dtypes.append(dtype_name(leases[0].desc().fields[f].dtype));
+  }
+  shapes = batch_shapes(leases, nf, all_uniform);
+  std::vector<void*> dst;
+  for (auto& g : planned) dst.push_back(g.data.mutable_data());
+  uint64_t* id_ptr = ids.mutable_data();
+  uint32_t* em_ptr = emissions.mutable_data();
+  without_gil([&] {
+    for (int f = 0; f < nf; ++f) gather(leases, f, dst[f], planned[f].offsets_ptr);
+    for (size_t i = 0; i < leases.size(); ++i) {
+      id_ptr[i] = leases[i].sample_id();
+      em_ptr[i] = leases[i].emission();
+    }
+    release_leases(leases);
+  });
+  for (int f = 0; f < nf; ++f) {
+    GatheredField& g = planned[f];
+    if (g.offsets_ptr != nullptr) {  // byte offsets -> element offsets
+      const auto esize = static_cast<int64_t>(g.data.itemsize());
+      for (py::ssize_t i = 0; i <= count; ++i) g.offsets_ptr[i] /= esize;
+    }
+    fields.append(py::make_tuple(g.data, g.offsets));
+  }
+  return py::make_tuple(std::string(take_status_name(st)), fields, dtypes, shapes, ids, emissions);
 }
 
 }  // namespace
@@ -266,19 +341,11 @@ void bind_echo(py::module_& m) {
             }
             if (rows < 0)
               throw std::invalid_argument("rows must be >= 0, got " + std::to_string(rows));
-            int64_t done = 0;
-            PutStatus st = PutStatus::kOk;
-            without_gil([&] {
-              for (; done < rows; ++done) {
-                const void* data[kMaxFields];
-                for (int f = 0; f < d.num_fields; ++f) {
-                  data[f] = reinterpret_cast<const uint8_t*>(ptrs[f]) +
-                            static_cast<size_t>(done) * d.fields[f].nbytes();
-                }
-                st = c.put(d, data, timeout);
-                if (st != PutStatus::kOk) break;
-              }
-            });
+            size_t done = 0;
+            const void* data[kMaxFields];
+            for (int f = 0; f < d.num_fields; ++f) data[f] = reinterpret_cast<const void*>(ptrs[f]);
+            PutStatus st = without_gil(
+                [&] { return c.put_rows(d, data, static_cast<size_t>(rows), timeout, &done); });
             return py::make_tuple(std::string(put_status_name(st)), done);
           },
           py::arg("ptrs"), py::arg("dtypes"), py::arg("row_shapes"), py::arg("rows"),
@@ -300,40 +367,10 @@ void bind_echo(py::module_& m) {
           },
           py::arg("n"), py::arg("timeout"),
           "Returns (status, [Lease]); status is 'ok', 'timeout', 'closed' or 'end'.")
-      .def(
-          "take_batch",
-          [](EchoCache& c, int64_t n, double timeout) {
-            TakeStatus st;
-            std::vector<SampleLease> leases = take_leases(c, n, timeout, &st);
-            py::list fields;
-            py::array_t<uint64_t> ids(static_cast<py::ssize_t>(leases.size()));
-            py::array_t<uint32_t> emissions(static_cast<py::ssize_t>(leases.size()));
-            py::list dtypes, shapes;
-            if (!leases.empty()) {
-              int nf = leases[0].desc().num_fields;
-              for (int f = 0; f < nf; ++f) {
-                fields.append(gather_field(leases, f));
-                dtypes.append(dtype_name(leases[0].desc().fields[f].dtype));
-              }
-              for (size_t i = 0; i < leases.size(); ++i) {
-                ids.mutable_at(i) = leases[i].sample_id();
-                emissions.mutable_at(i) = leases[i].emission();
-                py::list per;
-                for (int f = 0; f < nf; ++f) {
-                  const FieldDesc& fd = leases[i].desc().fields[f];
-                  per.append(
-                      py::tuple(py::cast(std::vector<int64_t>(fd.shape, fd.shape + fd.ndim))));
-                }
-                shapes.append(per);
-              }
-              without_gil([&] { release_leases(leases); });
-            }
-            return py::make_tuple(std::string(take_status_name(st)), fields, dtypes, shapes, ids,
-                                  emissions);
-          },
-          py::arg("n"), py::arg("timeout"),
-          "Takes n copies and gathers each field into one new contiguous array. Returns (status, "
-          "[(array, offsets|None)], dtypes, per-sample shapes, sample_ids, emissions).")
+      .def("take_batch", &take_batch, py::arg("n"), py::arg("timeout"),
+           "Takes n copies and gathers each field into one new contiguous array (GIL released "
+           "for the copies). Returns (status, [(array, offsets|None)], dtypes, per-sample "
+           "shapes, sample_ids, emissions).")
       .def(
           "wait_for_room",
           [](EchoCache& c, int64_t n, double timeout) {

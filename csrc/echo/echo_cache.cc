@@ -72,7 +72,15 @@ PutStatus EchoCache::reserve(const SampleDesc& desc, PutReservation& out, double
 }
 
 PutStatus EchoCache::reserve_slot(const SampleDesc& desc, double timeout_s, uint32_t* slot_out) {
+  PutStatus st = PutStatus::kOk;
+  reserve_slots(desc, timeout_s, slot_out, 1, &st);
+  return st;
+}
+
+size_t EchoCache::reserve_slots(const SampleDesc& desc, double timeout_s, uint32_t* slot_out,
+                                size_t max, PutStatus* status) {
   Impl& I = *impl_;
+  size_t got = 0;
   desc.validate();
   const uint64_t need = desc.extent_bytes();
   if (need > I.usable_bytes) {
@@ -101,8 +109,9 @@ PutStatus EchoCache::reserve_slot(const SampleDesc& desc, double timeout_s, uint
       }
       gen = I.space_gen.load(std::memory_order_seq_cst);
       I.collect_retired_locked();
-      if (I.alloc_slot_locked(desc, need, slot_out)) {
-        I.pending.fetch_add(1, std::memory_order_seq_cst);
+      while (got < max && I.alloc_slot_locked(desc, need, slot_out + got)) ++got;
+      if (got > 0) {
+        I.pending.fetch_add(static_cast<int64_t>(got), std::memory_order_seq_cst);
         break;
       }
     }
@@ -134,7 +143,8 @@ PutStatus EchoCache::reserve_slot(const SampleDesc& desc, double timeout_s, uint
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count(),
         std::memory_order_relaxed);
   }
-  return result;
+  *status = result;
+  return got;
 }
 
 PutStatus EchoCache::commit(PutReservation& r) {
@@ -217,6 +227,40 @@ PutStatus EchoCache::put(const SampleDesc& desc, const void* const* field_data, 
     if (nb > 0) std::memcpy(base + desc.field_offset(f), field_data[f], nb);
   }
   return commit_slot(s);
+}
+
+PutStatus EchoCache::put_rows(const SampleDesc& desc, const void* const* field_data, size_t rows,
+                              double timeout_s, size_t* done) {
+  constexpr size_t kChunk = 64;
+  uint32_t chunk[kChunk];
+  *done = 0;
+  while (*done < rows) {
+    PutStatus st = PutStatus::kOk;
+    const size_t got = reserve_slots(desc, timeout_s, chunk, std::min(kChunk, rows - *done), &st);
+    if (got == 0) return st;
+    // The slots are ours until committed (nothing else reads or frees a pending slot).
+    for (size_t j = 0; j < got; ++j) {
+      auto* base = static_cast<uint8_t*>(impl_->arena.host) + impl_->slots[chunk[j]].offset;
+      for (int f = 0; f < desc.num_fields; ++f) {
+        const size_t nb = desc.fields[f].nbytes();
+        const auto* src = static_cast<const uint8_t*>(field_data[f]) + (*done + j) * nb;
+        if (nb > 0) std::memcpy(base + desc.field_offset(f), src, nb);
+      }
+    }
+    PutStatus result = PutStatus::kOk;
+    size_t stored = 0;
+    for (size_t j = 0; j < got; ++j) {  // every slot is committed (or freed when closed)
+      const PutStatus c = commit_slot(chunk[j]);
+      if (c == PutStatus::kOk) {
+        ++stored;
+      } else {
+        result = c;
+      }
+    }
+    *done += stored;
+    if (result != PutStatus::kOk) return result;
+  }
+  return PutStatus::kOk;
 }
 
 PutStatus EchoCache::wait_for_room(size_t n, double timeout_s) {

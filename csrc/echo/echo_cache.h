@@ -297,6 +297,12 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   /// 0 never waits. Throws std::invalid_argument for a bad desc or a sample larger than the arena
   /// (message names both sizes).
   PutStatus put(const SampleDesc& desc, const void* const* field_data, double timeout_s = -1.0);
+  /// Copies `rows` samples in, each described by `desc`: field f of row i is the
+  /// desc.fields[f].nbytes() dense bytes at field_data[f] + i * nbytes. Slots are reserved in
+  /// chunks under one allocator lock each; the timeout applies to each wait for space. Returns
+  /// kOk with *done == rows, or the status that stopped it with *done rows stored before.
+  PutStatus put_rows(const SampleDesc& desc, const void* const* field_data, size_t rows,
+                     double timeout_s, size_t* done);
   /// Zero-copy put, phase 1: reserves a slot and an extent (same blocking rules as put). On kOk,
   /// `out` is valid; fill the fields then commit(out). On any other status `out` is invalid.
   PutStatus reserve(const SampleDesc& desc, PutReservation& out, double timeout_s = -1.0);
@@ -402,6 +408,10 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   // reserve()/commit() without a PutReservation: put() uses these so that a copying put does not
   // touch the shared_ptr control block (an atomic shared with every consumer's leases).
   PutStatus reserve_slot(const SampleDesc& desc, double timeout_s, uint32_t* slot);
+  // Reserves 1..max slots of `desc` under one allocator lock (blocking only for the first);
+  // returns how many, 0 with *status set otherwise.
+  size_t reserve_slots(const SampleDesc& desc, double timeout_s, uint32_t* slots, size_t max,
+                       PutStatus* status);
   PutStatus commit_slot(uint32_t slot);
 
   EchoConfig config_;

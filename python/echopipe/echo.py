@@ -416,9 +416,10 @@ class EchoCache:
         del converted  # keepalive until the native copy returned
         self._raise_put(status, timeout)
 
-    def put_many(self, samples: Any, timeout: float | None = None) -> int:
+    def put_batch(self, samples: Any, timeout: float | None = None) -> int:
         """Puts every row of an array (or of a tuple of arrays with equal first dimension) as
-        one sample, in one native loop without the GIL. ``timeout`` applies to each row.
+        one sample, in one native call without the GIL (slots are reserved in chunks under one
+        allocator lock each). ``timeout`` applies to each wait for space.
 
         Returns the number of rows put (all of them, unless an exception is raised; the
         exception's ``args[1]`` then holds how many rows went in before it).
@@ -430,7 +431,9 @@ class EchoCache:
         rows = {c[3][0] if c[3] else -1 for c in converted}
         if len(rows) != 1 or -1 in rows:
             shapes = [c[3] for c in converted]
-            raise ValueError(f"put_many needs arrays with one common first dimension, got {shapes}")
+            raise ValueError(
+                f"put_batch needs arrays with one common first dimension, got {shapes}"
+            )
         n = rows.pop()
         status, done = self._native.put_rows_raw(
             [c[1] for c in converted],
@@ -446,6 +449,38 @@ class EchoCache:
             exc.args = (*exc.args, int(done))
             raise
         return int(done)
+
+    put_many = put_batch  # the name used before put_batch existed
+
+    def wait_for_room(self, n: int, timeout: float | None = None) -> None:
+        """Blocks until at least ``n`` slots are free (``n <= capacity_samples``), without
+        polling; meanwhile the caller counts as a blocked producer (consumers may take short
+        batches and skip the warm-up). Raises TimeoutError, :class:`CacheClosedError`,
+        :class:`InputEndedError` after :meth:`end_of_input`, or ValueError for a bad ``n``."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be a non-negative integer, got {n!r}")
+        status = self._native.wait_for_room(int(n), _timeout_arg(timeout))
+        if status == "timeout":
+            raise TimeoutError(f"EchoCache.wait_for_room: no room for {n} within {timeout}s")
+        self._raise_put(status, timeout)
+
+    @property
+    def quota(self) -> int:
+        """Fresh samples a DALI sink may still store into this cache (-1: unlimited)."""
+        return int(self._native.quota)
+
+    @quota.setter
+    def quota(self, remaining: int) -> None:
+        self._native.quota = int(remaining)
+
+    @property
+    def layouts(self) -> list[str]:
+        """Tensor layout of each field as a DALI sink saw it (``""`` where none)."""
+        return list(self._native.layouts)
+
+    @layouts.setter
+    def layouts(self, value: Sequence[str]) -> None:
+        self._native.layouts = [str(v) for v in value]
 
     def _raise_put(self, status: str, timeout: float | None) -> None:
         if status == "ok":
