@@ -678,7 +678,8 @@ def imagenet_train_pipeline(
             pipeline (:func:`imagenet_plain_train_pipeline`) instead.
         echo_insert: ``"after_decode"`` or ``"after_augment"``.
         echo_mode: ``"example"`` (echo single samples) or ``"batch"`` (whole upstream batches).
-        shuffle_buffer: samples resident before the first draw (default ``batch_size``).
+        shuffle_buffer: samples resident before the first draw (default 4 batches' worth;
+            see ``echopipe.dali.pipeline.DEFAULT_SHUFFLE_BATCHES``).
         cache_bytes, cache_samples: echo cache capacity (decoded images are stored, so size
             ``cache_bytes`` for decoded pixels).
         upstream_batch_size: reader batch size (default ``batch_size``).

@@ -38,6 +38,12 @@ from . import _plugin
 from .dali_api import DaliPipelineApi
 
 _ECHO_MODES = ("example", "batch")
+#: Default shuffle buffer, in downstream batches. The cache draws uniformly from what it holds,
+#: so a buffer of F fresh samples spreads echoed copies like a full shuffle of F samples: at
+#: e = 2 and batch 16, one batch's worth puts two copies of a sample into nearly every batch
+#: (copies about 1 batch apart), four batches' worth into about 60 % (5 batches apart), which is
+#: what a full shuffle of a 60-file data set gives (tests/test_dali_spread.py).
+DEFAULT_SHUFFLE_BATCHES = 4
 _STATE_VERSION = 1
 _POLL_S = 0.005
 _name_counter = itertools.count()
@@ -161,7 +167,11 @@ class EchoConfig:
                 f"batch echoing repeats whole upstream batches, so batch_size ({self.batch_size}) "
                 f"must be a multiple of upstream_batch_size ({up})"
             )
-        fill = self.shuffle_buffer if self.shuffle_buffer is not None else self.batch_size
+        fill = self.shuffle_buffer
+        if fill is None:
+            fill = DEFAULT_SHUFFLE_BATCHES * self.batch_size
+            if isinstance(self.cache_samples, int):  # an explicit slot count bounds the default
+                fill = max(self.batch_size, min(fill, self.cache_samples - up))
         if not isinstance(fill, int) or fill < 0:
             raise ValueError(f"shuffle_buffer must be an int >= 0, got {fill!r}")
         need = max(fill, self.batch_size) + up
@@ -229,6 +239,7 @@ class _UpstreamRunner:
         self.iter_in_epoch = 0
         self.ended = False
         self.error: BaseException | None = None
+        self.max_sample_bytes = 0  # deterministic mode: largest sample stored, in cache bytes
         # Seconds inside upstream.run(), written by the runner thread, read by the consumer.
         self.seconds = 0.0
         self._timing_lock = threading.Lock()
@@ -247,10 +258,15 @@ class _UpstreamRunner:
             return False
         if cfg.epochs is not None and self.iter_in_epoch == 0:
             _plugin.set_quota(owner.cache_name, owner._shard_size)
+        bytes_before = owner.cache.stats().bytes_used if cfg.deterministic else 0
         t0 = time.perf_counter()
         outputs = owner.upstream.run()
         elapsed = time.perf_counter() - t0
         stored = int(_host_dense(outputs[0]).sum())
+        if cfg.deterministic and stored:
+            # Nothing else touches the cache meanwhile: the growth is this batch's bytes.
+            grown = owner.cache.stats().bytes_used - bytes_before
+            self.max_sample_bytes = max(self.max_sample_bytes, math.ceil(grown / stored))
         with self._timing_lock:
             self.fresh_in += stored
             self.iterations += 1
@@ -268,10 +284,35 @@ class _UpstreamRunner:
         stats = self._owner.cache.stats()
         return stats.capacity_samples - stats.resident >= self._owner.config.upstream_batch_size
 
+    def bytes_for_batch(self) -> bool:
+        """Room by bytes for one more upstream batch of samples as large as the largest yet."""
+        stats = self._owner.cache.stats()
+        need = self.max_sample_bytes * self._owner.config.upstream_batch_size
+        return stats.capacity_bytes - stats.bytes_used >= need
+
     def fill(self) -> None:
-        """Deterministic mode: runs upstream iterations until the cache has no room for another."""
-        while not self.ended and self.room_for_batch():
+        """Deterministic mode: runs upstream iterations until the cache has no room for another.
+
+        The sink would block on a cache full by bytes while the consumer (this thread) cannot
+        draw, so a batch only starts when the bytes of the largest samples so far fit; and when
+        that leaves fewer samples than the first draw waits for, ValueError says so instead of
+        waiting forever.
+        """
+        while not self.ended and self.room_for_batch() and self.bytes_for_batch():
             self.step()
+        if self.ended or self.bytes_for_batch():
+            return  # stopped by slots, which always leave room for the first draw
+        cfg = self._owner.config
+        stats = self._owner.cache.stats()
+        wanted = max(cfg.shuffle_buffer, cfg.batch_size)
+        if stats.resident_with_tickets < wanted:
+            raise ValueError(
+                f"cache_bytes={stats.capacity_bytes} holds only {stats.resident} samples of up "
+                f"to {self.max_sample_bytes} bytes, but a deterministic pipeline's first draw "
+                f"needs {wanted} (max(shuffle_buffer, batch_size)); raise cache_bytes to at "
+                f"least {(wanted + cfg.upstream_batch_size) * self.max_sample_bytes} or lower "
+                "shuffle_buffer"
+            )
 
     # -- free-running thread --
 
