@@ -92,3 +92,13 @@ def test_a_one_batch_window_clusters_copies(files: list[str]) -> None:
     pipe = _pipe(files, shuffle_buffer=B, cache_samples=2 * B, deterministic=True, seed=3)
     fraction, gap = _spread(pipe)
     assert fraction >= 0.85 and gap < 2.0, (fraction, gap)
+
+
+def test_deterministic_buffer_larger_than_the_bytes_is_named_not_a_hang(files: list[str]) -> None:
+    # 8x8x3 images: 8000 bytes hold about 30 of them, fewer than the default buffer of 64.
+    pipe = _pipe(files, deterministic=True, cache_bytes=8000)
+    with pytest.raises(RuntimeError, match=r"cache_bytes=8000 holds only \d+ samples.*needs 64"):
+        pipe.next_batch()
+    pipe.close()
+    pipe = _pipe(files, deterministic=True, cache_bytes=8000, shuffle_buffer=B)
+    assert _spread(pipe, batches=20)[1] >= 0  # fits: it runs, stopping each fill by bytes
