@@ -196,12 +196,18 @@ def test_ensure_builds_once_and_reuses(monkeypatch: pytest.MonkeyPatch, tmp_path
     params = {"classes": 3, "per_class": 3, "val_per_class": 1, "size": (32, 40)}
     first = ensure_synthetic_imagenet(**params)
     assert first.parent == tmp_path / "cache"
-    stats = {p: p.stat() for p in first.rglob("*")}
+
+    # Inode, size and mtime: reading a folder may move its atime (relatime), nothing else.
+    def snapshot(root: Path) -> dict[Path, tuple[int, int, int]]:
+        return {p: (p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
+                for p in root.rglob("*")}  # fmt: skip
+
+    stats = snapshot(first)
     inode = first.stat().st_ino
     second = ensure_synthetic_imagenet(**params)
     assert second == first
     assert second.stat().st_ino == inode
-    assert {p: p.stat() for p in second.rglob("*")} == stats
+    assert snapshot(second) == stats
 
     other = ensure_synthetic_imagenet(**{**params, "seed": 1})
     assert other != first and other.parent == first.parent

@@ -13,14 +13,12 @@ from __future__ import annotations
 import colorsys
 import contextlib
 import errno
-import fcntl
 import hashlib
 import io
 import json
 import math
 import os
 import shutil
-import time
 import uuid
 import warnings
 from collections.abc import Iterator, Sequence
@@ -385,24 +383,18 @@ def default_dataset_dir() -> Path:
 
 @contextlib.contextmanager
 def _file_lock(path: Path, timeout: float) -> Iterator[None]:
-    # Polling with LOCK_NB instead of a blocking flock so a stuck holder gives a clear
-    # TimeoutError rather than a hang.
-    deadline = time.monotonic() + timeout
-    with open(path, "a+") as fh:
-        while True:
-            try:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"could not lock {str(path)!r} within {timeout:.0f} s"
-                    ) from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+    from filelock import FileLock, Timeout
+
+    # A timeout, not a blocking wait: a stuck holder gives a clear TimeoutError, not a hang.
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=timeout)
+    except Timeout:
+        raise TimeoutError(f"could not lock {str(path)!r} within {timeout:.0f} s") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def synthetic_dataset_name(params: dict[str, Any]) -> str:
