@@ -89,9 +89,13 @@ def shadowed_packages() -> list[str]:
 
 
 def main() -> int:
-    import torch
-
     print("python", sys.version.split()[0], sys.executable)
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"torch is not importable ({exc}): the GPU steps need the image's torch")
+        dali_report()
+        return 1
     print("torch", torch.__version__, "cuda", torch.version.cuda, "from", torch.__file__)
     print("devices", torch.cuda.device_count())
     for i in range(torch.cuda.device_count()):

@@ -272,7 +272,7 @@ build() {
 }
 install_echopipe() {  # install_echopipe ON|OFF: pip install with or without the DALI plugin
   ECHOPIPE_REQUIRE_CUDA=ON ECHOPIPE_REQUIRE_DALI=$1 "$PY" -m pip install --no-build-isolation \
-    --no-deps --no-index -v -C "cmake.define.ECHOPIPE_BUILD_DALI=$1" .
+    --no-deps --no-index -v --config-settings="cmake.define.ECHOPIPE_BUILD_DALI=$1" .
 }
 check_build() {
   # Import from outside the source tree so the installed package (with _C) is the one checked.
@@ -283,9 +283,12 @@ import json, echopipe
 info = echopipe.build_info()
 print(json.dumps(info, indent=1))
 open('build_info.json', 'w').write(json.dumps(info, indent=1))
-assert info['cuda_compiled'], 'built without CUDA kernels'
-assert info['cuda_devices'] > 0, 'the native core sees no CUDA device'
-assert info['dali_plugin_built'] or not $want_dali, 'DALI is importable but the plugin was not built'
+for bad, why in ((not info['cuda_compiled'], 'built without CUDA kernels'),
+                 (info['cuda_devices'] < 1, 'the native core sees no CUDA device'),
+                 (not info['dali_plugin_built'] and $want_dali,
+                  'DALI is importable but the plugin was not built')):
+    if bad:
+        raise SystemExit('build check failed: ' + why)
 ")
 }
 export -f build install_echopipe check_build
