@@ -165,6 +165,32 @@ def test_gather_bytes_matches_cpu_for_ragged_unaligned_samples(use_side_stream: 
         cache.close()
 
 
+def test_gathers_larger_than_one_pointer_table_span_several_launches() -> None:
+    """5000 samples: three launches of the byte gather (2030 per table with CUDA >= 12.1) and
+    two of gather+normalise (4061 per table); the chunks' offsets must join up exactly."""
+    rng = np.random.default_rng(5)
+    n = 5000
+    cache = _cache(memory="pinned", echo_factor=1.0, capacity_samples=n, capacity_bytes=16 << 20)
+    try:
+        images = rng.integers(0, 256, size=(n, 2, 3, 3), dtype=np.uint8)
+        cache.put_many(images)
+        samples = cache.take(n, timeout=10)
+        drawn = np.stack([s.array for s in samples])
+        raw = torch.zeros(drawn.size, dtype=torch.uint8, device="cuda")
+        cache.gather_to_device(samples, 0, raw)
+        norm = torch.zeros((n, 3, 2, 3), dtype=torch.float32, device="cuda")
+        mean, std = [10.0, 20.0, 30.0], [2.0, 4.0, 8.0]
+        cache.gather_to_device(samples, 0, norm, normalize=(mean, std), layout="CHW")
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(raw.cpu().numpy(), drawn.reshape(-1))
+        expected = ((drawn.astype(np.float32) - np.float32(mean)) / np.float32(std)).transpose(
+            0, 3, 1, 2
+        )
+        np.testing.assert_allclose(norm.cpu().numpy(), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        cache.close()
+
+
 def test_gather_keeps_the_slots_until_the_kernel_has_read_them() -> None:
     """The caller drops its samples right after queueing the gather (behind a ~20 ms spin) and
     the producer refills the cache at once: the new samples may only take the slots after the
@@ -197,11 +223,14 @@ def test_gather_keeps_the_slots_until_the_kernel_has_read_them() -> None:
         cache.close()
 
 
+# 37 x 29: one partial tile of 16-pixel groups and a leftover pixel; 70 x 66: a full tile of 256
+# groups, a partial one and 12 leftover pixels (each read byte by byte).
+@pytest.mark.parametrize("hw", [(37, 29), (70, 66)])
 @pytest.mark.parametrize("to_chw", [True, False])
 @pytest.mark.parametrize("channels", [1, 3, 4])
-def test_gather_normalize_matches_cpu(to_chw: bool, channels: int) -> None:
+def test_gather_normalize_matches_cpu(to_chw: bool, channels: int, hw: tuple[int, int]) -> None:
     rng = np.random.default_rng(channels)
-    h, w = 37, 29  # odd sizes: no pixel count is a multiple of the block size
+    h, w = hw
     cache = _cache(memory="pinned", echo_factor=1.0)
     try:
         images = rng.integers(0, 256, size=(40, h, w, channels), dtype=np.uint8)
