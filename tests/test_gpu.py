@@ -709,7 +709,7 @@ def test_dali_mixed_decode_echo_keeps_each_image_with_its_label(flat_jpegs: list
             files=files, labels=list(range(n)), random_shuffle=True, pad_last_batch=True
         )
         images = fn.decoders.image(jpegs, device="mixed")
-        images, labels = edali.echo(images, labels)
+        images, labels = edali.echo(images, labels.gpu())  # both fields on the GPU sink
         return fn.resize(images, size=(16, 16), interp_type=0), labels  # nearest: no blending
 
     batches = []
