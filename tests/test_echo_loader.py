@@ -161,6 +161,26 @@ def test_resume_mid_epoch_delivers_the_remaining_copies_exactly() -> None:
     assert stats.epoch == 1 and stats.fresh_batches == 10
 
 
+def test_snapshots_taken_while_the_reader_runs_each_resume_exactly() -> None:
+    # The reader keeps putting while the consumer snapshots: each snapshot must match the
+    # reader's position, so that every resume completes every sample's copies.
+    snapshots = []
+    delivered: list = []
+    with EchoLoader(loader(192, 8, shuffle=False), 2.5, seed=4, shuffle_buffer=32) as el:
+        for i, batch in enumerate(el):
+            delivered.append(batch)
+            if i in (2, 9, 17, 30):
+                snapshots.append((el.state_dict(), list(delivered)))
+    for state, before in snapshots:
+        with EchoLoader(loader(192, 8, shuffle=False, workers=0), 2.5, seed=4,
+                        shuffle_buffer=32) as el:  # fmt: skip
+            el.load_state_dict(state)
+            got = counts(before) + counts(el)
+        assert sorted(got) == list(range(192)), state["batches_done"]
+        assert set(got.values()) <= {2, 3}
+        assert el.stats().delivered_samples_epoch == sum(got.values())
+
+
 def test_state_between_epochs_and_mismatched_stream() -> None:
     with EchoLoader(loader(32, 8, workers=0), 2.0) as el:
         list(el)
