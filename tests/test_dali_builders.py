@@ -374,16 +374,48 @@ def test_decoder_failure_named_for_plain_dali(data: Path, tmp_path: Path) -> Non
         shuffle_files=False,
     )  # fmt: skip
     pipe.build()
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(CorruptImageError, match="DALI's decoder failed") as info:
         for _ in range(10):
             pipe.run()
-    named = explain_decode_failure(pipe.upstream_tap, info.value)
+    assert info.value.path == str(bad) and "nvImageCodec" in str(info.value.__cause__)
+    named = explain_decode_failure(pipe.upstream_tap, info.value.__cause__)
     assert isinstance(named, CorruptImageError) and named.path == str(bad)
     other = RuntimeError("echo cache was closed")
     assert explain_decode_failure(pipe.upstream_tap, other) is other  # not a decoder error
     # With a full decode check the scan finds it up front.
     with pytest.raises(CorruptImageError, match="decode failed") as scan:
         imagenet_train_pipeline(bad.parent.parent, batch_size=4, check="decode")
+    assert scan.value.path == str(bad)
+
+
+def test_validation_pipeline_names_an_undecodable_file(data: Path, tmp_path: Path) -> None:
+    """A file in val/ that passes the header check but not DALI's decoder is named by DALI's own
+    iterator on the validation pipeline, as the training pipelines name it, not reported as a
+    bare ``nvImageCodec failure``."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    bad = _plant_undecodable(data, tmp_path)
+    root = bad.parent.parent.parent
+    (root / "train").rename(root / "val")
+    bad = root / "val" / bad.parent.name / bad.name
+    pipe = imagenet_val_pipeline(root, batch_size=4, image_size=SIZE, num_threads=1)
+    assert pipe.skipped_files == []  # the same header check as train cannot see it
+
+    def iterate() -> None:
+        pipe.build()
+        it = DALIGenericIterator(
+            [pipe], ["data", "label"], reader_name=pipe.reader_name,
+            last_batch_policy=LastBatchPolicy.PARTIAL,
+        )  # fmt: skip
+        for _ in it:
+            pass
+
+    error = _run_in_thread(iterate, timeout=60)
+    assert isinstance(error, CorruptImageError), repr(error)
+    assert error.path == str(bad) and "DALI's decoder failed" in str(error)
+    # The same check="decode" that finds it in train/ up front finds it in val/.
+    with pytest.raises(CorruptImageError, match="decode failed") as scan:
+        imagenet_val_pipeline(root, batch_size=4, image_size=SIZE, check="decode")
     assert scan.value.path == str(bad)
 
 

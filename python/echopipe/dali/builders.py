@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..data import CorruptImageError, ImageFolderIndex, check_image_file, scan_image_folder
+from .naming import naming_pipeline
 from .pipeline import EchoConfig, EchoPipeline, current_stage, echo
 
 __all__ = [
@@ -427,22 +428,22 @@ def imagenet_plain_train_pipeline(
     )  # fmt: skip
     tap = UpstreamTap(read_delay_ms) if (track_sources or read_delay_ms > 0) else None
 
-    from nvidia.dali import pipeline_def
-
-    @pipeline_def(
-        batch_size=int(batch_size),
-        num_threads=int(num_threads),
-        device_id=dev,
-        seed=int(seed) + shard,
-        prefetch_queue_depth=prefetch_queue_depth,
-    )
     def plain_train() -> tuple[Any, Any]:
         jpegs, labels, _ = _graph_read(reader, tap)
         images = _graph_decode(jpegs, decode_device)
         images = _graph_train_augment(images, size, dtype, random_area)
         return images, _graph_labels(labels)
 
-    return _attach(plain_train(), index, tap)
+    pipe = naming_pipeline(
+        plain_train,
+        tap,
+        batch_size=int(batch_size),
+        num_threads=int(num_threads),
+        device_id=dev,
+        seed=int(seed) + shard,
+        prefetch_queue_depth=prefetch_queue_depth,
+    )
+    return _attach(pipe, index, tap)
 
 
 def imagenet_decode_pipeline(
@@ -476,20 +477,20 @@ def imagenet_decode_pipeline(
     )  # fmt: skip
     tap = UpstreamTap(read_delay_ms)
 
-    from nvidia.dali import pipeline_def
+    def decode_only() -> tuple[Any, Any]:
+        jpegs, labels, _ = _graph_read(reader, tap)
+        return _graph_decode(jpegs, "cpu"), _graph_labels(labels)
 
-    @pipeline_def(
+    pipe = naming_pipeline(
+        decode_only,
+        tap,
         batch_size=int(batch_size),
         num_threads=int(num_threads),
         device_id=None,
         seed=int(seed) + shard,
         prefetch_queue_depth=prefetch_queue_depth,
     )
-    def decode_only() -> tuple[Any, Any]:
-        jpegs, labels, _ = _graph_read(reader, tap)
-        return _graph_decode(jpegs, "cpu"), _graph_labels(labels)
-
-    return _attach(decode_only(), index, tap)
+    return _attach(pipe, index, tap)
 
 
 def imagenet_val_pipeline(
@@ -571,15 +572,8 @@ def imagenet_val_pipeline(
     )
     tap = UpstreamTap(read_delay_ms) if (track_sources or read_delay_ms > 0) else None
 
-    from nvidia.dali import fn, pipeline_def
+    from nvidia.dali import fn
 
-    @pipeline_def(
-        batch_size=int(batch_size),
-        num_threads=int(num_threads),
-        device_id=dev,
-        seed=int(seed),
-        prefetch_queue_depth=prefetch_queue_depth,
-    )
     def val() -> tuple[Any, ...]:
         jpegs, labels, sources = _graph_read(reader, tap)
         images = _graph_decode(jpegs, decode_device)
@@ -596,7 +590,16 @@ def imagenet_val_pipeline(
             return images, _graph_labels(labels), sources
         return images, _graph_labels(labels)
 
-    return _attach(val(), index, tap)
+    pipe = naming_pipeline(
+        val,
+        tap,
+        batch_size=int(batch_size),
+        num_threads=int(num_threads),
+        device_id=dev,
+        seed=int(seed),
+        prefetch_queue_depth=prefetch_queue_depth,
+    )
+    return _attach(pipe, index, tap)
 
 
 # --------------------------------------------------------------------------------------------
