@@ -272,6 +272,15 @@ def test_closing_mid_epoch_ends_reader_and_workers() -> None:
     assert threading.active_count() <= threads_before
 
 
+def test_persistent_workers_survive_epochs_and_an_early_break() -> None:
+    dl = loader(96, 8, persistent_workers=True)
+    with EchoLoader(dl, 2.0) as el:
+        first = counts(el)
+        _read_four(el)  # an epoch left early: the DataLoader keeps its workers
+        again = counts(el)
+    assert first == again == {i: 2 for i in range(96)}
+
+
 def test_wait_times_out_and_close_does_not_hang() -> None:
     release = threading.Event()
 

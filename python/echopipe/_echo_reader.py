@@ -49,6 +49,7 @@ class _Producer(threading.Thread):
 
     def run(self) -> None:
         it: Any = None
+        finished = False
         try:
             it = iter(self.source)
             index = 0
@@ -57,6 +58,7 @@ class _Producer(threading.Thread):
                 try:
                     batch = next(it)
                 except StopIteration:
+                    finished = True
                     break
                 except Exception as exc:
                     raise LoaderError(
@@ -82,7 +84,7 @@ class _Producer(threading.Thread):
             if cache is not None:
                 cache.end_of_input()  # wakes the consumer, which raises self.error
         finally:
-            _release_iterator(it)
+            _release_iterator(it, finished)
             it = None
             self.ready.set()
 
@@ -148,13 +150,19 @@ def _summary(exc: BaseException) -> str:
     return f"{lines[0]} ... {lines[-1].strip()}"
 
 
-def _release_iterator(it: Any) -> None:
-    """Ends the wrapped loader's iterator now: DataLoader workers exit, generators close."""
+def _release_iterator(it: Any, finished: bool) -> None:
+    """Ends the wrapped loader's iterator now: DataLoader workers exit, generators close.
+
+    An exhausted DataLoader iterator has shut its workers down itself, and persistent workers
+    belong to the DataLoader (its next ``iter()`` reuses them), so both are left alone.
+    """
     if it is None:
         return
-    shutdown = getattr(it, "_shutdown_workers", None)  # torch DataLoader's multi-process iterator
+    # torch DataLoader's multi-process iterator
+    shutdown = getattr(it, "_shutdown_workers", None)
+    keep = finished or getattr(it, "_persistent_workers", False)
     try:
-        if callable(shutdown):
+        if callable(shutdown) and not keep:
             shutdown()
         close = getattr(it, "close", None)
         if callable(close):
