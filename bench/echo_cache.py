@@ -3,7 +3,7 @@
 For sample sizes 4 KB, 150 KB and 600 KB, with 1 and 2 threads per side and e = 2, it measures in
 one run:
 
-* ``cache``: the native driver ``_C._bench_put_take`` (producer threads ``put`` from a 64 MB
+* ``cache``: the native driver ``_bench_native.put_take`` (producer threads ``put`` from a 64 MB
   source pool, consumer threads ``take(batch)`` and gather each batch into one buffer), over an
   arena several times the last-level cache. Per fresh sample the cache path moves its bytes once
   in (put copies) and e times out (gather copies): (1 + e) / e bytes per copy handed out.
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from echopipe._native import _C
+from echopipe import _bench_native
 from echopipe.echo import EchoCache
 
 try:
@@ -149,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
             # measured back to back in each round, and the round with the median ratio is kept.
             trials = []
             for _ in range(args.rounds):
-                r = _C._bench_put_take(
+                r = _bench_native.put_take(
                     size, n_fresh, threads, threads, args.echo, arena, args.batch
                 )
                 moved = int(r["fresh"]) + int(r["copies"])  # samples copied in + copied out
-                m = _C._bench_memcpy(size, moved, 2 * threads, arena, args.batch)
-                out_only = _C._bench_memcpy(size, int(r["copies"]), threads, arena, args.batch)
+                m = _bench_native.memcpy(size, moved, 2 * threads, arena, args.batch)
+                out_only = _bench_native.memcpy(size, int(r["copies"]), threads, arena, args.batch)
                 trials.append((m["seconds"] / r["seconds"], r, m, out_only, moved))
             trials.sort(key=lambda trial: trial[0])
             _, r, m, out_only, moved = trials[len(trials) // 2]

@@ -41,3 +41,18 @@ def test_unknown_attribute_names_itself() -> None:
         assert "no_such_thing" in str(exc)
     else:  # pragma: no cover
         raise AssertionError("expected AttributeError")
+
+
+def test_version_is_written_once() -> None:
+    # pyproject.toml is the only place: the package metadata, CMake and the modules follow it.
+    from echopipe._native import _C, build_config
+
+    assert _C.__version__ == echopipe.__version__ == build_config()["version"]
+
+
+def test_benchmark_drivers_are_not_in_the_product_module() -> None:
+    from echopipe import _bench_native
+    from echopipe._native import _C
+
+    assert not [name for name in dir(_C) if "bench" in name]
+    assert callable(_bench_native.put_take) and callable(_bench_native.memcpy)

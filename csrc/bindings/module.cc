@@ -1,16 +1,15 @@
-// Entry point of the private extension module echopipe._C. Each binding file contributes one
-// bind_* function; everything native lives in libechopipe_core.so, which this module links, so the
-// DALI plugin and Python share one registry of echo caches.
+// Entry point of the private extension module echopipe._C (the benchmark drivers live in
+// echopipe._bench_native, bench_bindings.cc). Each binding file contributes one bind_* function;
+// everything native lives in libechopipe_core.so, which this module links, so the DALI plugin and
+// Python share one registry of echo caches.
 #include <pybind11/pybind11.h>
 
 namespace py = pybind11;
 
 void bind_echo(py::module_& m);
-void bind_bench(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "echopipe native core (echo cache, CUDA gather kernels, benchmark drivers)";
+  m.doc() = "echopipe native core (echo cache, CUDA gather kernels)";
   m.attr("__version__") = ECHOPIPE_VERSION;
   bind_echo(m);
-  bind_bench(m);
 }

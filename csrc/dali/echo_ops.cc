@@ -1,4 +1,5 @@
-// CPU backends of the echopipe DALI operators, their schemas, and the plugin's C entry points.
+// CPU backends of the echopipe DALI operators, their schemas, and the plugin's identity entry
+// points (built DALI version, GPU backend).
 //
 // EchopipeEchoSink ends the upstream pipeline (reader + decode [+ augment]): it copies every
 // sample of its 1..4 inputs (image, label, metadata...) into a named echo cache that Python
@@ -11,8 +12,6 @@
 #include "dali/echo_ops.h"
 
 #include <cstring>
-#include <mutex>
-#include <unordered_map>
 #include <utility>
 
 #include "dali/pipeline/operator/checkpointing/stateless_operator.h"
@@ -29,20 +28,6 @@ ECHOPIPE_DALI_EXPORT __attribute__((used)) const char echopipe_dali_version_mark
     "ECHOPIPE_DALI_BUILT_VERSION=" ECHOPIPE_DALI_BUILT_VERSION "\n";
 
 namespace echopipe_dali {
-namespace {
-
-struct CacheSideState {
-  std::vector<std::string> layouts;
-  int64_t quota = -1;
-};
-
-std::mutex g_side_mutex;
-std::unordered_map<std::string, CacheSideState>& SideStates() {
-  static auto* states = new std::unordered_map<std::string, CacheSideState>();
-  return *states;
-}
-
-}  // namespace
 
 echopipe::DType ToEchoDType(dali::DALIDataType type, int field) {
   using echopipe::DType;
@@ -114,21 +99,14 @@ std::shared_ptr<echopipe::EchoCache> FindCacheOrFail(const std::string& name, co
   return cache;
 }
 
-void RecordLayout(const std::string& name, int field, const dali::TensorLayout& layout) {
-  std::lock_guard<std::mutex> lock(g_side_mutex);
-  auto& layouts = SideStates()[name].layouts;
-  if (static_cast<int>(layouts.size()) <= field) layouts.resize(field + 1);
-  if (layouts[field] != layout.c_str()) layouts[field] = layout.c_str();
-}
-
 void DescribeSinkOutput(std::vector<dali::OutputDesc>& out, const dali::Workspace& ws) {
   out.resize(1);
   out[0].shape = dali::uniform_list_shape(ws.GetInputBatchSize(0), dali::TensorShape<0>());
   out[0].type = DALI_INT32;
 }
 
-void RecordInputLayouts(const std::string& name, const dali::Workspace& ws) {
-  for (int f = 0; f < ws.NumInput(); ++f) RecordLayout(name, f, ws.GetInputLayout(f));
+void RecordInputLayouts(echopipe::EchoCache& cache, const dali::Workspace& ws) {
+  for (int f = 0; f < ws.NumInput(); ++f) cache.record_layout(f, ws.GetInputLayout(f).c_str());
 }
 
 echopipe::SampleDesc DescribeInputSample(const dali::Workspace& ws, int i) {
@@ -147,20 +125,10 @@ echopipe::SampleDesc DescribeInputSample(const dali::Workspace& ws, int i) {
   return desc;
 }
 
-dali::TensorLayout RecordedLayout(const std::string& name, int field) {
-  std::lock_guard<std::mutex> lock(g_side_mutex);
-  auto it = SideStates().find(name);
-  if (it == SideStates().end() || static_cast<int>(it->second.layouts.size()) <= field) return {};
-  return dali::TensorLayout(it->second.layouts[field]);
-}
-
-bool TakeQuota(const std::string& name) {
-  std::lock_guard<std::mutex> lock(g_side_mutex);
-  auto& state = SideStates()[name];
-  if (state.quota < 0) return true;
-  if (state.quota == 0) return false;
-  --state.quota;
-  return true;
+dali::TensorLayout RecordedLayout(const echopipe::EchoCache& cache, int field) {
+  const std::vector<std::string> layouts = cache.layouts();
+  if (static_cast<int>(layouts.size()) <= field) return {};
+  return dali::TensorLayout(layouts[field]);
 }
 
 DrawnBatch DrawBatch(echopipe::EchoCache& cache, int batch_size, const SampleCopy* padding,
@@ -290,54 +258,6 @@ ECHOPIPE_DALI_EXPORT int echopipe_dali_gpu_backend() {
 #endif
 }
 
-/// remaining < 0: unlimited; otherwise the sink stores at most `remaining` more samples.
-ECHOPIPE_DALI_EXPORT void echopipe_dali_set_quota(const char* cache, int64_t remaining) {
-  std::lock_guard<std::mutex> lock(echopipe_dali::g_side_mutex);
-  echopipe_dali::SideStates()[cache].quota = remaining;
-}
-
-ECHOPIPE_DALI_EXPORT int64_t echopipe_dali_get_quota(const char* cache) {
-  std::lock_guard<std::mutex> lock(echopipe_dali::g_side_mutex);
-  return echopipe_dali::SideStates()[cache].quota;
-}
-
-/// Writes the recorded layouts joined by ';' into buf; returns the full length (without NUL).
-ECHOPIPE_DALI_EXPORT int echopipe_dali_get_layouts(const char* cache, char* buf, int size) {
-  std::string joined;
-  {
-    std::lock_guard<std::mutex> lock(echopipe_dali::g_side_mutex);
-    const auto& layouts = echopipe_dali::SideStates()[cache].layouts;
-    for (size_t i = 0; i < layouts.size(); ++i) joined += (i ? ";" : "") + layouts[i];
-  }
-  if (buf != nullptr && size > 0) {
-    size_t n = std::min<size_t>(joined.size(), static_cast<size_t>(size - 1));
-    std::memcpy(buf, joined.data(), n);
-    buf[n] = '\0';
-  }
-  return static_cast<int>(joined.size());
-}
-
-ECHOPIPE_DALI_EXPORT void echopipe_dali_set_layouts(const char* cache, const char* joined) {
-  std::vector<std::string> layouts;
-  std::string all(joined), cur;
-  for (char c : all) {
-    if (c == ';') {
-      layouts.push_back(cur);
-      cur.clear();
-    } else {
-      cur += c;
-    }
-  }
-  if (!all.empty()) layouts.push_back(cur);
-  std::lock_guard<std::mutex> lock(echopipe_dali::g_side_mutex);
-  echopipe_dali::SideStates()[cache].layouts = std::move(layouts);
-}
-
-ECHOPIPE_DALI_EXPORT void echopipe_dali_forget(const char* cache) {
-  std::lock_guard<std::mutex> lock(echopipe_dali::g_side_mutex);
-  echopipe_dali::SideStates().erase(cache);
-}
-
 // ---- operators ---------------------------------------------------------------------------------
 
 namespace dali {
@@ -358,11 +278,11 @@ class EchoSinkCPU : public StatelessOperator<CPUBackend> {
   void RunImpl(Workspace& ws) override {
     int num_fields = ws.NumInput();
     int n = ws.GetInputBatchSize(0);
-    echopipe_dali::RecordInputLayouts(cache_name_, ws);
+    echopipe_dali::RecordInputLayouts(*cache_, ws);
     auto& stored = ws.Output<CPUBackend>(0);
     for (int i = 0; i < n; ++i) {
       *stored.mutable_tensor<int32_t>(i) = 0;
-      if (!echopipe_dali::TakeQuota(cache_name_)) continue;
+      if (!cache_->take_quota()) continue;
       echopipe::SampleDesc desc = echopipe_dali::DescribeInputSample(ws, i);
       echopipe::PutReservation reservation;
       if (!Reserve(desc, reservation)) continue;
@@ -416,7 +336,7 @@ class EchoSourceCPU : public StatelessOperator<CPUBackend> {
     auto& pool = ws.GetThreadPool();
     for (int f = 0; f < num_fields_; ++f) {
       auto& out = ws.Output<CPUBackend>(f);
-      out.SetLayout(echopipe_dali::RecordedLayout(cache_name_, f));
+      out.SetLayout(echopipe_dali::RecordedLayout(*cache_, f));
       for (int i = 0; i < n; ++i) {
         pool.AddWork([this, &out, i, f](int) {
           size_t nbytes = 0;

@@ -1,10 +1,8 @@
 // Shared pieces of the echopipe DALI plugin (libechopipe_dali.so): the mapping between DALI and
-// echo-cache element types, the lookup of a cache that Python registered by name, and two small
-// per-cache side channels that live in the plugin because the echo cache core does not carry them:
-// the tensor layout of each field (so the source restores "HWC" etc.) and the sink's quota of fresh
-// samples (so a finite run stores exactly N samples even when the reader's last batch wraps into
-// the next epoch). Python reaches the side channels through the extern "C" functions in
-// echo_ops.cc via ctypes.
+// echo-cache element types, the lookup of a cache that Python registered by name, and the sink's
+// and source's use of the per-cache side state (field layouts, the sink's quota of fresh
+// samples), which lives in the core EchoCache so that Python (pybind11) and the plugin (the
+// core's C++ API) share one registry.
 #pragma once
 
 #include <cstdint>
@@ -25,24 +23,18 @@ dali::DALIDataType ToDaliDType(echopipe::DType type);
 /// The registered cache called `name`; DALI error naming it when Python did not create it.
 std::shared_ptr<echopipe::EchoCache> FindCacheOrFail(const std::string& name, const char* op);
 
-/// Records the layout of field `field` for cache `name` (cheap when unchanged).
-void RecordLayout(const std::string& name, int field, const dali::TensorLayout& layout);
-/// Layout recorded for field `field` of cache `name`, or an empty layout.
-dali::TensorLayout RecordedLayout(const std::string& name, int field);
+/// Layout recorded for field `field` of `cache`, or an empty layout.
+dali::TensorLayout RecordedLayout(const echopipe::EchoCache& cache, int field);
 
 /// The sink's output: per sample one int32 (1 = stored), whichever backend its inputs are on.
 void DescribeSinkOutput(std::vector<dali::OutputDesc>& out, const dali::Workspace& ws);
 
-/// Records the layout of every sink input (one per cache field) for cache `name`.
-void RecordInputLayouts(const std::string& name, const dali::Workspace& ws);
+/// Records the layout of every sink input (one per cache field) in `cache`.
+void RecordInputLayouts(echopipe::EchoCache& cache, const dali::Workspace& ws);
 
 /// Cache descriptor (element type and shape of every field) of sample `i` of the sink's inputs,
 /// on either backend; DALI error naming the input when it has too many dimensions.
 echopipe::SampleDesc DescribeInputSample(const dali::Workspace& ws, int i);
-
-/// Takes one unit of the sink quota for cache `name`: true if the sample may be stored.
-/// A negative quota (the default) means unlimited.
-bool TakeQuota(const std::string& name);
 
 /// Copy of one sample, kept by a source to pad the batches it emits after the end of input.
 struct SampleCopy {

@@ -24,6 +24,36 @@ void CudaCheck(cudaError_t err, const char* what) {
                make_string("echopipe: ", what, " failed: ", cudaGetErrorString(err)));
 }
 
+// An owned CUDA event. Destroying it first waits for the work it marks, so the host memory that
+// work reads (leased cache slots) is never released under a running copy, also on exceptions.
+class CudaEvent {
+ public:
+  CudaEvent() {
+    CudaCheck(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  CudaEvent(CudaEvent&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+  CudaEvent& operator=(CudaEvent&& other) noexcept {
+    if (this != &other) {
+      reset();
+      event_ = std::exchange(other.event_, nullptr);
+    }
+    return *this;
+  }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  ~CudaEvent() { reset(); }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  void reset() noexcept {
+    if (event_ == nullptr) return;
+    (void)cudaEventSynchronize(event_);
+    (void)cudaEventDestroy(event_);
+    event_ = nullptr;
+  }
+  cudaEvent_t event_ = nullptr;
+};
+
 }  // namespace
 
 class EchoSinkGPU : public StatelessOperator<GPUBackend> {
@@ -42,10 +72,10 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
   void RunImpl(Workspace& ws) override {
     int num_fields = ws.NumInput();
     int n = ws.GetInputBatchSize(0);
-    echopipe_dali::RecordInputLayouts(cache_name_, ws);
+    echopipe_dali::RecordInputLayouts(*cache_, ws);
     std::vector<int32_t> stored(n, 0);
     for (int i = 0; i < n; ++i) {
-      if (!echopipe_dali::TakeQuota(cache_name_)) continue;
+      if (!cache_->take_quota()) continue;
       echopipe::SampleDesc desc = echopipe_dali::DescribeInputSample(ws, i);
       echopipe::PutReservation reservation;
       // Never wait for space while holding uncommitted reservations: commit what is copied first.
@@ -113,16 +143,6 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
         num_fields_(spec.GetArgument<int>("num_fields")),
         cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo source (gpu)")) {}
 
-  ~EchoSourceGPU() override {
-    // Copies may still read leased host memory: wait for them before the leases go.
-    for (auto& flight : in_flight_) {
-      if (flight.event) {
-        cudaEventSynchronize(flight.event);
-        cudaEventDestroy(flight.event);
-      }
-    }
-  }
-
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
     int batch_size = ws.GetRequestedBatchSize(0);
@@ -135,9 +155,10 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   void RunImpl(Workspace& ws) override {
     RetireFinished();
     int n = static_cast<int>(batch_.source_index.size());
+    InFlight flight;  // its event waits for the copies below if anything throws
     for (int f = 0; f < num_fields_; ++f) {
       auto& out = ws.Output<GPUBackend>(f);
-      out.SetLayout(echopipe_dali::RecordedLayout(cache_name_, f));
+      out.SetLayout(echopipe_dali::RecordedLayout(*cache_, f));
       for (int i = 0; i < n; ++i) {
         size_t nbytes = 0;
         const void* src = echopipe_dali::FieldData(batch_, padding_.get(), i, f, &nbytes);
@@ -146,15 +167,13 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
                   "host-to-device copy from the echo cache");
       }
     }
-    InFlight flight;
     flight.info.resize(3 * n);
     echopipe_dali::WriteInfo(batch_, flight.info.data(), n);
     CudaCheck(cudaMemcpyAsync(ws.Output<GPUBackend>(num_fields_).raw_mutable_tensor(0),
                               flight.info.data(), flight.info.size() * sizeof(int64_t),
                               cudaMemcpyHostToDevice, ws.stream()),
               "writing the source's info output");
-    CudaCheck(cudaEventCreateWithFlags(&flight.event, cudaEventDisableTiming), "cudaEventCreate");
-    CudaCheck(cudaEventRecord(flight.event, ws.stream()), "cudaEventRecord");
+    CudaCheck(cudaEventRecord(flight.event.get(), ws.stream()), "cudaEventRecord");
     // The leases (and the info buffer) live until the copies that read them have completed.
     flight.batch = std::move(batch_);
     batch_ = {};
@@ -162,10 +181,12 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   }
 
  private:
+  // Members are destroyed in reverse order: the event (waiting for the copies) before the info
+  // buffer and the leases those copies read.
   struct InFlight {
     echopipe_dali::DrawnBatch batch;
     std::vector<int64_t> info;
-    cudaEvent_t event = nullptr;
+    CudaEvent event;
   };
 
   void RetireFinished() {
@@ -173,11 +194,10 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
       auto& front = in_flight_.front();
       // Bound the lag so leased slots are returned to the cache promptly.
       if (in_flight_.size() > 2) {
-        CudaCheck(cudaEventSynchronize(front.event), "cudaEventSynchronize");
-      } else if (cudaEventQuery(front.event) != cudaSuccess) {
+        CudaCheck(cudaEventSynchronize(front.event.get()), "cudaEventSynchronize");
+      } else if (cudaEventQuery(front.event.get()) != cudaSuccess) {
         break;
       }
-      cudaEventDestroy(front.event);
       in_flight_.pop_front();
     }
   }

@@ -16,10 +16,15 @@ models, data) work even where the native module or DALI is missing.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import platform
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+# Written once, in pyproject.toml; a source tree that was never installed has no metadata.
+try:
+    __version__ = importlib.metadata.version("echopipe")
+except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+    __version__ = "0+unknown"
 
 _LAZY_ATTRIBUTES = {
     "EchoCache": ("echopipe.echo", "EchoCache"),

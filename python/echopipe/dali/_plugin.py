@@ -13,6 +13,7 @@ import ctypes
 import re
 import threading
 from pathlib import Path
+from typing import Any
 
 PLUGIN_FILENAME = "libechopipe_dali.so"
 _MARKER = re.compile(rb"ECHOPIPE_DALI_BUILT_VERSION=([0-9A-Za-z.+_-]+)\n")
@@ -87,47 +88,43 @@ def load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
         lib.echopipe_dali_built_version.restype = ctypes.c_char_p
         lib.echopipe_dali_gpu_backend.restype = ctypes.c_int
-        lib.echopipe_dali_set_quota.argtypes = [ctypes.c_char_p, ctypes.c_int64]
-        lib.echopipe_dali_get_quota.argtypes = [ctypes.c_char_p]
-        lib.echopipe_dali_get_quota.restype = ctypes.c_int64
-        lib.echopipe_dali_get_layouts.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
-        lib.echopipe_dali_get_layouts.restype = ctypes.c_int
-        lib.echopipe_dali_set_layouts.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-        lib.echopipe_dali_forget.argtypes = [ctypes.c_char_p]
         check_dali_version(lib.echopipe_dali_built_version().decode(), dali.__version__)
         _lib = lib
         return lib
 
 
+def _cache(cache_name: str) -> Any:
+    from .._native import _C
+
+    cache = _C.find_cache(cache_name)
+    if cache is None:
+        raise KeyError(f"no echo cache named {cache_name!r} is registered in this process")
+    return cache
+
+
 def set_quota(cache_name: str, remaining: int) -> None:
     """The sink for ``cache_name`` stores at most ``remaining`` more samples (< 0: unlimited)."""
-    load().echopipe_dali_set_quota(cache_name.encode(), int(remaining))
+    _cache(cache_name).quota = int(remaining)
 
 
 def get_quota(cache_name: str) -> int:
-    return int(load().echopipe_dali_get_quota(cache_name.encode()))
+    """Samples the sink for ``cache_name`` may still store (-1: unlimited)."""
+    return int(_cache(cache_name).quota)
 
 
 def get_layouts(cache_name: str) -> list[str]:
     """Layouts the sink saw for each field of ``cache_name`` ("" where none)."""
-    lib = load()
-    size = lib.echopipe_dali_get_layouts(cache_name.encode(), None, 0)
-    buf = ctypes.create_string_buffer(size + 1)
-    lib.echopipe_dali_get_layouts(cache_name.encode(), buf, size + 1)
-    text = buf.value.decode()
-    return text.split(";") if text else []
+    return list(_cache(cache_name).layouts)
 
 
 def set_layouts(cache_name: str, layouts: list[str]) -> None:
-    if any(";" in layout for layout in layouts):
-        raise ValueError(f"a layout may not contain ';': {layouts!r}")
-    load().echopipe_dali_set_layouts(cache_name.encode(), ";".join(layouts).encode())
+    """Sets the layouts the source of ``cache_name`` gives its outputs (a restored checkpoint)."""
+    _cache(cache_name).layouts = [str(layout) for layout in layouts]
 
 
 def forget(cache_name: str) -> None:
-    """Drops the plugin's side state (quota, layouts) for ``cache_name``."""
-    if _lib is not None:
-        _lib.echopipe_dali_forget(cache_name.encode())
+    """Nothing to do: the quota and layouts live in the cache and go with it."""
+    del cache_name
 
 
 def gpu_backend_compiled() -> bool:
