@@ -90,7 +90,8 @@ class DistributedStalePipeline(DistributedEpochApi):
         timeout_s: longest wait, in seconds, for one message to or from a neighbouring rank
             before :class:`TimeoutError` (``None``: wait as long as the process group allows).
             Applies to CPU tensors (Gloo); on NCCL the process group's timeout bounds waits.
-        num_stages, sample_input: for ``balance="auto"``.
+        num_stages, sample_input, balance_cost, balance_cache: for ``balance="auto"``, as for
+            :class:`~echopipe.pipeline.StalePipeline`.
 
     The calls and results are those of :class:`~echopipe.pipeline.StalePipeline`
     (``train_step`` returns a :class:`StepResult`, ``drain`` a list of :class:`LossRecord`,
@@ -115,6 +116,8 @@ class DistributedStalePipeline(DistributedEpochApi):
         timeout_s: float | None = None,
         num_stages: int | None = None,
         sample_input: torch.Tensor | None = None,
+        balance_cost: Literal["time", "model"] = "time",
+        balance_cache: str | os.PathLike[str] | None = None,
     ) -> None:
         if timeout_s is not None and (
             isinstance(timeout_s, bool)
@@ -132,7 +135,9 @@ class DistributedStalePipeline(DistributedEpochApi):
         if isinstance(balance, str):
             if balance != "auto":
                 raise ValueError(f"balance must be a list of ints or 'auto', got {balance!r}")
-            balance = agreed_auto_balance(module, sample_input, num_stages)
+            balance = agreed_auto_balance(
+                module, sample_input, num_stages, cost=balance_cost, cache=balance_cache
+            )
         stages = split_sequential(module, balance)
         self.num_stages = len(stages)
         self.world_size = dist.get_world_size()

@@ -11,6 +11,7 @@ second.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -180,6 +181,9 @@ class StalePipeline:
         max_stale_share: bound on the share of trainable parameters in the stale stages (all
             but the last): ``balance="auto"`` picks the fastest split within it, an explicit
             balance above it raises ``ValueError`` (see ``partition.stale_share``).
+        balance_cost, balance_cache: make ``balance="auto"`` repeatable: ``"model"`` estimates
+            each layer from FLOPs and bytes instead of timing it; a cache path stores the
+            choice and reuses it (``partition_balance``'s ``cost`` and ``cache``).
     """
 
     def __init__(
@@ -201,6 +205,8 @@ class StalePipeline:
         max_prefetch: int = 2,
         grad_hook: StageGradHook | None = None,
         max_stale_share: float | None = None,
+        balance_cost: Literal["time", "model"] = "time",
+        balance_cache: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(module, nn.Sequential):
             raise TypeError(
@@ -231,8 +237,9 @@ class StalePipeline:
             if stages_wanted is None:
                 raise ValueError("balance='auto' needs num_stages or devices")
             balance = partition_balance(
-                module, sample_input, stages_wanted, devices, max_stale_share=max_stale_share
-            )
+                module, sample_input, stages_wanted, devices, max_stale_share=max_stale_share,
+                cost=balance_cost, cache=balance_cache,
+            )  # fmt: skip
         elif balance is None:
             balance = [len(module)]
         if max_stale_share is not None:

@@ -9,6 +9,7 @@ optional per-stage memory caps.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,13 @@ from typing import Literal
 
 import torch
 from torch import nn
+
+from .cost_model import (
+    balance_key,
+    estimate_layer_seconds,
+    load_cached_balance,
+    store_cached_balance,
+)
 
 __all__ = [
     "LayerProfile",
@@ -237,8 +245,16 @@ def partition_balance(
     repeats: int = 3,
     max_stale_share: float | None = None,
     stale_share_by: StaleShareBy = "params",
+    cost: Literal["time", "model"] = "time",
+    cache: str | os.PathLike[str] | None = None,
 ) -> list[int]:
     """Choose a balance for ``num_stages`` stages by profiling each layer.
+
+    Repeatable choices (see :mod:`echopipe.pipeline.cost_model`): ``cost="model"`` replaces
+    the timings by a FLOPs-and-bytes estimate from the shapes (no timing at all, so the same
+    model and sample give the same split under any load); ``cache=path`` stores the chosen
+    balance in a JSON file under a key of the model structure, sample and options, and reuses
+    it in later runs instead of timing again.
 
     Each child is timed (forward + backward, median of ``repeats``) on the first device of
     ``devices`` (CPU when ``None``); the split minimises the slowest stage's time. That split
@@ -263,11 +279,27 @@ def partition_balance(
         raise ValueError(f"cannot split {len(module)} layers into {num_stages} non-empty stages")
     if memory_caps is not None and len(memory_caps) != num_stages:
         raise ValueError(f"memory_caps needs {num_stages} entries, got {list(memory_caps)!r}")
+    if cost not in ("time", "model"):
+        raise ValueError(f"cost must be 'time' or 'model', got {cost!r}")
     device = parse_devices(devices, num_stages)[0] if devices is not None else "cpu"
-    profiles = profile_layers(module, sample_input, device, repeats=repeats)
-    costs = [p.seconds for p in profiles]
+    key = ""
+    if cache is not None:
+        key = balance_key(
+            module, sample_input, num_stages=num_stages, device=str(device), cost=cost,
+            memory_caps=memory_caps, max_stale_share=max_stale_share, by=stale_share_by,
+        )  # fmt: skip
+        cached = load_cached_balance(cache, key)
+        if cached is not None:
+            return validate_balance(module, cached)
+    if cost == "model":
+        costs = estimate_layer_seconds(module, sample_input)
+    else:
+        profiles = profile_layers(module, sample_input, device, repeats=repeats)
+        costs = [p.seconds for p in profiles]
     stage_fits: Callable[[int, int, int], bool] | None = None
     if memory_caps is not None:
+        if cost == "model":  # only the bytes are used here, and those do not vary
+            profiles = profile_layers(module, sample_input, device, repeats=1)
         caps = list(memory_caps)
         params = [p.param_bytes for p in profiles]
         activations = [p.activation_bytes for p in profiles]
@@ -282,7 +314,13 @@ def partition_balance(
         stale_fits = stale_share_fits(module, num_stages, max_stale_share, stale_share_by)
         stage_fits = _both(stage_fits, stale_fits)
     balance = _min_max_partition(costs, num_stages, stage_fits)
-    return _refine_by_stage_time(module, sample_input, device, balance, stage_fits, max(repeats, 5))
+    if cost == "time":
+        balance = _refine_by_stage_time(
+            module, sample_input, device, balance, stage_fits, max(repeats, 5)
+        )
+    if cache is not None:
+        store_cached_balance(cache, key, balance)
+    return balance
 
 
 def _both(
