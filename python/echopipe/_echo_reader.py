@@ -101,7 +101,7 @@ class _Producer(threading.Thread):
             ) from None
         del owner
         self.ready.set()
-        if skip:
+        if skip or rows == 0:
             return
         fields = bl.encode(layout, leaves, rows)
         done = start
