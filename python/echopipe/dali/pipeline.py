@@ -332,8 +332,12 @@ class _UpstreamRunner:
                     self._stop.wait(_POLL_S)
                     continue
                 self._paused.clear()
-                if self.ended or not self.room_for_batch():
+                if self.ended:
                     self._stop.wait(_POLL_S)
+                    continue
+                try:  # a native wait (no stats() polling), bounded so stop/pause are seen
+                    self._owner.cache.wait_for_room(self._owner.config.upstream_batch_size, 0.05)
+                except TimeoutError:
                     continue
                 self.step()
         except BaseException as exc:  # reported to the consumer, which re-raises it
