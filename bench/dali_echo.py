@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     def measure_peer(e: float, delay: float) -> tuple[float, dict[str, Any]]:
         with python_echo_train_pipeline(
             data, echo_factor=e, read_delay_ms=delay, num_threads=args.threads,
-            upstream_threads=args.upstream_threads, shuffle_buffer=cache_samples,
-            min_fill=shuffle_buffer, **common,
+            upstream_threads=args.upstream_threads, cache_samples=cache_samples,
+            shuffle_buffer=shuffle_buffer, **common,
         ) as peer:  # fmt: skip
             rate = _rate(_dali_step(peer), warmup=warmup + (4 if e > 100 else 0), seconds=seconds)
             stats = peer.stats()

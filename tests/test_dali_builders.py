@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("nvidia.dali")
 edali = pytest.importorskip("echopipe.dali", exc_type=ImportError)
@@ -567,3 +568,40 @@ def test_benchmark_script_runs_and_writes_its_json(
     assert result["machine"]["cpu_count"] == os.cpu_count()
     assert len(result["claims"]) == 2
     assert all(isinstance(claim["met"], bool) for claim in result["claims"])
+
+
+def test_specs_replace_the_keywords_for_echopipe_and_the_peer(data: Path) -> None:
+    from echopipe.dali import AugmentSpec, EchoPipeline, EchoSpec, ReaderSpec
+
+    reader = ReaderSpec(num_threads=1, seed=3, read_delay_ms=0.5)
+    augment = AugmentSpec(image_size=SIZE, dtype="half")
+    echo = EchoSpec(echo_factor=2.0, shuffle_buffer=8, cache_samples=64)
+    with imagenet_train_pipeline(
+        data, batch_size=4, reader=reader, augment=augment, echo=echo, epochs=1
+    ) as pipe:  # a keyword goes to the spec that owns its name (here EchoSpec.epochs)
+        assert (pipe.config.echo_factor, pipe.config.epochs, pipe.config.seed) == (2.0, 1, 3)
+        assert (pipe.config.shuffle_buffer, pipe.config.cache_samples) == (8, 64)
+        batches, stats = _drain_echo(pipe)
+        assert stats.fresh == 24 and batches[0][0]["data"].dtype == torch.float16
+    plain = imagenet_train_pipeline(data, batch_size=4, reader=reader, augment=augment, echo=None)
+    assert not isinstance(plain, EchoPipeline) and plain.max_batch_size == 4
+    with pytest.raises(TypeError, match="unexpected keyword 'echo_facter'"):
+        imagenet_train_pipeline(data, batch_size=4, echo_facter=2.0)
+    with pytest.raises(TypeError, match=r"\['cache_bytes'\] given for a pipeline without echo"):
+        imagenet_train_pipeline(data, batch_size=4, echo=None, cache_bytes=1 << 20)
+    with pytest.raises(TypeError, match="expected a ReaderSpec, got AugmentSpec"):
+        imagenet_train_pipeline(data, batch_size=4, reader=augment)  # type: ignore[arg-type]
+    # The peer takes the very same specs.
+    with python_echo_train_pipeline(
+        data, batch_size=4, reader=reader, augment=augment, echo=echo, fresh_samples=24
+    ) as peer:
+        labels: list[int] = []
+        with pytest.raises(StopIteration):
+            for _ in range(100):
+                images, lab = peer.run()
+                assert np.array(images.as_tensor()).dtype == np.float16
+                labels += np.array(lab.as_tensor()).tolist()
+        assert collections.Counter(labels) == {0: 16, 1: 16, 2: 16}
+        assert peer.buffer.capacity == 64
+    with pytest.raises(ValueError, match="supports only epochs=None, got 1"):
+        python_echo_train_pipeline(data, batch_size=4, reader=reader, echo=echo, epochs=1)

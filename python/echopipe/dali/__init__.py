@@ -57,6 +57,7 @@ from .definition import echo_pipeline_def
 from .iterator import EchoIterator, EchoIteratorStats, to_torch
 from .peer import PythonEchoBuffer, PythonEchoPipeline, python_echo_train_pipeline
 from .pipeline import EchoConfig, EchoPipeline, current_stage, echo
+from .specs import AugmentSpec, EchoSpec, ReaderSpec
 
 
 def load_plugin() -> None:
@@ -79,16 +80,19 @@ def built_dali_version() -> str:
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "AugmentSpec",
     "DaliPluginMissingError",
     "DaliVersionMismatchError",
     "EchoConfig",
     "EchoIterator",
     "EchoIteratorStats",
     "EchoPipeline",
+    "EchoSpec",
     "ImagenetEchoPipeline",
     "LastBatchPolicy",
     "PythonEchoBuffer",
     "PythonEchoPipeline",
+    "ReaderSpec",
     "UpstreamTap",
     "built_dali_version",
     "check_dali_version",

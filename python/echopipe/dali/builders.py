@@ -28,15 +28,28 @@ import collections
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from ..data import CorruptImageError, ImageFolderIndex, check_image_file, scan_image_folder
 from .naming import naming_pipeline
-from .pipeline import EchoConfig, EchoPipeline, current_stage, echo
+from .pipeline import EchoConfig, EchoPipeline, current_stage
+from .pipeline import echo as echo_point
+from .specs import (
+    AugmentSpec,
+    CheckLevel,
+    DecodeDevice,
+    EchoSpec,
+    OnCorrupt,
+    OutputDType,
+    ReaderSpec,
+    resolve_specs,
+)
+
+DEFAULT_ECHO = EchoSpec()
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -57,10 +70,6 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 """Per-channel RGB standard deviation of ImageNet, on a 0-1 scale."""
 
-DecodeDevice = Literal["cpu", "mixed"]
-OutputDType = Literal["float", "half"]
-OnCorrupt = Literal["error", "skip"]
-CheckLevel = Literal["none", "header", "decode"]
 
 _READER_NAME = "Reader"
 
@@ -629,35 +638,10 @@ def imagenet_train_pipeline(
     data_dir: str | Path,
     *,
     batch_size: int,
-    image_size: int = 224,
-    echo_factor: float | None = 2.0,
-    echo_insert: Literal["after_decode", "after_augment"] = "after_decode",
-    echo_mode: Literal["example", "batch"] = "example",
-    shuffle_buffer: int | None = None,
-    cache_bytes: int = 256 << 20,
-    cache_samples: int | None = None,
-    upstream_batch_size: int | None = None,
-    upstream_threads: int | None = None,
-    decode_device: DecodeDevice = "cpu",
-    device_id: int | None = None,
-    num_threads: int = 2,
-    seed: int = 0,
-    shard_id: int = 0,
-    num_shards: int = 1,
-    dtype: OutputDType = "float",
-    read_delay_ms: float = 0.0,
-    on_corrupt: OnCorrupt = "error",
-    check: CheckLevel = "header",
-    random_area: tuple[float, float] = (0.08, 1.0),
-    epochs: int | None = None,
-    deterministic: bool = False,
-    shuffle_files: bool = True,
-    stick_to_shard: bool = False,
-    initial_fill: int = 1024,
-    prefetch_queue_depth: int = 2,
-    memory: str = "auto",
-    track_sources: bool = True,
-    enable_checkpointing: bool = False,
+    reader: ReaderSpec | None = None,
+    augment: AugmentSpec | None = None,
+    echo: EchoSpec | None = DEFAULT_ECHO,
+    **keywords: Any,
 ) -> Any:
     """ImageNet-style training pipeline with data echoing.
 
@@ -676,46 +660,13 @@ def imagenet_train_pipeline(
     Args:
         data_dir: dataset root holding ``train/``, or the class-folder root itself.
         batch_size: downstream (training) batch size.
-        image_size: side of the square random-resized crop.
-        echo_factor: mean emissions per fresh sample (>= 1); ``None`` returns the plain
-            pipeline (:func:`imagenet_plain_train_pipeline`) instead.
-        echo_insert: ``"after_decode"`` or ``"after_augment"``.
-        echo_mode: ``"example"`` (echo single samples) or ``"batch"`` (whole upstream batches).
-        shuffle_buffer: samples resident before the first draw (default 4 batches' worth;
-            see ``echopipe.dali.pipeline.DEFAULT_SHUFFLE_BATCHES``).
-        cache_bytes, cache_samples: echo cache capacity (decoded images are stored, so size
-            ``cache_bytes`` for decoded pixels).
-        upstream_batch_size: reader batch size (default ``batch_size``).
-        upstream_threads: DALI threads of the upstream pipeline (default ``num_threads``).
-            Both pipelines share the machine's cores; see ``bench/dali_echo.py`` for a split.
-        decode_device: ``"cpu"``, or ``"mixed"`` (GPU decode, needs ``device_id``).
-        device_id: GPU id or ``None`` (CPU-only pipelines).
-        num_threads: DALI threads of the downstream pipeline.
-        seed: seeds the file permutation (same on every rank), and ``seed + shard_id`` the
-            reader, the echo cache and the augmentations.
-        shard_id, num_shards: this rank's shard of the (permuted) file list, as in DALI readers.
-        dtype: ``"float"`` or ``"half"`` images.
-        read_delay_ms: simulated per-sample read latency in the upstream only (module notes).
-        on_corrupt: ``"error"`` raises :class:`~echopipe.data.CorruptImageError` naming the
-            first bad file; ``"skip"`` leaves bad files out and lists them in
-            ``pipe.skipped_files``.
-        check: what the scan checks: ``"none"``, ``"header"`` (markers) or ``"decode"`` (full
-            Pillow decode, slow but catches what the header check cannot).
-        random_area: area range of the random-resized crop.
-        epochs: ``None`` for an endless stream, or ``N`` to read ``N`` epochs of this shard and
-            end (the reader then pads its last batch, as echopipe requires).
-        deterministic: upstream in lock-step with the consumer (reproducible stream).
-        shuffle_files: permute the file list once with ``seed`` before sharding.
-        stick_to_shard: keep this rank on its shard in every epoch (DALI's meaning).
-        initial_fill: the reader's shuffle buffer.
-        prefetch_queue_depth: downstream DALI prefetch.
-        memory: echo cache memory (``"auto"``, ``"pageable"``, ``"pinned"``).
-        track_sources: keep the :class:`UpstreamTap` (needed to name a file DALI's decoder
-            rejects; always on when ``read_delay_ms > 0``).
-        enable_checkpointing: also checkpoint DALI's operator states, so a pipeline restored
-            with :meth:`~echopipe.dali.EchoPipeline.load_state_dict` continues the reader's
-            shuffle and position instead of starting a new epoch (build the restored pipeline
-            with the same ``seed``, shard and files). Ignored when ``echo_factor`` is ``None``.
+        reader: files, shards, checks, decode and DALI threads (:class:`ReaderSpec`).
+        augment: crop size, dtype and crop area (:class:`AugmentSpec`).
+        echo: echo factor, placement, mode and cache (:class:`EchoSpec`); ``None`` returns the
+            plain pipeline (:func:`imagenet_plain_train_pipeline`) instead.
+        **keywords: any field of the three specs by name (``echo_factor=3``,
+            ``read_delay_ms=2``, ``image_size=128``), applied to the spec that owns it;
+            ``echo_factor=None`` is the same as ``echo=None``. See the specs for each field.
 
     Returns:
         An :class:`ImagenetEchoPipeline` (an :class:`~echopipe.dali.EchoPipeline` that turns
@@ -723,67 +674,64 @@ def imagenet_train_pipeline(
         :class:`~echopipe.data.CorruptImageError` naming the file when it can find it), with
         attributes ``folder_index``, ``skipped_files``, ``upstream_tap`` and ``reader_name``.
     """
-    if echo_factor is None:
+    reader, augment, echo = resolve_specs(reader, augment, echo, keywords)
+    r, a = reader, augment
+    if echo is None:
         return imagenet_plain_train_pipeline(
-            data_dir, batch_size=batch_size, image_size=image_size, decode_device=decode_device,
-            device_id=device_id, num_threads=num_threads, seed=seed, shard_id=shard_id,
-            num_shards=num_shards, dtype=dtype, read_delay_ms=read_delay_ms,
-            on_corrupt=on_corrupt, check=check, random_area=random_area,
-            shuffle_files=shuffle_files, stick_to_shard=stick_to_shard,
-            initial_fill=initial_fill, prefetch_queue_depth=prefetch_queue_depth,
-            track_sources=track_sources,
-        )  # fmt: skip
+            data_dir, batch_size=batch_size, **asdict(r), **asdict(a)
+        )
+    e = echo
     shard, shards, size, dev = _check_common(
-        batch_size, image_size, num_threads, dtype, shard_id, num_shards, decode_device,
-        device_id, on_corrupt, check, read_delay_ms,
+        batch_size, a.image_size, r.num_threads, a.dtype, r.shard_id, r.num_shards,
+        r.decode_device, r.device_id, r.on_corrupt, r.check, r.read_delay_ms,
     )  # fmt: skip
-    _check_choice("echo_insert", echo_insert, ("after_decode", "after_augment"))
-    _check_choice("echo_mode", echo_mode, ("example", "batch"))
-    if upstream_threads is not None:
-        _check_positive_int("upstream_threads", upstream_threads)
-    index = index_imagenet_split(data_dir, "train", check=check, on_corrupt=on_corrupt)
-    reader = _train_reader_args(
-        index, shard_id=shard, num_shards=shards, seed=int(seed), shuffle_files=shuffle_files,
-        stick_to_shard=stick_to_shard, initial_fill=initial_fill,
+    _check_choice("echo_insert", e.echo_insert, ("after_decode", "after_augment"))
+    _check_choice("echo_mode", e.echo_mode, ("example", "batch"))
+    if e.upstream_threads is not None:
+        _check_positive_int("upstream_threads", e.upstream_threads)
+    index = index_imagenet_split(data_dir, "train", check=r.check, on_corrupt=r.on_corrupt)
+    files = _train_reader_args(
+        index, shard_id=shard, num_shards=shards, seed=int(r.seed), shuffle_files=r.shuffle_files,
+        stick_to_shard=r.stick_to_shard, initial_fill=r.initial_fill,
     )  # fmt: skip
-    if epochs is not None:
+    if e.epochs is not None:
         # echopipe counts epochs in whole reader batches, so the last one must not wrap.
-        reader = _ReaderArgs(**{**reader.__dict__, "pad_last_batch": True})
-    tap = UpstreamTap(read_delay_ms) if (track_sources or read_delay_ms > 0) else None
+        files = _ReaderArgs(**{**files.__dict__, "pad_last_batch": True})
+    tap = UpstreamTap(r.read_delay_ms) if (r.track_sources or r.read_delay_ms > 0) else None
 
     def imagenet_train() -> tuple[Any, Any]:
         # The function is traced twice; the reader is pruned from the downstream trace, but a
         # python_function never is, so the tap goes into the upstream trace only.
         upstream = current_stage() != "downstream"
-        jpegs, labels, _ = _graph_read(reader, tap if upstream else None)
-        images = _graph_decode(jpegs, decode_device)
+        jpegs, labels, _ = _graph_read(files, tap if upstream else None)
+        images = _graph_decode(jpegs, r.decode_device)
         labels = _graph_labels(labels)
-        if echo_insert == "after_augment":
-            images = _graph_train_augment(images, size, dtype, random_area)
-            return echo(images, labels)
-        images, labels = echo(images, labels)
-        return _graph_train_augment(images, size, dtype, random_area), labels
+        if e.echo_insert == "after_augment":
+            images = _graph_train_augment(images, size, a.dtype, a.random_area)
+            return echo_point(images, labels)
+        images, labels = echo_point(images, labels)
+        return _graph_train_augment(images, size, a.dtype, a.random_area), labels
 
     config = EchoConfig(
         batch_size=int(batch_size),
-        echo_factor=float(echo_factor),
-        mode=echo_mode,
-        shuffle_buffer=shuffle_buffer,
-        cache_samples=cache_samples,
-        cache_bytes=int(cache_bytes),
-        upstream_batch_size=upstream_batch_size,
-        epochs=epochs,
-        deterministic=deterministic,
-        seed=int(seed) + shard,
-        memory=memory,
+        echo_factor=float(e.echo_factor),
+        mode=e.echo_mode,
+        shuffle_buffer=e.shuffle_buffer,
+        cache_samples=e.cache_samples,
+        cache_bytes=int(e.cache_bytes),
+        upstream_batch_size=e.upstream_batch_size,
+        epochs=e.epochs,
+        deterministic=e.deterministic,
+        seed=int(r.seed) + shard,
+        memory=e.memory,
     )
     pipe = ImagenetEchoPipeline(
         imagenet_train,
         config=config,
-        num_threads=int(num_threads),
+        num_threads=int(r.num_threads),
         device_id=dev,
-        upstream_num_threads=upstream_threads,
-        prefetch_queue_depth=prefetch_queue_depth,
-        enable_checkpointing=enable_checkpointing,
+        upstream_num_threads=e.upstream_threads,
+        prefetch_queue_depth=r.prefetch_queue_depth,
+        enable_checkpointing=e.enable_checkpointing,
     )
     return _attach(pipe, index, tap)

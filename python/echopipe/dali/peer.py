@@ -24,10 +24,6 @@ from typing import Any
 import numpy as np
 
 from .builders import (
-    CheckLevel,
-    DecodeDevice,
-    OnCorrupt,
-    OutputDType,
     UpstreamTap,
     _check_common,
     _check_positive_int,
@@ -35,6 +31,8 @@ from .builders import (
     explain_decode_failure,
     imagenet_decode_pipeline,
 )
+from .pipeline import DEFAULT_SHUFFLE_BATCHES
+from .specs import AugmentSpec, EchoSpec, ReaderSpec, resolve_specs
 
 __all__ = ["PythonEchoBuffer", "PythonEchoPipeline", "python_echo_train_pipeline"]
 
@@ -275,66 +273,74 @@ def python_echo_train_pipeline(
     data_dir: str | Path,
     *,
     batch_size: int,
-    image_size: int = 224,
-    echo_factor: float = 2.0,
-    shuffle_buffer: int = 1024,
-    min_fill: int | None = None,
-    upstream_batch_size: int | None = None,
-    upstream_threads: int = 1,
-    num_threads: int = 2,
+    reader: ReaderSpec | None = None,
+    augment: AugmentSpec | None = None,
+    echo: EchoSpec | None = None,
     fresh_samples: int | None = None,
-    decode_device: DecodeDevice = "cpu",
-    device_id: int | None = None,
-    seed: int = 0,
-    shard_id: int = 0,
-    num_shards: int = 1,
-    dtype: OutputDType = "float",
-    read_delay_ms: float = 0.0,
-    on_corrupt: OnCorrupt = "error",
-    check: CheckLevel = "header",
-    random_area: tuple[float, float] = (0.08, 1.0),
     timeout: float = 60.0,
+    **keywords: Any,
 ) -> PythonEchoPipeline:
     """The echo-after-decode training pipeline, with the echo done in Python (the peer).
 
     Same graph and outputs as :func:`~echopipe.dali.builders.imagenet_train_pipeline` with
     ``echo_insert="after_decode"``: reader -> [read delay] -> decode | Python buffer |
-    ``fn.external_source`` -> random resized crop -> flip + normalise (``CHW``).
+    ``fn.external_source`` -> random resized crop -> flip + normalise (``CHW``). It takes the
+    same :class:`ReaderSpec`, :class:`AugmentSpec` and :class:`EchoSpec` (or their fields as
+    keywords), so a comparison passes one set of values to both.
+
+    From the :class:`EchoSpec`: ``echo_factor``; ``cache_samples`` is the buffer's capacity
+    (default ``max(1024, 2 * shuffle_buffer)``); ``shuffle_buffer`` the samples resident before
+    the first draw (default as for echopipe, 4 batches' worth, at most the capacity);
+    ``upstream_batch_size`` and ``upstream_threads`` (default 1). The peer has no byte bound
+    and no checkpoints (``cache_bytes``, ``memory``, ``enable_checkpointing`` do not apply), and
+    ValueError names the options it cannot honour (``echo_insert="after_augment"``,
+    ``echo_mode="batch"``, ``epochs``, ``deterministic``, GPU decoding).
 
     Args:
         data_dir: dataset root holding ``train/``, or the class-folder root.
         batch_size: downstream (training) batch size.
-        echo_factor: mean emissions per fresh sample (>= 1).
-        shuffle_buffer: buffer capacity in samples.
-        min_fill: samples resident before the first draw (default ``min(shuffle_buffer,
-            batch_size)``).
-        upstream_batch_size: reader batch size (default ``batch_size``).
-        upstream_threads, num_threads: DALI threads of the upstream and downstream pipelines.
+        reader, augment, echo, **keywords: as for ``imagenet_train_pipeline``.
         fresh_samples: stop after this many fresh samples (``None``: run until closed).
         timeout: seconds a downstream draw may wait before ``TimeoutError``.
-        Others: as in :func:`~echopipe.dali.builders.imagenet_train_pipeline`.
     """
+    reader, augment, spec = resolve_specs(reader, augment, echo or EchoSpec(), keywords)
+    if spec is None:
+        raise ValueError("the Python echo peer needs an echo_factor (it has no plain mode)")
+    r, a = reader, augment
     shard, shards, size, dev = _check_common(
-        batch_size, image_size, num_threads, dtype, shard_id, num_shards, decode_device,
-        device_id, on_corrupt, check, read_delay_ms,
+        batch_size, a.image_size, r.num_threads, a.dtype, r.shard_id, r.num_shards,
+        r.decode_device, r.device_id, r.on_corrupt, r.check, r.read_delay_ms,
     )  # fmt: skip
-    if decode_device != "cpu":
-        raise ValueError("the Python echo peer copies decoded images to NumPy: decode_device='cpu'")
-    up_batch = _check_positive_int("upstream_batch_size", upstream_batch_size or batch_size)
-    _check_positive_int("upstream_threads", upstream_threads)
-    capacity = _check_positive_int("shuffle_buffer", shuffle_buffer)
-    fill = min(capacity, int(batch_size)) if min_fill is None else int(min_fill)
+    unsupported = {
+        "decode_device": (r.decode_device, "cpu"),
+        "echo_insert": (spec.echo_insert, "after_decode"),
+        "echo_mode": (spec.echo_mode, "example"),
+        "epochs": (spec.epochs, None),
+        "deterministic": (spec.deterministic, False),
+    }
+    for name, (value, only) in unsupported.items():
+        if value != only:
+            raise ValueError(f"the Python echo peer supports only {name}={only!r}, got {value!r}")
+    up_batch = _check_positive_int("upstream_batch_size", spec.upstream_batch_size or batch_size)
+    upstream_threads = _check_positive_int("upstream_threads", spec.upstream_threads or 1)
+    default_fill = DEFAULT_SHUFFLE_BATCHES * int(batch_size)
+    fill = default_fill if spec.shuffle_buffer is None else int(spec.shuffle_buffer)
+    capacity = _check_positive_int("cache_samples", spec.cache_samples or max(1024, 2 * fill))
+    fill = min(fill, capacity)
     upstream = imagenet_decode_pipeline(
-        data_dir, batch_size=up_batch, num_threads=upstream_threads, seed=seed,
-        shard_id=shard, num_shards=shards, read_delay_ms=read_delay_ms, on_corrupt=on_corrupt,
-        check=check, prefetch_queue_depth=1,
+        data_dir, batch_size=up_batch, num_threads=upstream_threads, seed=r.seed,
+        shard_id=shard, num_shards=shards, read_delay_ms=r.read_delay_ms,
+        on_corrupt=r.on_corrupt, check=r.check, shuffle_files=r.shuffle_files,
+        prefetch_queue_depth=1,
     )  # fmt: skip
+    seed, dtype, random_area = int(r.seed), a.dtype, a.random_area
+    echo_factor = spec.echo_factor
 
     from nvidia.dali import fn, pipeline_def
 
     def make_downstream(feeder: _Feeder) -> Any:
-        @pipeline_def(batch_size=int(batch_size), num_threads=int(num_threads), device_id=dev,
-                      seed=int(seed) + shard + 7919)  # fmt: skip
+        @pipeline_def(batch_size=int(batch_size), num_threads=int(r.num_threads), device_id=dev,
+                      seed=seed + shard + 7919)  # fmt: skip
         def downstream() -> tuple[Any, Any]:
             images, labels = fn.external_source(
                 source=feeder, num_outputs=2, batch=True, layout=["HWC", None]
@@ -343,7 +349,7 @@ def python_echo_train_pipeline(
 
         return downstream()
 
-    buffer = PythonEchoBuffer(capacity, echo_factor, min_fill=fill, seed=int(seed) + shard)
+    buffer = PythonEchoBuffer(capacity, echo_factor, min_fill=fill, seed=seed + shard)
     pipe = PythonEchoPipeline(
         upstream, make_downstream, buffer, batch_size=int(batch_size),
         fresh_samples=fresh_samples, tap=upstream.upstream_tap, timeout=timeout,
