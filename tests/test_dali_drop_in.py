@@ -172,6 +172,14 @@ def test_echo_iterator_takes_dali_iterator_arguments(files: list[str]) -> None:
         assert sum(len(b[0]["label"]) for b in it) == 2 * N
         with pytest.raises(RuntimeError, match="Nope"):
             edali.EchoIterator(pipe, ["data", "label"], reader_name="Nope")
+    with _make(files) as pipe:
+        it = edali.EchoIterator(
+            [pipe], ["data", "label"], size=12, fill_last_batch=False, dynamic_shape=True,
+        )  # fmt: skip
+        assert it.last_batch_policy == LastBatchPolicy.PARTIAL and len(it) == 3
+        assert [len(b[0]["label"]) for b in it] == [5, 5, 2]
+        with pytest.raises(ValueError, match="not several"):
+            edali.EchoIterator(pipe, ["data", "label"], size=12, reader_name="Reader")
 
 
 def test_migration_guide_runs(tiny_imagenet) -> None:

@@ -122,14 +122,19 @@ class EchoIterator:
         prepare_first_batch: as in DALI's iterators: start both pipelines now, so the first
             batch is being prepared before the first ``next()``.
 
-    The same arguments as DALI's ``DALIGenericIterator`` are accepted, so switching between the
-    two is a change of the class name; DALI's iterators also work on an :class:`EchoPipeline`
-    directly (without echo statistics).
+        size: as in DALI's iterators: samples handed out per epoch (instead of the reader's).
+        fill_last_batch: DALI's older spelling: True is ``FILL``, False ``PARTIAL``.
+        dynamic_shape, last_batch_padded: accepted for DALI compatibility, without effect
+            (outputs of any shape are converted; the echo source marks its own padding).
+
+    The same arguments as DALI's ``DALIGenericIterator`` are accepted (also a list holding one
+    pipeline), so switching between the two is a change of the class name; DALI's iterators
+    also work on an :class:`EchoPipeline` directly (without echo statistics).
     """
 
     def __init__(
         self,
-        pipeline: EchoPipeline,
+        pipeline: EchoPipeline | Sequence[EchoPipeline],
         output_map: Sequence[str],
         *,
         epoch_size: int | None = None,
@@ -138,7 +143,13 @@ class EchoIterator:
         auto_reset: bool | str = False,
         reader_name: str | None = None,
         prepare_first_batch: bool = False,
+        size: int = -1,
+        fill_last_batch: bool | None = None,
+        dynamic_shape: bool = False,
+        last_batch_padded: bool = False,
     ) -> None:
+        if isinstance(pipeline, list | tuple) and len(pipeline) == 1:
+            pipeline = pipeline[0]  # DALI's iterators take a list of pipelines
         if not isinstance(pipeline, EchoPipeline):
             raise TypeError(f"pipeline must be an EchoPipeline, got {type(pipeline).__name__}")
         if isinstance(output_map, str) or len(set(output_map)) != len(output_map):
@@ -153,6 +164,13 @@ class EchoIterator:
             raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
         if auto_reset not in (True, False, None, "yes", "no"):
             raise ValueError(f"auto_reset must be a bool, 'yes' or 'no', got {auto_reset!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size == 0:
+            raise ValueError(f"size must be an int > 0 (samples per epoch) or -1, got {size!r}")
+        if size > 0 and (reader_name is not None or epoch_size or steps_per_epoch):
+            raise ValueError("give size, reader_name, epoch_size or steps_per_epoch, not several")
+        if fill_last_batch is not None:  # DALI's older spelling of the policy
+            last_batch_policy = LastBatchPolicy.FILL if fill_last_batch else LastBatchPolicy.PARTIAL
+        del dynamic_shape, last_batch_padded  # no effect here; see the class notes
         self.pipeline = pipeline
         self.output_map = list(output_map)
         self.last_batch_policy = last_batch_policy
@@ -164,6 +182,7 @@ class EchoIterator:
         self.stats = EchoIteratorStats()
         self._epoch_size = epoch_size
         self._steps_per_epoch = steps_per_epoch
+        self._size = size if size > 0 else None
         self._step_in_epoch = 0
         self._epoch_done = False
 
@@ -216,6 +235,7 @@ class EchoIterator:
                 f"a finite stream (epochs={self.pipeline.config.epochs}) ends its epochs with the "
                 "data; its epoch length cannot be set"
             )
+        self._size = None
         self._epoch_size = None if epoch_size is None else int(epoch_size)
         self._steps_per_epoch = None if steps_per_epoch is None else int(steps_per_epoch)
 
@@ -224,6 +244,8 @@ class EchoIterator:
         cfg = self.pipeline.config
         if self._steps_per_epoch is not None:
             return self._steps_per_epoch * cfg.batch_size
+        if self._size is not None:
+            return self._size
         fresh = self._epoch_size or self.pipeline.shard_size
         if not fresh:
             raise ValueError(
