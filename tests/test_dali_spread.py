@@ -18,7 +18,7 @@ pytestmark = pytest.mark.dali
 from nvidia.dali import fn  # noqa: E402
 
 import echopipe.dali as edali  # noqa: E402
-from echopipe.dali.pipeline import DEFAULT_SHUFFLE_BATCHES  # noqa: E402
+from echopipe.dali.config import DEFAULT_SHUFFLE_BATCHES  # noqa: E402
 
 N, B = 60, 16
 

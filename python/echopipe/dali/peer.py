@@ -31,7 +31,7 @@ from .builders import (
     explain_decode_failure,
     imagenet_decode_pipeline,
 )
-from .pipeline import DEFAULT_SHUFFLE_BATCHES
+from .config import DEFAULT_SHUFFLE_BATCHES
 from .specs import AugmentSpec, EchoSpec, ReaderSpec, resolve_specs
 
 __all__ = ["PythonEchoBuffer", "PythonEchoPipeline", "python_echo_train_pipeline"]
