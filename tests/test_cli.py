@@ -235,6 +235,18 @@ def test_output_folder_of_an_earlier_run_is_refused_and_kept(
     assert earlier.read_bytes() == b"an earlier run's checkpoint"
 
 
+def test_output_folder_in_use_by_a_live_run_is_refused(
+    tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from filelock import FileLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with FileLock(str(run / ".echopipe-train.lock")):  # what a live run holds
+        line = _bad(["train", "--data", str(tiny_imagenet), "--output", str(run)], capsys)
+    assert "in use by another echopipe train" in line
+
+
 class _RunsCode:
     """Unpickling this calls ``open(marker, "w")``: it creates the marker file."""
 

@@ -362,7 +362,7 @@ def test_deterministic_runs_are_identical(tiny_imagenet: Path, tmp_path: Path) -
             progress=False,
         )
         s = train(cfg, log=lambda m: None)
-        assert s.balance == [7, 1] or len(s.balance) == 2
+        assert s.balance == [4, 4]  # by parameter count, not by timing
         docs.append(json.loads((tmp_path / name / "metrics.json").read_text())["epochs"])
     keys = ("step", "train_loss", "val_top1", "val_loss", "fresh_samples", "echoed_samples")
     assert [[r[k] for k in keys] for r in docs[0]] == [[r[k] for k in keys] for r in docs[1]]

@@ -31,11 +31,12 @@ from .training.checkpoints import (
 from .training.config import DataError, TrainConfig, TrainError, UsageError
 from .training.distributed import DistContext, default_devices
 from .training.input import StageClock as _StageClock
+from .training.input import evaluate_checkpoint
 from .training.report import TrainSummary, format_summary
 from .training.schedule import EpochClock as _EpochClock
 from .training.schedule import lr_factor as _lr_factor
 from .training.state import RunState
-from .training.trainer import Trainer, evaluate_checkpoint, train
+from .training.trainer import Trainer, train
 
 __all__ = [
     "CheckpointError",

@@ -15,216 +15,47 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from ..models import MODEL_NAMES
+from .options import (
+    MAX_IMAGE_SIZE,
+    MAX_SHUFFLE_BUFFER,
+    DataError,
+    TrainError,
+    UsageError,
+    add_field_arguments,
+    check_balance,
+    check_devices,
+    check_echo,
+    check_optional,
+    check_output,
+    check_path,
+    check_stages,
+    finite,
+    flag,
+    int_at_least,
+    opt,
+    parse_balance,
+    parse_devices,
+    parse_echo,
+    parse_float,
+    parse_int,
+    parse_stages,
+)
 
-__all__ = ["DataError", "TrainConfig", "TrainError", "UsageError", "add_arguments", "flag"]
-
-MAX_ECHO = 100.0
-MAX_IMAGE_SIZE = 1024
-MAX_SHUFFLE_BUFFER = 1 << 16
-
-
-class TrainError(Exception):
-    """A run that cannot go on, told in one line; ``exit_code`` is the CLI's exit status."""
-
-    exit_code = 1
-
-
-class UsageError(TrainError, ValueError):
-    """A bad option or option combination (exit status 2)."""
-
-    exit_code = 2
-
-
-class DataError(TrainError):
-    """Bad data, or a run that failed on it (exit status 1)."""
-
-    exit_code = 1
-
-
-def flag(name: str) -> str:
-    """The command-line spelling of field ``name``."""
-    return "--" + name.replace("_", "-")
-
-
-# --------------------------------------------------------------------------------------------
-# Value parsers (CLI text to value) and checks (value to None or raise)
-# --------------------------------------------------------------------------------------------
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
-def _echo_text(text: str) -> float | str:
-    return "auto" if text == "auto" else _number(text)
-
-
-def _stages_text(text: str) -> int | str:
-    return "auto" if text == "auto" else _integer(text)
-
-
-def _balance_text(text: str) -> list[int] | str:
-    if text == "auto":
-        return "auto"
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give blocks per stage like 4,4") from None
-
-
-def _devices_text(text: str) -> list[str]:
-    return [d.strip() for d in text.split(",") if d.strip()]
-
-
-def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str, Any], None]:
-    def check(name: str, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"{flag(name)} must be an integer, got {value!r}")
-        if value < minimum:
-            raise UsageError(f"{flag(name)} must be >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            raise UsageError(f"{flag(name)} must be <= {maximum}, got {value}")
-
-    return check
-
-
-def _finite(minimum: float = 0.0, positive: bool = False) -> Callable[[str, Any], None]:
-    def check(name: str, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise UsageError(f"{flag(name)} must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise UsageError(f"{flag(name)} must be a finite number, got {value!r}")
-        if value < minimum or (positive and value <= 0):
-            bound = "> 0" if positive else f">= {minimum:g}"
-            raise UsageError(f"{flag(name)} must be {bound}, got {value:g}")
-
-    return check
-
-
-def _check_echo(name: str, value: Any) -> None:
-    if value == "auto":
-        return
-    _finite(1.0)(name, value)
-    if value > MAX_ECHO:
-        raise UsageError(
-            f"{flag(name)} {value:g} is above {MAX_ECHO:g}: each sample would be "
-            "trained on that many times"
-        )
-
-
-def _check_stages(name: str, value: Any) -> None:
-    if value != "auto":
-        _int_at_least(1)(name, value)
-
-
-def _check_balance(name: str, value: Any) -> None:
-    if value == "auto":
-        return
-    if (
-        not isinstance(value, list)
-        or not value
-        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in value)
-    ):
-        raise UsageError(f"{flag(name)} {value!r}: give blocks per stage (ints >= 1) or 'auto'")
-
-
-def _check_devices(name: str, value: Any) -> None:
-    if value is None:
-        return
-    from ..pipeline import parse_devices
-
-    if not isinstance(value, list) or not value:
-        raise UsageError(f"{flag(name)} {value!r}: give e.g. cpu or cuda:0,cuda:1")
-    try:
-        parse_devices(list(value), len(value))
-    except (ValueError, RuntimeError) as exc:
-        raise UsageError(f"{flag(name)} {','.join(value)}: {exc}") from None
-
-
-def _check_path(must_be_dir: bool) -> Callable[[str, Any], None]:
-    def check(name: str, value: Any) -> None:
-        if value is None:
-            return
-        path = Path(value)
-        if must_be_dir and not path.is_dir():
-            what = "is not a folder" if path.exists() else "does not exist"
-            raise UsageError(f"{flag(name)} {str(path)!r} {what}")
-        if not must_be_dir and path.exists() and not path.is_file():
-            raise UsageError(f"{flag(name)} {str(path)!r} is not a file")
-
-    return check
-
-
-def _check_output(name: str, value: Any) -> None:
-    path = Path(value)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag(name)} {str(path)!r} is a file; give a run folder")
-
-
-def _check_optional(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
-    def optional(name: str, value: Any) -> None:
-        if value is not None:
-            check(name, value)
-
-    return optional
-
-
-def _no_check(name: str, value: Any) -> None:
-    return None
-
-
-def opt(
-    default: Any,
-    help: str,
-    *,
-    check: Callable[[str, Any], None] = _no_check,
-    parse: Callable[[str], Any] | None = None,
-    choices: tuple[Any, ...] | None = None,
-    metavar: str | None = None,
-    short: str | None = None,
-    alias: str | None = None,
-    group: str = "data and schedule",
-    on_resume: Literal["fixed", "free"] = "fixed",
-    cli: bool = True,
-) -> Any:
-    """A :class:`TrainConfig` field with everything the CLI and the checks need."""
-    meta = dict(
-        help=help,
-        check=check,
-        parse=parse,
-        choices=choices,
-        metavar=metavar,
-        short=short,
-        alias=alias,
-        group=group,
-        on_resume=on_resume,
-        cli=cli,
-    )
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-# --------------------------------------------------------------------------------------------
-# The options
-# --------------------------------------------------------------------------------------------
+__all__ = [
+    "DataError",
+    "TrainConfig",
+    "TrainError",
+    "UsageError",
+    "add_arguments",
+    "flag",
+    "free_on_resume",
+    "from_namespace",
+]
 
 _D, _E, _P, _O = "data and schedule", "data echoing", "pipelining and devices", "run folder"
 
@@ -241,7 +72,7 @@ class TrainConfig:
         None,
         "ImageNet-layout folder with train/<class>/*.JPEG and "
         "val/<class>/*.JPEG (default: the cached synthetic set)",
-        check=_check_path(True),
+        check=check_path(True),
         parse=Path,
         metavar="DIR",
     )
@@ -249,49 +80,49 @@ class TrainConfig:
     image_size: int = opt(
         64,
         "training crop / validation centre crop side (px)",
-        check=_int_at_least(16, MAX_IMAGE_SIZE),
-        parse=_integer,
+        check=int_at_least(16, MAX_IMAGE_SIZE),
+        parse=parse_int,
     )
     epochs: int = opt(
         8,
         "passes over the fresh training data",
-        check=_int_at_least(1),
-        parse=_integer,
+        check=int_at_least(1),
+        parse=parse_int,
         on_resume="free",
     )
     max_steps: int | None = opt(
         None,
         "stop after this many training steps in all (the LR schedule still spans --epochs)",
-        parse=_integer,
-        check=_check_optional(_int_at_least(1)),
+        parse=parse_int,
+        check=check_optional(int_at_least(1)),
         on_resume="free",
     )
     batch_size: int = opt(
         32,
         "minibatch size per replica",
-        check=_int_at_least(1, 1 << 16),
-        parse=_integer,
+        check=int_at_least(1, 1 << 16),
+        parse=parse_int,
         short="-b",
     )
     lr: float = opt(
-        0.1, "peak learning rate (SGD, Nesterov)", check=_finite(positive=True), parse=_number
+        0.1, "peak learning rate (SGD, Nesterov)", check=finite(positive=True), parse=parse_float
     )
-    momentum: float = opt(0.9, "SGD momentum", check=_finite(), parse=_number)
+    momentum: float = opt(0.9, "SGD momentum", check=finite(), parse=parse_float)
     weight_decay: float = opt(
         5e-4,
         "weight decay (not on biases and norm scales)",
-        check=_finite(),
-        parse=_number,
+        check=finite(),
+        parse=parse_float,
         alias="--wd",
     )
     warmup_epochs: float = opt(
-        0.5, "linear LR warm-up, then cosine decay", check=_finite(), parse=_number
+        0.5, "linear LR warm-up, then cosine decay", check=finite(), parse=parse_float
     )
     workers: int = opt(
         1,
         "DALI CPU threads per pipeline (upstream and downstream each)",
-        check=_int_at_least(1, 256),
-        parse=_integer,
+        check=int_at_least(1, 256),
+        parse=parse_int,
         short="-j",
         on_resume="free",
     )
@@ -306,7 +137,7 @@ class TrainConfig:
         choices=("error", "skip"),
     )
     seed: int = opt(
-        0, "seed for model init, DALI and echo draws", check=_int_at_least(0), parse=_integer
+        0, "seed for model init, DALI and echo draws", check=int_at_least(0), parse=parse_int
     )
     deterministic: bool = opt(
         False,
@@ -316,32 +147,32 @@ class TrainConfig:
     synthetic_classes: int = opt(
         10,
         "classes of the synthetic set (without --data)",
-        check=_int_at_least(2, 1000),
-        parse=_integer,
+        check=int_at_least(2, 1000),
+        parse=parse_int,
     )
     synthetic_per_class: int = opt(
         100,
         "training images per class of the synthetic set",
-        check=_int_at_least(1, 100000),
-        parse=_integer,
+        check=int_at_least(1, 100000),
+        parse=parse_int,
     )
     echo: float | str = opt(
         "auto",
         "echo factor e >= 1 (1 = no echoing), or 'auto': e follows "
         "R = t_up/t_down and stays 1 while the input keeps up",
-        check=_check_echo,
-        parse=_echo_text,
+        check=check_echo,
+        parse=parse_echo,
         metavar="E|auto",
         group=_E,
     )
     echo_max: float = opt(
-        4.0, "upper bound of --echo auto", check=_finite(1.0), parse=_number, group=_E
+        4.0, "upper bound of --echo auto", check=finite(1.0), parse=parse_float, group=_E
     )
     echo_interval: int = opt(
         50,
         "with --echo auto: steps between decisions on e",
-        check=_int_at_least(1),
-        parse=_integer,
+        check=int_at_least(1),
+        parse=parse_int,
         group=_E,
     )
     echo_insert: str = opt(
@@ -356,22 +187,22 @@ class TrainConfig:
     shuffle_buffer: int | None = opt(
         None,
         "samples the echo cache holds before the first draw (default: the batch size)",
-        parse=_integer,
+        parse=parse_int,
         group=_E,
-        check=_check_optional(_int_at_least(0, MAX_SHUFFLE_BUFFER)),
+        check=check_optional(int_at_least(0, MAX_SHUFFLE_BUFFER)),
     )
     cache_mb: int = opt(
         256,
         "echo cache size in MiB (decoded images are stored)",
-        check=_int_at_least(1, 1 << 20),
-        parse=_integer,
+        check=int_at_least(1, 1 << 20),
+        parse=parse_int,
         group=_E,
     )
     read_delay_ms: float = opt(
         0.0,
         "simulated read latency per sample (a network file system), ms",
-        check=_finite(),
-        parse=_number,
+        check=finite(),
+        parse=parse_float,
         group=_E,
         on_resume="free",
     )
@@ -379,32 +210,32 @@ class TrainConfig:
         "auto",
         "pipeline stages; 'auto': 2-stage pipelining only where a "
         "measurement shows it faster than one stage",
-        check=_check_stages,
-        parse=_stages_text,
+        check=check_stages,
+        parse=parse_stages,
         metavar="N|auto",
         group=_P,
     )
     balance: list[int] | str = opt(
         "auto",
         "model blocks per stage, or 'auto' (by profiling)",
-        check=_check_balance,
-        parse=_balance_text,
+        check=check_balance,
+        parse=parse_balance,
         metavar="N,N,...|auto",
         group=_P,
     )
     hybrid_switch: int | None = opt(
         None,
         "train pipelined (stale) until this epoch, then synchronously",
-        parse=_integer,
+        parse=parse_int,
         metavar="EPOCH",
-        check=_check_optional(_int_at_least(0)),
+        check=check_optional(int_at_least(0)),
         group=_P,
     )
     devices: list[str] | None = opt(
         None,
         "one device per stage (cpu, cuda:0, ...), or one for all (default: the GPUs, else cpu)",
-        check=_check_devices,
-        parse=_devices_text,
+        check=check_devices,
+        parse=parse_devices,
         metavar="DEV,...",
         group=_P,
     )
@@ -415,8 +246,8 @@ class TrainConfig:
     dist_timeout_s: float = opt(
         600.0,
         "under torchrun: longest wait for another rank",
-        check=_finite(positive=True),
-        parse=_number,
+        check=finite(positive=True),
+        parse=parse_float,
         group=_P,
         on_resume="free",
         metavar="SECONDS",
@@ -424,7 +255,7 @@ class TrainConfig:
     output: Path = opt(
         Path("echopipe-train"),
         "run folder: metrics.json/.csv, config.json, plot, checkpoints/",
-        check=_check_output,
+        check=check_output,
         parse=Path,
         metavar="DIR",
         group=_O,
@@ -433,8 +264,8 @@ class TrainConfig:
     checkpoint_every: int = opt(
         0,
         "also checkpoint every N steps (0: epoch ends only)",
-        check=_int_at_least(0),
-        parse=_integer,
+        check=int_at_least(0),
+        parse=parse_int,
         metavar="STEPS",
         group=_O,
         on_resume="free",
@@ -449,8 +280,8 @@ class TrainConfig:
     log_interval: int = opt(
         50,
         "steps between log lines when stderr is not a terminal",
-        check=_int_at_least(1),
-        parse=_integer,
+        check=int_at_least(1),
+        parse=parse_int,
         metavar="STEPS",
         group=_O,
         on_resume="free",
@@ -546,38 +377,11 @@ def free_on_resume() -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# The CLI, generated from the fields
-# --------------------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one argument per :class:`TrainConfig` field (defaults shown once, choices listed)."""
-    groups: dict[str, Any] = {}
-    for f in dataclasses.fields(TrainConfig):
-        meta = f.metadata
-        if not meta["cli"]:
-            continue
-        group = groups.get(meta["group"]) or groups.setdefault(
-            meta["group"], parser.add_argument_group(meta["group"])
-        )
-        names = [n for n in (meta["short"], flag(f.name), meta["alias"]) if n]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        shown = "off" if default is None or default is False else default
-        help_text = (
-            meta["help"] if "default:" in meta["help"] else f"{meta['help']} (default: {shown})"
-        )
-        if isinstance(default, bool):
-            group.add_argument(*names, dest=f.name, action="store_true", help=help_text)
-            continue
-        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
-        if meta["choices"]:
-            kw["choices"] = meta["choices"]
-        if meta["parse"]:
-            kw["type"] = meta["parse"]
-        metavar = meta["metavar"] or {_integer: "N", _number: "X"}.get(meta["parse"])
-        if metavar:
-            kw["metavar"] = metavar
-        group.add_argument(*names, **kw)
+    """The ``echopipe train`` arguments: one per :class:`TrainConfig` field, and the actions."""
+    groups = add_field_arguments(parser, TrainConfig)
     g = groups[_O]
     g.add_argument(
         "--resume",

@@ -1,8 +1,8 @@
 """The ``auto`` choices of a run, each taken on a measurement and recorded with its reason.
 
 ``--stages auto`` pipelines only where a short timed run shows the stale pipeline faster than
-one stage that has all the threads; ``--balance auto`` profiles the blocks (or, with
-``--deterministic``, splits by parameter count, which does not depend on timing).
+one stage that has all the threads; ``--balance auto`` splits by the blocks' measured forward
+times (or, with ``--deterministic``, by parameter count, which does not depend on timing).
 """
 
 from __future__ import annotations
@@ -15,7 +15,13 @@ from torch import nn
 
 from .config import TrainConfig
 
-__all__ = ["balance_by_parameters", "choose_split", "measure_step_seconds"]
+__all__ = [
+    "balance_by_parameters",
+    "balance_by_weights",
+    "block_seconds",
+    "choose_split",
+    "measure_step_seconds",
+]
 
 _WARMUP_STEPS = 2
 _TIMED_STEPS = 4
@@ -92,15 +98,33 @@ def choose_split(
 
 def balance_by_parameters(model: nn.Sequential, stages: int) -> list[int]:
     """Contiguous split of the blocks that minimises the largest stage's parameter count."""
-    weights = [max(1, sum(p.numel() for p in block.parameters())) for block in model]
-    lo, hi = max(weights), sum(weights)
-    while lo < hi:  # binary search on the largest stage's size
+    return balance_by_weights([sum(p.numel() for p in b.parameters()) for b in model], stages)
+
+
+def block_seconds(model: nn.Sequential, sample: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Each block's forward time on ``sample`` (the fastest of ``repeats`` passes, no grad)."""
+    best = [float("inf")] * len(model)
+    with torch.no_grad():
+        for _ in range(repeats):
+            x = sample
+            for k, block in enumerate(model):
+                t0 = time.perf_counter()
+                x = block(x)
+                best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+def balance_by_weights(weights: list[float], stages: int) -> list[int]:
+    """Contiguous split of blocks with these weights that minimises the heaviest stage."""
+    scaled = [max(1, round(w * 1e6)) if isinstance(w, float) else max(1, int(w)) for w in weights]
+    lo, hi = max(scaled), sum(scaled)
+    while lo < hi:  # binary search on the heaviest stage's weight
         mid = (lo + hi) // 2
-        if len(_greedy(weights, mid, stages)) <= stages:
+        if len(_greedy(scaled, mid, stages)) <= stages:
             hi = mid
         else:
             lo = mid + 1
-    balance = _greedy(weights, lo, stages)
+    balance = _greedy(scaled, lo, stages)
     while len(balance) < stages:  # split the largest group until every stage has a block
         k = max(range(len(balance)), key=lambda i: balance[i])
         balance[k : k + 1] = [balance[k] - balance[k] // 2, balance[k] // 2]
@@ -134,8 +158,8 @@ def _split(
         balance = balance_by_parameters(model, stages)
         decisions.append(f"balance: {balance} by parameter count (--deterministic)")
         return balance
-    from ..pipeline import partition_balance
-
-    balance = partition_balance(model, sample, stages, devices[:stages])
-    decisions.append(f"balance: {balance}, the fastest slowest stage when profiled")
+    # Forward times per block: a fraction of a second, where a full profile of forward and
+    # backward per split (partition_balance) took close to a minute on a loaded 2-core machine.
+    balance = balance_by_weights(block_seconds(model, sample), stages)
+    decisions.append(f"balance: {balance}, the blocks' measured forward times split evenly")
     return balance

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import TrainConfig
+from .config import DataError, TrainConfig
 from .distributed import DistContext
 
-__all__ = ["Autocast", "StageClock", "TrainInput", "evaluate"]
+__all__ = ["Autocast", "StageClock", "TrainInput", "evaluate", "evaluate_checkpoint"]
 
 
 class Autocast(nn.Module):
@@ -259,3 +260,33 @@ def evaluate(
         count += int(y.numel())
     correct, loss_sum, total = ctx.all_reduce_sum([correct, loss_sum, float(count)])
     return correct / max(total, 1.0), loss_sum / max(total, 1.0), int(total)
+
+
+def evaluate_checkpoint(
+    cfg: TrainConfig, checkpoint: Path, log: Callable[[str], None] | None = None
+) -> tuple[float, float, int]:
+    """``(top1, loss, images)`` of a checkpoint's weights on ``cfg``'s validation split."""
+    from ..models import build_model
+    from .checkpoints import export_state_dict
+    from .preflight import check_data
+
+    weights, saved = export_state_dict(checkpoint)
+    ctx = DistContext()
+    data_dir, classes = check_data(cfg, log or (lambda m: print(m, file=sys.stderr, flush=True)))
+    name, num_classes = saved["model"]["name"], saved["model"]["num_classes"]
+    if len(classes) != num_classes:
+        raise DataError(
+            f"--evaluate {str(checkpoint)!r}: the model has {num_classes} classes, "
+            f"--data has {len(classes)}"
+        )
+    model = build_model(name, num_classes=num_classes)
+    model.load_state_dict(weights)
+    model.eval()
+
+    class _Plain:
+        @staticmethod
+        def evaluate(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return model(x)
+
+    return evaluate(_Plain(), cfg, data_dir, ctx, None, [])

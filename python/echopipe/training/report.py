@@ -26,10 +26,13 @@ from ..pipeline.checkpoint import atomic_write
 __all__ = [
     "Progress",
     "TrainSummary",
+    "echo_verdict",
     "format_summary",
+    "write_config",
     "write_csv",
     "write_json",
     "write_plot",
+    "write_run_files",
 ]
 
 
@@ -94,6 +97,73 @@ def write_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> 
     fig.savefig(buf, format="png")
     plt.close(fig)
     return _write(path, buf.getvalue())
+
+
+def write_run_files(
+    out: Path,
+    rows: Sequence[dict[str, Any]],
+    echo_history: list[Any],
+    summary: TrainSummary | None = None,
+) -> None:
+    """``metrics.json`` (with the summary once there is one), ``metrics.csv``, the plot."""
+    document: dict[str, Any] = {"epochs": list(rows), "echo_history": echo_history}
+    if summary is not None:
+        document["summary"] = summary.as_dict()
+    write_json(out / "metrics.json", document)
+    write_csv(out / "metrics.csv", rows)
+    if rows:
+        write_plot(rows, out / "training.png")
+
+
+def write_config(
+    out: Path, options: dict[str, Any], resolved: dict[str, Any], decisions: list[str]
+) -> Path:
+    """``config.json``: the options, the command line, the versions, what was resolved and
+    the decisions with their reasons."""
+    import torch
+
+    from .. import __version__
+
+    versions = {
+        "echopipe": __version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+    try:
+        import nvidia.dali as dali
+
+        versions["dali"] = dali.__version__
+    except ImportError:  # DALI is an extra
+        pass
+    return write_json(
+        out / "config.json",
+        {
+            "options": options,
+            "command": list(sys.argv),
+            "resolved": resolved,
+            "decisions": decisions,
+            "versions": versions,
+        },
+    )
+
+
+def echo_verdict(rows: Sequence[dict[str, Any]], factor: float) -> list[str]:
+    """Whether echoing helped, from the last measured ``R = t_up / t_down``."""
+    if not rows or rows[-1]["R"] is None:
+        return []
+    r = rows[-1]["R"]
+    if factor <= 1.0:
+        why = "the input kept up" if r < 1 else "--echo 1"
+        return [f"echo: e = 1 (R = t_up/t_down = {r:.2f}; {why}): no sample was repeated"]
+    if r > 1:
+        return [
+            f"echo: e = {factor:g} at R = {r:.2f}; echo helps: the trainer would otherwise "
+            "wait for input"
+        ]
+    return [
+        f"echo: e = {factor:g} at R = {r:.2f}; echo does not help here: the input was not "
+        "the bottleneck, so each repeat only adds a training step"
+    ]
 
 
 class Progress:

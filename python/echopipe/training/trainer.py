@@ -23,16 +23,17 @@ import torch
 from torch import nn
 
 from ..adaptive import EchoController
-from .checkpoints import RunCheckpoints, read_checkpoint
-from .config import DataError, TrainConfig, UsageError, flag, free_on_resume
+from .checkpoints import RunCheckpoints
+from .config import DataError, TrainConfig, UsageError
 from .decide import choose_split
 from .distributed import DistContext, all_reduce_grads, average_buffers, default_devices
 from .input import Autocast, StageClock, TrainInput, evaluate
-from .report import Progress, TrainSummary, write_csv, write_json, write_plot
+from .preflight import check_data, load_resume, lock_run_folder, run_folder
+from .report import Progress, TrainSummary, echo_verdict, write_config, write_run_files
 from .schedule import EpochClock, lr_factor, sgd_factory
 from .state import RunState, get_rng_state, set_rng_state
 
-__all__ = ["Trainer", "evaluate_checkpoint", "train"]
+__all__ = ["Trainer", "train"]
 
 _CACHE_FULL = re.compile(r"sample of (\d+) bytes.*larger than the cache arena", re.S)
 
@@ -66,6 +67,7 @@ class Trainer:
         self.saved: dict[str, Any] | None = None
         self.lock: Any = None
         self.losses: list[float] = []
+        self.paused_s = 0.0
         self._val: list[Any] = []  # the validation iterator, built on first use
         self._open: list[Any] = []  # what close() must close, in order
 
@@ -89,14 +91,9 @@ class Trainer:
     def prepare(self) -> None:
         """Run folder, lock, resume checks and the data folder: nothing heavy."""
         cfg = self.cfg
-        self.out = Path(cfg.output)
-        if self.out.suffix == ".json" and not self.out.is_dir():
-            # Older scripts named the metrics file; its folder is the run folder now.
-            self.out = self.out.parent
-            self.say(f"--output: {cfg.output} names a file; using its folder {self.out}")
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = run_folder(cfg, self.say)
         if self.ctx.is_main:
-            self._lock_output()
+            self.lock = lock_run_folder(self.out)
         folder = self.out / "checkpoints"
         self.ckpts = RunCheckpoints(folder / f"rank{self.ctx.rank}" if self.ctx.enabled else folder)
         earlier = self.ckpts.existing()
@@ -106,89 +103,9 @@ class Trainer:
                 f"({earlier[0].name}): pass --resume to continue it, or choose another --output"
             )
         if cfg.resume:
-            self._load_resume()
-        self.data_dir, self.classes = self._check_data()
-
-    def _lock_output(self) -> None:
-        from filelock import FileLock, Timeout
-
-        lock = FileLock(str(self.out / ".echopipe-train.lock"))
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            raise UsageError(
-                f"--output {str(self.out)!r} is in use by another echopipe train; wait for it "
-                "or choose another --output"
-            ) from None
-        self.lock = lock
-
-    def _load_resume(self) -> None:
-        cfg = self.cfg
-        path = cfg.resume if isinstance(cfg.resume, Path) else self.ckpts.last
-        if not path.is_file():
-            raise UsageError(
-                f"--resume: no checkpoint {str(path)!r} in this run folder; start without "
-                "--resume, or give --resume CKPT"
-            )
-        saved = read_checkpoint(path)
-        was, now = saved["config"], cfg.fixed_on_resume()
-        changed = [k for k in now if k in was and was[k] != now[k]]
-        if changed:
-            diffs = "; ".join(f"{flag(k)} was {was[k]!r}, now {now[k]!r}" for k in changed)
-            raise UsageError(
-                f"--resume {str(path)!r}: {diffs}. Resume with the checkpoint's options; only "
-                f"these may change: {', '.join(free_on_resume())}"
-            )
-        if saved["run"]["world_size"] != self.ctx.world_size:
-            raise UsageError(
-                f"--resume: the checkpoint was written by {saved['run']['world_size']} "
-                f"replica(s), this run has {self.ctx.world_size}"
-            )
-        self.saved = saved
-        self.resume_path = path
-
-    def _check_data(self) -> tuple[Path, list[str]]:
-        from ..data import scan_image_folder
-
-        cfg = self.cfg
-        if cfg.data is None:
-            from ..data import ensure_synthetic_imagenet
-
-            data_dir = ensure_synthetic_imagenet(
-                classes=cfg.synthetic_classes, per_class=cfg.synthetic_per_class
-            )
-            self.say(f"data: synthetic set {data_dir}")
-        else:
-            data_dir = Path(cfg.data)
-        for split in ("train", "val"):
-            if not (data_dir / split).is_dir():
-                raise DataError(
-                    f"--data {str(data_dir)!r} has no {split}/ folder (ImageNet "
-                    "layout: train/<class>/*.JPEG and val/<class>/*.JPEG)"
-                )
-        try:
-            train = scan_image_folder(data_dir / "train", check="none")
-            val = scan_image_folder(data_dir / "val", check="none")
-        except (ValueError, FileNotFoundError) as exc:
-            raise DataError(f"--data: {exc}") from None
-        if len(train.classes) < 2:
-            raise DataError(
-                f"--data {str(data_dir)!r}: train/ has {len(train.classes)} class "
-                "folder(s); a classifier needs at least 2"
-            )
-        if val.classes != train.classes:
-            extra = sorted(set(val.classes) ^ set(train.classes))
-            raise DataError(
-                f"--data {str(data_dir)!r}: val/ and train/ have different class "
-                f"folders (e.g. {extra[0]!r})"
-            )
-        for name, n in zip(train.classes, train.counts_per_class(), strict=True):
-            if n == 0:
-                self.say(
-                    f"warning: class folder train/{name} has no images; the class stays "
-                    "among the model's outputs but is never trained"
-                )
-        return data_dir, train.classes
+            self.resume_path = cfg.resume if isinstance(cfg.resume, Path) else self.ckpts.last
+            self.saved = load_resume(cfg, self.resume_path, self.ctx.world_size)
+        self.data_dir, self.classes = check_data(cfg, self.say)
 
     def setup(self) -> None:
         """Seeds, devices, input, model, the ``auto`` decisions, the pipeline, the state."""
@@ -199,7 +116,9 @@ class Trainer:
         np.random.seed(cfg.seed)
         random.seed(cfg.seed)
         if cfg.deterministic:
+            was = torch.are_deterministic_algorithms_enabled()
             torch.use_deterministic_algorithms(True, warn_only=True)
+            self._open.append(_Restore(lambda: torch.use_deterministic_algorithms(was)))
         stages, devices = self._devices()
         device_id = next(
             (torch.device(d).index or 0 for d in devices if d.startswith("cuda")), None
@@ -335,8 +254,9 @@ class Trainer:
                 st.global_step, float(st.epoch), st.steps_per_epoch, float(st.epoch + 1)
             )
         t0 = time.perf_counter()
-        self.losses: list[float] = []
+        self.losses = []
         self.epoch_samples = 0
+        self.paused_s = 0.0  # checkpoints within the epoch: not training time
         fresh0 = self.data.counters()["fresh"]
         while st.step_in_epoch < st.steps_per_epoch:
             if cfg.max_steps is not None and st.global_step >= cfg.max_steps:
@@ -368,7 +288,7 @@ class Trainer:
             )
         self._drain()
         average_buffers(self.model, self.ctx)
-        st.train_s += time.perf_counter() - t0
+        st.train_s += time.perf_counter() - t0 - self.paused_s
         st.samples_trained += self.epoch_samples
 
     def _drain(self) -> None:
@@ -524,6 +444,7 @@ class Trainer:
     def checkpoint(self, *, best: bool) -> None:
         """Write ``last.pt`` (and ``best.pt``); the pipeline drains first (nothing in flight)."""
         st = self.run_state
+        t0 = time.perf_counter()
         self._drain()  # state_dict() would drain too, and drop the losses
         st.checkpoints_written += 1
         wall = st.wall_s
@@ -543,46 +464,23 @@ class Trainer:
         }
         st.wall_s = wall
         self.ckpts.save(payload, best=best)
+        self.paused_s += time.perf_counter() - t0
 
-    def _write_metrics(self) -> None:
-        st = self.run_state
+    def _write_metrics(self, summary: TrainSummary | None = None) -> None:
         history = (
             [dataclasses.asdict(h) for h in self.controller.history] if self.controller else []
         )
-        write_json(self.out / "metrics.json", {"epochs": st.rows, "echo_history": history})
-        write_csv(self.out / "metrics.csv", st.rows)
-        write_plot(st.rows, self.out / "training.png")
+        write_run_files(self.out, self.run_state.rows, history, summary)
 
     def _write_config(self, balance: list[int], devices: list[str]) -> None:
-        from .. import __version__
-
-        versions = {
-            "echopipe": __version__,
-            "torch": torch.__version__,
-            "python": sys.version.split()[0],
+        resolved = {
+            "balance": balance,
+            "devices": devices,
+            "stages": len(balance),
+            "classes": self.classes,
+            "data": str(self.data_dir),
         }
-        try:
-            import nvidia.dali as dali
-
-            versions["dali"] = dali.__version__
-        except ImportError:
-            pass
-        write_json(
-            self.out / "config.json",
-            {
-                "options": self.cfg.as_json(),
-                "command": list(sys.argv),
-                "resolved": {
-                    "balance": balance,
-                    "devices": devices,
-                    "stages": len(balance),
-                    "classes": self.classes,
-                    "data": str(self.data_dir),
-                },
-                "decisions": self.decisions,
-                "versions": versions,
-            },
-        )
+        write_config(self.out, self.cfg.as_json(), resolved, self.decisions)
 
     def finish(self) -> TrainSummary:
         st, cfg, ctx = self.run_state, self.cfg, self.ctx
@@ -611,34 +509,12 @@ class Trainer:
             output=str(self.out) if ctx.is_main else None,
             metrics_path=str(self.out / "metrics.json") if ctx.is_main else None,
             plots=[str(self.out / "training.png")] if ctx.is_main and st.rows else [],
-            decisions=self.decisions + self._echo_verdict(),
+            decisions=self.decisions + echo_verdict(st.rows, self.data.factor),
             stopped=self.stopped,
         )
         if ctx.is_main:
-            history = (
-                [dataclasses.asdict(h) for h in self.controller.history] if self.controller else []
-            )
-            write_json(
-                self.out / "metrics.json",
-                {"epochs": st.rows, "echo_history": history, "summary": summary.as_dict()},
-            )
+            self._write_metrics(summary)
         return summary
-
-    def _echo_verdict(self) -> list[str]:
-        rows = self.run_state.rows
-        if not rows or rows[-1]["R"] is None:
-            return []
-        r, e = rows[-1]["R"], self.data.factor
-        if e <= 1.0:
-            why = "the input kept up" if r < 1 else "--echo 1"
-            return [f"echo: e = 1 (R = t_up/t_down = {r:.2f}; {why}): no sample was repeated"]
-        helps = (
-            "echo helps: the trainer would otherwise wait for input"
-            if r > 1
-            else "echo does not help here: the input was not the bottleneck, so each repeat only "
-            "adds a training step"
-        )
-        return [f"echo: e = {e:g} at R = {r:.2f}; {helps}"]
 
 
 def _stale_list(cfg: TrainConfig, stages: int) -> list[int]:
@@ -649,31 +525,8 @@ def _stale_list(cfg: TrainConfig, stages: int) -> list[int]:
     return stage_staleness(stages, cfg.hybrid_switch != 0)
 
 
-def evaluate_checkpoint(
-    cfg: TrainConfig, checkpoint: Path, log: Callable[[str], None] | None = None
-) -> tuple[float, float, int]:
-    """``(top1, loss, images)`` of a checkpoint's weights on ``cfg``'s validation split."""
-    from ..models import build_model
-    from .checkpoints import export_state_dict
+class _Restore:
+    """Something to undo when the run closes (a process-wide setting the run changed)."""
 
-    weights, saved = export_state_dict(checkpoint)
-    ctx = DistContext()
-    trainer = Trainer(cfg, ctx, log or (lambda m: print(m, file=sys.stderr, flush=True)))
-    data_dir, classes = trainer._check_data()
-    name, num_classes = saved["model"]["name"], saved["model"]["num_classes"]
-    if len(classes) != num_classes:
-        raise DataError(
-            f"--evaluate {str(checkpoint)!r}: the model has {num_classes} classes, "
-            f"--data has {len(classes)}"
-        )
-    model = build_model(name, num_classes=num_classes)
-    model.load_state_dict(weights)
-    model.eval()
-
-    class _Plain:
-        @staticmethod
-        def evaluate(x: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                return model(x)
-
-    return evaluate(_Plain(), cfg, data_dir, ctx, None, [])
+    def __init__(self, undo: Callable[[], None]) -> None:
+        self.close = undo

@@ -1,0 +1,250 @@
+"""How an ``echopipe train`` option is defined: its parser, its check, and the CLI from fields.
+
+An option is a dataclass field made by :func:`opt`, carrying its help text, choices, command-line
+spelling, whether it may change on ``--resume``, and the check its value must pass.
+:func:`add_field_arguments` turns such a dataclass into argparse arguments, so the Python API and
+the command line share one definition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["DataError", "TrainError", "UsageError", "add_field_arguments", "flag", "opt"]
+
+MAX_ECHO = 100.0
+MAX_IMAGE_SIZE = 1024
+MAX_SHUFFLE_BUFFER = 1 << 16
+
+
+class TrainError(Exception):
+    """A run that cannot go on, told in one line; ``exit_code`` is the CLI's exit status."""
+
+    exit_code = 1
+
+
+class UsageError(TrainError, ValueError):
+    """A bad option or option combination (exit status 2)."""
+
+    exit_code = 2
+
+
+class DataError(TrainError):
+    """Bad data, or a run that failed on it (exit status 1)."""
+
+    exit_code = 1
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of field ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+# --------------------------------------------------------------------------------------------
+# Value parsers (CLI text to value) and checks (value to None or raise)
+# --------------------------------------------------------------------------------------------
+
+
+def parse_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def parse_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def parse_echo(text: str) -> float | str:
+    return "auto" if text == "auto" else parse_float(text)
+
+
+def parse_stages(text: str) -> int | str:
+    return "auto" if text == "auto" else parse_int(text)
+
+
+def parse_balance(text: str) -> list[int] | str:
+    if text == "auto":
+        return "auto"
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give blocks per stage like 4,4") from None
+
+
+def parse_devices(text: str) -> list[str]:
+    return [d.strip() for d in text.split(",") if d.strip()]
+
+
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UsageError(f"{flag(name)} must be an integer, got {value!r}")
+        if value < minimum:
+            raise UsageError(f"{flag(name)} must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise UsageError(f"{flag(name)} must be <= {maximum}, got {value}")
+
+    return check
+
+
+def finite(minimum: float = 0.0, positive: bool = False) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise UsageError(f"{flag(name)} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise UsageError(f"{flag(name)} must be a finite number, got {value!r}")
+        if value < minimum or (positive and value <= 0):
+            bound = "> 0" if positive else f">= {minimum:g}"
+            raise UsageError(f"{flag(name)} must be {bound}, got {value:g}")
+
+    return check
+
+
+def check_echo(name: str, value: Any) -> None:
+    if value == "auto":
+        return
+    finite(1.0)(name, value)
+    if value > MAX_ECHO:
+        raise UsageError(
+            f"{flag(name)} {value:g} is above {MAX_ECHO:g}: each sample would be "
+            "trained on that many times"
+        )
+
+
+def check_stages(name: str, value: Any) -> None:
+    if value != "auto":
+        int_at_least(1)(name, value)
+
+
+def check_balance(name: str, value: Any) -> None:
+    if value == "auto":
+        return
+    if (
+        not isinstance(value, list)
+        or not value
+        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in value)
+    ):
+        raise UsageError(f"{flag(name)} {value!r}: give blocks per stage (ints >= 1) or 'auto'")
+
+
+def check_devices(name: str, value: Any) -> None:
+    if value is None:
+        return
+    from ..pipeline import parse_devices as resolve_devices
+
+    if not isinstance(value, list) or not value:
+        raise UsageError(f"{flag(name)} {value!r}: give e.g. cpu or cuda:0,cuda:1")
+    try:
+        resolve_devices(list(value), len(value))
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(f"{flag(name)} {','.join(value)}: {exc}") from None
+
+
+def check_path(must_be_dir: bool) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if value is None:
+            return
+        path = Path(value)
+        if must_be_dir and not path.is_dir():
+            what = "is not a folder" if path.exists() else "does not exist"
+            raise UsageError(f"{flag(name)} {str(path)!r} {what}")
+        if not must_be_dir and path.exists() and not path.is_file():
+            raise UsageError(f"{flag(name)} {str(path)!r} is not a file")
+
+    return check
+
+
+def check_output(name: str, value: Any) -> None:
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag(name)} {str(path)!r} is a file; give a run folder")
+
+
+def check_optional(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
+    def optional(name: str, value: Any) -> None:
+        if value is not None:
+            check(name, value)
+
+    return optional
+
+
+def _no_check(name: str, value: Any) -> None:
+    return None
+
+
+def opt(
+    default: Any,
+    help: str,
+    *,
+    check: Callable[[str, Any], None] = _no_check,
+    parse: Callable[[str], Any] | None = None,
+    choices: tuple[Any, ...] | None = None,
+    metavar: str | None = None,
+    short: str | None = None,
+    alias: str | None = None,
+    group: str = "data and schedule",
+    on_resume: Literal["fixed", "free"] = "fixed",
+    cli: bool = True,
+) -> Any:
+    """A :class:`TrainConfig` field with everything the CLI and the checks need."""
+    meta = dict(
+        help=help,
+        check=check,
+        parse=parse,
+        choices=choices,
+        metavar=metavar,
+        short=short,
+        alias=alias,
+        group=group,
+        on_resume=on_resume,
+        cli=cli,
+    )
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def add_field_arguments(parser: argparse.ArgumentParser, cls: type) -> dict[str, Any]:
+    """One argument per field of dataclass ``cls`` made by :func:`opt` (each default shown
+    once, choices listed), in argument groups; returns the groups by title."""
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if not meta["cli"]:
+            continue
+        if meta["group"] not in groups:
+            groups[meta["group"]] = parser.add_argument_group(meta["group"])
+        names = [n for n in (meta["short"], flag(f.name), meta["alias"]) if n]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        shown = "off" if default is None or default is False else default
+        help_text = (
+            meta["help"] if "default:" in meta["help"] else (f"{meta['help']} (default: {shown})")
+        )
+        if isinstance(default, bool):
+            groups[meta["group"]].add_argument(
+                *names, dest=f.name, action="store_true", help=help_text
+            )
+            continue
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
+        if meta["choices"]:
+            kw["choices"] = meta["choices"]
+        if meta["parse"]:
+            kw["type"] = meta["parse"]
+        metavar = meta["metavar"] or {parse_int: "N", parse_float: "X"}.get(meta["parse"])
+        if metavar:
+            kw["metavar"] = metavar
+        groups[meta["group"]].add_argument(*names, **kw)
+    return groups
