@@ -90,6 +90,8 @@ def shadowed_packages() -> list[str]:
 
 def main() -> int:
     print("python", sys.version.split()[0], sys.executable)
+    shadowed = shadowed_packages()
+    print(f".gpu/site packages the image has too: {', '.join(shadowed) if shadowed else 'none'}")
     try:
         import torch
     except ImportError as exc:
@@ -102,8 +104,6 @@ def main() -> int:
         p = torch.cuda.get_device_properties(i)
         print(f"  cuda:{i} {p.name} cc {p.major}.{p.minor} {p.total_memory / 2**30:.0f} GiB")
     dali_report()
-    shadowed = shadowed_packages()
-    print(f".gpu/site packages the image has too: {', '.join(shadowed) if shadowed else 'none'}")
     if not torch.cuda.is_available():
         print("torch sees no CUDA device", file=sys.stderr)
         return 1

@@ -201,7 +201,9 @@ if [[ ! -d .gpu/site && -e .gpu/unpack-dali && -e .gpu/dali.tar.xz.part-0 ]]; th
     # unpack-dali checks the import with `python3`: make that the interpreter the steps use.
     local shim
     shim=$(mktemp -d)
-    ln -s "$PY" "$shim/python3"
+    # A wrapper, not a symlink: a venv's python found through a symlink elsewhere loses its venv.
+    printf '#!/bin/sh\nexec "%s" "$@"\n' "$PY" > "$shim/python3"
+    chmod +x "$shim/python3"
     PATH="$shim:$PATH" bash .gpu/unpack-dali
     local rc=$?
     rm -rf "$shim"
