@@ -319,7 +319,7 @@ def test_train_end_to_end_writes_the_run_folder(tiny_imagenet: Path, tmp_path: P
 
 
 def test_amp_run_exports_a_state_dict_under_the_model_names(
-    tiny_imagenet: Path, tmp_path: Path
+    tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from echopipe.cli import main
     from echopipe.models import build_model
@@ -339,6 +339,17 @@ def test_amp_run_exports_a_state_dict_under_the_model_names(
     )
     train(cfg, log=lambda m: None)
     assert main(["export", str(out / "checkpoints" / "best.pt"), str(tmp_path / "w.pt")]) == 0
+    argv = [
+        "train",
+        "--data",
+        str(tiny_imagenet),
+        "--image-size",
+        "32",
+        "--evaluate",
+        str(out / "checkpoints" / "last.pt"),
+    ]
+    assert main(argv) == 0
+    assert "echopipe train --evaluate: top-1 " in capsys.readouterr().out
     weights = torch.load(tmp_path / "w.pt", weights_only=True)
     assert not any(".block." in k for k in weights)
     build_model("resnet_small", num_classes=4).load_state_dict(weights, strict=True)
@@ -475,6 +486,37 @@ def test_echo_auto_changes_the_factor_within_an_epoch(tiny_imagenet: Path, tmp_p
     # The checkpoint carries the re-planned clock, so a resumed run keeps the same schedule.
     clock = _EpochClock(read_checkpoint(out / "checkpoints" / "last.pt")["run"]["epoch_clock"])
     assert len(clock.segments) >= 3 and clock.epochs_at(s.steps) == pytest.approx(2.0)
+
+
+def test_stage_and_balance_decisions_are_measured_and_said() -> None:
+    """--stages auto times one stage against the 2-stage pipeline on a copy of the model and
+    says which won by how much; --deterministic takes no timing-based choice."""
+    from echopipe.models import build_model
+    from echopipe.train import TrainConfig
+    from echopipe.training.decide import balance_by_parameters, balance_by_weights, choose_split
+
+    assert balance_by_weights([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == [1, 5]
+    assert balance_by_weights([1, 1, 1, 1], 4) == [1, 1, 1, 1]
+    assert balance_by_weights([9, 1, 1], 3) == [1, 1, 1]
+    model = build_model("resnet_small", num_classes=4)
+    before = [p.detach().clone() for p in model.parameters()]
+    sample = torch.randn(8, 3, 32, 32)
+    decisions: list[str] = []
+    balance = choose_split(TrainConfig(), model, sample, 2, ["cpu", "cpu"], decisions)
+    assert sum(balance) == len(model) and len(balance) in (1, 2)
+    (stages,) = [d for d in decisions if d.startswith("stages:")]
+    assert re.search(r"measured (only )?[0-9.]+x the speed of one stage .*ms/step", stages)
+    assert stages.startswith(f"stages: {len(balance)}")
+    # The trial trained a copy: the model's own weights are untouched.
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    decisions = []
+    cfg = TrainConfig(deterministic=True)
+    assert choose_split(cfg, model, sample, 2, ["cpu", "cpu"], decisions) == [len(model)]
+    assert decisions == ["stages: 1 (--deterministic: no timing-based choice)"]
+    decisions = []
+    cfg = TrainConfig(deterministic=True, stages=2)
+    split = choose_split(cfg, model, sample, 2, ["cpu", "cpu"], decisions)
+    assert split == balance_by_parameters(model, 2) and "parameter count" in decisions[0]
 
 
 def test_lr_schedule_follows_epochs_done_through_replanned_epochs() -> None:
