@@ -173,7 +173,7 @@ def test_gathers_larger_than_one_pointer_table_span_several_launches() -> None:
     cache = _cache(memory="pinned", echo_factor=1.0, capacity_samples=n, capacity_bytes=16 << 20)
     try:
         images = rng.integers(0, 256, size=(n, 2, 3, 3), dtype=np.uint8)
-        cache.put_many(images)
+        cache.put_many(images, timeout=10)
         samples = cache.take(n, timeout=10)
         drawn = np.stack([s.array for s in samples])
         raw = torch.zeros(drawn.size, dtype=torch.uint8, device="cuda")
