@@ -589,6 +589,12 @@ def test_specs_replace_the_keywords_for_echopipe_and_the_peer(data: Path) -> Non
         imagenet_train_pipeline(data, batch_size=4, echo_facter=2.0)
     with pytest.raises(TypeError, match=r"\['cache_bytes'\] given for a pipeline without echo"):
         imagenet_train_pipeline(data, batch_size=4, echo=None, cache_bytes=1 << 20)
+    # echo_factor=None switches echo off at one call site that also passes echo options.
+    plain = imagenet_train_pipeline(
+        data, batch_size=4, image_size=SIZE, echo_factor=None, upstream_threads=2,
+        cache_bytes=1 << 20, num_threads=1,
+    )  # fmt: skip
+    assert not isinstance(plain, EchoPipeline)
     with pytest.raises(TypeError, match="expected a ReaderSpec, got AugmentSpec"):
         imagenet_train_pipeline(data, batch_size=4, reader=augment)  # type: ignore[arg-type]
     # The peer takes the very same specs.

@@ -122,8 +122,9 @@ def resolve_specs(
 ) -> tuple[ReaderSpec, AugmentSpec, EchoSpec | None]:
     """The three specs with ``keywords`` applied, each to the spec that owns its name.
 
-    ``echo_factor=None`` among the keywords means no echo (``echo`` becomes ``None``).
-    TypeError names a keyword that no spec has, or an echo keyword given with ``echo=None``.
+    ``echo_factor=None`` among the keywords means no echo (``echo`` becomes ``None``; the other
+    echo keywords then have no effect). TypeError names a keyword that no spec has, or an echo
+    keyword given with ``echo=None``.
     """
     specs: dict[type, Any] = {
         ReaderSpec: reader if reader is not None else ReaderSpec(),
@@ -134,7 +135,9 @@ def resolve_specs(
         if value is not None and not isinstance(value, spec):
             raise TypeError(f"expected a {spec.__name__}, got {type(value).__name__}")
     if "echo_factor" in keywords and keywords["echo_factor"] is None:
-        keywords = {k: v for k, v in keywords.items() if k != "echo_factor"}
+        # The keyword spelling of "no echo" leaves the other echo keywords without effect, so
+        # one call site can switch echo on and off by echo_factor alone.
+        keywords = {k: v for k, v in keywords.items() if _OWNER.get(k) is not EchoSpec}
         specs[EchoSpec] = None
     changes: dict[type, dict[str, Any]] = {}
     for name, value in keywords.items():
