@@ -313,3 +313,44 @@ def _hold_and_drain_in_child() -> None:
 
     _inflight.hold_until(lambda: None, _Payload())
     os._exit(0 if _inflight._KEEPER.drain(timeout=5) else 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU scripts' behaviour without a GPU
+# ---------------------------------------------------------------------------------------------
+
+
+def test_packed_packages_that_the_interpreter_has_too_are_named(tmp_path: Path) -> None:
+    """env_info lists what .gpu/site would shadow: here a packed numpy (the interpreter has
+    one) and a package only the packed folder has."""
+    site = tmp_path / ".gpu" / "site"
+    for name in ("numpy", "zz_only_packed"):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text("")
+    (site / "nvidia").mkdir()
+    (site / "numpy-9.9.dist-info").mkdir()
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2]);"
+        "import env_info; print(env_info.shadowed_packages())"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "bench" / "gpu"), str(site)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "['numpy']"
+
+
+def test_cuda_only_pipeline_bench_says_in_one_line_that_it_needs_a_device(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: bench/gpu/run.sh runs the real thing")
+    got = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "pipeline.py"), "--cuda-only",
+         "--results-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert got.returncode == 1
+    assert got.stderr.strip() == "--cuda-only needs a CUDA device; torch sees none"
+    assert not any(tmp_path.iterdir())
