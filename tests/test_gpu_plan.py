@@ -354,3 +354,10 @@ def test_cuda_only_pipeline_bench_says_in_one_line_that_it_needs_a_device(tmp_pa
     assert got.returncode == 1
     assert got.stderr.strip() == "--cuda-only needs a CUDA device; torch sees none"
     assert not any(tmp_path.iterdir())
+
+
+def test_the_script_runs_its_steps_in_the_order_the_plan_prints() -> None:
+    import re
+
+    ran = re.findall(r"^step (\w+) ", RUN_SH.read_text(), re.MULTILINE)
+    assert ran == PASS1 + PASS2
