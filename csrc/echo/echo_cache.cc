@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 #include "echo/echo_cache_impl.h"
 
@@ -23,7 +24,16 @@ Clock::time_point deadline_after(Clock::time_point start, double timeout_s) {
 
 std::shared_ptr<EchoCache> EchoCache::create(const EchoConfig& config, std::string name) {
   config.validate();
-  return std::shared_ptr<EchoCache>(new EchoCache(config, std::move(name)));
+  auto* cache = new EchoCache(config, std::move(name));
+  return std::shared_ptr<EchoCache>(cache, [](EchoCache* c) {
+    // acq_rel: orders every lease's last use before the delete, whichever side deletes.
+    if (c->impl_->leases.fetch_or(Impl::kOrphaned, std::memory_order_acq_rel) == 0) delete c;
+  });
+}
+
+void EchoCache::drop_leases(EchoCache* cache, uint64_t n) noexcept {
+  const uint64_t before = cache->impl_->leases.fetch_sub(n, std::memory_order_acq_rel);
+  if (before == Impl::kOrphaned + n) delete cache;  // the last lease of an ownerless cache
 }
 
 EchoCache::EchoCache(const EchoConfig& config, std::string name)
@@ -311,7 +321,6 @@ TakeStatus EchoCache::take(size_t n, std::vector<SampleLease>& out, double timeo
   // Everything that can throw comes before tickets are claimed; after the claim nothing can
   // fail, so a claimed ticket is never lost (on a throw, `out` and the cache are unchanged).
   out.reserve(out.size() + n);
-  std::shared_ptr<EchoCache> self = shared_from_this();
 
   const auto start = Clock::now();
   const bool forever = timeout_s < 0;
@@ -390,6 +399,9 @@ TakeStatus EchoCache::take(size_t n, std::vector<SampleLease>& out, double timeo
   const uint64_t rng_base = I.draw_counter.fetch_add(static_cast<uint64_t>(got));
   const uint64_t pos_base = I.emit_pos.fetch_add(static_cast<uint64_t>(got));
   uint64_t samples = 0;
+  // The leases' references are counted before any of them exists: at most n samples. Relaxed:
+  // the caller holds an owner reference, so the cache cannot be orphaned meanwhile.
+  I.leases.fetch_add(n, std::memory_order_relaxed);
   for (int64_t i = 0; i < got; ++i) {
     const uint64_t rnd =
         detail::splitmix64(I.seed * 0x2545F4914F6CDD1Dull + rng_base + static_cast<uint64_t>(i));
@@ -397,7 +409,7 @@ TakeStatus EchoCache::take(size_t n, std::vector<SampleLease>& out, double timeo
     const uint32_t u = I.draw_one(rnd, pos_base + static_cast<uint64_t>(i), &emission);
     for (uint32_t s = u; s != kNone; s = I.slots[s].next) {
       SampleLease lease;
-      lease.cache_ = self;
+      lease.cache_ = this;
       lease.slot_ = s;
       lease.unit_ = u;
       lease.emission_ = emission;
@@ -407,6 +419,7 @@ TakeStatus EchoCache::take(size_t n, std::vector<SampleLease>& out, double timeo
     }
   }
   I.emitted.fetch_add(samples, std::memory_order_relaxed);
+  if (samples < n) I.leases.fetch_sub(n - samples, std::memory_order_relaxed);  // short batch
   return TakeStatus::kOk;
 }
 
@@ -527,7 +540,7 @@ EchoStats EchoCache::stats() const {
 // ---- leases ----------------------------------------------------------------------------------
 
 SampleLease::SampleLease(SampleLease&& o) noexcept
-    : cache_(std::move(o.cache_)),
+    : cache_(std::exchange(o.cache_, nullptr)),
       slot_(o.slot_),
       unit_(o.unit_),
       emission_(o.emission_),
@@ -536,7 +549,7 @@ SampleLease::SampleLease(SampleLease&& o) noexcept
 SampleLease& SampleLease::operator=(SampleLease&& o) noexcept {
   if (this != &o) {
     release();
-    cache_ = std::move(o.cache_);
+    cache_ = std::exchange(o.cache_, nullptr);
     slot_ = o.slot_;
     unit_ = o.unit_;
     emission_ = o.emission_;
@@ -549,8 +562,9 @@ SampleLease::~SampleLease() { release(); }
 
 void SampleLease::release() {
   if (!cache_) return;
-  std::shared_ptr<EchoCache> c = std::move(cache_);
+  EchoCache* c = std::exchange(cache_, nullptr);
   c->release_reader(unit_);
+  EchoCache::drop_leases(c, 1);  // last: may delete the cache
 }
 
 const SampleDesc& SampleLease::desc() const { return cache_->impl_->slots[slot_].desc; }
@@ -645,14 +659,20 @@ void gather(const std::vector<SampleLease>& leases, int field, void* dst, int64_
 
 void release_leases(std::vector<SampleLease>& leases) {
   // Units whose last reader this call drops are chained and pushed onto the cache's retired
-  // stack with one CAS per cache (almost always one cache).
-  std::shared_ptr<EchoCache> owner;  // keeps the cache alive until its units are pushed
+  // stack with one CAS per cache (almost always one cache), and the lease references are dropped
+  // with one atomic per cache.
+  EchoCache* owner = nullptr;
   uint32_t first = kNone, last = kNone;
   int64_t samples = 0, bytes = 0;
+  uint64_t count = 0;
   auto flush = [&] {
+    if (owner == nullptr) return;
     if (first != kNone) owner->impl_->push_retired(first, last, samples, bytes);
+    EchoCache::drop_leases(owner, count);  // last: may delete the cache
+    owner = nullptr;
     first = last = kNone;
     samples = bytes = 0;
+    count = 0;
   };
   for (SampleLease& l : leases) {
     if (!l.cache_) continue;
@@ -661,7 +681,8 @@ void release_leases(std::vector<SampleLease>& leases) {
       owner = l.cache_;
     }
     const uint32_t u = l.unit_;
-    l.cache_.reset();  // released here, so the lease's destructor does nothing
+    l.cache_ = nullptr;  // released here, so the lease's destructor does nothing
+    ++count;
     auto& I = *owner->impl_;
     if (I.drop_reader(u)) {
       int64_t k = 0, b = 0;

@@ -216,13 +216,15 @@ class ECHOPIPE_API SampleLease {
   uint32_t index_in_unit() const { return index_in_unit_; }
   /// Slot index in the cache (stable while the lease lives; for diagnostics).
   uint32_t slot() const { return slot_; }
-  /// The cache this lease reads from.
-  const std::shared_ptr<EchoCache>& cache() const { return cache_; }
+  /// The cache this lease reads from (kept alive by the lease, see EchoCache::create).
+  EchoCache* cache() const { return cache_; }
 
  private:
   friend class EchoCache;
   friend void release_leases(std::vector<SampleLease>& leases);
-  std::shared_ptr<EchoCache> cache_;
+  // A plain pointer: the cache counts its leases (one atomic add per take, not one shared_ptr
+  // copy per sample) and is deleted by whichever comes last, its owners or its leases.
+  EchoCache* cache_ = nullptr;
   uint32_t slot_ = 0;
   uint32_t unit_ = 0;
   uint32_t emission_ = 0;
@@ -285,6 +287,8 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   /// Validates `config` (std::invalid_argument naming the bad value) and allocates the arena
   /// (std::runtime_error if the memory cannot be allocated, or pinned is requested without a
   /// CUDA device). The name is informational; use create_cache() to register one.
+  /// Leases keep the cache alive without holding a shared_ptr: the shared_ptr's deleter only
+  /// marks the cache orphaned while leases exist, and the last lease release deletes it.
   static std::shared_ptr<EchoCache> create(const EchoConfig& config, std::string name = "");
   ~EchoCache();  ///< closes the cache and frees the arena (no lease can exist any more by then)
   EchoCache(const EchoCache&) = delete;
@@ -405,6 +409,8 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   friend class PutReservation;
   friend void release_leases(std::vector<SampleLease>& leases);
   void release_reader(uint32_t unit);
+  // Drops n lease references; deletes the cache when they were the last and no owner is left.
+  static void drop_leases(EchoCache* cache, uint64_t n) noexcept;
   // reserve()/commit() without a PutReservation: put() uses these so that a copying put does not
   // touch the shared_ptr control block (an atomic shared with every consumer's leases).
   PutStatus reserve_slot(const SampleDesc& desc, double timeout_s, uint32_t* slot);

@@ -168,6 +168,11 @@ struct CacheImpl {
   std::atomic<bool> sealed{false};  // input ended, no pending puts, open batch flushed
   std::atomic<int64_t> quota{-1};   // fresh samples a sink may still store; < 0 = unlimited
 
+  // Leases outstanding, plus kOrphaned once the last shared_ptr owner is gone: whichever of the
+  // shared_ptr deleter and the last lease release sees the other's mark deletes the cache.
+  static constexpr uint64_t kOrphaned = uint64_t{1} << 63;
+  alignas(64) std::atomic<uint64_t> leases{0};
+
   // Waiting (wait_mu is a leaf lock).
   std::mutex wait_mu;
   std::condition_variable space_cv;
