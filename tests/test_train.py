@@ -355,6 +355,24 @@ def test_amp_run_exports_a_state_dict_under_the_model_names(
     build_model("resnet_small", num_classes=4).load_state_dict(weights, strict=True)
 
 
+@pytest.mark.slow
+def test_default_run_learns_well_above_chance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --data: the synthetic set (10 classes) is generated into the cache folder and the
+    default model, with the default decisions, learns it well above the 10 % of chance
+    (shortened: 30 images per class, 2 epochs)."""
+    from echopipe.train import TrainConfig, train
+
+    monkeypatch.setenv("ECHOPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = TrainConfig(epochs=2, synthetic_per_class=30, output=tmp_path / "run", progress=False)
+    s = train(cfg, log=lambda m: None)
+    assert len(list((tmp_path / "cache").glob("synthetic-imagenet-c10-n30-*"))) == 1
+    assert s.top1 > 0.3
+    assert any(d.startswith("stages: ") for d in s.decisions)
+    assert any(d.startswith("echo: ") for d in s.decisions)
+
+
 def test_deterministic_runs_are_identical(tiny_imagenet: Path, tmp_path: Path) -> None:
     from echopipe.train import TrainConfig, train
 
@@ -396,6 +414,7 @@ def test_max_steps_and_a_diverging_loss(tiny_imagenet: Path, tmp_path: Path) -> 
     assert s.steps == 6 and s.stopped == "--max-steps 6 reached" and s.epochs == 1
     doc = json.loads((tmp_path / "short" / "metrics.json").read_text())
     assert [r["step"] for r in doc["epochs"]] == [4, 6]
+    assert [r["epoch"] for r in doc["epochs"]] == [1, 1.5]  # the stopped epoch's share
     with pytest.raises(
         DataError, match=r"training loss became (nan|inf).*lower --lr \(now 1e\+30\)"
     ):

@@ -301,7 +301,7 @@ class Trainer:
         cfg, st = self.cfg, self.run_state
         try:
             batch = next(self.data.iterator)[0]
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # the DALI pipeline's failure, e.g. a full echo cache
             raise self._input_error(exc) from None
         x, y = batch["data"], batch["label"].reshape(-1).long()
         if cfg.channels_last:
@@ -330,8 +330,6 @@ class Trainer:
             )
 
     def _input_error(self, exc: RuntimeError) -> Exception:
-        from ..data import CorruptImageError
-
         match = _CACHE_FULL.search(str(exc))
         if match:
             need = int(match.group(1)) / 2**20
@@ -340,8 +338,6 @@ class Trainer:
                 f"holds (--cache-mb {self.cfg.cache_mb}); raise --cache-mb to at least "
                 f"{math.ceil(need) * 4}"
             )
-        if isinstance(exc, CorruptImageError):
-            return DataError(f"{exc} (--on-corrupt skip leaves such files out)")
         return exc
 
     def _retune_echo(self, within_epoch: bool) -> None:
@@ -374,16 +370,11 @@ class Trainer:
     def end_epoch(self) -> None:
         """Validate, record the row, retune echo, checkpoint, rewrite the run folder's files."""
         cfg, st = self.cfg, self.run_state
+        if st.rows and st.rows[-1]["step"] == st.global_step:
+            return  # --max-steps fell on an epoch end: that epoch is already recorded
         top1, val_loss, val_n = evaluate(
             self.pipeline, cfg, self.data_dir, self.ctx, self.data.device_id, self._val
         )
-        if (
-            self.stopped is not None
-            and st.step_in_epoch == 0
-            and st.rows
-            and st.rows[-1]["step"] == st.global_step
-        ):
-            return  # --max-steps fell on an epoch end: that epoch is already recorded
         finished = st.step_in_epoch >= st.steps_per_epoch
         if finished:
             st.epoch += 1
@@ -418,7 +409,8 @@ class Trainer:
             self.cfg.epochs,
         )
         return {
-            "epoch": st.epoch,
+            # Epochs done: a whole number, or a fraction for a run stopped by --max-steps.
+            "epoch": st.epoch if st.step_in_epoch == 0 else round(self.clock.epochs_at(n), 3),
             "step": st.global_step,
             "wall_s": st.wall_s + time.perf_counter() - self.wall0,
             "train_s": st.train_s,
