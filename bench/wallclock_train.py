@@ -1,0 +1,287 @@
+"""Wall-clock time to a validation target through ``echopipe train`` itself, vs echo factor.
+
+``bench/wallclock.py`` measures echoing on a digits/LeNet-5 proxy. This study runs the real
+trainer instead: DALI reads and decodes the synthetic ImageNet-style JPEGs, the echo cache sits
+in the DALI pipeline, and the model trains as a 2-stage stale-weight pipeline (PPL-SGD). Each
+run is a separate ``echopipe train`` process; the study only chooses its flags and reads its
+``metrics.json``.
+
+* Calibration: one short run without a read delay (``--max-steps``) measures the trainer's time
+  per step ``t_down`` and the reader's ``t_up``, and fixes the stage balance for every run. The
+  read delay per sample is then set so that ``t_up / t_down`` is about ``--ratio`` (6):
+  ``--read-delay-ms = (ratio * t_down - t_up) / batch``. Every run reports the ``R`` it measured.
+* Runs: every ``e`` in ``--echo-factors`` (1, 2, 4, 6 and ``auto``) for every seed, each for
+  ``--epochs`` passes over the fresh data (the LR schedule spans them, so every run has the
+  same schedule in fresh epochs). ``auto`` starts at 1 and changes ``e`` in place
+  (``set_echo_factor``: ``input_builds`` stays 1) every ``--echo-interval`` steps.
+* Time to target: training time (``train_s``: the epoch loops, input waits included; start-up
+  and validation excluded) until validation top-1 first reaches ``--target``. Validation runs
+  once per epoch, so the time is interpolated linearly between the two validations around the
+  crossing (the epoch-end time is recorded too). Mean and standard deviation over the seeds.
+
+Aims (issue 14): best e ≥ 3.25x faster than e = 1 (the paper's ResNet-50 figure); ``auto``
+≥ 0.95x the best fixed e; the spread between seeds smaller than the effect.
+
+Run: ``python bench/wallclock_train.py [--quick]``; writes ``wallclock_train.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+try:
+    from . import benchutil as bu
+except ImportError:  # run as a script: bench/ is sys.path[0]
+    import benchutil as bu
+
+
+def trainer_command() -> list[str]:
+    """``echopipe`` (the console script), else the same entry point through this Python."""
+    exe = shutil.which("echopipe")
+    if exe:
+        return [exe]
+    return [sys.executable, "-c", "import sys; from echopipe.cli import main; sys.exit(main())"]
+
+
+def run_train(
+    trainer: list[str], flags: list[str], out: Path, log: Path, timeout: float
+) -> dict[str, Any]:
+    """Runs ``<trainer> train`` with ``flags`` into ``out``; returns its metrics.json."""
+    cmd = [*trainer, "train", *flags, "--output", str(out), "--no-progress"]
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        f.write(shlex.join(cmd) + "\n")
+        f.flush()
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    if done.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-15:]
+        raise RuntimeError(f"echopipe train failed ({done.returncode}): " + "\n".join(tail))
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["process_s"] = time.perf_counter() - t0
+    metrics["command"] = shlex.join(cmd)
+    return metrics
+
+
+def time_to_target(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """Training seconds until validation top-1 first reaches ``target`` (None: never)."""
+    prev_t, prev_acc = 0.0, None
+    for row in rows:
+        t, acc = float(row["train_s"]), float(row["val_top1"])
+        if acc >= target:
+            if prev_acc is None or acc == prev_acc:
+                interpolated = t
+            else:  # the crossing lies between the two validations; linear in training time
+                interpolated = prev_t + (target - prev_acc) / (acc - prev_acc) * (t - prev_t)
+            return {"seconds": max(min(interpolated, t), prev_t), "epoch_end_seconds": t,
+                    "epoch": int(row["epoch"]), "step": int(row["step"])}  # fmt: skip
+        prev_t, prev_acc = t, acc
+    return {"seconds": None, "epoch_end_seconds": None, "epoch": None, "step": None}
+
+
+def calibrate(args: Any, work: Path) -> dict[str, Any]:
+    """Measures t_up and t_down without a delay; fixes the balance; returns the delay."""
+    metrics = run_train(
+        args.trainer,
+        [*args.common, "--echo", "1", "--epochs", "1", "--max-steps", str(args.calib_steps),
+         "--seed", "0"],
+        work / "calibration", work / "calibration.log", args.run_timeout,
+    )  # fmt: skip
+    s = metrics["summary"]
+    t_up, t_down = float(s["t_up_ms"]), float(s["t_down_ms"])
+    delay = max(0.0, (args.ratio * t_down - t_up) / args.batch_size)
+    return {"t_up_ms": t_up, "t_down_ms": t_down, "balance": s["balance"],
+            "read_delay_ms": round(delay, 3), "process_s": metrics["process_s"]}  # fmt: skip
+
+
+def study_rows(runs: list[dict[str, Any]], factors: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for echo in factors:
+        rs = [r for r in runs if r["echo"] == echo]
+        mean, sd, n = bu.mean_std([r["seconds_to_target"] for r in rs])
+        end_mean, end_sd, _ = bu.mean_std([r["epoch_end_seconds_to_target"] for r in rs])
+        ratio, _, _ = bu.mean_std([r["R_measured"] for r in rs])
+        rows.append({"echo": echo, "seeds": len(rs), "reached": n,
+                     "seconds_to_target_mean": mean, "seconds_to_target_sd": sd,
+                     "epoch_end_seconds_mean": end_mean, "epoch_end_seconds_sd": end_sd,
+                     "R_measured_mean": ratio,
+                     "final_top1": [r["final_top1"] for r in rs],
+                     "factors_used": [r["factors_used"] for r in rs],
+                     "input_builds": [r["input_builds"] for r in rs]})  # fmt: skip
+    base = next((r for r in rows if r["echo"] == "1"), None)
+    for row in rows:
+        ok = base and base["reached"] == base["seeds"] and row["reached"] == row["seeds"]
+        row["speedup_vs_e1"] = (
+            base["seconds_to_target_mean"] / row["seconds_to_target_mean"] if ok else None
+        )
+    return rows
+
+
+def claims_for(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    fixed = [r for r in rows if r["echo"] not in ("1", "auto") and r["speedup_vs_e1"]]
+    best = max(fixed, key=lambda r: r["speedup_vs_e1"], default=None)
+    auto = next((r for r in rows if r["echo"] == "auto"), None)
+    claims = [
+        bu.claim("wall-clock to target: best fixed e against e = 1", ">= 3.25x",
+                 None if best is None else round(best["speedup_vs_e1"], 3),
+                 None if best is None else best["speedup_vs_e1"] >= 3.25,
+                 "e = 1 or every echoed e missed the target in some seed" if best is None
+                 else f"best e = {best['echo']} (paper: 3.25x, ResNet-50/ImageNet)"),
+    ]  # fmt: skip
+    all_fixed = [r for r in rows if r["echo"] != "auto" and r["reached"] == r["seeds"]]
+    best_any = min(all_fixed, key=lambda r: r["seconds_to_target_mean"], default=None)
+    if auto is None or best_any is None or auto["reached"] < auto["seeds"]:
+        claims.append(bu.claim("wall-clock to target: auto against the best fixed e", ">= 0.95x",
+                               None, None, "auto not run, or a run missed the target"))  # fmt: skip
+    else:
+        v = best_any["seconds_to_target_mean"] / auto["seconds_to_target_mean"]
+        claims.append(bu.claim("wall-clock to target: auto against the best fixed e", ">= 0.95x",
+                               round(v, 3), v >= 0.95,
+                               f"best fixed e = {best_any['echo']}"))  # fmt: skip
+    spread = [r for r in rows if r["seeds"] > 1 and r["reached"] == r["seeds"]]
+    base = next((r for r in rows if r["echo"] == "1"), None)
+    if best is None or base is None or not spread:
+        claims.append(bu.claim("spread between seeds smaller than the effect",
+                               "sd(e=1) + sd(best e) < mean(e=1) - mean(best e)", None, None,
+                               "needs 2+ seeds that all reach the target"))  # fmt: skip
+    else:
+        noise = base["seconds_to_target_sd"] + best["seconds_to_target_sd"]
+        effect = base["seconds_to_target_mean"] - best["seconds_to_target_mean"]
+        claims.append(bu.claim("spread between seeds smaller than the effect",
+                               "sd(e=1) + sd(best e) < mean(e=1) - mean(best e)",
+                               f"{noise:.1f} s vs {effect:.1f} s", noise < effect, ""))  # fmt: skip
+    return claims
+
+
+def one_run(args: Any, work: Path, echo: str, seed: int, delay: float) -> dict[str, Any]:
+    name = f"e{echo}_seed{seed}"
+    flags = [*args.common, "--echo", echo, "--epochs", str(args.epochs), "--seed", str(seed),
+             "--read-delay-ms", f"{delay:g}", "--echo-interval", str(args.echo_interval),
+             "--echo-max", f"{args.echo_max:g}"]  # fmt: skip
+    m = run_train(args.trainer, flags, work / name, work / f"{name}.log", args.run_timeout)
+    rows = m["epochs"]
+    hit = time_to_target(rows, args.target)
+    ratios = [r["R"] for r in rows if r.get("R") is not None]
+    return {
+        "echo": echo,
+        "seed": seed,
+        "seconds_to_target": hit["seconds"],
+        "epoch_end_seconds_to_target": hit["epoch_end_seconds"],
+        "epoch_reached": hit["epoch"],
+        "final_top1": rows[-1]["val_top1"] if rows else None,
+        "R_measured": ratios[-1] if ratios else None,
+        "factors_used": m["summary"].get("echo_factors_used"),
+        "echo_history": m.get("echo_history", []),
+        "input_builds": rows[-1].get("input_builds") if rows else None,
+        "train_s": m["summary"].get("train_s"),
+        "process_s": round(m["process_s"], 1),
+        "curve": [[r["train_s"], r["val_top1"], r["echo_factor"], r["step"]] for r in rows],
+        "command": m["command"],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the study, prints its table, writes ``wallclock_train.json``; 0 unless it errs."""
+    p = bu.bench_parser("wallclock_train", __doc__, "1 seed, e in {1, 4, auto}, 3 short epochs")
+    p.add_argument("--echo-factors", nargs="+", default=None, help="numbers and/or 'auto'")
+    p.add_argument("--seeds", type=int, nargs="+", default=None)
+    p.add_argument("--ratio", type=float, default=6.0, help="R = t_up / t_down to set up")
+    p.add_argument("--target", type=float, default=None, help="validation top-1 to reach")
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--model", default="resnet20")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("-b", "--batch-size", type=int, default=32)
+    p.add_argument("--synthetic-per-class", type=int, default=None)
+    p.add_argument("--echo-interval", type=int, default=20)
+    p.add_argument("--echo-max", type=float, default=8.0)
+    p.add_argument("--calib-steps", type=int, default=30)
+    p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per trainer run")
+    p.add_argument("--keep-runs", type=Path, default=None, help="keep run folders here")
+    p.add_argument("--trainer", default=None,
+                   help="command that runs the echopipe CLI (default: echopipe)")  # fmt: skip
+    args = p.parse_args(argv)
+    factors = args.echo_factors or (["1", "4", "auto"] if args.quick else
+                                    ["1", "2", "4", "6", "auto"])  # fmt: skip
+    for f in factors:
+        if f != "auto":
+            try:
+                ok = float(f) >= 1
+            except ValueError:
+                ok = False
+            if not ok:
+                p.error(f"--echo-factors takes numbers >= 1 or 'auto', got {f!r}")
+    factors = [f if f == "auto" else f"{float(f):g}" for f in factors]
+    if "1" not in factors:
+        p.error("--echo-factors must include 1 (the baseline)")
+    run = bu.BenchRun.start("wallclock_train", args, argv)
+    args.trainer = shlex.split(args.trainer) if args.trainer else trainer_command()
+    seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
+    args.epochs = args.epochs or (3 if args.quick else 12)
+    args.target = args.target or (0.3 if args.quick else 0.6)
+    per_class = args.synthetic_per_class or (30 if args.quick else 100)
+    args.common = ["--model", args.model, "--image-size", str(args.image_size),
+                   "--batch-size", str(args.batch_size), "--synthetic-per-class", str(per_class),
+                   "--stages", "2"]  # fmt: skip
+    work_ctx = tempfile.TemporaryDirectory(prefix="wallclock_train-")
+    work = args.keep_runs or Path(work_ctx.name)
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    calib = calibrate(args, work)
+    args.common += ["--balance", ",".join(str(b) for b in calib["balance"])]
+    print(f"calibration: t_up {calib['t_up_ms']:.1f} ms, t_down {calib['t_down_ms']:.1f} ms per "
+          f"step, balance {calib['balance']} -> --read-delay-ms {calib['read_delay_ms']:g} "
+          f"for R = {args.ratio:g}", flush=True)  # fmt: skip
+    runs = []
+    for seed in seeds:
+        for echo in factors:
+            r = one_run(args, work, echo, seed, calib["read_delay_ms"])
+            runs.append(r)
+            secs = r["seconds_to_target"]
+            print(f"[{time.perf_counter() - start:6.0f}s] seed {seed} e={echo}: "
+                  + (f"{secs:.1f} s to {args.target:g}" if secs is not None else "target missed")
+                  + f", final top-1 {r['final_top1']}, R {r['R_measured']}, "
+                  f"e used {r['factors_used']}, input builds {r['input_builds']}",
+                  flush=True)  # fmt: skip
+    work_ctx.cleanup()
+    rows = study_rows(runs, factors)
+    claims = claims_for(rows)
+    table = bu.format_table(
+        ["e", "train s to target (interpolated)", "at epoch end", "speedup vs e=1",
+         "R measured", "e used", "input builds"],
+        [[r["echo"],
+          bu.fmt_ms(r["seconds_to_target_mean"], r["seconds_to_target_sd"], r["reached"],
+                    r["seeds"]),
+          bu.fmt_ms(r["epoch_end_seconds_mean"], r["epoch_end_seconds_sd"], r["reached"],
+                    r["seeds"]),
+          r["speedup_vs_e1"], r["R_measured_mean"],
+          " | ".join(",".join(f"{e:g}" for e in (u or [])) for u in r["factors_used"]),
+          ",".join(str(b) for b in r["input_builds"])] for r in rows],
+    )  # fmt: skip
+    print()
+    print(table)
+    run.finish(
+        figures={"rows": rows, "calibration": calib},
+        ratios={f"e={r['echo']} speedup vs e=1": r["speedup_vs_e1"] for r in rows},
+        claims=claims,
+        config={"factors": factors, "seeds": seeds, "epochs": args.epochs,
+                "target": args.target, "ratio": args.ratio, "trainer_flags": args.common,
+                "echo_interval": args.echo_interval, "echo_max": args.echo_max,
+                "synthetic_per_class": per_class,
+                "time": "train_s of echopipe train (input waits included; start-up and "
+                        "validation excluded), interpolated between epoch validations"},
+        paper="Choi et al. 2019: 3.25x wall-clock speedup, ResNet-50 on ImageNet, e about 5",
+        runs=runs,
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
