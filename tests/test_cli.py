@@ -391,7 +391,7 @@ def test_cli_train_runs_with_amp_and_hybrid(tiny_imagenet: Path, tmp_path: Path)
     assert [r["pipelined"] for r in doc["epochs"]] == [True, False]
     assert doc["summary"]["balance"] == [4, 4]
     config = json.loads((run / "config.json").read_text())
-    assert config["options"]["amp"] is True and config["options"]["channels_last"] is True
+    assert config["options"]["amp"] == "bf16" and config["options"]["channels_last"] is True
     assert (run / "training.png").is_file()
 
 

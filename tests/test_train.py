@@ -318,7 +318,7 @@ def test_train_end_to_end_writes_the_run_folder(tiny_imagenet: Path, tmp_path: P
     assert (out / "checkpoints" / "last.pt").read_bytes() == before
 
 
-def test_amp_run_exports_a_state_dict_under_the_model_names(
+def test_fp16_run_exports_a_state_dict_under_the_model_names(
     tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from echopipe.cli import main
@@ -331,13 +331,15 @@ def test_amp_run_exports_a_state_dict_under_the_model_names(
         image_size=32,
         batch_size=8,
         epochs=1,
-        amp=True,
+        amp="fp16",
         stages=2,
         balance=[3, 5],
         output=out,
         progress=False,
     )
-    train(cfg, log=lambda m: None)
+    s = train(cfg, log=lambda m: None)
+    assert any(d.startswith("amp: fp16, loss scale ") for d in s.decisions)
+    assert read_checkpoint(out / "checkpoints" / "last.pt")["amp_scaler"]["scale"] > 0
     assert main(["export", str(out / "checkpoints" / "best.pt"), str(tmp_path / "w.pt")]) == 0
     argv = [
         "train",
@@ -371,6 +373,45 @@ def test_default_run_learns_well_above_chance(
     assert s.top1 > 0.3
     assert any(d.startswith("stages: ") for d in s.decisions)
     assert any(d.startswith("echo: ") for d in s.decisions)
+
+
+def test_fp16_loss_scaling_skips_overflowing_updates_and_backs_off() -> None:
+    """A real two-stage pipeline under float16 autocast with a loss scale far too large: the
+    first updates overflow and are skipped (the weights stay), the scale halves until the
+    gradients fit, then updates apply; the reported loss is the unscaled one."""
+    from torch import nn
+
+    from echopipe.pipeline import StalePipeline
+    from echopipe.training.amp import Autocast, LossScaler
+
+    torch.manual_seed(0)
+    blocks = [nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)]
+    model = nn.Sequential(*[Autocast(b, torch.float16) for b in blocks])
+    start = [p.detach().clone() for p in model.parameters()]
+    scaler = LossScaler(2, init_scale=2.0**40)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    losses = []
+    with StalePipeline(model, balance=[2, 1], devices=["cpu", "cpu"],
+                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                       loss_fn=scaler.wrap_loss(nn.functional.cross_entropy),
+                       grad_hook=scaler.grad_hook) as pipe:  # fmt: skip
+        result = pipe.train_step(x, y)
+        losses += result.losses
+        losses += [r.value for r in pipe.drain()]
+        # The first update of each stage overflowed: skipped, weights unchanged.
+        assert scaler.skipped == 2 and scaler.scale == 2.0**39
+        assert all(torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True))
+        for _ in range(40):
+            losses += pipe.train_step(x, y).losses
+        losses += [r.value for r in pipe.drain()]
+    assert 2.0**8 <= scaler.scale < 2.0**39
+    assert not all(torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True))
+    assert all(math.isfinite(v) and 0 < v < 10 for v in losses)  # unscaled cross-entropy
+    assert losses[-1] < losses[0]
+    state = scaler.state_dict()
+    again = LossScaler(2)
+    again.load_state_dict(state)
+    assert again.state_dict() == state
 
 
 def test_deterministic_runs_are_identical(tiny_imagenet: Path, tmp_path: Path) -> None:

@@ -239,7 +239,14 @@ class TrainConfig:
         metavar="DEV,...",
         group=_P,
     )
-    amp: bool = opt(False, "mixed precision: every block under bfloat16 autocast", group=_P)
+    amp: str = opt(
+        "off",
+        "mixed precision per block: bf16 autocast (bare --amp), or fp16 autocast with dynamic loss "
+        "scaling",
+        choices=("off", "bf16", "fp16"),
+        const="bf16",
+        group=_P,
+    )
     channels_last: bool = opt(
         False, "channels-last memory format for the model and input", group=_P
     )
@@ -287,6 +294,10 @@ class TrainConfig:
         on_resume="free",
     )
     progress: bool = opt(True, "progress bars on a terminal", group=_O, on_resume="free", cli=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.amp, bool):  # the older on/off spelling means bfloat16
+            self.amp = "bf16" if self.amp else "off"
 
     def validate(self) -> None:
         """Raise :class:`UsageError` naming the first bad value; touches no data or model."""

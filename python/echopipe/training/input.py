@@ -23,26 +23,7 @@ from torch import nn
 from .config import DataError, TrainConfig
 from .distributed import DistContext
 
-__all__ = ["Autocast", "StageClock", "TrainInput", "evaluate", "evaluate_checkpoint"]
-
-
-class Autocast(nn.Module):
-    """Runs the wrapped block under ``torch.autocast`` in bfloat16 (``--amp``).
-
-    Autocast state is per thread, and every pipeline stage runs in its own thread, so the
-    wrapper enters it inside each block's forward rather than around the training loop.
-    bfloat16 keeps float32's exponent range, so no loss scaling is needed per stage.
-    """
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The block's own device: with --devices cpu,cuda:0 each stage autocasts its own way.
-        with torch.autocast(x.device.type, dtype=torch.bfloat16):
-            out = self.block(x)
-        return out.float() if out.is_floating_point() else out
+__all__ = ["StageClock", "TrainInput", "evaluate", "evaluate_checkpoint"]
 
 
 class StageClock:

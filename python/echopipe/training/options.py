@@ -195,6 +195,7 @@ def opt(
     group: str = "data and schedule",
     on_resume: Literal["fixed", "free"] = "fixed",
     cli: bool = True,
+    const: Any = None,
 ) -> Any:
     """A :class:`TrainConfig` field with everything the CLI and the checks need."""
     meta = dict(
@@ -208,6 +209,7 @@ def opt(
         group=group,
         on_resume=on_resume,
         cli=cli,
+        const=const,
     )
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
@@ -241,6 +243,8 @@ def add_field_arguments(parser: argparse.ArgumentParser, cls: type) -> dict[str,
         kw: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
         if meta["choices"]:
             kw["choices"] = meta["choices"]
+        if meta["const"] is not None:  # the flag alone means this value
+            kw.update(nargs="?", const=meta["const"])
         if meta["parse"]:
             kw["type"] = meta["parse"]
         metavar = meta["metavar"] or {parse_int: "N", parse_float: "X"}.get(meta["parse"])

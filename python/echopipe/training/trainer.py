@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from ..adaptive import EchoController
+from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks
 from .checkpoints import RunCheckpoints
 from .config import DataError, TrainConfig, UsageError
 from .decide import choose_split
 from .distributed import DistContext, all_reduce_grads, average_buffers, default_devices
-from .input import Autocast, StageClock, TrainInput, evaluate
+from .input import StageClock, TrainInput, evaluate
 from .preflight import check_data, load_resume, lock_run_folder, run_folder
 from .report import Progress, TrainSummary, echo_verdict, write_config, write_run_files
 from .schedule import EpochClock, lr_factor, sgd_factory
@@ -160,13 +161,20 @@ class Trainer:
             self.clock.plan(0, 0.0, st.steps_per_epoch, 1.0)
         st.epoch_clock = self.clock.segments
         self.model = model
+        self.scaler = LossScaler(stages) if cfg.amp == "fp16" else None
+        loss_fn: Any = nn.CrossEntropyLoss()
+        if self.scaler is not None:
+            loss_fn = self.scaler.wrap_loss(loss_fn)
+            if saved:
+                self.scaler.load_state_dict(saved["amp_scaler"])
         self.pipeline = StalePipeline(
             model,
             optimizer=sgd_factory(cfg),
-            grad_hook=all_reduce_grads(ctx),
+            # Replicas average first, so every rank sees the same overflow and scales alike.
+            grad_hook=chain_hooks(all_reduce_grads(ctx), self.scaler and self.scaler.grad_hook),
             scheduler=self._scheduler,
             scheduler_interval="step",
-            loss_fn=nn.CrossEntropyLoss(),
+            loss_fn=loss_fn,
             balance=balance,
             devices=devices,
         )
@@ -210,8 +218,8 @@ class Trainer:
         model = build_model(self.cfg.model, num_classes=len(self.classes))
         if self.cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        if self.cfg.amp:
-            model = nn.Sequential(*[Autocast(b) for b in model])
+        if self.cfg.amp != "off":
+            model = nn.Sequential(*[Autocast(b, AMP_DTYPES[self.cfg.amp]) for b in model])
         return model
 
     def _scheduler(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -451,6 +459,7 @@ class Trainer:
             "input_counters": self.data.base,
             "input_factor": self.data.factor,
             "controller": self.controller.state_dict() if self.controller else None,
+            "amp_scaler": self.scaler.state_dict() if self.scaler else None,
             "rng": get_rng_state(),
             "run": st.state_dict(),
         }
@@ -501,12 +510,21 @@ class Trainer:
             output=str(self.out) if ctx.is_main else None,
             metrics_path=str(self.out / "metrics.json") if ctx.is_main else None,
             plots=[str(self.out / "training.png")] if ctx.is_main and st.rows else [],
-            decisions=self.decisions + echo_verdict(st.rows, self.data.factor),
+            decisions=self.decisions + echo_verdict(st.rows, self.data.factor) + self._amp_note(),
             stopped=self.stopped,
         )
         if ctx.is_main:
             self._write_metrics(summary)
         return summary
+
+    def _amp_note(self) -> list[str]:
+        s = self.scaler
+        if s is None:
+            return []
+        return [
+            f"amp: fp16, loss scale {s.scale:g}; {s.skipped} stage update(s) skipped on a "
+            "gradient overflow"
+        ]
 
 
 def _stale_list(cfg: TrainConfig, stages: int) -> list[int]:
