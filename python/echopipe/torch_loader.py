@@ -144,7 +144,8 @@ class EchoLoader:
         seed: Seeds the tickets and draws of the cache.
         capacity_bytes: Cache arena size (default: the shuffle buffer's samples plus slack).
         echo_max: Upper bound of ``e`` for ``"auto"``.
-        echo_interval: With ``"auto"``: output batches between changes of ``e``.
+        echo_interval: With ``"auto"``: output batches between changes of ``e`` (the first
+            change applies right after the controller's warm-up).
         timeout: Longest wait for one output batch, seconds (``None``: no limit; closing and
             errors of the wrapped loader always end a wait).
         close_timeout: How long :meth:`close` waits for the wrapped loader to return.
@@ -390,7 +391,10 @@ class EchoLoader:
             step = self._totals["delivered_batches"] + self._delivered_epoch[0]
             self._controller.observe(t_up, max(busy, 1e-9), step)
         step = self._totals["delivered_batches"] + self._delivered_epoch[0]
-        if step % self._interval == 0 and self._controller.factor != self._factor:
+        # The first decision (after the controller's warm-up) applies at once: waiting for the
+        # interval would run those batches at e = 1, the time "auto" loses most.
+        first = len(self._history) == 1
+        if self._controller.factor != self._factor and (first or step % self._interval == 0):
             self.set_echo_factor(self._controller.factor)
 
     def _end_epoch(self, token: int, abort: bool) -> None:
