@@ -286,6 +286,16 @@ def test_resume_refuses_planted_foreign_and_damaged_files_without_running_them(
     assert not marker.exists()
 
 
+def test_export_refuses_a_foreign_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    line = _bad(["export", str(tmp_path / "other.pt"), str(tmp_path / "out.pt")], capsys)
+    assert "other.pt" in line and "not an echopipe checkpoint" in line
+    assert "gone.pt" in _bad(["export", str(tmp_path / "gone.pt"), str(tmp_path / "o.pt")], capsys)
+    assert not (tmp_path / "out.pt").exists()
+
+
 def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["train", "--help"])
