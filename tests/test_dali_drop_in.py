@@ -243,3 +243,31 @@ def test_stale_pipeline_trains_on_what_dali_iterators_yield(files: list[str], it
             assert result.steps == len(it) == 8 and result.samples == 2 * N
             assert len(result.losses) == 8 and all(math.isfinite(v) for v in result.losses)
             assert stale.steps_applied == 8
+
+
+def test_dali_checkpoint_of_a_free_running_pipeline_loses_no_sample(files: list[str]) -> None:
+    @edali.echo_pipeline_def(echo_factor=2, epochs=1, enable_checkpointing=True)
+    def finite(files):
+        jpegs, labels = fn.readers.file(
+            files=files, labels=list(range(len(files))), random_shuffle=True,
+            pad_last_batch=True, name="Reader",
+        )  # fmt: skip
+        return edali.echo(fn.resize(fn.decoders.image(jpegs), size=(8, 8)), labels)
+
+    def labels_of(it, n=None):
+        out = []
+        for step, batch in enumerate(it):
+            out += batch[0]["label"].reshape(-1).tolist()
+            if n is not None and step + 1 == n:
+                break
+        return out
+
+    # 24 files * e = 2 = 48 samples = 8 batches of 6: no padding in the stream.
+    with finite(files, batch_size=6, num_threads=1, device_id=None, seed=4) as pipe:
+        it = DALIGenericIterator(pipe, ["data", "label"])
+        before = labels_of(it, 3)
+        (checkpoint,) = it.checkpoints()
+    with finite(files, batch_size=6, num_threads=1, device_id=None, checkpoint=checkpoint) as pipe:
+        after = labels_of(DALIGenericIterator(pipe, ["data", "label"]))
+    assert len(before) == 18 and len(after) == 30
+    assert Counter(before + after) == {i: 2 for i in range(N)}
