@@ -114,31 +114,43 @@ class TrainInput:
         self.base = {"fresh": 0, "echoed": 0, "samples": 0, "up_s": 0.0, "up_iters": 0}
 
     def build(self, factor: float, steps_per_epoch: int | None, state: Any = None) -> None:
-        from ..dali import EchoIterator, imagenet_train_pipeline
+        from ..dali import (
+            AugmentSpec,
+            EchoIterator,
+            EchoSpec,
+            ReaderSpec,
+            imagenet_train_pipeline,
+        )
 
         self.close()
         cfg = self.cfg
-        self.pipe = imagenet_train_pipeline(
-            self.data_dir,
-            batch_size=cfg.batch_size,
-            image_size=cfg.image_size,
-            echo_factor=factor,
-            echo_insert=cfg.echo_insert,
-            echo_mode=cfg.echo_mode,
-            shuffle_buffer=cfg.shuffle_buffer,
-            read_delay_ms=cfg.read_delay_ms,
+        reader = ReaderSpec(
             shard_id=self.ctx.rank,
             num_shards=self.ctx.world_size,
             # The same seed on resume: DALI's checkpoint restores the reader's position in the
             # file order that this seed permutes, so the resumed epoch goes on where it stopped.
             seed=cfg.seed + 104729 * self.ctx.rank,
-            decode_device=cfg.decode,
+            on_corrupt=cfg.on_corrupt,  # type: ignore[arg-type]
+            read_delay_ms=cfg.read_delay_ms,
+            decode_device=cfg.decode,  # type: ignore[arg-type]
             device_id=self.device_id,
             num_threads=cfg.workers,
+        )
+        echo = EchoSpec(
+            echo_factor=factor,
+            echo_insert=cfg.echo_insert,  # type: ignore[arg-type]
+            echo_mode=cfg.echo_mode,  # type: ignore[arg-type]
+            shuffle_buffer=cfg.shuffle_buffer,
             cache_bytes=cfg.cache_mb << 20,
-            on_corrupt=cfg.on_corrupt,
             deterministic=cfg.deterministic,
             enable_checkpointing=True,
+        )
+        self.pipe = imagenet_train_pipeline(
+            self.data_dir,
+            batch_size=cfg.batch_size,
+            reader=reader,
+            augment=AugmentSpec(image_size=cfg.image_size),
+            echo=echo,
         )
         self.iterator = EchoIterator(self.pipe, ["data", "label"], steps_per_epoch=steps_per_epoch)
         if state is not None:
