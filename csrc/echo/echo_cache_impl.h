@@ -126,6 +126,11 @@ struct CacheImpl {
   // Dense, so that a random probe touches one 8-byte word; drawers probe it without locks.
   std::unique_ptr<std::atomic<uint64_t>[]> state;
   std::unique_ptr<UnitInfo[]> info;
+  // 1 + the highest slot ever allocated. Free slots are a stack that starts with slot 0 on top and
+  // gets retired slots pushed back, so live units stay packed below this mark: draws probe
+  // [0, high_water) instead of the whole capacity, which keeps the hit rate up when a large
+  // cache holds few samples. Written under alloc_mu before the slot's unit is published.
+  std::atomic<uint32_t> high_water{0};
   std::array<ReuseStripe, kStripes> reuse;
   std::atomic<double> echo_factor{2.0};  // read once per published unit
   uint64_t seed = 0;                     // replaced by restore_state

@@ -135,6 +135,10 @@ bool CacheImpl::alloc_slot_locked(const SampleDesc& desc, uint64_t need, uint32_
   if (free_slots.empty() || !extents.alloc(need, &off)) return false;
   const uint32_t s = free_slots.back();
   free_slots.pop_back();
+  // release: a drawer that acquires a unit's tickets (published after this) sees the new mark.
+  if (s >= high_water.load(std::memory_order_relaxed)) {
+    high_water.store(s + 1, std::memory_order_release);
+  }
   Slot& sl = slots[s];
   sl.desc = desc;
   sl.offset = off;
@@ -221,18 +225,22 @@ void CacheImpl::try_seal() {
 }
 
 uint32_t CacheImpl::draw_one(uint64_t rnd, uint64_t pos, uint32_t* emission) noexcept {
+  // acquire: the mark covers every unit whose tickets this taker's claim counted (the claim
+  // synchronised with their publication, which came after their slot's allocation).
+  uint32_t limit = std::max<uint32_t>(high_water.load(std::memory_order_acquire), 1);
   uint32_t p = 0;
   for (uint64_t attempt = 0;; ++attempt) {
     if (attempt < probe_limit) {
       // Rejection sampling: a uniform position, accepted if its unit holds a ticket, makes the
       // accepted unit uniform among the units holding tickets.
-      p = bounded(static_cast<uint32_t>(rnd >> 32), capacity);
+      p = bounded(static_cast<uint32_t>(rnd >> 32), limit);
       rnd = splitmix64(rnd);
-    } else {
+    } else if (++p >= limit) {
       // Few positions hold tickets (draining, or batch mode's sparse units): scan on from the
-      // last probe, which is random, to the next unit with a ticket.
-      p = p + 1 == capacity ? 0 : p + 1;
-      if ((attempt - probe_limit) % capacity == capacity - 1) std::this_thread::yield();
+      // last probe, which is random, to the next unit with a ticket, wrapping around.
+      p = 0;
+      limit = std::max<uint32_t>(high_water.load(std::memory_order_acquire), 1);
+      std::this_thread::yield();
     }
     // acquire: pairs with publish()'s release store (the unit's fields and data are visible).
     uint64_t s = state[p].load(std::memory_order_acquire);

@@ -160,6 +160,7 @@ std::vector<uint8_t> EchoCache::save_state() const {
   if (I.open_unit != kNone) write_members(I.open_unit);
   w.put<uint32_t>(static_cast<uint32_t>(I.free_slots.size()));
   for (uint32_t s : I.free_slots) w.put<uint32_t>(s);
+  w.put<uint32_t>(I.high_water.load(std::memory_order_relaxed));  // draws probe below it
   return buf;
 }
 
@@ -271,6 +272,11 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
     if (!used[s]) free_order.push_back(s);
   }
   free_order.insert(free_order.end(), saved_free.begin(), saved_free.end());
+  uint32_t high_water = r.get<uint32_t>();
+  for (uint32_t s = 0; s < I.capacity; ++s) {
+    if (used[s] == 1 && s >= high_water) throw corrupt("high-water mark " + std::to_string(s));
+  }
+  if (high_water > I.capacity) throw corrupt("high-water mark " + std::to_string(high_water));
   if (r.left != 0) throw corrupt(std::to_string(r.left) + " trailing bytes");
 
   // ---- commit: nothing below can fail ----
@@ -279,6 +285,7 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
   check_empty();  // again, under the locks (the last thing that may throw)
   std::swap(I.extents, extents);
   I.free_slots.swap(free_order);
+  I.high_water.store(high_water, std::memory_order_release);
   uint64_t bytes = 0;
   auto place = [&](const ParsedUnit& unit) -> uint32_t {
     const uint32_t first = unit.members.front().slot;
