@@ -24,8 +24,9 @@
 //    index exactly while its tickets are > 0. A global atomic `available` counts tickets in the
 //    index not yet claimed. A taker first claims n tickets from `available` with a CAS (all or
 //    nothing), which guarantees that n draws will succeed; then, per draw, it probes uniformly
-//    random slots and claims a ticket from the first unit that holds one with a CAS
-//    `state -> state - 1 ticket + k readers` (k = the unit's samples). Rejection sampling makes
+//    random slots below the high-water mark of allocated slots and claims a ticket from the
+//    first unit that holds one with a CAS `state -> state - 1 ticket + k readers` (k = the
+//    unit's samples). Rejection sampling makes
 //    the pick uniform among the units holding tickets; after a bounded number of misses (few
 //    tickets left, or batch mode's sparse units) it scans on from the last random probe. The
 //    generation changes at every publish of a slot, so a stale CAS cannot hit a later unit (ABA).
