@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .torch_loader import EchoLoader
 
 _POLL_S = 0.2  # longest single wait; closing or an error ends every wait sooner
+_BLOCKED_S = 0.005  # a put that took longer waited for space (copying a batch takes less)
 
 
 class LoaderError(RuntimeError):
@@ -44,8 +45,16 @@ class _Producer(threading.Thread):
         self.batches_done = skip_batches  # whole batches in the cache (this epoch)
         self.rows_in_flight = 0  # rows of the next batch already in the cache
         self.samples_put = 0
-        self.up_seconds = 0.0
+        self.up_seconds = 0.0  # time in the wrapped loader, for batches it had to make
         self.up_batches = 0
+        # While a full cache blocks the reader, a loader with worker processes fills its
+        # prefetch queue and then idles: the queued batches arrive at once (t_up would look too
+        # small) and the next one takes a whole batch's latency, not the workers' interval
+        # (too large). Those batches are left out of t_up; while the cache stays full (the
+        # trainer is the bottleneck, e >= R) t_up is not observable and e stays.
+        workers = getattr(self.source, "num_workers", 0) or 0
+        self.prefetched = workers * ((getattr(self.source, "prefetch_factor", 0) or 0) + 1)
+        self.taint = 0  # batches still to leave out of t_up
 
     def run(self) -> None:
         it: Any = None
@@ -68,9 +77,15 @@ class _Producer(threading.Thread):
                 if index < self.skip_batches:  # read before a resume: only checked
                     self._put(batch, index, 0, skip=True)
                 else:
-                    self.up_seconds += time.perf_counter() - t0
-                    self.up_batches += 1
+                    if self.taint:
+                        self.taint -= 1
+                    else:
+                        self.up_seconds += time.perf_counter() - t0
+                        self.up_batches += 1
+                    t1 = time.perf_counter()
                     self._put(batch, index, self.skip_rows if index == self.skip_batches else 0)
+                    if time.perf_counter() - t1 > _BLOCKED_S:
+                        self.taint = self.prefetched
                 index += 1
             if not self.stop.is_set():
                 cache = self.shared.cache
