@@ -110,9 +110,7 @@ class Trainer:
 
     def setup(self) -> None:
         """Seeds, devices, input, model, the ``auto`` decisions, the pipeline, the state."""
-        from ..pipeline import StalePipeline
-
-        cfg, ctx, st = self.cfg, self.ctx, self.run_state
+        cfg, ctx, saved = self.cfg, self.ctx, self.saved
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
         random.seed(cfg.seed)
@@ -121,47 +119,73 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
             self._open.append(_Restore(lambda: torch.use_deterministic_algorithms(was)))
         stages, devices = self._devices()
+        factor = self._build_input(devices)
+        model = self._model()
+        if saved:
+            balance = list(saved["pipeline"]["balance"])
+        else:
+            sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+            balance = choose_split(cfg, model, sample, stages, devices, self.decisions)
+            balance = ctx.broadcast_object(balance)  # timing-based: rank 0's choice for all
+        devices = [devices[i % len(devices)] for i in range(len(balance))]
+        ctx.make_stage_groups(len(balance))
+        if saved:
+            self.run_state = RunState.from_state_dict(saved["run"])
+        else:
+            self.run_state.steps_per_epoch = ctx.all_reduce_min(self.data.natural_steps())
+            self.run_state.factors_used = [factor]
+        st = self.run_state
+        self.data.set_steps(st.steps_per_epoch)
+        self.clock = EpochClock(st.epoch_clock)
+        if not saved:
+            self.clock.plan(0, 0.0, st.steps_per_epoch, 1.0)
+        st.epoch_clock = self.clock.segments
+        self._build_pipeline(model, balance, devices)
+        self.progress = Progress(
+            ctx.is_main, cfg.progress, cfg.log_interval, cfg.epochs, self.say, self.out / "tb"
+        )
+        self._open.append(self.progress)
+        self.say(
+            f"train: {cfg.model} on {len(self.classes)} classes, {len(balance)} stage(s) balance "
+            f"{balance} on {', '.join(devices)}, staleness {self.pipeline.staleness()}, "
+            f"{ctx.world_size} replica(s); echo {cfg.echo if cfg.echo == 'auto' else factor} "
+            f"({cfg.echo_insert}, {cfg.echo_mode}); {st.steps_per_epoch} steps/epoch of "
+            f"{cfg.batch_size}"
+        )
+        if ctx.is_main:
+            self._write_config(balance, devices)
+
+    def _build_input(self, devices: list[str]) -> float:
+        """The echo controller and the DALI input (restored on resume); the starting factor."""
+        cfg, saved = self.cfg, self.saved
+        # DALI runs on the first GPU among the stages' devices.
         device_id = next(
             (torch.device(d).index or 0 for d in devices if d.startswith("cuda")), None
         )
         self.controller = EchoController(1.0, e_max=cfg.echo_max) if cfg.echo == "auto" else None
-        saved = self.saved
-        factor = (
-            float(saved["input_factor"])
-            if saved
-            else (1.0 if self.controller is not None else float(cfg.echo))
-        )
         if saved and self.controller is not None:
             self.controller.load_state_dict(saved["controller"])
-        self.data = TrainInput(cfg, self.data_dir, ctx, device_id)
+        if saved:
+            factor = float(saved["input_factor"])
+        else:
+            factor = 1.0 if self.controller is not None else float(cfg.echo)
+        self.data = TrainInput(cfg, self.data_dir, self.ctx, device_id)
         self._open.append(self.data)
         if saved:
             self.data.builds = int(saved["input_builds"])
             self.data.base = dict(saved["input_counters"])
         self.data.build(factor, None, saved["input"] if saved else None)
         self._report_skipped()
-        model = self._model()
-        sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
-        if saved:
-            balance = list(saved["pipeline"]["balance"])
-        else:
-            balance = choose_split(cfg, model, sample, stages, devices, self.decisions)
-            balance = ctx.broadcast_object(balance)  # timing-based: rank 0's choice for all
-        stages = len(balance)
-        devices = [devices[i % len(devices)] for i in range(stages)]
-        ctx.make_stage_groups(stages)
-        if saved:
-            self.run_state = st = RunState.from_state_dict(saved["run"])
-        else:
-            st.steps_per_epoch = ctx.all_reduce_min(self.data.natural_steps())
-            st.factors_used = [factor]
-        self.data.set_steps(st.steps_per_epoch)
-        self.clock = EpochClock(st.epoch_clock)
-        if not saved:
-            self.clock.plan(0, 0.0, st.steps_per_epoch, 1.0)
-        st.epoch_clock = self.clock.segments
+        return factor
+
+    def _build_pipeline(self, model: nn.Sequential, balance: list[int], devices: list[str]) -> None:
+        """The stale pipeline with its optimizers, LR schedule, loss (scaled for fp16) and
+        gradient averaging; restored on resume."""
+        from ..pipeline import StalePipeline
+
+        cfg, saved = self.cfg, self.saved
         self.model = model
-        self.scaler = LossScaler(stages) if cfg.amp == "fp16" else None
+        self.scaler = LossScaler(len(balance)) if cfg.amp == "fp16" else None
         loss_fn: Any = nn.CrossEntropyLoss()
         if self.scaler is not None:
             loss_fn = self.scaler.wrap_loss(loss_fn)
@@ -171,7 +195,9 @@ class Trainer:
             model,
             optimizer=sgd_factory(cfg),
             # Replicas average first, so every rank sees the same overflow and scales alike.
-            grad_hook=chain_hooks(all_reduce_grads(ctx), self.scaler and self.scaler.grad_hook),
+            grad_hook=chain_hooks(
+                all_reduce_grads(self.ctx), self.scaler and self.scaler.grad_hook
+            ),
             scheduler=self._scheduler,
             scheduler_interval="step",
             loss_fn=loss_fn,
@@ -182,21 +208,9 @@ class Trainer:
         if saved:
             self.pipeline.load_state_dict(saved["pipeline"])
             set_rng_state(saved["rng"])
+            st = self.run_state
             self.say(f"resume: {self.resume_path} (step {st.global_step}, epoch {st.epoch})")
         self.stage_clock = StageClock(self.pipeline.stages)
-        self.progress = Progress(
-            ctx.is_main, cfg.progress, cfg.log_interval, cfg.epochs, self.say, self.out / "tb"
-        )
-        self._open.append(self.progress)
-        self.say(
-            f"train: {cfg.model} on {len(self.classes)} classes, {stages} stage(s) balance "
-            f"{balance} on {', '.join(devices)}, staleness {self.pipeline.staleness()}, "
-            f"{ctx.world_size} replica(s); echo {cfg.echo if cfg.echo == 'auto' else factor} "
-            f"({cfg.echo_insert}, {cfg.echo_mode}); {st.steps_per_epoch} steps/epoch of "
-            f"{cfg.batch_size}"
-        )
-        if ctx.is_main:
-            self._write_config(balance, devices)
 
     def _devices(self) -> tuple[int, list[str]]:
         """The default stage count and one device per stage (``--devices`` or the GPUs)."""
