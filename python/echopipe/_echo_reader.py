@@ -134,7 +134,7 @@ class _Producer(threading.Thread):
                         pass
                 else:
                     try:
-                        done += cache.put_many([f[done:] for f in fields], timeout=_POLL_S)
+                        done += cache.put_batch([f[done:] for f in fields], timeout=_POLL_S)
                     except TimeoutError as exc:
                         done += int(exc.args[-1])
                 self.samples_put += done - before
