@@ -17,8 +17,7 @@
 //    so tickets are deterministic given the seed, the put order and the sequence of
 //    set_echo_factor() calls: e is one atomic, read once when a unit is published (committed, or
 //    its batch closed), so a new factor applies to units published after the call and never
-//    changes the tickets of a unit already in the index. Each unit has one 64-bit atomic state
-//    word `tickets << 32 | readers`.
+//    changes the tickets of a unit already in the index.
 //  * Random draw without a lock. Every slot has a 64-bit atomic state word
 //    `tickets:16 | generation:16 | readers:32`; a unit (identified by its first slot) is in the
 //    index exactly while its tickets are > 0. A global atomic `available` counts tickets in the
@@ -26,10 +25,10 @@
 //    nothing), which guarantees that n draws will succeed; then, per draw, it probes uniformly
 //    random slots below the high-water mark of allocated slots and claims a ticket from the
 //    first unit that holds one with a CAS `state -> state - 1 ticket + k readers` (k = the
-//    unit's samples). Rejection sampling makes
-//    the pick uniform among the units holding tickets; after a bounded number of misses (few
-//    tickets left, or batch mode's sparse units) it scans on from the last random probe. The
-//    generation changes at every publish of a slot, so a stale CAS cannot hit a later unit (ABA).
+//    unit's samples). Rejection sampling makes the pick uniform among the units holding
+//    tickets; after a bounded number of misses (few tickets left, or batch mode's sparse units)
+//    it scans on from the last random probe. The generation changes at every publish of a slot,
+//    so a stale CAS cannot hit a later unit (ABA).
 //  * Exact accounting. A unit enters the index exactly once (publish: a release store of its
 //    tickets, after its data and fields) with tickets >= 1, and leaves it exactly once (the CAS
 //    that takes its last ticket). Each ticket is consumed by exactly one successful CAS, and
