@@ -200,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("-b", "--batch-size", type=int, default=32)
     p.add_argument("--synthetic-per-class", type=int, default=None)
-    p.add_argument("--echo-interval", type=int, default=20)
+    p.add_argument("--echo-interval", type=int, default=10, help="steps between auto decisions")
     p.add_argument("--echo-max", type=float, default=8.0)
     p.add_argument("--calib-steps", type=int, default=30)
     p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per trainer run")
