@@ -597,3 +597,23 @@ def test_wait_for_room_quota_and_layouts_live_in_the_cache() -> None:
     cache.close()
     with pytest.raises(echo.CacheClosedError):
         cache.wait_for_room(1)
+
+
+def test_batch_mode_state_round_trip_with_an_open_batch() -> None:
+    kw = dict(capacity_bytes=1 << 20, capacity_samples=64, echo_factor=2.0, seed=4, mode="batch",
+              batch_size=4)  # fmt: skip
+    a = EchoCache(**kw)
+    a.put_batch(np.arange(10, dtype=np.int64))  # two whole batches and an open one of 2
+    a.take(4)
+    b = EchoCache(**kw)
+    b.load_state_dict(a.state_dict())
+    for c in (a, b):
+        c.put_batch(np.arange(10, 14, dtype=np.int64))
+        c.end_of_input()
+    assert [int(s.array) for s in a] == [int(s.array) for s in b]
+    corrupt = bytearray(a.state_dict())
+    corrupt[-3] ^= 0xFF  # the high-water mark
+    fresh = EchoCache(**kw)
+    with pytest.raises(ValueError, match="corrupt"):
+        fresh.load_state_dict(bytes(corrupt))
+    assert fresh.stats().resident == 0
