@@ -217,7 +217,7 @@ class TrainConfig:
     )
     balance: list[int] | str = opt(
         "auto",
-        "model blocks per stage, or 'auto' (by profiling)",
+        "model blocks per stage, or 'auto' (split by measured forward times)",
         check=check_balance,
         parse=parse_balance,
         metavar="N,N,...|auto",
