@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from ..pipeline.checkpoint import atomic_write
+from .state import RunState
 
 __all__ = [
     "Progress",
     "TrainSummary",
     "echo_verdict",
     "format_summary",
+    "summarize",
     "write_config",
     "write_csv",
     "write_json",
@@ -313,3 +315,37 @@ def format_summary(s: TrainSummary) -> str:
     if s.output:
         lines.append(f"  run folder          {s.output}")
     return "\n".join(lines)
+
+
+def summarize(st: RunState, *, echo_factor: float, staleness: list[int], balance: list[int],
+              devices: list[str], wall_s: float, output: Path | None, decisions: list[str],
+              stopped: str | None) -> TrainSummary:  # fmt: skip
+    """The run's summary: counters from the run state, rates and samples from its last row."""
+    last: dict[str, Any] = st.rows[-1] if st.rows else {}
+    return TrainSummary(
+        top1=last.get("val_top1", math.nan),
+        best_top1=max((r["val_top1"] for r in st.rows), default=math.nan),
+        epochs=st.epoch,
+        steps=st.global_step,
+        images_per_s=last.get("delivered_per_s", 0.0),
+        fresh_images_per_s=last.get("fresh_per_s", 0.0),
+        train_s=st.train_s,
+        fresh_samples=last.get("fresh_samples", 0),
+        echoed_samples=last.get("echoed_samples", 0),
+        t_up_ms=last.get("t_up_ms", math.nan),
+        t_down_ms=1000 * st.t_down_s,
+        ratio=last.get("R") or math.nan,
+        echo_factor=echo_factor,
+        echo_factors_used=list(st.factors_used),
+        staleness=staleness,
+        balance=balance,
+        devices=devices,
+        world_size=st.world_size,
+        checkpoints_written=st.checkpoints_written,
+        wall_s=wall_s,
+        output=str(output) if output is not None else None,
+        metrics_path=str(output / "metrics.json") if output is not None else None,
+        plots=[str(output / "training.png")] if output is not None and st.rows else [],
+        decisions=decisions,
+        stopped=stopped,
+    )

@@ -30,7 +30,14 @@ from .decide import choose_split
 from .distributed import DistContext, all_reduce_grads, average_buffers, default_devices
 from .input import StageClock, TrainInput, evaluate
 from .preflight import check_data, load_resume, lock_run_folder, run_folder
-from .report import Progress, TrainSummary, echo_verdict, write_config, write_run_files
+from .report import (
+    Progress,
+    TrainSummary,
+    echo_verdict,
+    summarize,
+    write_config,
+    write_run_files,
+)
 from .schedule import EpochClock, lr_factor, sgd_factory
 from .state import RunState, get_rng_state, set_rng_state
 
@@ -498,32 +505,16 @@ class Trainer:
         write_config(self.out, self.cfg.as_json(), resolved, self.decisions)
 
     def finish(self) -> TrainSummary:
-        st, cfg, ctx = self.run_state, self.cfg, self.ctx
-        last = st.rows[-1] if st.rows else None
-        summary = TrainSummary(
-            top1=last["val_top1"] if last else math.nan,
-            best_top1=max((r["val_top1"] for r in st.rows), default=math.nan),
-            epochs=st.epoch,
-            steps=st.global_step,
-            images_per_s=last["delivered_per_s"] if last else 0.0,
-            fresh_images_per_s=last["fresh_per_s"] if last else 0.0,
-            train_s=st.train_s,
-            fresh_samples=last["fresh_samples"] if last else 0,
-            echoed_samples=last["echoed_samples"] if last else 0,
-            t_up_ms=last["t_up_ms"] if last else math.nan,
-            t_down_ms=1000 * st.t_down_s,
-            ratio=(last["R"] or math.nan) if last else math.nan,
+        """The summary (read from the run state and the last row), also into metrics.json."""
+        st, ctx = self.run_state, self.ctx
+        summary = summarize(
+            st,
             echo_factor=self.data.factor,
-            echo_factors_used=list(st.factors_used),
-            staleness=_stale_list(cfg, len(self.pipeline.balance)),
+            staleness=_stale_list(self.cfg, len(self.pipeline.balance)),
             balance=list(self.pipeline.balance),
             devices=[str(d) for d in self.pipeline.devices],
-            world_size=ctx.world_size,
-            checkpoints_written=st.checkpoints_written,
             wall_s=st.wall_s + time.perf_counter() - self.wall0,
-            output=str(self.out) if ctx.is_main else None,
-            metrics_path=str(self.out / "metrics.json") if ctx.is_main else None,
-            plots=[str(self.out / "training.png")] if ctx.is_main and st.rows else [],
+            output=self.out if ctx.is_main else None,
             decisions=self.decisions + echo_verdict(st.rows, self.data.factor) + self._amp_note(),
             stopped=self.stopped,
         )
