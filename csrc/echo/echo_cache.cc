@@ -209,6 +209,33 @@ PutStatus EchoCache::commit_slot(uint32_t s) {
   return PutStatus::kOk;
 }
 
+void EchoCache::commit_slots_example(const uint32_t* chunk, size_t n) {
+  Impl& I = *impl_;
+  const uint64_t first_id = I.next_sample_id.fetch_add(n, std::memory_order_relaxed);
+  // As in publish(), but each counter that consumers share changes once per chunk: the samples
+  // are counted before any becomes drawable, the tickets after all are.
+  I.live_samples.fetch_add(static_cast<int64_t>(n), std::memory_order_seq_cst);
+  int64_t tickets = 0;
+  for (size_t j = 0; j < n; ++j) {
+    const uint32_t s = chunk[j];
+    Impl::Slot& sl = I.slots[s];
+    sl.sample_id = first_id + j;
+    sl.unit = s;
+    sl.index_in_unit = 0;
+    sl.next = kNone;
+    const uint32_t t = I.make_drawable(s, 1, sl.sample_id);
+    tickets += t;
+  }
+  I.fresh_in.fetch_add(n, std::memory_order_relaxed);
+  I.available.fetch_add(tickets, std::memory_order_seq_cst);
+  I.notify_data_published();
+  if (I.pending.fetch_sub(static_cast<int64_t>(n), std::memory_order_seq_cst) ==
+          static_cast<int64_t>(n) &&
+      I.input_ended.load(std::memory_order_seq_cst)) {
+    I.try_seal();
+  }
+}
+
 void EchoCache::abort(PutReservation& r) {
   if (!r.valid()) return;
   if (r.cache_.get() != this) throw std::invalid_argument("reservation belongs to another cache");
@@ -256,6 +283,11 @@ PutStatus EchoCache::put_rows(const SampleDesc& desc, const void* const* field_d
         const auto* src = static_cast<const uint8_t*>(field_data[f]) + (*done + j) * nb;
         if (nb > 0) std::memcpy(base + desc.field_offset(f), src, nb);
       }
+    }
+    if (config_.mode == EchoMode::kExample && !impl_->closed.load(std::memory_order_acquire)) {
+      commit_slots_example(chunk, got);
+      *done += got;
+      continue;
     }
     PutStatus result = PutStatus::kOk;
     size_t stored = 0;

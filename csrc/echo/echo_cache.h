@@ -419,6 +419,8 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   size_t reserve_slots(const SampleDesc& desc, double timeout_s, uint32_t* slots, size_t max,
                        PutStatus* status);
   PutStatus commit_slot(uint32_t slot);
+  // Example mode: publishes n reserved slots with one update of each shared counter.
+  void commit_slots_example(const uint32_t* slots, size_t n);
 
   EchoConfig config_;
   std::string name_;

@@ -207,6 +207,9 @@ struct CacheImpl {
 
   // -- publication and draws --
   void publish(uint32_t u, uint32_t members, uint64_t first_sample_id);
+  // Sets a reserved unit's tickets (release store): from then on draws may find it. Returns the
+  // tickets; the caller then adds them to `available` (and counted live_samples before).
+  uint32_t make_drawable(uint32_t u, uint32_t members, uint64_t first_sample_id);
   void flush_open_locked();  // caller holds assembly_mu
   void try_seal();
   // Draws one unit for a taker that already owns a ticket in `available`. Lock-free.

@@ -188,7 +188,7 @@ void CacheImpl::collect_retired_locked() {
   retired_pending_bytes.fetch_sub(bytes, std::memory_order_relaxed);
 }
 
-void CacheImpl::publish(uint32_t u, uint32_t members, uint64_t first_sample_id) {
+uint32_t CacheImpl::make_drawable(uint32_t u, uint32_t members, uint64_t first_sample_id) {
   UnitInfo& U = info[u];
   const uint32_t t = tickets_for(first_sample_id);
   U.tickets_total.store(t, std::memory_order_relaxed);
@@ -196,10 +196,15 @@ void CacheImpl::publish(uint32_t u, uint32_t members, uint64_t first_sample_id) 
   U.last_emit.store(kNoEmit, std::memory_order_relaxed);
   // The slot is ours (reserved): nobody else writes its state word until it is published.
   const uint64_t gen = (state[u].load(std::memory_order_relaxed) + kGenOne) & kGenMask;
-  // Counted before the unit becomes drawable, so a draw of its last ticket never sees it negative.
-  live_samples.fetch_add(members, std::memory_order_seq_cst);
   // release: a drawer that sees the tickets (acquire) sees the unit's fields and sample data.
   state[u].store((static_cast<uint64_t>(t) << kTicketShift) | gen, std::memory_order_release);
+  return t;
+}
+
+void CacheImpl::publish(uint32_t u, uint32_t members, uint64_t first_sample_id) {
+  // Counted before the unit becomes drawable, so a draw of its last ticket never sees it negative.
+  live_samples.fetch_add(members, std::memory_order_seq_cst);
+  const uint32_t t = make_drawable(u, members, first_sample_id);
   // Only now may takers claim the tickets: a claimed ticket always has a unit to draw it from.
   available.fetch_add(t, std::memory_order_seq_cst);
   notify_data_published();

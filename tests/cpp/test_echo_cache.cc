@@ -3,6 +3,7 @@
 // ticket count, nothing lost or extra, payload intact), close() waking blocked threads, drain,
 // batch mode, ragged sizes, back-pressure, min_fill and save/restore. Exit status 0 = all passed.
 // ECHOPIPE_STRESS_SAMPLES overrides the stress size (default 200000).
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -108,6 +109,22 @@ void test_stress(double e, size_t n_samples) {
       std::mt19937 rng(p);
       std::vector<uint64_t> buf;
       for (;;) {
+        if (p == kProducers - 1) {  // one producer puts blocks of 8 rows with put_rows
+          const uint64_t first = next_key.fetch_add(8);
+          if (first >= n_samples) break;
+          const size_t rows = std::min<uint64_t>(8, n_samples - first);
+          const int64_t words = 2 + static_cast<int64_t>(rng() % 24);
+          std::vector<uint64_t> block(rows * words), row(words);
+          for (size_t i = 0; i < rows; ++i) {
+            fill(row, first + i);
+            std::copy(row.begin(), row.end(), block.begin() + i * words);
+          }
+          const void* ptr = block.data();
+          size_t done = 0;
+          CHECK(cache->put_rows(int64_desc(words), &ptr, rows, -1, &done) == PutStatus::kOk);
+          CHECK(done == rows);
+          continue;
+        }
         uint64_t key = next_key.fetch_add(1);
         if (key >= n_samples) break;
         int64_t words = 2 + static_cast<int64_t>(rng() % 24);
