@@ -547,7 +547,7 @@ class EchoCache:
             fields=[f[0] for f in fields],
             offsets=[f[1] for f in fields],
             dtypes=list(dtypes),
-            shapes=[tuple(tuple(s) for s in per) for per in shapes],
+            shapes=shapes,  # already tuples; one shared tuple per sample when all agree
             sample_ids=ids,
             emissions=emissions,
         )
