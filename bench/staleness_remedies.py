@@ -324,7 +324,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
     summary = tables.summarise(runs, speed)
     claims = tables.claims(summary, HYBRID_AIM_POINTS, PAPER_DROP_POINTS)
-    print(tables.markdown(summary, []))
     run.finish(
         figures=summary,
         ratios=tables.ratios(summary),
@@ -347,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         paper="Zhang & Abdelrahman: LeNet-5 drop 0.4 pt, ResNet-20 1.45 pt with early pipelining",
         runs=runs,
     )
+    print(tables.markdown(summary, []))
     return 0
 
 

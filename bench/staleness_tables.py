@@ -230,8 +230,9 @@ def markdown(summary: dict[str, Any], claim_list: list[dict[str, Any]]) -> str:
             ]
         )  # fmt: skip
     models = list(dict.fromkeys(r["model"] for r in rows))
-    bound = {t["dataset"]: t["stage_bound_speedup"] for t in summary["throughput"]}
-    bound = {r["model"]: bound[r["dataset"]] for r in rows if r["label"] == "K=4 balanced"}
+    k4 = {t["dataset"]: t["stage_bound_speedup"] for t in summary["throughput"]
+          if t["label"] == "K=4 balanced"}  # fmt: skip
+    bound = {r["model"]: k4[r["dataset"]] for r in rows if r["dataset"] in k4}
     grid = []
     labels = ["K=4 balanced"] + [r["label"] for r in rows if r["group"] == "hybrid"]
     for key in dict.fromkeys(labels):
