@@ -39,6 +39,12 @@ py::array field_view(py::object owner, int field) {
     throw std::invalid_argument("field index " + std::to_string(field) + " out of range for a " +
                                 std::to_string(l.desc().num_fields) + "-field sample");
   }
+  if (l.cache()->memory_kind() == MemoryKind::kDevice) {
+    // A view would read GPU memory on the host; take_batch copies out instead.
+    throw std::invalid_argument("echo cache '" + l.cache()->name() +
+                                "' keeps its samples in GPU memory (memory='device'): no host "
+                                "view; use take_batch (copies to the host) or the DALI GPU source");
+  }
   const FieldDesc& fd = l.desc().fields[field];
   std::vector<py::ssize_t> shape(fd.shape, fd.shape + fd.ndim);
   std::vector<py::ssize_t> strides(fd.ndim);

@@ -99,6 +99,17 @@ std::shared_ptr<echopipe::EchoCache> FindCacheOrFail(const std::string& name, co
   return cache;
 }
 
+// The CPU operators read and write the arena on the host, which a device arena is not.
+static std::shared_ptr<echopipe::EchoCache> HostCacheOrFail(const std::string& name,
+                                                            const char* op) {
+  auto cache = FindCacheOrFail(name, op);
+  DALI_ENFORCE(cache->memory_kind() != echopipe::MemoryKind::kDevice,
+               dali::make_string(op, ": echo cache '", name,
+                                 "' keeps its samples in GPU memory (memory='device'); use "
+                                 "device='gpu' for this operator, or memory='pinned'"));
+  return cache;
+}
+
 void DescribeSinkOutput(std::vector<dali::OutputDesc>& out, const dali::Workspace& ws) {
   out.resize(1);
   out[0].shape = dali::uniform_list_shape(ws.GetInputBatchSize(0), dali::TensorShape<0>());
@@ -267,7 +278,7 @@ class EchoSinkCPU : public StatelessOperator<CPUBackend> {
   explicit EchoSinkCPU(const OpSpec& spec)
       : StatelessOperator<CPUBackend>(spec),
         cache_name_(spec.GetArgument<std::string>("cache_name")),
-        cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo sink")) {}
+        cache_(echopipe_dali::HostCacheOrFail(cache_name_, "echopipe echo sink")) {}
 
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
@@ -318,7 +329,7 @@ class EchoSourceCPU : public StatelessOperator<CPUBackend> {
       : StatelessOperator<CPUBackend>(spec),
         cache_name_(spec.GetArgument<std::string>("cache_name")),
         num_fields_(spec.GetArgument<int>("num_fields")),
-        cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo source")) {}
+        cache_(echopipe_dali::HostCacheOrFail(cache_name_, "echopipe echo source")) {}
 
  protected:
   bool HasContiguousOutputs() const override { return true; }

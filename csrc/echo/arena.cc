@@ -43,16 +43,60 @@ bool cuda_available() { return built_with_cuda() && cuda_device_count() > 0; }
 
 namespace detail {
 
+namespace {
+
+std::string no_device_reason() {
+  return built_with_cuda() ? "the CUDA runtime found none" : "echopipe was built without CUDA";
+}
+
+Arena device_allocate(size_t bytes) {
+  if (!cuda_available()) {
+    throw std::runtime_error("memory='device' needs a CUDA device, but " + no_device_reason());
+  }
+  Arena a;
+  a.size = bytes;
+#ifdef ECHOPIPE_WITH_CUDA
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::runtime_error(
+        "cudaMalloc of " + std::to_string(bytes) +
+        " bytes for a device echo cache arena failed: " + cudaGetErrorString(err));
+  }
+  a.host = p;  // not host-readable: the one address every slot pointer is computed from
+  a.device = p;
+  a.kind = MemoryKind::kDevice;
+#endif
+  return a;
+}
+
+}  // namespace
+
+void device_copy(void* dst, const void* src, size_t n) {
+#ifdef ECHOPIPE_WITH_CUDA
+  cudaError_t err = cudaMemcpy(dst, src, n, cudaMemcpyDefault);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::runtime_error(std::string("cudaMemcpy to or from the device echo cache arena "
+                                         "failed: ") +
+                             cudaGetErrorString(err));
+  }
+#else
+  (void)dst, (void)src, (void)n;
+  throw std::runtime_error("a device echo cache arena needs echopipe built with CUDA");
+#endif
+}
+
 Arena arena_allocate(size_t bytes, MemoryKind requested) {
+  if (requested == MemoryKind::kDevice) return device_allocate(bytes);
   Arena a;
   a.size = bytes;
   bool pinned =
       requested == MemoryKind::kPinned || (requested == MemoryKind::kAuto && cuda_available());
   if (pinned) {
     if (!cuda_available()) {
-      throw std::runtime_error(
-          std::string("memory='pinned' needs a CUDA device, but ") +
-          (built_with_cuda() ? "the CUDA runtime found none" : "echopipe was built without CUDA"));
+      throw std::runtime_error("memory='pinned' needs a CUDA device, but " + no_device_reason());
     }
 #ifdef ECHOPIPE_WITH_CUDA
     void* p = nullptr;
@@ -99,6 +143,10 @@ void Arena::reset() noexcept {
   if (kind == MemoryKind::kPinned) {
 #ifdef ECHOPIPE_WITH_CUDA
     (void)cudaFreeHost(host);
+#endif
+  } else if (kind == MemoryKind::kDevice) {
+#ifdef ECHOPIPE_WITH_CUDA
+    (void)cudaFree(host);
 #endif
   } else {
     munmap(host, size);

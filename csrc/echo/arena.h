@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstring>
 #include <utility>
 
 #include "echo/echo_cache.h"
@@ -32,5 +33,19 @@ class Arena {
 
 // Throws std::runtime_error when the memory cannot be had (message names the size and kind).
 Arena arena_allocate(size_t bytes, MemoryKind requested);
+
+// Synchronous cudaMemcpy (cudaMemcpyDefault); std::runtime_error naming the CUDA error.
+void device_copy(void* dst, const void* src, size_t n);
+
+// Copies n bytes between host memory and an arena of `kind` (either direction): memcpy, or for
+// a device arena a synchronous cudaMemcpy. Inline: the host case is the put path's hot copy.
+inline void arena_copy(MemoryKind kind, void* dst, const void* src, size_t n) {
+  if (n == 0) return;
+  if (kind == MemoryKind::kDevice) {
+    device_copy(dst, src, n);
+  } else {
+    std::memcpy(dst, src, n);
+  }
+}
 
 }  // namespace echopipe::detail

@@ -121,6 +121,8 @@ const char* memory_kind_name(MemoryKind kind) {
       return "pageable";
     case MemoryKind::kPinned:
       return "pinned";
+    case MemoryKind::kDevice:
+      return "device";
   }
   return "unknown";
 }
@@ -129,7 +131,8 @@ MemoryKind memory_kind_from_name(std::string_view name) {
   if (name == "auto") return MemoryKind::kAuto;
   if (name == "pageable") return MemoryKind::kPageable;
   if (name == "pinned") return MemoryKind::kPinned;
-  throw std::invalid_argument("memory must be 'auto', 'pageable' or 'pinned', got '" +
+  if (name == "device") return MemoryKind::kDevice;
+  throw std::invalid_argument("memory must be 'auto', 'pageable', 'pinned' or 'device', got '" +
                               std::string(name) + "'");
 }
 

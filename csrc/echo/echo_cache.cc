@@ -261,7 +261,7 @@ PutStatus EchoCache::put(const SampleDesc& desc, const void* const* field_data, 
   auto* base = static_cast<uint8_t*>(impl_->arena.host) + impl_->slots[s].offset;
   for (int f = 0; f < desc.num_fields; ++f) {
     const size_t nb = desc.fields[f].nbytes();
-    if (nb > 0) std::memcpy(base + desc.field_offset(f), field_data[f], nb);
+    detail::arena_copy(impl_->arena.kind, base + desc.field_offset(f), field_data[f], nb);
   }
   return commit_slot(s);
 }
@@ -281,7 +281,7 @@ PutStatus EchoCache::put_rows(const SampleDesc& desc, const void* const* field_d
       for (int f = 0; f < desc.num_fields; ++f) {
         const size_t nb = desc.fields[f].nbytes();
         const auto* src = static_cast<const uint8_t*>(field_data[f]) + (*done + j) * nb;
-        if (nb > 0) std::memcpy(base + desc.field_offset(f), src, nb);
+        detail::arena_copy(impl_->arena.kind, base + desc.field_offset(f), src, nb);
       }
     }
     if (config_.mode == EchoMode::kExample && !impl_->closed.load(std::memory_order_acquire)) {
@@ -683,7 +683,7 @@ void gather(const std::vector<SampleLease>& leases, int field, void* dst, int64_
     const void* src = leases[i].data(field);  // checks the field index
     const size_t nb = leases[i].nbytes(field);
     if (offsets) offsets[i] = off;
-    std::memcpy(out + off, src, nb);
+    detail::arena_copy(leases[i].cache()->memory_kind(), out + off, src, nb);
     off += static_cast<int64_t>(nb);
   }
   if (offsets) offsets[leases.size()] = off;

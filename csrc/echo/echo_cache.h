@@ -139,13 +139,18 @@ enum class MemoryKind : uint8_t {
   kAuto = 0,  ///< pinned when built with CUDA and a device is present at run time, else pageable
   kPageable = 1,  ///< ordinary (page-aligned mmap) host memory
   kPinned = 2,    ///< cudaHostAlloc(portable | mapped); an error when no device is available
+  /// cudaMalloc on the current device: samples decoded on the GPU are echoed device to device.
+  /// Host-side copies in and out (put, gather, save_state) are synchronous cudaMemcpy; leases'
+  /// data() and device_data() are both device pointers, never to be read on the host.
+  kDevice = 3,
 };
 
 ECHOPIPE_API const char* echo_mode_name(EchoMode mode);
 /// "example" | "batch"; throws std::invalid_argument naming the value otherwise.
 ECHOPIPE_API EchoMode echo_mode_from_name(std::string_view name);
 ECHOPIPE_API const char* memory_kind_name(MemoryKind kind);
-/// "auto" | "pageable" | "pinned"; throws std::invalid_argument naming the value otherwise.
+/// "auto" | "pageable" | "pinned" | "device"; throws std::invalid_argument naming the value
+/// otherwise.
 ECHOPIPE_API MemoryKind memory_kind_from_name(std::string_view name);
 
 struct EchoConfig {
@@ -203,7 +208,8 @@ class ECHOPIPE_API SampleLease {
   const SampleDesc& desc() const;
   /// Host pointer to field `i` (0 <= i < desc().num_fields); 64-byte aligned.
   const void* data(int field) const;
-  /// Device pointer to field `i` when the arena is pinned and mapped, else nullptr.
+  /// Device pointer to field `i` when the arena is pinned and mapped, or a device arena (then
+  /// data() is the same device pointer); else nullptr.
   const void* device_data(int field) const;
   size_t nbytes(int field) const;
   /// Monotonic id the cache gave this sample when it was committed (0, 1, 2, ...).
@@ -362,11 +368,12 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   const std::string& name() const { return name_; }
   /// Process-unique handle (also the registry key for find_cache(uint64_t)).
   uint64_t handle() const { return handle_; }
-  /// kPinned or kPageable: what the arena actually is (never kAuto).
+  /// kPinned, kPageable or kDevice: what the arena actually is (never kAuto).
   MemoryKind memory_kind() const;
   /// Host base address of the arena.
   const void* arena_host() const;
-  /// Device address of the mapped arena (cudaHostGetDevicePointer), or nullptr if pageable.
+  /// Device address of the arena: the mapped pinned arena (cudaHostGetDevicePointer) or the
+  /// device arena; nullptr if pageable.
   const void* arena_device() const;
   EchoStats stats() const;
 

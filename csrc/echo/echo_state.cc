@@ -139,7 +139,10 @@ std::vector<uint8_t> EchoCache::save_state() const {
       write_desc(w, sl.desc);
       const auto* base = static_cast<const uint8_t*>(I.arena.host) + sl.offset;
       for (int f = 0; f < sl.desc.num_fields; ++f) {
-        w.bytes(base + sl.desc.field_offset(f), sl.desc.fields[f].nbytes());
+        const size_t nb = sl.desc.fields[f].nbytes();
+        const size_t at = w.buf.size();
+        w.buf.resize(at + nb);
+        detail::arena_copy(I.arena.kind, w.buf.data() + at, base + sl.desc.field_offset(f), nb);
       }
     }
   };
@@ -304,7 +307,7 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
       const uint8_t* src = m.data;
       for (int f = 0; f < m.desc.num_fields; ++f) {
         const size_t nb = m.desc.fields[f].nbytes();
-        std::memcpy(base + m.desc.field_offset(f), src, nb);
+        detail::arena_copy(I.arena.kind, base + m.desc.field_offset(f), src, nb);
         src += nb;
       }
       bytes += sl.extent;
