@@ -7,8 +7,10 @@
 // then carries each byte once. Host wrappers are declared in gather.h.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cuda/gather.h"
 #include "cuda/gather_plan.h"
@@ -33,18 +35,11 @@ __host__ __device__ inline bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// Grid: x = blocks sharing one sample, y = sample of the chunk. Slots are 64-byte aligned, so
-// reads are 16-byte vectors; back-to-back ragged outputs are often unaligned, and then each
-// vector is written byte by byte (device memory, not the bus).
-template <int K>
-__global__ void __launch_bounds__(kThreads)
-    gather_bytes_kernel(const __grid_constant__ BytesTable<K> t, uint8_t* dst) {
-  const int s = blockIdx.y;
-  const uint8_t* __restrict__ in = t.src[s];
-  uint8_t* __restrict__ out = dst + t.offset[s];
-  const int64_t size = t.offset[s + 1] - t.offset[s];
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+// One block-strided copy of `size` bytes. Slots are 64-byte aligned, so reads are 16-byte
+// vectors; back-to-back ragged outputs are often unaligned, and then each vector is written byte
+// by byte (device memory, not the bus).
+__device__ void copy_range(const uint8_t* __restrict__ in, uint8_t* __restrict__ out, int64_t size,
+                           int64_t first, int64_t stride) {
   int64_t done = 0;
   if (aligned16(in)) {
     const int64_t n16 = size / 16;
@@ -63,6 +58,26 @@ __global__ void __launch_bounds__(kThreads)
     done = n16 * 16;
   }
   for (int64_t i = done + first; i < size; i += stride) out[i] = in[i];
+}
+
+// Grid: x = blocks sharing one sample, y = sample of the chunk.
+template <int K>
+__global__ void __launch_bounds__(kThreads)
+    gather_bytes_kernel(const __grid_constant__ BytesTable<K> t, uint8_t* dst) {
+  const int s = blockIdx.y;
+  copy_range(t.src[s], dst + t.offset[s], t.offset[s + 1] - t.offset[s],
+             static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x,
+             static_cast<int64_t>(gridDim.x) * kThreads);
+}
+
+// Grid: x = blocks sharing one range, y = range of the chunk (each with its own destination).
+template <int K>
+__global__ void __launch_bounds__(kThreads)
+    gather_scatter_kernel(const __grid_constant__ ScatterTable<K> t) {
+  const int s = blockIdx.y;
+  copy_range(t.src[s], t.dst[s], t.size[s],
+             static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x,
+             static_cast<int64_t>(gridDim.x) * kThreads);
 }
 
 struct Norm {
@@ -190,6 +205,61 @@ void gather_bytes(const void* const* src, const int64_t* sizes, int64_t n, void*
         gather_bytes_kernel<kBytesEntries><<<grid, kThreads, 0, stream>>>(t, out);
         check(cudaGetLastError(), "gather_bytes_kernel launch");
       });
+}
+
+void gather_scatter(const void* const* src, void* const* dst, const int64_t* sizes, int64_t n,
+                    void* stream_handle) {
+  if (n <= 0) return;
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  for_each_scatter_chunk<kScatterEntries>(
+      src, dst, sizes, n, [&](const ScatterTable<kScatterEntries>& t, int64_t max_size) {
+        const dim3 grid(blocks_per_sample(max_size, kBytesPerBlock),
+                        static_cast<unsigned>(t.count));
+        gather_scatter_kernel<kScatterEntries><<<grid, kThreads, 0, stream>>>(t);
+        check(cudaGetLastError(), "gather_scatter_kernel launch");
+      });
+}
+
+void copy_each(const void* const* src, void* const* dst, const int64_t* sizes, int64_t n,
+               void* stream_handle) {
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  for (int64_t i = 0; i < n; ++i) {
+    if (sizes[i] == 0) continue;
+    check(cudaMemcpyAsync(dst[i], src[i], static_cast<size_t>(sizes[i]), cudaMemcpyDefault, stream),
+          "cudaMemcpyAsync (per-sample copy)");
+  }
+}
+
+bool copy_batch_supported() { return CUDART_VERSION >= 12080; }
+
+void copy_batch(const void* const* src, void* const* dst, const int64_t* sizes, int64_t n,
+                void* stream_handle) {
+  if (n <= 0) return;
+#if CUDART_VERSION >= 12080
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  if (stream == nullptr) {
+    // The batched call refuses the legacy default stream.
+    throw std::invalid_argument("copy_batch needs an explicit stream, not the default stream");
+  }
+  std::vector<size_t> bytes(sizes, sizes + n);
+  cudaMemcpyAttributes attr{};
+  // Stream order: the sources may have been written by earlier work on the same stream.
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+  check(cudaMemcpyBatchAsync(const_cast<void* const*>(dst), src, bytes.data(),
+                             static_cast<size_t>(n), &attr, &attr_index, 1, stream),
+        "cudaMemcpyBatchAsync");
+#else
+  size_t fail_index = 0;
+  check(cudaMemcpyBatchAsync(const_cast<void**>(dst), const_cast<void**>(src), bytes.data(),
+                             static_cast<size_t>(n), &attr, &attr_index, 1, &fail_index, stream),
+        "cudaMemcpyBatchAsync");
+#endif
+#else
+  (void)src, (void)dst, (void)sizes, (void)stream_handle;
+  throw std::runtime_error("copy_batch needs CUDA 12.8 or newer (cudaMemcpyBatchAsync)");
+#endif
 }
 
 void gather_normalize_u8(const void* const* src, int64_t n, int64_t height, int64_t width,

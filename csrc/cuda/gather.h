@@ -21,6 +21,28 @@ namespace echopipe::cuda {
 ECHOPIPE_API void gather_bytes(const void* const* src, const int64_t* sizes, int64_t n, void* dst,
                                void* stream);
 
+/// Copies `n` independent byte ranges, `sizes[i]` bytes from `src[i]` to `dst[i]` (each side
+/// device-accessible: mapped pinned host memory or device memory), in one launch per
+/// kScatterEntries ranges (gather_plan.h) on `stream`. `src`/`dst`/`sizes` are host arrays, read
+/// before the call returns; the call allocates nothing and does not synchronise. The memory the
+/// ranges name must stay valid until the stream reaches this work.
+ECHOPIPE_API void gather_scatter(const void* const* src, void* const* dst, const int64_t* sizes,
+                                 int64_t n, void* stream);
+
+/// The per-sample fallback of gather_scatter (same arguments): one cudaMemcpyAsync
+/// (cudaMemcpyDefault) per non-empty range on `stream`. Kept so the benchmark can measure it.
+ECHOPIPE_API void copy_each(const void* const* src, void* const* dst, const int64_t* sizes,
+                            int64_t n, void* stream);
+
+/// Whether copy_batch is available (built with CUDA >= 12.8).
+ECHOPIPE_API bool copy_batch_supported();
+
+/// gather_scatter through the runtime's batched copy (cudaMemcpyBatchAsync, CUDA >= 12.8), in
+/// stream order. `stream` must not be the legacy default stream (std::invalid_argument);
+/// std::runtime_error when built with an older toolkit.
+ECHOPIPE_API void copy_batch(const void* const* src, void* const* dst, const int64_t* sizes,
+                             int64_t n, void* stream);
+
 /// Gathers `n` uint8 images of identical shape H x W x C (HWC, dense) from device-accessible
 /// `src[i]` into float32 `dst` (device), computing (x - mean[c]) / std[c] per channel (`mean`,
 /// `std` are host arrays of C floats, 1 <= C <= 4). Output layout is N x C x H x W when `to_chw`,

@@ -39,12 +39,26 @@ struct ImageTable {
   const uint8_t* src[K];
 };
 
+/// Independent byte ranges: entry i copies size[i] bytes from src[i] to dst[i]. Both sides are
+/// device-accessible (mapped pinned host memory or device memory), so one launch fills a whole
+/// DALI output batch whose samples need not be contiguous.
+template <int K>
+struct ScatterTable {
+  int32_t count;
+  const uint8_t* src[K];
+  uint8_t* dst[K];
+  int64_t size[K];
+};
+
 /// The largest table sizes that fit one kernel parameter next to the reserve.
 inline constexpr int kBytesEntries =
     static_cast<int>((kParamBytes - kParamReserve - 16) / (sizeof(void*) + sizeof(int64_t)));
 inline constexpr int kImageEntries =
     static_cast<int>((kParamBytes - kParamReserve - 16) / sizeof(void*));
+inline constexpr int kScatterEntries =
+    static_cast<int>((kParamBytes - kParamReserve - 16) / (2 * sizeof(void*) + sizeof(int64_t)));
 static_assert(sizeof(BytesTable<kBytesEntries>) + kParamReserve <= kParamBytes);
+static_assert(sizeof(ScatterTable<kScatterEntries>) + kParamReserve <= kParamBytes);
 static_assert(sizeof(ImageTable<kImageEntries>) + kParamReserve <= kParamBytes);
 
 /// Calls `launch(table, max_size)` once per chunk of at most K samples, in batch order;
@@ -65,6 +79,29 @@ int64_t for_each_bytes_chunk(const void* const* src, const int64_t* sizes, int64
       max_size = std::max(max_size, sizes[first + i]);
     }
     t.offset[count] = total;
+    launch(t, max_size);
+  }
+  return total;
+}
+
+/// Calls `launch(table, max_size)` once per chunk of at most K ranges, in order; `max_size` is
+/// the largest range of that chunk (it sizes the grid). Returns the total bytes.
+template <int K, typename Launch>
+int64_t for_each_scatter_chunk(const void* const* src, void* const* dst, const int64_t* sizes,
+                               int64_t n, Launch&& launch) {
+  ScatterTable<K> t{};
+  int64_t total = 0;
+  for (int64_t first = 0; first < n; first += K) {
+    const int count = static_cast<int>(std::min<int64_t>(K, n - first));
+    t.count = count;
+    int64_t max_size = 0;
+    for (int i = 0; i < count; ++i) {
+      t.src[i] = static_cast<const uint8_t*>(src[first + i]);
+      t.dst[i] = static_cast<uint8_t*>(dst[first + i]);
+      t.size[i] = sizes[first + i];
+      total += sizes[first + i];
+      max_size = std::max(max_size, sizes[first + i]);
+    }
     launch(t, max_size);
   }
   return total;

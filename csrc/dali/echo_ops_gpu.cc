@@ -1,18 +1,27 @@
 // GPU backends of the echopipe DALI operators (compiled only when the build has CUDA).
 //
-// No kernel is needed: the echo cache arena is host memory (pinned and GPU-mapped when a device is
-// present), so the GPU source copies each drawn sample host->device with cudaMemcpyAsync on DALI's
-// stream, and the GPU sink (after a "mixed" decoder, or GPU augmentation) copies device->host into
-// reserved cache slots and commits them once the stream has finished. This file is compiled by the
-// host compiler against the CUDA runtime API, which keeps the DALI headers away from nvcc.
+// The source fills its whole output batch (every field of every sample, and the info rows) with
+// ONE gather_scatter launch on DALI's stream (csrc/cuda/gather.cu): the kernel reads the pinned,
+// GPU-mapped arena over the bus, or with memory='device' the device arena, and writes each
+// sample where DALI put it. No per-sample call and no synchronisation: the leases are kept until
+// an event recorded after the launch has fired. ECHOPIPE_GPU_SOURCE_COPY=each|batch selects
+// per-sample cudaMemcpyAsync or cudaMemcpyBatchAsync instead, for the benchmark (a pageable arena
+// always takes the per-sample path). The sink (after a "mixed" decoder, or GPU augmentation)
+// copies into reserved cache slots and commits them once the stream has finished. This file is
+// compiled by the host compiler against the CUDA runtime API; the kernels live in the core.
 #if defined(ECHOPIPE_DALI_GPU) && ECHOPIPE_DALI_GPU
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <utility>
 
+#include "cuda/copy_mode.h"
+#include "cuda/gather.h"
 #include "dali/echo_ops.h"
 #include "dali/pipeline/operator/checkpointing/stateless_operator.h"
 
@@ -61,7 +70,8 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
   explicit EchoSinkGPU(const OpSpec& spec)
       : StatelessOperator<GPUBackend>(spec),
         cache_name_(spec.GetArgument<std::string>("cache_name")),
-        cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo sink (gpu)")) {}
+        cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo sink (gpu)")),
+        device_arena_(cache_->memory_kind() == echopipe::MemoryKind::kDevice) {}
 
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
@@ -89,10 +99,16 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
       for (int f = 0; f < num_fields; ++f) {
         size_t nbytes = desc.fields[f].nbytes();
         if (ws.InputIsType<GPUBackend>(f)) {
+          // Default: the arena is pinned host memory or, with memory='device', device memory.
           CudaCheck(
               cudaMemcpyAsync(reservation.field_data(f), ws.Input<GPUBackend>(f).raw_tensor(i),
-                              nbytes, cudaMemcpyDeviceToHost, ws.stream()),
-              "device-to-host copy into the echo cache");
+                              nbytes, cudaMemcpyDefault, ws.stream()),
+              "copy into the echo cache");
+        } else if (device_arena_) {
+          CudaCheck(
+              cudaMemcpyAsync(reservation.field_data(f), ws.Input<CPUBackend>(f).raw_tensor(i),
+                              nbytes, cudaMemcpyDefault, ws.stream()),
+              "host-to-device copy into the echo cache");
         } else {
           std::memcpy(reservation.field_data(f), ws.Input<CPUBackend>(f).raw_tensor(i), nbytes);
         }
@@ -132,7 +148,58 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
 
   std::string cache_name_;
   std::shared_ptr<echopipe::EchoCache> cache_;
+  bool device_arena_;
   std::vector<std::pair<int, echopipe::PutReservation>> pending_;
+};
+
+// Host memory the GPU can read (cudaHostAlloc mapped): the source's info rows, written on the
+// host and copied by the same launch as the samples. Freed only when the operator goes (freeing
+// pinned memory synchronises the device), so buffers are recycled through a pool.
+class PinnedBuffer {
+ public:
+  explicit PinnedBuffer(size_t bytes) : bytes_(bytes) {
+    CudaCheck(cudaHostAlloc(&host_, bytes, cudaHostAllocPortable | cudaHostAllocMapped),
+              "cudaHostAlloc of the source's info buffer");
+    if (cudaHostGetDevicePointer(&device_, host_, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      device_ = nullptr;  // not mapped: its copy takes the per-copy path
+    }
+  }
+  PinnedBuffer(PinnedBuffer&& o) noexcept
+      : host_(std::exchange(o.host_, nullptr)),
+        device_(std::exchange(o.device_, nullptr)),
+        bytes_(std::exchange(o.bytes_, 0)) {}
+  PinnedBuffer& operator=(PinnedBuffer&&) = delete;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() {
+    if (host_ != nullptr) (void)cudaFreeHost(host_);
+  }
+  void* host() const { return host_; }
+  void* device() const { return device_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* host_ = nullptr;
+  void* device_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Device copy of one sample, the padding template of the batches after the end of input. It is
+// copied from the arena (pinned or device) once, synchronously, so every output sample of a
+// padded batch is device-readable and the batch stays one launch.
+struct DevicePadding {
+  echopipe_dali::SampleCopy desc_only;  // desc for DescribeOutputs; no host field bytes
+  void* fields[echopipe::kMaxFields] = {};
+  size_t nbytes[echopipe::kMaxFields] = {};
+
+  DevicePadding() = default;
+  DevicePadding(const DevicePadding&) = delete;
+  DevicePadding& operator=(const DevicePadding&) = delete;
+  ~DevicePadding() {
+    for (void* p : fields)
+      if (p != nullptr) (void)cudaFree(p);
+  }
 };
 
 class EchoSourceGPU : public StatelessOperator<GPUBackend> {
@@ -141,40 +208,45 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
       : StatelessOperator<GPUBackend>(spec),
         cache_name_(spec.GetArgument<std::string>("cache_name")),
         num_fields_(spec.GetArgument<int>("num_fields")),
-        cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo source (gpu)")) {}
+        cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo source (gpu)")),
+        mode_(ParseMode()) {}
 
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
     int batch_size = ws.GetRequestedBatchSize(0);
-    batch_ = echopipe_dali::DrawBatch(*cache_, batch_size, padding_.get(), cache_name_);
-    echopipe_dali::UpdatePadding(batch_, padding_);
-    echopipe_dali::DescribeOutputs(batch_, padding_.get(), num_fields_, out, cache_name_);
+    const echopipe_dali::SampleCopy* pad = padding_ ? &padding_->desc_only : nullptr;
+    batch_ = echopipe_dali::DrawBatch(*cache_, batch_size, pad, cache_name_);
+    UpdatePadding();
+    pad = padding_ ? &padding_->desc_only : nullptr;
+    echopipe_dali::DescribeOutputs(batch_, pad, num_fields_, out, cache_name_);
     return true;
   }
 
   void RunImpl(Workspace& ws) override {
     RetireFinished();
-    int n = static_cast<int>(batch_.source_index.size());
-    InFlight flight;  // its event waits for the copies below if anything throws
+    const int n = static_cast<int>(batch_.source_index.size());
+    cudaStream_t stream = ws.stream();
+    InFlight flight;
+    flight.info = TakeInfoBuffer(static_cast<size_t>(3 * n) * sizeof(int64_t));
+    echopipe_dali::WriteInfo(batch_, static_cast<int64_t*>(flight.info->host()), n);
+    plan_.clear();
     for (int f = 0; f < num_fields_; ++f) {
       auto& out = ws.Output<GPUBackend>(f);
       out.SetLayout(echopipe_dali::RecordedLayout(*cache_, f));
-      for (int i = 0; i < n; ++i) {
-        size_t nbytes = 0;
-        const void* src = echopipe_dali::FieldData(batch_, padding_.get(), i, f, &nbytes);
-        CudaCheck(cudaMemcpyAsync(out.raw_mutable_tensor(i), src, nbytes, cudaMemcpyHostToDevice,
-                                  ws.stream()),
-                  "host-to-device copy from the echo cache");
-      }
+      for (int i = 0; i < n; ++i) AddSample(i, f, out.raw_mutable_tensor(i));
     }
-    flight.info.resize(3 * n);
-    echopipe_dali::WriteInfo(batch_, flight.info.data(), n);
-    CudaCheck(cudaMemcpyAsync(ws.Output<GPUBackend>(num_fields_).raw_mutable_tensor(0),
-                              flight.info.data(), flight.info.size() * sizeof(int64_t),
-                              cudaMemcpyHostToDevice, ws.stream()),
-              "writing the source's info output");
-    CudaCheck(cudaEventRecord(flight.event.get(), ws.stream()), "cudaEventRecord");
-    // The leases (and the info buffer) live until the copies that read them have completed.
+    plan_.add(flight.info->device(), flight.info->host(),
+              ws.Output<GPUBackend>(num_fields_).raw_mutable_tensor(0),
+              static_cast<int64_t>(3 * n * sizeof(int64_t)));
+    try {
+      Copy(plan_, stream);
+    } catch (...) {
+      // Some copies may be queued: the event must mark them before the leases can go.
+      (void)cudaEventRecord(flight.event.get(), stream);
+      throw;
+    }
+    CudaCheck(cudaEventRecord(flight.event.get(), stream), "cudaEventRecord");
+    // The leases and the info buffer live until the copies that read them have completed.
     flight.batch = std::move(batch_);
     batch_ = {};
     in_flight_.push_back(std::move(flight));
@@ -185,9 +257,71 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   // buffer and the leases those copies read.
   struct InFlight {
     echopipe_dali::DrawnBatch batch;
-    std::vector<int64_t> info;
+    std::unique_ptr<PinnedBuffer> info;
     CudaEvent event;
   };
+
+  static echopipe::cuda::CopyMode ParseMode() {
+    try {
+      return echopipe::cuda::copy_mode_from_name(std::getenv(echopipe::cuda::kCopyModeEnv));
+    } catch (const std::invalid_argument& e) {
+      DALI_FAIL(make_string("echopipe echo source: ", e.what()));
+    }
+  }
+
+  void AddSample(int i, int f, void* dst) {
+    const int src = batch_.source_index[i];
+    if (src >= 0) {
+      const auto& lease = batch_.leases[src];
+      plan_.add(lease.device_data(f), lease.data(f), dst, static_cast<int64_t>(lease.nbytes(f)));
+    } else {
+      plan_.add(padding_->fields[f], padding_->fields[f], dst,
+                static_cast<int64_t>(padding_->nbytes[f]));
+    }
+  }
+
+  void Copy(const echopipe::cuda::CopyPlan& plan, cudaStream_t stream) {
+    using echopipe::cuda::CopyMode;
+    switch (plan.effective(mode_)) {
+      case CopyMode::kGather:
+        return echopipe::cuda::gather_scatter(plan.src.data(), plan.dst.data(), plan.size.data(),
+                                              plan.count(), stream);
+      case CopyMode::kBatch:
+        return echopipe::cuda::copy_batch(plan.src.data(), plan.dst.data(), plan.size.data(),
+                                          plan.count(), stream);
+      case CopyMode::kEach:
+        return echopipe::cuda::copy_each(plan.src.data(), plan.dst.data(), plan.size.data(),
+                                         plan.count(), stream);
+    }
+  }
+
+  // A device copy of the first drawn sample (once): the template of padded batches.
+  void UpdatePadding() {
+    if (padding_ || batch_.valid == 0) return;
+    const auto& lease = batch_.leases[0];
+    auto pad = std::make_unique<DevicePadding>();
+    pad->desc_only.desc = lease.desc();
+    for (int f = 0; f < lease.desc().num_fields; ++f) {
+      const size_t nbytes = lease.nbytes(f);
+      pad->nbytes[f] = nbytes;
+      CudaCheck(cudaMalloc(&pad->fields[f], nbytes > 0 ? nbytes : 1), "cudaMalloc (padding)");
+      // Synchronous and once per source: the arena may be pinned host or device memory.
+      CudaCheck(cudaMemcpy(pad->fields[f], lease.data(f), nbytes, cudaMemcpyDefault),
+                "cudaMemcpy (padding)");
+    }
+    padding_ = std::move(pad);
+  }
+
+  std::unique_ptr<PinnedBuffer> TakeInfoBuffer(size_t bytes) {
+    for (auto it = free_info_.begin(); it != free_info_.end(); ++it) {
+      if ((*it)->bytes() >= bytes) {
+        auto buf = std::move(*it);
+        free_info_.erase(it);
+        return buf;
+      }
+    }
+    return std::make_unique<PinnedBuffer>(std::max<size_t>(bytes, 64));
+  }
 
   void RetireFinished() {
     while (!in_flight_.empty()) {
@@ -198,6 +332,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
       } else if (cudaEventQuery(front.event.get()) != cudaSuccess) {
         break;
       }
+      free_info_.push_back(std::move(front.info));
       in_flight_.pop_front();
     }
   }
@@ -205,8 +340,13 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   std::string cache_name_;
   int num_fields_;
   std::shared_ptr<echopipe::EchoCache> cache_;
+  echopipe::cuda::CopyMode mode_;
   echopipe_dali::DrawnBatch batch_;
-  std::unique_ptr<echopipe_dali::SampleCopy> padding_;
+  std::unique_ptr<DevicePadding> padding_;
+  echopipe::cuda::CopyPlan plan_;
+  std::vector<std::unique_ptr<PinnedBuffer>> free_info_;
+  // Last, so it is destroyed first: each flight's event waits for the copies that read the
+  // leases, the info buffers and the padding.
   std::deque<InFlight> in_flight_;
 };
 
