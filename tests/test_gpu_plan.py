@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,12 +64,12 @@ _PLAN_CHECK = textwrap.dedent(
 )
 
 
-def _run_plan(tmp_path: Path, *defines: str) -> list[str]:
+def _run_plan(tmp_path: Path, *defines: str, program: str = _PLAN_CHECK) -> list[str]:
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler to build the plan check")
     src = tmp_path / "plan.cc"
-    src.write_text(_PLAN_CHECK)
+    src.write_text(program)
     exe = tmp_path / "plan"
     cmd = [cxx, "-std=c++20", "-O1", f"-I{REPO / 'csrc'}", *defines, str(src), "-o", str(exe)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -107,6 +108,97 @@ def test_tables_fit_one_kernel_parameter(
     assert int(bytes_entries) == (param_bytes - 256 - 16) // 16
     assert int(image_entries) == (param_bytes - 256 - 16) // 8
     assert int(bytes_entries) >= 128  # even a 4 KB table gathers a batch of 256 in two launches
+
+
+# The GPU echo source's batch: one scatter table per chunk (each range with its own destination),
+# the copy mode from ECHOPIPE_GPU_SOURCE_COPY, and the fallback when a source is host-only.
+_SCATTER_CHECK = textwrap.dedent(
+    r"""
+    #include <cstdio>
+    #include <stdexcept>
+    #include <vector>
+    #include "cuda/copy_mode.h"
+    #include "cuda/gather_plan.h"
+    using namespace echopipe::cuda;
+
+    static void* p(int k) { return reinterpret_cast<void*>(uintptr_t(0x100) * k); }
+
+    int main() {
+      // Two fields of 3 samples plus the info rows, as the source plans them; the empty field
+      // of sample 1 is left out.
+      CopyPlan plan;
+      plan.add(p(1), p(91), p(11), 150528);
+      plan.add(p(2), p(92), p(12), 0);
+      plan.add(p(3), p(93), p(13), 150528);
+      plan.add(p(4), p(94), p(14), 4);
+      plan.add(p(5), p(95), p(15), 72);
+      std::printf("plan %lld %d %s\n", (long long)plan.count(), plan.device_readable,
+                  copy_mode_name(plan.effective(CopyMode::kGather)));
+      int64_t total = for_each_scatter_chunk<3>(plan.src.data(), plan.dst.data(),
+          plan.size.data(), plan.count(), [&](const ScatterTable<3>& t, int64_t max_size) {
+            std::printf("S %d %lld", t.count, (long long)max_size);
+            for (int i = 0; i < t.count; ++i)
+              std::printf(" %llx>%llx:%lld", (unsigned long long)(uintptr_t)t.src[i],
+                          (unsigned long long)(uintptr_t)t.dst[i], (long long)t.size[i]);
+            std::printf("\n");
+          });
+      std::printf("total %lld\n", (long long)total);
+      // A pageable arena: no device address, so the batch takes the per-copy path, which
+      // reads the host address.
+      CopyPlan host;
+      host.add(p(1), p(91), p(11), 8);
+      host.add(nullptr, p(92), p(12), 8);
+      std::printf("host %d %s %llx\n", host.device_readable,
+                  copy_mode_name(host.effective(CopyMode::kBatch)),
+                  (unsigned long long)(uintptr_t)host.src[1]);
+      host.clear();
+      std::printf("cleared %lld %d\n", (long long)host.count(), host.device_readable);
+      for (const char* name : {(const char*)nullptr, "", "gather", "batch", "each"})
+        std::printf("mode %s\n", copy_mode_name(copy_mode_from_name(name)));
+      try {
+        copy_mode_from_name("memcpy");
+      } catch (const std::invalid_argument& e) {
+        std::printf("error %s\n", e.what());
+      }
+      std::printf("entries %d\n", kScatterEntries);
+      return 0;
+    }
+    """
+)
+
+
+def test_source_batch_is_one_scatter_table_per_chunk_with_its_own_destinations(
+    tmp_path: Path,
+) -> None:
+    lines = _run_plan(tmp_path, program=_SCATTER_CHECK)
+    assert lines[0] == "plan 4 1 gather"
+    assert lines[1:4] == [
+        "S 3 150528 100>b00:150528 300>d00:150528 400>e00:4",
+        "S 1 72 500>f00:72",
+        f"total {2 * 150528 + 4 + 72}",
+    ]
+    assert lines[4] == "host 0 each 5c00"
+    assert lines[5] == "cleared 0 1"
+    assert lines[6:11] == ["mode gather", "mode gather", "mode gather", "mode batch", "mode each"]
+    assert lines[11] == (
+        "error ECHOPIPE_GPU_SOURCE_COPY must be 'gather', 'batch' or 'each', got 'memcpy'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("defines", "param_bytes"), [((), 4096), (("-DCUDART_VERSION=12010",), 32764)]
+)
+def test_scatter_table_fits_one_kernel_parameter(
+    tmp_path: Path, defines: tuple[str, ...], param_bytes: int
+) -> None:
+    """24 bytes per range (source, destination, size): a batch of 256 images with a label field
+    and the info rows (513 ranges) is one launch from CUDA 12.1 on."""
+    lines = _run_plan(tmp_path, *defines, program=_SCATTER_CHECK)
+    (line,) = [ln for ln in lines if ln.startswith("entries")]
+    entries = int(line.split()[1])
+    assert entries == (param_bytes - 256 - 16) // 24
+    if param_bytes > 4096:
+        assert entries >= 2 * 256 + 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,3 +453,93 @@ def test_the_script_runs_its_steps_in_the_order_the_plan_prints() -> None:
 
     ran = re.findall(r"^step (\w+) ", RUN_SH.read_text(), re.MULTILINE)
     assert ran == PASS1 + PASS2
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the arena lives: memory="auto" decided from the input (echopipe.dali.memory)
+# ---------------------------------------------------------------------------------------------
+
+_GiB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("input_device", "gpus", "arena", "free", "expected"),
+    [
+        ("gpu", 1, 8 * _GiB, 139 * _GiB, "device"),  # an H200 holds the echo buffer
+        ("gpu", 1, 70 * _GiB, 139 * _GiB, "pinned"),  # more than half the free memory
+        ("gpu", 1, 8 * _GiB, None, "pinned"),  # free memory unknown: never guess the device
+        ("cpu", 1, 1 * _GiB, 139 * _GiB, "pinned"),  # CPU input on a GPU machine
+        ("cpu", 0, 1 * _GiB, None, "pageable"),  # no GPU
+        ("gpu", 0, 1 * _GiB, None, "pageable"),
+    ],
+)
+def test_auto_memory_follows_the_input_and_the_free_device_memory(
+    input_device: str, gpus: int, arena: int, free: int | None, expected: str
+) -> None:
+    from echopipe.dali.memory import choose_memory
+
+    got = choose_memory(
+        "auto", input_device=input_device, gpu_count=gpus, arena_bytes=arena, device_free_bytes=free
+    )
+    assert got == expected
+
+
+def test_auto_memory_takes_the_device_up_to_half_the_free_memory_exactly() -> None:
+    from echopipe.dali.memory import DEVICE_SHARE, choose_memory
+
+    free = 10 * _GiB
+    edge = int(DEVICE_SHARE * free)
+    kw = dict(input_device="gpu", gpu_count=1, device_free_bytes=free)
+    assert choose_memory("auto", arena_bytes=edge, **kw) == "device"
+    assert choose_memory("auto", arena_bytes=edge + 1, **kw) == "pinned"
+
+
+@pytest.mark.parametrize("memory", ["pageable", "pinned", "device"])
+def test_explicit_memory_is_kept(memory: str) -> None:
+    from echopipe.dali.memory import choose_memory
+
+    got = choose_memory(
+        memory, input_device="gpu", gpu_count=1, arena_bytes=1 << 40, device_free_bytes=1
+    )
+    assert got == memory
+
+
+@pytest.mark.parametrize(
+    ("memory", "input_device", "gpus", "message"),
+    [
+        ("device", "gpu", 0, "memory='device' needs a CUDA device, but echopipe sees none"),
+        ("pinned", "cpu", 0, "memory='pinned' needs a CUDA device, but echopipe sees none"),
+        ("device", "cpu", 1, "the echo input is on the CPU; decode with device='mixed'"),
+        ("gpu", "gpu", 1, "one of 'auto', 'pageable', 'pinned', 'device', got 'gpu'"),
+    ],
+)
+def test_memory_choice_errors_are_one_line_naming_the_value(
+    memory: str, input_device: str, gpus: int, message: str
+) -> None:
+    from echopipe.dali.memory import choose_memory
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        choose_memory(
+            memory, input_device=input_device, gpu_count=gpus, arena_bytes=1, device_free_bytes=None
+        )
+
+
+def test_without_a_gpu_the_machine_facts_give_host_memory_or_one_clear_error() -> None:
+    """resolve_memory asks echopipe's core for the GPUs: on a machine without one, auto is
+    pageable and device is refused in one line (the core refuses it too, see test_gpu.py)."""
+    from echopipe.dali.memory import gpu_count, resolve_memory
+
+    if gpu_count() > 0:
+        pytest.skip("this machine has a GPU")
+    kw = dict(input_device="gpu", arena_bytes=1 << 20, device_id=0)
+    assert resolve_memory("auto", **kw) == "pageable"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_memory("device", **kw)
+
+
+def test_echo_config_accepts_device_and_names_a_bad_memory() -> None:
+    from echopipe.dali.config import EchoConfig
+
+    assert EchoConfig(batch_size=4, memory="device").resolved().memory == "device"
+    with pytest.raises(ValueError, match="got 'host'"):
+        EchoConfig(batch_size=4, memory="host").resolved()

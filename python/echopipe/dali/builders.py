@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..data import CorruptImageError, ImageFolderIndex, check_image_file, scan_image_folder
+from .memory import resolve_memory
 from .naming import naming_pipeline
 from .pipeline import EchoConfig, EchoPipeline, current_stage
 from .pipeline import echo as echo_point
@@ -723,7 +724,12 @@ def imagenet_train_pipeline(
         epochs=e.epochs,
         deterministic=e.deterministic,
         seed=int(r.seed) + shard,
-        memory=e.memory,
+        memory=resolve_memory(
+            e.memory,
+            input_device="gpu" if r.decode_device == "mixed" else "cpu",
+            arena_bytes=int(e.cache_bytes),
+            device_id=dev,
+        ),
     )
     pipe = ImagenetEchoPipeline(
         imagenet_train,

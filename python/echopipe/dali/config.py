@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .memory import check_memory
+
 _ECHO_MODES = ("example", "batch")
 #: Default shuffle buffer, in downstream batches. The cache draws uniformly from what it holds,
 #: so a buffer of F fresh samples spreads echoed copies like a full shuffle of F samples: at
@@ -66,8 +68,7 @@ class EchoConfig:
             raise ValueError(f"cache_bytes must be an int >= 64, got {self.cache_bytes!r}")
         if self.epochs is not None and (not isinstance(self.epochs, int) or self.epochs < 1):
             raise ValueError(f"epochs must be None (endless) or an int >= 1, got {self.epochs!r}")
-        if self.memory not in ("auto", "pageable", "pinned"):
-            raise ValueError(f"memory must be 'auto', 'pageable' or 'pinned', got {self.memory!r}")
+        check_memory(self.memory)
         return EchoConfig(
             batch_size=self.batch_size,
             echo_factor=e,

@@ -92,7 +92,9 @@ class EchoSpec:
         upstream_threads: DALI threads of the upstream pipeline (default ``num_threads``).
         epochs: ``None`` for an endless stream, or ``N`` epochs of this shard and then end.
         deterministic: upstream in lock-step with the consumer (reproducible stream).
-        memory: cache memory (``"auto"``, ``"pageable"``, ``"pinned"``).
+        memory: cache memory (``"auto"``, ``"pageable"``, ``"pinned"``, ``"device"``); the
+            ImageNet builder's ``"auto"`` takes ``"device"`` for a ``"mixed"`` decode when the
+            arena fits (:func:`echopipe.dali.memory.choose_memory`).
         enable_checkpointing: also checkpoint DALI's operator states.
     """
 
