@@ -1,0 +1,174 @@
+// Leases (read access to one emitted copy), reservations (zero-copy put), gathers and the
+// batched release of leases (algorithm: echo_cache.h).
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+
+#include "echo/echo_cache_impl.h"
+
+namespace echopipe {
+
+using detail::kNone;
+
+// ---- leases ----------------------------------------------------------------------------------
+
+SampleLease::SampleLease(SampleLease&& o) noexcept
+    : cache_(std::exchange(o.cache_, nullptr)),
+      slot_(o.slot_),
+      unit_(o.unit_),
+      emission_(o.emission_),
+      index_in_unit_(o.index_in_unit_) {}
+
+SampleLease& SampleLease::operator=(SampleLease&& o) noexcept {
+  if (this != &o) {
+    release();
+    cache_ = std::exchange(o.cache_, nullptr);
+    slot_ = o.slot_;
+    unit_ = o.unit_;
+    emission_ = o.emission_;
+    index_in_unit_ = o.index_in_unit_;
+  }
+  return *this;
+}
+
+SampleLease::~SampleLease() { release(); }
+
+void SampleLease::release() {
+  if (!cache_) return;
+  EchoCache* c = std::exchange(cache_, nullptr);
+  c->release_reader(unit_);
+  EchoCache::drop_leases(c, 1);  // last: may delete the cache
+}
+
+const SampleDesc& SampleLease::desc() const { return cache_->impl_->slots[slot_].desc; }
+
+namespace {
+void check_field(const SampleDesc& d, int field) {
+  if (field < 0 || field >= d.num_fields) {
+    throw std::invalid_argument("field index " + std::to_string(field) + " out of range for a " +
+                                std::to_string(d.num_fields) + "-field sample");
+  }
+}
+}  // namespace
+
+const void* SampleLease::data(int field) const {
+  const auto& I = *cache_->impl_;
+  const auto& sl = I.slots[slot_];
+  check_field(sl.desc, field);
+  return static_cast<const uint8_t*>(I.arena.host) + sl.offset + sl.desc.field_offset(field);
+}
+
+const void* SampleLease::device_data(int field) const {
+  const auto& I = *cache_->impl_;
+  if (I.arena.device == nullptr) return nullptr;
+  const auto& sl = I.slots[slot_];
+  check_field(sl.desc, field);
+  return static_cast<const uint8_t*>(I.arena.device) + sl.offset + sl.desc.field_offset(field);
+}
+
+size_t SampleLease::nbytes(int field) const {
+  check_field(desc(), field);
+  return desc().fields[field].nbytes();
+}
+uint64_t SampleLease::sample_id() const { return cache_->impl_->slots[slot_].sample_id; }
+uint32_t SampleLease::tickets() const {
+  return cache_->impl_->info[unit_].tickets_total.load(std::memory_order_relaxed);
+}
+
+// ---- reservations ----------------------------------------------------------------------------
+
+PutReservation::PutReservation(PutReservation&& o) noexcept
+    : cache_(std::move(o.cache_)), slot_(o.slot_) {}
+
+PutReservation& PutReservation::operator=(PutReservation&& o) noexcept {
+  if (this != &o) {
+    if (cache_) cache_->abort(*this);
+    cache_ = std::move(o.cache_);
+    slot_ = o.slot_;
+  }
+  return *this;
+}
+
+PutReservation::~PutReservation() {
+  if (cache_) cache_->abort(*this);
+}
+
+void* PutReservation::field_data(int field) const {
+  auto& I = *cache_->impl_;
+  const auto& sl = I.slots[slot_];
+  check_field(sl.desc, field);
+  return static_cast<uint8_t*>(I.arena.host) + sl.offset + sl.desc.field_offset(field);
+}
+
+const SampleDesc& PutReservation::desc() const { return cache_->impl_->slots[slot_].desc; }
+
+// ---- gather and batch release ----------------------------------------------------------------
+
+size_t gather_bytes(const std::vector<SampleLease>& leases, int field) {
+  size_t total = 0;
+  for (const auto& l : leases) {
+    if (field < 0 || field >= l.desc().num_fields) {
+      throw std::invalid_argument("gather: field index " + std::to_string(field) +
+                                  " out of range for a " + std::to_string(l.desc().num_fields) +
+                                  "-field sample");
+    }
+    total += l.nbytes(field);
+  }
+  return total;
+}
+
+void gather(const std::vector<SampleLease>& leases, int field, void* dst, int64_t* offsets) {
+  auto* out = static_cast<uint8_t*>(dst);
+  int64_t off = 0;
+  for (size_t i = 0; i < leases.size(); ++i) {
+    const void* src = leases[i].data(field);  // checks the field index
+    const size_t nb = leases[i].nbytes(field);
+    if (offsets) offsets[i] = off;
+    detail::arena_copy(leases[i].cache()->memory_kind(), out + off, src, nb);
+    off += static_cast<int64_t>(nb);
+  }
+  if (offsets) offsets[leases.size()] = off;
+}
+
+void release_leases(std::vector<SampleLease>& leases) {
+  // Units whose last reader this call drops are chained and pushed onto the cache's retired
+  // stack with one CAS per cache (almost always one cache), and the lease references are dropped
+  // with one atomic per cache.
+  EchoCache* owner = nullptr;
+  uint32_t first = kNone, last = kNone;
+  int64_t samples = 0, bytes = 0;
+  uint64_t count = 0;
+  auto flush = [&] {
+    if (owner == nullptr) return;
+    if (first != kNone) owner->impl_->push_retired(first, last, samples, bytes);
+    EchoCache::drop_leases(owner, count);  // last: may delete the cache
+    owner = nullptr;
+    first = last = kNone;
+    samples = bytes = 0;
+    count = 0;
+  };
+  for (SampleLease& l : leases) {
+    if (!l.cache_) continue;
+    if (l.cache_ != owner) {
+      flush();
+      owner = l.cache_;
+    }
+    const uint32_t u = l.unit_;
+    l.cache_ = nullptr;  // released here, so the lease's destructor does nothing
+    ++count;
+    auto& I = *owner->impl_;
+    if (I.drop_reader(u)) {
+      int64_t k = 0, b = 0;
+      I.unit_size(u, &k, &b);
+      I.info[u].retire_next = first;
+      if (last == kNone) last = u;
+      first = u;
+      samples += k;
+      bytes += b;
+    }
+  }
+  flush();
+  leases.clear();
+}
+
+}  // namespace echopipe
