@@ -1,6 +1,6 @@
 // The echo cache's public operations: put/reserve/commit, take, stream control, waiting for
-// room, the sink's quota and layouts, statistics, leases and gathers (algorithm: echo_cache.h;
-// internals: echo_impl.cc; save/restore: echo_state.cc; registry: registry.cc).
+// room, the sink's quota and layouts, and statistics (algorithm: echo_cache.h; internals:
+// echo_impl.cc; leases and gathers: lease.cc; save/restore: echo_state.cc; registry: registry.cc).
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
