@@ -177,6 +177,16 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         summary = train(cfg)
     except expected as exc:
         return _fail(parser.prog, exc, args.debug)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(
+            f"{parser.prog}: interrupted; --resume continues from the last checkpoint in "
+            f"{cfg.output}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 130
     import os
 
     if int(os.environ.get("RANK", "0")) == 0:
