@@ -543,3 +543,30 @@ def test_echo_config_accepts_device_and_names_a_bad_memory() -> None:
     assert EchoConfig(batch_size=4, memory="device").resolved().memory == "device"
     with pytest.raises(ValueError, match="got 'host'"):
         EchoConfig(batch_size=4, memory="host").resolved()
+
+
+def test_a_device_cache_without_a_gpu_is_one_clear_error() -> None:
+    from echopipe._native import _C
+    from echopipe.echo import EchoCache
+
+    if _C.cuda_available():
+        pytest.skip("this machine has a GPU (tests/test_gpu.py uses the device arena)")
+    with pytest.raises(RuntimeError) as err:
+        EchoCache(capacity_bytes=1 << 20, capacity_samples=8, memory="device")
+    assert str(err.value) in (
+        "memory='device' needs a CUDA device, but the CUDA runtime found none",
+        "memory='device' needs a CUDA device, but echopipe was built without CUDA",
+    )
+    with pytest.raises(ValueError, match="'pinned' or 'device', got 'gpu'"):
+        EchoCache(capacity_bytes=1 << 20, capacity_samples=8, memory="gpu")
+
+
+def test_copy_ranges_names_a_bad_mode_or_mismatched_lists() -> None:
+    from echopipe._native import _C
+
+    with pytest.raises(ValueError, match="mode must be 'gather', 'batch' or 'each', got 'x'"):
+        _C.copy_ranges("x", [], [], [], 0)
+    with pytest.raises(ValueError, match="differ in length"):
+        _C.copy_ranges("gather", [1], [], [1], 0)
+    # No ranges: nothing is launched, so this holds on a machine without a GPU too.
+    _C.copy_ranges("gather", [], [], [], 0)

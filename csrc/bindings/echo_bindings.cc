@@ -279,6 +279,14 @@ void bind_echo(py::module_& m) {
              }
              return std::string(dtype_name(p.lease.desc().fields[f].dtype));
            })
+      .def("shape",
+           [](const PyLease& p, int f) {
+             if (f < 0 || f >= p.lease.desc().num_fields) {
+               throw std::invalid_argument("field index " + std::to_string(f) + " out of range");
+             }
+             const FieldDesc& fd = p.lease.desc().fields[f];
+             return std::vector<int64_t>(fd.shape, fd.shape + fd.ndim);
+           })
       .def("array", &field_view, py::arg("field"),
            "Read-only zero-copy numpy view of a field; keeps this lease alive.")
       .def("data_ptr",
@@ -408,7 +416,44 @@ void bind_echo(py::module_& m) {
         without_gil([&] { c.restore_state(reinterpret_cast<const uint8_t*>(v.data()), v.size()); });
       });
 
-  // CUDA: gather leased samples from the mapped pinned arena straight into a device batch.
+  // CUDA: n byte ranges src[i] -> dst[i] (raw device-accessible addresses) in one call, by the
+  // scatter kernel ("gather"), cudaMemcpyBatchAsync ("batch") or one cudaMemcpyAsync each
+  // ("each"): the DALI GPU source's three copy paths, exposed for bench/gpu/gather_bw.py.
+  m.def(
+      "copy_ranges",
+      [](const std::string& mode, const std::vector<uintptr_t>& src,
+         const std::vector<uintptr_t>& dst, const std::vector<int64_t>& sizes, uintptr_t stream) {
+        if (src.size() != dst.size() || src.size() != sizes.size()) {
+          throw std::invalid_argument("copy_ranges: src, dst and sizes differ in length");
+        }
+        std::vector<const void*> s(src.size());
+        std::vector<void*> d(dst.size());
+        for (size_t i = 0; i < src.size(); ++i) {
+          s[i] = reinterpret_cast<const void*>(src[i]);
+          d[i] = reinterpret_cast<void*>(dst[i]);
+        }
+        void (*run)(const void* const*, void* const*, const int64_t*, int64_t, void*) = nullptr;
+        if (mode == "gather") {
+          run = &echopipe::cuda::gather_scatter;
+        } else if (mode == "batch") {
+          run = &echopipe::cuda::copy_batch;
+        } else if (mode == "each") {
+          run = &echopipe::cuda::copy_each;
+        } else {
+          throw std::invalid_argument(
+              "copy_ranges: mode must be 'gather', 'batch' or 'each', got '" + mode + "'");
+        }
+        without_gil([&] {
+          run(s.data(), d.data(), sizes.data(), static_cast<int64_t>(s.size()),
+              reinterpret_cast<void*>(stream));
+        });
+      },
+      py::arg("mode"), py::arg("src"), py::arg("dst"), py::arg("sizes"), py::arg("stream"));
+  m.def("copy_batch_supported", &echopipe::cuda::copy_batch_supported,
+        "True when cudaMemcpyBatchAsync was compiled in (CUDA >= 12.8).");
+
+  // CUDA: gather leased samples from the mapped pinned arena (or a device arena) straight into a
+  // device batch.
   m.def(
       "gather_to_device",
       [](const std::vector<std::shared_ptr<PyLease>>& leases, int field, uintptr_t dst,
@@ -419,7 +464,8 @@ void bind_echo(py::module_& m) {
           const void* d = p->lease.device_data(field);
           if (d == nullptr) {
             throw std::runtime_error(
-                "gather_to_device needs a pinned, GPU-mapped cache (memory_kind is not 'pinned')");
+                "gather_to_device needs a pinned, GPU-mapped or a device cache (memory_kind is "
+                "'pageable')");
           }
           src.push_back(d);
           sizes.push_back(static_cast<int64_t>(p->lease.nbytes(field)));

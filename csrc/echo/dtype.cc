@@ -195,7 +195,7 @@ void EchoConfig::validate() const {
     }
   }
   if (memory != MemoryKind::kAuto && memory != MemoryKind::kPageable &&
-      memory != MemoryKind::kPinned) {
+      memory != MemoryKind::kPinned && memory != MemoryKind::kDevice) {
     throw std::invalid_argument("unknown memory kind code " +
                                 std::to_string(static_cast<int>(memory)));
   }

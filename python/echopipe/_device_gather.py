@@ -36,6 +36,11 @@ def check_samples(samples: Sequence[Any], field: Any, sample_type: type) -> tupl
     return samples, field
 
 
+def _shape(sample: Any, field: int) -> tuple[int, ...]:
+    """A field's shape from the lease, which also a device arena (no host view) answers."""
+    return tuple(int(d) for d in sample._lease.shape(field))
+
+
 def check_plain_out(torch: Any, samples: list[Any], field: int, out: Any) -> None:
     """``out`` must hold exactly the samples' field, back to back, in the field's dtype."""
     dtypes = {s.dtype(field) for s in samples}
@@ -44,7 +49,7 @@ def check_plain_out(torch: Any, samples: list[Any], field: int, out: Any) -> Non
     want = getattr(torch, dtypes.pop())  # dtype names match torch's
     if out.dtype != want:
         raise ValueError(f"out has dtype {out.dtype} but field {field} is {want}")
-    numel = sum(int(s.arrays[field].size) for s in samples)
+    numel = sum(math.prod(_shape(s, field)) for s in samples)
     if out.numel() != numel:
         raise ValueError(
             f"out has {out.numel()} elements but the {len(samples)} samples hold {numel}"
@@ -61,18 +66,18 @@ def check_normalize(
         raise ValueError(
             f"normalize must be (mean, std), two sequences of numbers, got {normalize!r}"
         ) from None
-    arrays = [s.arrays[field] for s in samples]
+    shapes = [_shape(s, field) for s in samples]
     dtypes = {s.dtype(field) for s in samples}
-    shape = arrays[0].shape
+    shape = shapes[0]
     if dtypes != {"uint8"} or len(shape) != 3:
         raise ValueError(
             f"normalize needs uint8 HWC images, got {sorted(dtypes)} with shape {tuple(shape)}"
         )
-    bad = next((i for i, a in enumerate(arrays) if a.shape != shape), None)
+    bad = next((i for i, a in enumerate(shapes) if a != shape), None)
     if bad is not None:
         raise ValueError(
             f"normalize needs equal image shapes: samples[0] is {tuple(shape)}, "
-            f"samples[{bad}] is {tuple(arrays[bad].shape)}"
+            f"samples[{bad}] is {shapes[bad]}"
         )
     h, w, c = shape
     if not 1 <= c <= 4 or len(mean) != c or len(std) != c:

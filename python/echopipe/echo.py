@@ -304,8 +304,10 @@ class EchoCache:
         mode: ``"example"`` echoes samples; ``"batch"`` echoes whole batches of ``batch_size``
             consecutive puts, returned together in put order.
         batch_size: Samples per echoed batch (batch mode only).
-        memory: ``"auto"`` (pinned + GPU-mapped when a CUDA device is present), ``"pageable"`` or
-            ``"pinned"``.
+        memory: ``"auto"`` (pinned + GPU-mapped when a CUDA device is present), ``"pageable"``,
+            ``"pinned"``, or ``"device"`` (GPU memory of the current device: puts and
+            :meth:`take_batch` copy through ``cudaMemcpy``, samples have no host view, and
+            :meth:`gather_to_device` and the DALI GPU source read it device to device).
         name: Registry name, so the DALI operators can find this cache; unique per process.
             ``None`` picks one (``echo-<n>``).
     """
@@ -370,12 +372,12 @@ class EchoCache:
 
     @property
     def memory_kind(self) -> str:
-        """``"pinned"`` or ``"pageable"``: what the arena actually is."""
+        """``"pinned"``, ``"pageable"`` or ``"device"``: what the arena actually is."""
         return str(self._native.memory_kind)
 
     @property
     def arena_device_ptr(self) -> int:
-        """Device address of the GPU-mapped arena, or 0 when the arena is pageable."""
+        """Device address of the GPU-mapped (or device) arena, or 0 when it is pageable."""
         return int(self._native.arena_device_ptr)
 
     @property
@@ -590,8 +592,9 @@ class EchoCache:
     ) -> Any:
         """Gathers field ``field`` of ``samples`` from the GPU-mapped arena into ``out`` (CUDA).
 
-        A kernel reads the pinned, mapped cache memory directly (no staging copy) and writes
-        the batch back to back into ``out``, asynchronously on ``stream``. When ``stream`` is
+        A kernel reads the pinned, mapped cache memory directly (no staging copy), or with
+        ``memory="device"`` the device arena (device to device), and writes the batch back to
+        back into ``out``, asynchronously on ``stream``. When ``stream`` is
         not torch's current stream, ``out`` is marked as used by it (``record_stream``).
 
         Args:
@@ -619,7 +622,7 @@ class EchoCache:
                 ``stream`` has the wrong type.
             ValueError: a bad field, layout, shape, dtype, ``normalize`` value, or a non-CUDA or
                 non-contiguous ``out`` (the message names the value).
-            RuntimeError: the cache is not pinned (``memory_kind`` is not ``"pinned"``), its
+            RuntimeError: the cache is pageable (``memory_kind`` is ``"pageable"``), its
                 pinned arena could not be mapped into the GPU's address space
                 (``cudaHostGetDevicePointer`` failed), or echopipe was built without CUDA.
         """
@@ -641,10 +644,11 @@ class EchoCache:
             raise ValueError(f"out must be a CUDA tensor, got one on device '{out.device}'")
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
-        if self.memory_kind != "pinned":
+        if self.memory_kind not in ("pinned", "device"):
             raise RuntimeError(
-                f"gather_to_device needs a pinned, GPU-mapped cache, but cache {self._name!r} is "
-                f"{self.memory_kind!r} (create it with memory='pinned' or 'auto' on a GPU machine)"
+                f"gather_to_device needs a pinned, GPU-mapped or a device cache, but cache "
+                f"{self._name!r} is {self.memory_kind!r} (create it with memory='pinned' or "
+                "'auto' on a GPU machine)"
             )
         if self.arena_device_ptr == 0:
             raise RuntimeError(
