@@ -74,6 +74,7 @@ class _Driver:
     CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
     CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
     CU_MEMORYTYPE_HOST = 1
+    CU_MEMORYTYPE_DEVICE = 2
 
     def __init__(self) -> None:
         self.lib = ctypes.CDLL("libcuda.so.1")
@@ -129,6 +130,96 @@ def test_pageable_cache_is_rejected_by_the_device_gather() -> None:
         dst = torch.empty(128, dtype=torch.uint8, device="cuda")
         with pytest.raises(RuntimeError, match="pinned"):
             cache.gather_to_device(samples, 0, dst)
+    finally:
+        cache.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Device arena (memory="device")
+# ---------------------------------------------------------------------------------------------
+
+
+def _ragged(k: int) -> np.ndarray:
+    """Sample k: random bytes from seed k, ragged (not a multiple of 16 bytes)."""
+    return np.random.default_rng(k).integers(0, 256, size=(3 + k % 5, 7, 3), dtype=np.uint8)
+
+
+def test_device_cache_lives_in_device_memory_and_round_trips_byte_exact() -> None:
+    """Puts copy into cudaMalloc'd memory, take_batch and save_state copy back out: what comes
+    back is byte-exact, including after a restore into a second device cache."""
+    cache = _cache(memory="device", echo_factor=1.0, capacity_samples=64)
+    try:
+        assert cache.memory_kind == "device" and cache.arena_device_ptr != 0
+        # The driver says the arena is device memory (not host memory mapped into the GPU).
+        assert _Driver().memory_type(cache.arena_device_ptr) == _Driver.CU_MEMORYTYPE_DEVICE
+        for k in range(40):
+            cache.put((_ragged(k), np.int64(k)))
+        restored = _cache(memory="device", echo_factor=1.0, capacity_samples=64)
+        try:
+            restored.load_state_dict(cache.state_dict())
+            for c in (cache, restored):
+                batch = c.take_batch(40, timeout=5)
+                assert batch is not None and len(batch) == 40
+                for i in range(40):
+                    k = int(batch.sample(i, 1))
+                    np.testing.assert_array_equal(batch.sample(i, 0), _ragged(k))
+        finally:
+            restored.close()
+    finally:
+        cache.close()
+
+
+def test_device_cache_has_no_host_view_and_gathers_device_to_device() -> None:
+    cache = _cache(memory="device", echo_factor=2.0, capacity_samples=64)
+    try:
+        for k in range(20):
+            cache.put((_ragged(k), np.int64(k)))
+        samples = cache.take(30, timeout=5)
+        with pytest.raises(ValueError, match=r"GPU memory \(memory='device'\): no host view"):
+            samples[0].array  # noqa: B018
+        labels = torch.empty(30, dtype=torch.int64, device="cuda")
+        cache.gather_to_device(samples, 1, labels)
+        total = sum(int(np.prod(s._lease.shape(0))) for s in samples)
+        images = torch.full((total,), 7, dtype=torch.uint8, device="cuda")
+        cache.gather_to_device(samples, 0, images)
+        torch.cuda.synchronize()
+        expected = np.concatenate([_ragged(int(k)).reshape(-1) for k in labels.cpu().numpy()])
+        np.testing.assert_array_equal(images.cpu().numpy(), expected)
+        # Sample k was put k-th, so its id is k: the labels came out in the samples' order.
+        assert labels.cpu().tolist() == [s.sample_id for s in samples]
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("mode", ["gather", "batch", "each"])
+@pytest.mark.parametrize("memory", ["pinned", "device"])
+def test_copy_ranges_paths_match_the_cpu(memory: str, mode: str) -> None:
+    """The GPU source's three copy paths (one scatter launch, cudaMemcpyBatchAsync, one
+    cudaMemcpyAsync per range) on ragged ranges into scattered, unaligned destinations."""
+    _C = _native()
+    if mode == "batch" and not _C.copy_batch_supported():
+        pytest.skip("built with CUDA < 12.8: no cudaMemcpyBatchAsync")
+    cache = _cache(memory=memory, echo_factor=1.0, capacity_samples=64)
+    try:
+        for k in range(50):
+            cache.put(_ragged(k))
+        samples = cache.take(50, timeout=5)
+        sizes = [int(np.prod(s._lease.shape(0))) for s in samples]
+        out = torch.full((sum(sizes) + 3 * len(sizes) + 64,), 7, dtype=torch.uint8, device="cuda")
+        base, dst, at = out.data_ptr(), [], 1  # odd offsets: unaligned destinations
+        for n in sizes:
+            dst.append(base + at)
+            at += n + 3
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        src = [s._lease.device_ptr(0) for s in samples]
+        _C.copy_ranges(mode, src, dst, sizes, stream.cuda_stream)
+        stream.synchronize()
+        got = out.cpu().numpy()
+        for s, d, n in zip(samples, dst, sizes, strict=True):
+            k = s.sample_id  # put order = sample id
+            np.testing.assert_array_equal(got[d - base : d - base + n], _ragged(k).reshape(-1))
+            assert got[d - base + n] == 7  # nothing written past the range
     finally:
         cache.close()
 
@@ -600,6 +691,8 @@ def test_dali_mixed_decode_echo_gpu_augment(tiny_imagenet: Path) -> None:
     with EchoIterator(pipe, ["data", "label"], last_batch_policy=LastBatchPolicy.PARTIAL) as it:
         batches = list(it)
         stats = it.stats
+    # memory="auto" with a mixed decode: the decoded images are echoed from device memory.
+    assert pipe.cache.memory_kind == "device"
     images = torch.cat([b[0]["data"] for b in batches])
     assert images.is_cuda
     assert images.shape == (64, 3, 24, 24)  # 32 files, each handed out twice
@@ -640,19 +733,31 @@ def _check_emissions(batches: list[tuple[Any, Any, np.ndarray]], expected: Any) 
     return label_of
 
 
-def test_dali_gpu_echo_returns_known_arrays_byte_exact() -> None:
+@pytest.mark.parametrize(
+    ("memory", "copy"),
+    [("pinned", "gather"), ("pinned", "batch"), ("pinned", "each"), ("device", "gather"),
+     ("device", "each")],
+)  # fmt: skip
+def test_dali_gpu_echo_returns_known_arrays_byte_exact(
+    memory: str, copy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Known arrays enter on the GPU, a GPU flip writes them on DALI's stream, the GPU sink
-    copies them into the cache and the GPU source hands them out twice: each emission must be
-    exactly the flipped array of its label, and each sample id must always be the same sample
-    (no copy racing the flip, no stale slot, no image/label mispairing)."""
+    copies them into the cache (pinned host or device memory) and the GPU source hands them out
+    twice (one scatter launch per batch, cudaMemcpyBatchAsync, or a copy per sample): each
+    emission must be exactly the flipped array of its label, and each sample id must always be
+    the same sample (no copy racing the flip, no stale slot, no image/label mispairing)."""
     _dali_or_skip()
     from nvidia.dali import fn
 
     import echopipe.dali as edali
 
+    if copy == "batch" and not _native().copy_batch_supported():
+        pytest.skip("built with CUDA < 12.8: no cudaMemcpyBatchAsync")
+    monkeypatch.setenv("ECHOPIPE_GPU_SOURCE_COPY", copy)  # read when the source is built
+
     @edali.echo_pipeline_def(
         batch_size=8, upstream_batch_size=8, num_threads=2, device_id=0, echo_factor=2.0,
-        cache_samples=48, shuffle_buffer=16, seed=1,
+        cache_samples=48, shuffle_buffer=16, seed=1, memory=memory,
     )  # fmt: skip
     def known() -> tuple[Any, Any]:
         images, labels = fn.external_source(
@@ -664,6 +769,7 @@ def test_dali_gpu_echo_returns_known_arrays_byte_exact() -> None:
 
     batches = []
     with known() as pipe:
+        assert pipe.cache.memory_kind == memory
         for _ in range(16):
             outputs, info = pipe.next_batch()
             assert outputs[0].__class__.__name__ == "TensorListGPU"
