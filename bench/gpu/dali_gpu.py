@@ -5,7 +5,12 @@ puts ``.gpu/site`` on ``PYTHONPATH`` when it exists). Rows, all on the synthetic
 
 * ``plain DALI``: reader -> mixed decode -> random-resized-crop -> normalise (no echo);
 * ``echopipe e=1 / 2 / 4``: the same graph with the echo point after decode
-  (:func:`echopipe.dali.builders.imagenet_train_pipeline`, ``decode_device="mixed"``).
+  (:func:`echopipe.dali.builders.imagenet_train_pipeline`, ``decode_device="mixed"``); the cache
+  is ``memory="auto"``, which for a mixed decode is the device arena;
+* ``echopipe e=2 pinned``: the pinned, GPU-mapped host arena instead (the source's one scatter
+  launch per batch reads it over the bus);
+* ``echopipe e=2 each``: the device arena with the source's per-sample ``cudaMemcpyAsync``
+  fallback (``ECHOPIPE_GPU_SOURCE_COPY=each``) instead of one scatter launch per batch.
 
 No read delay: this measures the GPU path's own throughput (and the cost of the echo hop). Both
 sides pay the same per step: the echo rows copy each batch into CUDA torch tensors
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -97,8 +103,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     seconds = 4.0 if args.quick else 10.0
     rows = []
-    for echo in (None, 1.0, 2.0, 4.0):
-        name = "plain DALI" if echo is None else f"echopipe e={echo:g}"
+    specs = [(None, "auto", "gather", "plain DALI")]
+    specs += [(e, "auto", "gather", f"echopipe e={e:g}") for e in (1.0, 2.0, 4.0)]
+    specs += [
+        (2.0, "pinned", "gather", "echopipe e=2 pinned"),
+        (2.0, "auto", "each", "echopipe e=2 each"),
+    ]
+    for echo, memory, copy, name in specs:
+        # Read when the GPU echo source is built (the pipeline's first batch).
+        os.environ["ECHOPIPE_GPU_SOURCE_COPY"] = copy
         # One failing row must not cost the others: its error is recorded and the run goes on.
         try:
             pipe = imagenet_train_pipeline(
@@ -113,7 +126,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 seed=0,
                 random_area=(0.08, 1.0),
                 cache_bytes=2 << 30,
+                **({} if echo is None else {"memory": memory}),
             )
+            arena = None if echo is None else pipe.cache.memory_kind
             r = plain_rate(pipe, seconds) if echo is None else rate(pipe, seconds)
             del pipe
         except Exception as exc:  # reported in the JSON and in the exit status
@@ -122,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append({"row": name, "images_per_s": None, "error": error})
             continue
         r["row"] = name
+        r["arena"], r["source_copy"] = arena, (None if echo is None else copy)
         rows.append(r)
         print(
             f"{r['row']:>16}: {r['images_per_s']:9.0f} images/s  echo ratio {r['echo_ratio']:.2f}",

@@ -12,6 +12,16 @@ On a CUDA machine (``bench/gpu/run.sh`` runs it), for each sample size:
 * ``take + gather``: the host side included (drawing the batch from the cache, then the
   kernel), as a training loop would pay it.
 
+Copy paths of the DALI GPU echo source (``copy_paths`` rows, ``_C.copy_ranges``), each sample
+written to its own place in the device batch as DALI's output holds it:
+
+* ``scatter``: one ``gather_scatter`` launch for the whole batch (the source's default);
+* ``batch``: ``cudaMemcpyBatchAsync`` (CUDA >= 12.8; ``null`` when not compiled in);
+* ``each``: one ``cudaMemcpyAsync`` per sample (the fallback, ``ECHOPIPE_GPU_SOURCE_COPY=each``);
+* the peer in the same run: for the pinned arena, one ``cudaMemcpyAsync`` of the same bytes
+  from pinned memory (aim: scatter >= 0.85x); for the device arena (``memory="device"``), one
+  device-to-device copy of the same bytes (aim: scatter >= 0.8x).
+
 Prints a table and writes ``<out>/gather_bw.json``. Usage:
 ``python bench/gpu/gather_bw.py --out DIR [--quick]``.
 """
@@ -125,6 +135,74 @@ def measure(side: int, batch: int, iters: int) -> dict[str, Any]:
     }
 
 
+def measure_paths(memory: str, side: int, batch: int, iters: int) -> dict[str, Any]:
+    """GB/s of the source's three copy paths from a ``memory`` arena, and of the peer copy."""
+    from echopipe._native import _C
+    from echopipe.echo import EchoCache
+
+    sample_bytes = side * side * 3
+    resident = max(2 * batch, 64)
+    cache = EchoCache(
+        capacity_bytes=resident * (sample_bytes + 4096) + (16 << 20),
+        capacity_samples=resident,
+        echo_factor=65535.0,
+        memory=memory,
+        seed=0,
+    )
+    try:
+        rng = np.random.default_rng(1)
+        images = rng.integers(0, 256, size=(resident, side, side, 3), dtype=np.uint8)
+        cache.put_many(images)
+        stream = torch.cuda.Stream()
+        nbytes = batch * sample_bytes
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        samples = cache.take(batch, timeout=10)
+        src = [s._lease.device_ptr(0) for s in samples]
+        dsts = [dst.data_ptr() + i * sample_bytes for i in range(batch)]
+        sizes = [sample_bytes] * batch
+        handle = stream.cuda_stream
+        expected = np.concatenate([images[s.sample_id].reshape(-1) for s in samples])
+
+        def path(mode: str) -> tuple[float | None, bool]:
+            if mode == "batch" and not _C.copy_batch_supported():
+                return None, True
+            dst.fill_(0)
+            torch.cuda.synchronize()
+            ms = _events_ms(lambda: _C.copy_ranges(mode, src, dsts, sizes, handle), iters, stream)
+            stream.synchronize()
+            return nbytes / (ms * 1e-3) / 1e9, bool(np.array_equal(dst.cpu().numpy(), expected))
+
+        if memory == "device":
+            peer_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        else:
+            peer_src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+
+        def peer() -> None:
+            with torch.cuda.stream(stream):
+                dst.copy_(peer_src, non_blocking=True)
+
+        results = {mode: path(mode) for mode in ("gather", "batch", "each")}
+        peer_gbps = nbytes / (_events_ms(peer, iters, stream) * 1e-3) / 1e9
+        samples.clear()
+    finally:
+        cache.close()
+    scatter = results["gather"][0]
+    return {
+        "arena": memory,
+        "image": f"{side}x{side}x3 uint8",
+        "batch": batch,
+        "batch_bytes": nbytes,
+        "scatter_GBps": scatter,
+        "memcpy_batch_GBps": results["batch"][0],
+        "memcpy_each_GBps": results["each"][0],
+        "peer": "device-to-device copy" if memory == "device" else "cudaMemcpyAsync from pinned",
+        "peer_GBps": peer_gbps,
+        "scatter_vs_peer": scatter / peer_gbps,
+        "aim": 0.8 if memory == "device" else 0.85,
+        "matches_cpu": all(ok for _, ok in results.values()),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -147,6 +225,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['take_plus_gather_GBps']:8.1f} {r['gather_vs_memcpy']:9.2f} "
             f"{r['gather_matches_cpu']}"
         )
+    paths = [
+        measure_paths(memory, side, batch, iters)
+        for memory in ("pinned", "device")
+        for side, batch in ((32, 1024), (224, 256))
+    ]
+    print(
+        f"\n{'arena':>7} {'image':>16} {'scatter':>8} {'batch':>8} {'each':>8} {'peer':>8} "
+        f"{'s/peer':>7} {'aim':>5} ok"
+    )
+    fmt = lambda v: f"{v:8.1f}" if v is not None else f"{'-':>8}"  # noqa: E731
+    for r in paths:
+        print(
+            f"{r['arena']:>7} {r['image']:>16} {fmt(r['scatter_GBps'])} "
+            f"{fmt(r['memcpy_batch_GBps'])} {fmt(r['memcpy_each_GBps'])} {fmt(r['peer_GBps'])} "
+            f"{r['scatter_vs_peer']:7.2f} {r['aim']:5.2f} {r['matches_cpu']}"
+        )
     payload = {
         "benchmark": "gpu_gather_bandwidth",
         "command": "python bench/gpu/gather_bw.py " + " ".join(argv or sys.argv[1:]),
@@ -159,10 +253,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "units": "GB/s (1e9 bytes/s) of host bytes moved to the device",
         "limit": "memcpy_pinned_GBps: cudaMemcpyAsync of the same bytes from pinned memory",
         "rows": rows,
+        "copy_paths": paths,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gather_bw.json").write_text(json.dumps(payload, indent=1))
-    if not all(r["gather_matches_cpu"] for r in rows):
+    if not all(r["gather_matches_cpu"] for r in rows) or not all(r["matches_cpu"] for r in paths):
         print("gather_bw: device batch differs from the CPU samples", file=sys.stderr)
         raise SystemExit(1)
     return payload

@@ -106,6 +106,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['image']:<24}{r['gather_GBps']:8.1f}{r['gather_normalize_GBps']:8.1f}"
                 f"{r['memcpy_pinned_GBps']:8.1f}{r['gather_vs_memcpy']:7.2f}"
             )
+        paths = bw.get("copy_paths", [])
+        if paths:
+            head = f"{'scatter':>8}{'each':>8}{'peer':>8}{'ratio':>7}{'aim':>8}"
+            print(f"\n{'source copy (GB/s)':<24}{head}")
+        for r in paths:
+            print(
+                f"{r['arena'] + ' ' + r['image']:<24}{r['scatter_GBps']:8.1f}"
+                f"{r['memcpy_each_GBps']:8.1f}{r['peer_GBps']:8.1f}{r['scatter_vs_peer']:7.2f}"
+                f"{'  met' if r['scatter_vs_peer'] >= r['aim'] else ' not met'}"
+            )
     ov = results["stream_overlap"]
     if ov:
         print(
