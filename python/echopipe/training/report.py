@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +188,7 @@ class Progress:
         self.say = say
         self.bar: Any = None
         self.tb: Any = None
+        self._window: tuple[float, int, float] = (time.perf_counter(), 0, 0.0)
         if enabled and tb_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -196,6 +198,7 @@ class Progress:
                 self.tb = SummaryWriter(str(tb_dir))
 
     def start_epoch(self, epoch: int, steps: int, done: int) -> None:
+        self._window = (time.perf_counter(), 0, 0.0)
         if self.bars:
             from tqdm import tqdm
 
@@ -208,17 +211,31 @@ class Progress:
                 file=sys.stderr,
             )
 
-    def step(self, step: int, fields: dict[str, float | None]) -> None:
+    def step(self, step: int, loss: float | None, e: float, *, delivered: int,
+             fresh: float) -> None:  # fmt: skip
+        """One step done; ``delivered`` and ``fresh`` count samples since the epoch began.
+
+        The rates shown are over the steps since the previous line (or bar refresh), so a line
+        right after an epoch starts is not skewed by batches prefetched before it.
+        """
         if not self.enabled:
             return
+        now = time.perf_counter()
+        t0, d0, f0 = self._window if self._window[1] <= delivered else (now, 0, 0.0)
+        seconds = max(now - t0, 1e-9)
+        fields = {"loss": loss, "e": e, "img/s": (delivered - d0) / seconds,
+                  "fresh/s": (fresh - f0) / seconds}  # fmt: skip
         shown = {k: v for k, v in fields.items() if v is not None}
         if self.bar is not None:
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
             self.bar.update(1)
+            if step % self.interval == 0:
+                self._window = (now, delivered, fresh)
         elif step % self.interval == 0:
             self.say(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
-        if self.tb is not None and fields.get("loss") is not None:
-            self.tb.add_scalar("train/loss", fields["loss"], step)
+            self._window = (now, delivered, fresh)
+        if self.tb is not None and loss is not None:
+            self.tb.add_scalar("train/loss", loss, step)
 
     def set_total(self, steps: int) -> None:
         if self.bar is not None:

@@ -304,16 +304,12 @@ class Trainer:
                 and st.step_in_epoch < st.steps_per_epoch
             ):
                 self.checkpoint(best=False)
-            elapsed = time.perf_counter() - t0
-            fresh = self.data.counters()["fresh"] - fresh0
             self.progress.step(
                 st.global_step,
-                {
-                    "loss": self.losses[-1] if self.losses else None,
-                    "e": self.data.factor,
-                    "img/s": self.epoch_samples / max(elapsed, 1e-9),
-                    "fresh/s": fresh / max(elapsed, 1e-9),
-                },
+                self.losses[-1] if self.losses else None,
+                self.data.factor,
+                delivered=self.epoch_samples,
+                fresh=self.data.counters()["fresh"] - fresh0,
             )
         self._drain()
         average_buffers(self.model, self.ctx)
