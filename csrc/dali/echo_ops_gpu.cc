@@ -63,6 +63,25 @@ class CudaEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+// A device arena is read and written by kernels and copies on the pipeline's device: one made
+// on another device would need peer access (or crash), so it is refused in one line. Checked on
+// the first run, where DALI has made the pipeline's device current.
+void CheckArenaDevice(const echopipe::EchoCache& cache, const std::string& name, bool* checked) {
+  if (*checked) return;
+  *checked = true;
+  if (cache.memory_kind() != echopipe::MemoryKind::kDevice) return;
+  cudaPointerAttributes attr{};
+  CudaCheck(cudaPointerGetAttributes(&attr, cache.arena_device()), "cudaPointerGetAttributes");
+  int current = -1;
+  CudaCheck(cudaGetDevice(&current), "cudaGetDevice");
+  DALI_ENFORCE(
+      attr.device == current,
+      make_string("echopipe: echo cache '", name, "' keeps its samples in the memory of GPU ",
+                  attr.device, ", but the pipeline runs on GPU ", current,
+                  "; create the cache with that device current (echopipe.dali does "
+                  "for device_id), or use memory='pinned'"));
+}
+
 }  // namespace
 
 class EchoSinkGPU : public StatelessOperator<GPUBackend> {
@@ -80,6 +99,7 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
   }
 
   void RunImpl(Workspace& ws) override {
+    CheckArenaDevice(*cache_, cache_name_, &device_checked_);
     int num_fields = ws.NumInput();
     int n = ws.GetInputBatchSize(0);
     echopipe_dali::RecordInputLayouts(*cache_, ws);
@@ -149,6 +169,7 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
   std::string cache_name_;
   std::shared_ptr<echopipe::EchoCache> cache_;
   bool device_arena_;
+  bool device_checked_ = false;
   std::vector<std::pair<int, echopipe::PutReservation>> pending_;
 };
 
@@ -223,6 +244,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   }
 
   void RunImpl(Workspace& ws) override {
+    CheckArenaDevice(*cache_, cache_name_, &device_checked_);
     RetireFinished();
     const int n = static_cast<int>(batch_.source_index.size());
     cudaStream_t stream = ws.stream();
@@ -341,6 +363,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   int num_fields_;
   std::shared_ptr<echopipe::EchoCache> cache_;
   echopipe::cuda::CopyMode mode_;
+  bool device_checked_ = false;
   echopipe_dali::DrawnBatch batch_;
   std::unique_ptr<DevicePadding> padding_;
   echopipe::cuda::CopyPlan plan_;

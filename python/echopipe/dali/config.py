@@ -84,10 +84,20 @@ class EchoConfig:
         )
 
 
-def make_cache(config: EchoConfig, name: str) -> Any:
+def make_cache(config: EchoConfig, name: str, device_id: int | None = None) -> Any:
+    """The pipeline's echo cache; a device arena is allocated on the pipeline's ``device_id``."""
     from ..echo import EchoCache
 
-    return EchoCache(
+    if config.memory == "device" and device_id is not None:
+        import torch
+
+        with torch.cuda.device(device_id):  # the current device is where cudaMalloc allocates
+            return _new_cache(EchoCache, config, name)
+    return _new_cache(EchoCache, config, name)
+
+
+def _new_cache(cls: Any, config: EchoConfig, name: str) -> Any:
+    return cls(
         capacity_bytes=config.cache_bytes,
         capacity_samples=config.cache_samples,
         echo_factor=config.echo_factor,

@@ -198,7 +198,7 @@ class EchoPipeline(DaliPipelineApi):
             raise TypeError(f"on_upstream_error must be callable, got {on_upstream_error!r}")
         self._on_upstream_error = on_upstream_error
         self.cache_name = f"echopipe-dali-{os.getpid()}-{next(_name_counter)}"
-        self.cache = make_cache(self.config, self.cache_name)
+        self.cache = make_cache(self.config, self.cache_name, device_id)
         _plugin.set_quota(self.cache_name, -1)
         self._runner = _UpstreamRunner(self)
         self._finalizer = weakref.finalize(
