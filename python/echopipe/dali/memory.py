@@ -103,7 +103,8 @@ def resolve_memory(
     memory: str, *, input_device: str, arena_bytes: int, device_id: int | None
 ) -> Memory:
     """:func:`choose_memory` with this machine's GPU count and free device memory."""
-    check_memory(memory)
+    if check_memory(memory) == "pageable":
+        return "pageable"  # without asking CUDA anything
     count = gpu_count()
     free = device_free_bytes(device_id) if memory == "auto" and input_device == "gpu" else None
     return choose_memory(
