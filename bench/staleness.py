@@ -16,6 +16,9 @@ small accuracy drops: 0.4 points for LeNet-5 (MNIST) and about 1.45 points for R
   LeNet-5 and 0.02 for ResNet-20, the same for every variant) with a cosine schedule stepped
   per epoch; the same augmented batches in the same order for every variant of a seed.
 
+The paper's remedies (stale stages holding only the first layers, the hybrid's switch point
+and learning rate across it) are studied in ``bench/staleness_remedies.py``.
+
 Throughput is not measured here (CPU threads on a shared 2-core machine); see
 ``bench/pipeline.py`` and ``bench/results/pipeline.json`` for pipeline speed.
 
