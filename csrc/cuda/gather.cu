@@ -230,7 +230,16 @@ void copy_each(const void* const* src, void* const* dst, const int64_t* sizes, i
   }
 }
 
-bool copy_batch_supported() { return CUDART_VERSION >= 12080; }
+bool copy_batch_supported() {
+  // The runtime has it from 12.8 on, and the driver must be as new (else the call would fail
+  // with cudaErrorCallRequiresNewerDriver at the first batch).
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return CUDART_VERSION >= 12080 && driver >= 12080;
+}
 
 void copy_batch(const void* const* src, void* const* dst, const int64_t* sizes, int64_t n,
                 void* stream_handle) {
@@ -241,19 +250,29 @@ void copy_batch(const void* const* src, void* const* dst, const int64_t* sizes, 
     // The batched call refuses the legacy default stream.
     throw std::invalid_argument("copy_batch needs an explicit stream, not the default stream");
   }
-  std::vector<size_t> bytes(sizes, sizes + n);
+  // Empty ranges left out: a zero size is an invalid value to the batched call.
+  std::vector<const void*> from;
+  std::vector<void*> to;
+  std::vector<size_t> bytes;
+  for (int64_t i = 0; i < n; ++i) {
+    if (sizes[i] == 0) continue;
+    from.push_back(src[i]);
+    to.push_back(dst[i]);
+    bytes.push_back(static_cast<size_t>(sizes[i]));
+  }
+  if (bytes.empty()) return;
   cudaMemcpyAttributes attr{};
   // Stream order: the sources may have been written by earlier work on the same stream.
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   size_t attr_index = 0;
 #if CUDART_VERSION >= 13000
-  check(cudaMemcpyBatchAsync(const_cast<void* const*>(dst), src, bytes.data(),
-                             static_cast<size_t>(n), &attr, &attr_index, 1, stream),
+  check(cudaMemcpyBatchAsync(to.data(), from.data(), bytes.data(), bytes.size(), &attr, &attr_index,
+                             1, stream),
         "cudaMemcpyBatchAsync");
 #else
   size_t fail_index = 0;
-  check(cudaMemcpyBatchAsync(const_cast<void**>(dst), const_cast<void**>(src), bytes.data(),
-                             static_cast<size_t>(n), &attr, &attr_index, 1, &fail_index, stream),
+  check(cudaMemcpyBatchAsync(to.data(), const_cast<void**>(from.data()), bytes.data(), bytes.size(),
+                             &attr, &attr_index, 1, &fail_index, stream),
         "cudaMemcpyBatchAsync");
 #endif
 #else
