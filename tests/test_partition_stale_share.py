@@ -142,3 +142,11 @@ def test_stale_pipeline_applies_the_bound_and_trains() -> None:
             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05),
             loss_fn=F.cross_entropy,
         )
+
+
+def test_bound_applies_with_the_cost_model_too() -> None:
+    model = _lenet()
+    x = torch.randn(32, 1, 32, 32)
+    assert partition_balance(model, x, 4, max_stale_share=0.05, cost="model") == [1, 1, 1, 3]
+    bounded = partition_balance(model, x, 2, max_stale_share=0.01, cost="model")
+    assert bounded == [1, 5] and stale_share(model, bounded) <= 0.01
