@@ -779,6 +779,28 @@ def test_dali_gpu_echo_returns_known_arrays_byte_exact(
     assert len(label_of) >= 40  # a cache of 48 slots was cycled through, not a few samples
 
 
+def test_dali_cpu_source_refuses_a_device_cache_in_one_line() -> None:
+    """The CPU source would read GPU memory on the host: building it names the cache instead."""
+    _dali_or_skip()
+    from nvidia.dali import fn
+
+    import echopipe.dali as edali
+
+    @edali.echo_pipeline_def(
+        batch_size=4, num_threads=2, device_id=0, echo_factor=2.0, cache_samples=16,
+        shuffle_buffer=4, memory="device",
+    )  # fmt: skip
+    def to_cpu() -> tuple[Any, Any]:
+        images, labels = fn.external_source(
+            source=_KnownSource(4), num_outputs=2, batch=True, device="gpu", layout=["HWC", ""]
+        )
+        return edali.echo(images, labels, device="cpu")
+
+    message = r"keeps its samples in GPU memory \(memory='device'\)"
+    with pytest.raises(RuntimeError, match=message), to_cpu() as pipe:
+        pipe.next_batch()
+
+
 @pytest.fixture(scope="module")
 def flat_jpegs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """16 JPEGs, file i filled with the value 12 * i + 20 (decodes to within a few levels)."""
