@@ -7,10 +7,13 @@ or ``ceil(e)`` tickets (``ceil`` with probability ``frac(e)``) and is emitted ex
 times, uniformly at random among the resident samples, after a ``min_fill`` warm-up. Puts block
 while the cache is full; every blocking call takes a timeout and is woken by :meth:`close`.
 
-Reads are zero copy: :class:`EchoSample` fields are read-only numpy views of the cache's arena,
+Reads are zero copy: :class:`EchoSample` fields are read-only numpy views of the cache's arena
+(a write raises; :meth:`EchoSample.torch` returns a copy, since torch has no read-only tensors),
 and each view keeps its slot leased (not reused) until the view is garbage collected, even after
-the cache itself was closed and dropped. :meth:`EchoCache.take_batch` instead gathers a batch into
-fresh contiguous arrays (one memcpy per sample), which is what a host-to-device copy wants.
+the cache itself was closed and dropped. The batch path moves a whole batch per call with the GIL
+released: :meth:`EchoCache.put_batch` puts the rows of arrays, :meth:`EchoCache.take_batch`
+gathers a batch into fresh contiguous arrays (one memcpy per sample), which is what a
+host-to-device copy wants. Interpreter exit closes every open cache before Python joins threads.
 """
 
 from __future__ import annotations
