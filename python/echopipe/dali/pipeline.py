@@ -38,6 +38,7 @@ from . import _plugin
 from .config import EchoConfig, make_cache
 from .dali_api import DaliPipelineApi
 from .host_copy import _host_dense, _to_numpy
+from .memory import resolve_memory
 from .upstream import _UpstreamRunner
 
 _STATE_VERSION = 1
@@ -263,6 +264,7 @@ class EchoPipeline(DaliPipelineApi):
             **up_kwargs,
         )
         up_state, _ = self._trace("upstream", upstream)
+        self._place_cache(up_state.devices)
         upstream.set_outputs(up_state.sink)
         downstream = Pipeline(
             batch_size=cfg.batch_size,
@@ -281,6 +283,31 @@ class EchoPipeline(DaliPipelineApi):
         self.num_fields = up_state.num_fields
         self.num_outputs = len(outputs)
         self._shard_size, self.iterations_per_epoch = self._epoch_geometry(upstream)
+
+    def _place_cache(self, devices: list[str]) -> None:
+        """``memory="auto"`` with the echo input on the GPU: the cache moves to the device arena
+        when it fits (:func:`echopipe.dali.memory.choose_memory`). The trace is the first place
+        that knows where the input lives; nothing has used the cache yet (DALI builds before
+        anything runs, and a checkpoint is applied after the build)."""
+        if self.config.memory != "auto" or "gpu" not in devices:
+            return
+        memory = resolve_memory(
+            "auto",
+            input_device="gpu",
+            arena_bytes=self.config.cache_bytes,
+            device_id=self._device_id,
+        )
+        if memory != "device":
+            return
+        quota = _plugin.get_quota(self.cache_name)
+        self._finalizer.detach()
+        self.cache.close()  # also frees its name in the registry
+        self.config = replace(self.config, memory=memory)
+        self.cache = make_cache(self.config, self.cache_name, self._device_id)
+        _plugin.set_quota(self.cache_name, quota)
+        self._finalizer = weakref.finalize(
+            self, _close_resources, self.cache, self._runner, self.cache_name
+        )
 
     @property
     def shard_size(self) -> int:
