@@ -431,6 +431,7 @@ TakeStatus EchoCache::take(size_t n, std::vector<SampleLease>& out, double timeo
   const uint64_t rng_base = I.draw_counter.fetch_add(static_cast<uint64_t>(got));
   const uint64_t pos_base = I.emit_pos.fetch_add(static_cast<uint64_t>(got));
   uint64_t samples = 0;
+  Impl::ReuseTally tally;
   // The leases' references are counted before any of them exists: at most n samples. Relaxed:
   // the caller holds an owner reference, so the cache cannot be orphaned meanwhile.
   I.leases.fetch_add(n, std::memory_order_relaxed);
@@ -438,7 +439,7 @@ TakeStatus EchoCache::take(size_t n, std::vector<SampleLease>& out, double timeo
     const uint64_t rnd =
         detail::splitmix64(I.seed * 0x2545F4914F6CDD1Dull + rng_base + static_cast<uint64_t>(i));
     uint32_t emission = 0;
-    const uint32_t u = I.draw_one(rnd, pos_base + static_cast<uint64_t>(i), &emission);
+    const uint32_t u = I.draw_one(rnd, pos_base + static_cast<uint64_t>(i), &emission, &tally);
     for (uint32_t s = u; s != kNone; s = I.slots[s].next) {
       SampleLease lease;
       lease.cache_ = this;
@@ -449,6 +450,11 @@ TakeStatus EchoCache::take(size_t n, std::vector<SampleLease>& out, double timeo
       out.push_back(std::move(lease));  // within the reserved capacity: cannot throw
       ++samples;
     }
+  }
+  if (tally.pairs > 0) {
+    auto& stripe = I.reuse[pos_base % Impl::kStripes];
+    stripe.sum.fetch_add(tally.sum, std::memory_order_relaxed);
+    stripe.pairs.fetch_add(tally.pairs, std::memory_order_relaxed);
   }
   I.emitted.fetch_add(samples, std::memory_order_relaxed);
   if (samples < n) I.leases.fetch_sub(n - samples, std::memory_order_relaxed);  // short batch

@@ -107,7 +107,7 @@ struct CacheImpl {
     std::atomic<uint64_t> last_emit{kNoEmit};  // emission position of the previous copy
     uint32_t retire_next = kNone;              // link in the retired stack
   };
-  // Striped reuse-distance counters: takers add to the stripe of the unit they drew.
+  // Striped reuse-distance counters: each take adds its tally to one stripe.
   struct alignas(64) ReuseStripe {
     std::atomic<uint64_t> sum{0};
     std::atomic<uint64_t> pairs{0};
@@ -213,7 +213,12 @@ struct CacheImpl {
   void flush_open_locked();  // caller holds assembly_mu
   void try_seal();
   // Draws one unit for a taker that already owns a ticket in `available`. Lock-free.
-  uint32_t draw_one(uint64_t rnd, uint64_t pos, uint32_t* emission) noexcept;
+  // Reuse distances of one take, added to a stripe once per take instead of once per draw.
+  struct ReuseTally {
+    uint64_t sum = 0, pairs = 0;
+  };
+  uint32_t draw_one(uint64_t rnd, uint64_t pos, uint32_t* emission,
+                    ReuseTally* reuse_tally) noexcept;
   // Pushes a chain of retired units (linked by retire_next, `first`..`last`) in one CAS.
   void push_retired(uint32_t first, uint32_t last, int64_t samples, int64_t bytes) noexcept;
   // Drops one reader of unit u; returns true when that retired it (the caller pushes it).

@@ -229,7 +229,8 @@ void CacheImpl::try_seal() {
   notify_data();
 }
 
-uint32_t CacheImpl::draw_one(uint64_t rnd, uint64_t pos, uint32_t* emission) noexcept {
+uint32_t CacheImpl::draw_one(uint64_t rnd, uint64_t pos, uint32_t* emission,
+                             ReuseTally* reuse_tally) noexcept {
   // acquire: the mark covers every unit whose tickets this taker's claim counted (the claim
   // synchronised with their publication, which came after their slot's allocation).
   uint32_t limit = std::max<uint32_t>(high_water.load(std::memory_order_acquire), 1);
@@ -260,9 +261,8 @@ uint32_t CacheImpl::draw_one(uint64_t rnd, uint64_t pos, uint32_t* emission) noe
         if (left == 0) live_samples.fetch_sub(members, std::memory_order_seq_cst);
         const uint64_t prev = info[p].last_emit.exchange(pos, std::memory_order_relaxed);
         if (prev != kNoEmit && pos > prev) {
-          ReuseStripe& r = reuse[p % kStripes];
-          r.sum.fetch_add(pos - prev, std::memory_order_relaxed);
-          r.pairs.fetch_add(1, std::memory_order_relaxed);
+          reuse_tally->sum += pos - prev;
+          ++reuse_tally->pairs;
         }
         return p;
       }
