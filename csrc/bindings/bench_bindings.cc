@@ -14,10 +14,12 @@
 #include <thread>
 #include <vector>
 
+#include "bindings/gil.h"
 #include "echo/echo_cache.h"
 
 namespace py = pybind11;
 using namespace echopipe;
+using echopipe::bindings::without_gil;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -52,8 +54,7 @@ py::dict bench_put_take(size_t sample_bytes, size_t n_fresh, int producers, int 
   std::atomic<uint64_t> copies{0}, checksum{0};
   std::vector<std::thread> threads;
   double seconds = 0;
-  {
-    py::gil_scoped_release nogil;
+  without_gil([&] {
     auto start = Clock::now();
     for (int p = 0; p < producers; ++p) {
       threads.emplace_back([&] {
@@ -85,7 +86,7 @@ py::dict bench_put_take(size_t sample_bytes, size_t n_fresh, int producers, int 
     cache->end_of_input();
     for (size_t i = producers; i < threads.size(); ++i) threads[i].join();
     seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  }
+  });
   EchoStats st = cache->stats();
   py::dict r;
   r["seconds"] = seconds;
@@ -111,8 +112,7 @@ py::dict bench_memcpy(size_t sample_bytes, size_t n_copies, int threads, size_t 
   const size_t src_samples = src_bytes / sample_bytes;
   double seconds = 0;
   std::atomic<uint64_t> sink{0};
-  {
-    py::gil_scoped_release nogil;
+  without_gil([&] {
     std::vector<std::thread> th;
     auto start = Clock::now();
     for (int t = 0; t < threads; ++t) {
@@ -131,7 +131,7 @@ py::dict bench_memcpy(size_t sample_bytes, size_t n_copies, int threads, size_t 
     }
     for (auto& x : th) x.join();
     seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  }
+  });
   py::dict r;
   r["seconds"] = seconds;
   r["bytes"] = n_copies * sample_bytes;
