@@ -113,7 +113,7 @@ def test_auto_memory_is_pinned_and_mapped_into_the_device() -> None:
         # The driver itself says: page-locked host memory, mapped at exactly this device address.
         assert driver.memory_type(host) == _Driver.CU_MEMORYTYPE_HOST
         assert driver.device_pointer(host) == dev
-        # torch agrees that the zero-copy view lives in pinned memory.
+        # torch agrees that the copy torch() returns lives in pinned memory.
         assert sample.torch(0).is_pinned()
         np.testing.assert_array_equal(sample.array, np.arange(4096, dtype=np.uint8).reshape(64, 64))
         del sample, lease
@@ -292,7 +292,7 @@ def test_gather_keeps_the_slots_until_the_kernel_has_read_them() -> None:
 
     cache = _cache(memory="pinned", echo_factor=1.0, capacity_samples=8, min_fill=0)
     try:
-        cache.put_many([np.full(4096, i, np.uint8) for i in range(8)])
+        cache.put_batch(np.stack([np.full(4096, i, np.uint8) for i in range(8)]))
         samples = cache.take(8, timeout=5)
         expected = np.concatenate([s.array for s in samples])  # a copy: the slots' bytes now
         dst = torch.zeros(expected.size, dtype=torch.uint8, device="cuda")
@@ -303,7 +303,7 @@ def test_gather_keeps_the_slots_until_the_kernel_has_read_them() -> None:
         cache.gather_to_device(samples, 0, dst, stream=side)
         del samples
         # Every slot is full, so each put waits for a slot the gather still holds.
-        cache.put_many([np.full(4096, 200 + i, np.uint8) for i in range(8)], timeout=10)
+        cache.put_batch(np.stack([np.full(4096, 200 + i, np.uint8) for i in range(8)]), timeout=10)
         side.synchronize()
         np.testing.assert_array_equal(dst.cpu().numpy(), expected)
         deadline = time.monotonic() + 5
