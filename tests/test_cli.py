@@ -124,6 +124,10 @@ BAD_ARGUMENTS = [
     (["--on-corrupt", "ignore"], "'ignore'"),
     (["--output", "/etc/hostname"], "--output '/etc/hostname' is a file"),
     (["--resume", "/no/such.pt"], "/no/such.pt"),
+    (["--evaluate", "/no/such.pt"], "--evaluate '/no/such.pt' does not exist"),
+    (["--evaluate", "/tmp"], "--evaluate '/tmp' is not a file"),
+    (["--hybrid-switch", "-1"], "--hybrid-switch"),
+    (["--hybrid-switch", "soon"], "'soon'"),
 ]
 
 
@@ -296,6 +300,27 @@ def test_export_refuses_a_foreign_file(tmp_path: Path, capsys: pytest.CaptureFix
     assert not (tmp_path / "out.pt").exists()
 
 
+def test_export_refuses_a_folder_or_an_unwritable_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OUT a folder, or under a file, gives one line (it once gave an IsADirectoryError
+    traceback after writing a temp file beside it)."""
+    from echopipe.training.checkpoints import write_checkpoint
+
+    ckpt = tmp_path / "c.pt"
+    model = {"name": "lenet5", "num_classes": 2}
+    pipeline = {"balance": [], "stages": []}
+    write_checkpoint({"kind": "echopipe-train", "model": model, "pipeline": pipeline}, ckpt)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "afile").write_text("x")
+    line = _bad(["export", str(ckpt), str(tmp_path / "folder")], capsys)
+    assert "folder" in line and "is a folder" in line
+    line = _bad(["export", str(ckpt), str(tmp_path / "afile" / "w.pt")], capsys)
+    assert "afile" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "c.pt", "folder"]
+    assert list((tmp_path / "folder").iterdir()) == []
+
+
 def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["train", "--help"])
@@ -340,6 +365,12 @@ def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert parser.parse_args(["train"]).stages == "auto"
     assert parser.parse_args(["train", "--echo", "auto"]).echo == "auto"
     assert parser.parse_args(["train", "--balance", "3,5"]).balance == [3, 5]
+    assert parser.parse_args(["train", "--hybrid-switch", "auto"]).hybrid_switch == "auto"
+    # The shuffle buffer's default as the code has it (DEFAULT_SHUFFLE_BATCHES batches).
+    from echopipe.dali.config import DEFAULT_SHUFFLE_BATCHES
+
+    assert f"(default: {DEFAULT_SHUFFLE_BATCHES} batches' worth" in flat
+    assert "25 % of the epochs" in flat
 
 
 def test_cli_train_runs_with_amp_and_hybrid(tiny_imagenet: Path, tmp_path: Path) -> None:
@@ -445,11 +476,26 @@ def test_bench_unknown_suite_is_rejected(capsys: pytest.CaptureFixture[str]) -> 
 def test_bench_suite_sets() -> None:
     assert BENCH_DEFAULT == ("echo_cache", "dali_echo", "pipeline")
     assert BENCH_SUITES == BENCH_DEFAULT + BENCH_STUDIES
-    assert set(BENCH_STUDIES) == {"convergence", "wallclock", "staleness"}
+    assert set(BENCH_STUDIES) == {"convergence", "wallclock", "staleness", "staleness_remedies"}
     parser = build_parser()
+    assert parser.parse_args(["bench", "--only", "staleness_remedies"]).only == [
+        "staleness_remedies"
+    ]
     assert parser.parse_args(["bench"]).only is None
     args = parser.parse_args(["bench", "--only", "staleness", "pipeline"])
     assert args.only == ["staleness", "pipeline"]
+
+
+def test_every_bench_suite_loads() -> None:
+    """Each registered suite is a bench/ module with a ``main`` (a name typo would only show
+    when someone ran it)."""
+    from echopipe.cli import _load_suite
+
+    for name in BENCH_SUITES:
+        module, reason = _load_suite(name)
+        assert module is not None or "needs" in reason or "nvidia" in reason.lower(), (name, reason)
+        if module is not None:
+            assert callable(module.main), name
 
 
 def test_bench_all_and_only_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:

@@ -709,3 +709,49 @@ def test_torchrun_two_gloo_replicas(tiny_imagenet: Path, tmp_path: Path) -> None
     for a, b in zip(w[0]["pipeline"]["stages"], w[1]["pipeline"]["stages"], strict=True):
         for key in a:
             assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
+
+
+def test_hybrid_switch_auto_is_the_study_default_with_a_restart() -> None:
+    """``--hybrid-switch auto``: synchronous after DEFAULT_SWITCH_FRACTION of the epochs, and
+    the learning rate restarts there (the study's hybrid); an explicit epoch keeps one cosine."""
+    from echopipe.pipeline.schedule import DEFAULT_SWITCH_FRACTION
+    from echopipe.train import TrainConfig
+    from echopipe.training.schedule import hybrid_switch_epoch, lr_factor
+
+    assert DEFAULT_SWITCH_FRACTION == 0.25
+    assert hybrid_switch_epoch(TrainConfig(epochs=8, hybrid_switch="auto")) == (2, True)
+    assert hybrid_switch_epoch(TrainConfig(epochs=8, hybrid_switch=3)) == (3, False)
+    assert hybrid_switch_epoch(TrainConfig(epochs=8)) == (None, False)
+    TrainConfig(hybrid_switch="auto").validate()
+    # Two cosines: at the floor just before the switch, back at the full rate on it.
+    assert lr_factor(2.0, 1.999, 0.5, 8, restart_at=2) == pytest.approx(0.02, abs=1e-4)
+    assert lr_factor(2.01, 2.0, 0.5, 8, restart_at=2) == pytest.approx(1.0)
+    assert lr_factor(5.0, 5.0, 0.5, 8, restart_at=2) == pytest.approx(0.02 + 0.98 * 0.5)
+    assert lr_factor(0.25, 0.0, 0.5, 8, restart_at=2) == pytest.approx(0.5)  # warm-up kept
+    assert lr_factor(2.01, 2.0, 0.5, 8) < 0.95  # no restart without restart_at
+
+
+def test_deterministic_takes_no_timing_based_echo_choice(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """With ``--echo auto`` (the default) and a slow reader, the controller would raise e at a
+    step that depends on timing; --deterministic keeps e = 1 and says so."""
+    from echopipe.train import TrainConfig, train
+
+    cfg = TrainConfig(
+        data=tiny_imagenet,
+        image_size=32,
+        batch_size=8,
+        epochs=1,
+        echo_interval=1,
+        read_delay_ms=20.0,
+        deterministic=True,
+        output=tmp_path / "run",
+        progress=False,
+    )
+    s = train(cfg, log=lambda m: None)
+    assert "echo: e = 1 (--deterministic: no timing-based choice)" in s.decisions
+    assert "stages: 1 (--deterministic: no timing-based choice)" in s.decisions
+    history = json.loads((tmp_path / "run" / "metrics.json").read_text())["echo_history"]
+    assert [h["factor"] for h in history] in ([], [1.0])
+    assert s.echoed_samples == 0

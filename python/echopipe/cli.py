@@ -23,7 +23,7 @@ __all__ = ["BENCH_DEFAULT", "BENCH_STUDIES", "BENCH_SUITES", "build_parser", "ma
 BENCH_DEFAULT: tuple[str, ...] = ("echo_cache", "dali_echo", "pipeline")
 """The microbenchmarks ``echopipe bench`` runs by default, in this order."""
 
-BENCH_STUDIES: tuple[str, ...] = ("convergence", "wallclock", "staleness")
+BENCH_STUDIES: tuple[str, ...] = ("convergence", "wallclock", "staleness", "staleness_remedies")
 """Training studies (minutes each): run only with ``--only NAME`` or ``--all``."""
 
 BENCH_SUITES: tuple[str, ...] = BENCH_DEFAULT + BENCH_STUDIES
@@ -164,6 +164,9 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         if args.debug:
             raise
         parser.error(str(exc))
+    if args.evaluate is not None and not args.evaluate.is_file():
+        what = "is not a file" if args.evaluate.exists() else "does not exist"
+        parser.error(f"--evaluate {str(args.evaluate)!r} {what}")
     expected = (TrainError, CheckpointError, CorruptImageError, FileNotFoundError, OSError)
     try:
         if args.evaluate is not None:
@@ -200,12 +203,17 @@ def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     from .pipeline.checkpoint import atomic_write
     from .training.checkpoints import CheckpointError, export_state_dict
 
+    if args.out.is_dir():
+        parser.error(f"OUT {str(args.out)!r} is a folder; give the file to write")
     try:
         weights, saved = export_state_dict(args.checkpoint)
-    except (CheckpointError, FileNotFoundError) as exc:
+    except (CheckpointError, OSError) as exc:
         parser.error(str(exc))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(args.out, lambda f: torch.save(weights, f))
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(args.out, lambda f: torch.save(weights, f))
+    except OSError as exc:
+        parser.error(f"cannot write OUT {str(args.out)!r}: {exc}")
     model = saved["model"]
     print(
         f"echopipe export: {len(weights)} tensors of {model['name']} ({model['num_classes']} "
@@ -292,9 +300,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         outcomes.append((name, "ok" if rc == 0 else f"failed (exit {rc})", seconds))
     print("\n=== echopipe bench: suites ===")
     width = max(len(result) for _, result, _ in outcomes)
-    print(f"{'suite':<12} {'result':<{width}} {'seconds':>8}")
+    name_width = max(len("suite"), *(len(name) for name, _, _ in outcomes))
+    print(f"{'suite':<{name_width}} {'result':<{width}} {'seconds':>8}")
     for name, result, seconds in outcomes:
-        print(f"{name:<12} {result:<{width}} {seconds:8.1f}")
+        print(f"{name:<{name_width}} {result:<{width}} {seconds:8.1f}")
     return 1 if any(result.startswith("failed") for _, result, _ in outcomes) else 0
 
 

@@ -34,6 +34,7 @@ from .options import (
     check_output,
     check_path,
     check_stages,
+    check_stages_or_zero,
     finite,
     flag,
     int_at_least,
@@ -186,7 +187,8 @@ class TrainConfig:
     )
     shuffle_buffer: int | None = opt(
         None,
-        "samples the echo cache holds before the first draw (default: the batch size)",
+        "samples the echo cache holds before the first draw (default: 4 batches' worth, which "
+        "spreads the copies of a sample about as far apart as a full shuffle of the buffer)",
         parse=parse_int,
         group=_E,
         check=check_optional(int_at_least(0, MAX_SHUFFLE_BUFFER)),
@@ -223,12 +225,14 @@ class TrainConfig:
         metavar="N,N,...|auto",
         group=_P,
     )
-    hybrid_switch: int | None = opt(
+    hybrid_switch: int | str | None = opt(
         None,
-        "train pipelined (stale) until this epoch, then synchronously",
-        parse=parse_int,
-        metavar="EPOCH",
-        check=check_optional(int_at_least(0)),
+        "train pipelined (stale) until this epoch, then synchronously; 'auto': after 25 %% of "
+        "the epochs, with the learning rate restarting at the switch (the default hybrid of "
+        "bench/staleness_remedies.py, which recovered the stale accuracy drop at K = 4)",
+        parse=parse_stages,
+        metavar="EPOCH|auto",
+        check=check_optional(check_stages_or_zero),
         group=_P,
     )
     devices: list[str] | None = opt(

@@ -64,7 +64,9 @@ class DistContext:
     def from_env(cls, timeout_s: float = 600.0) -> DistContext:
         """Join the process group that ``torchrun`` describes in the environment, if any.
 
-        NCCL when this process has a GPU, Gloo otherwise. A collective that waits longer than
+        NCCL when every local rank has a GPU of its own (the rule of
+        :func:`echopipe.pipeline.dist_setup.check_gpus_per_rank`), Gloo otherwise: ranks sharing
+        a GPU would fail inside NCCL's first collective. A collective that waits longer than
         ``timeout_s`` for another rank fails (and torchrun stops the job) instead of hanging.
         """
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -72,18 +74,31 @@ class DistContext:
             return cls()
         import torch.distributed as dist
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        from ..pipeline.dist_setup import check_gpus_per_rank
+
+        backend = "gloo"
+        if torch.cuda.is_available():
+            try:
+                check_gpus_per_rank()
+                backend = "nccl"
+            except ValueError:
+                pass
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        if backend == "nccl":
-            # This process's first GPU in default_devices' sharing of the machine's GPUs.
-            torch.cuda.set_device(torch.device(default_devices(None)[1][0]))
         if not dist.is_initialized():
-            # Gradients and BatchNorm buffers (CUDA tensors) go over NCCL; the small control
-            # messages (epoch lengths, counters, rank 0's echo factor, CPU tensors and objects)
-            # over Gloo, which a pure NCCL group would reject, and which keeps them off the GPU
-            # while the stage threads run their own NCCL all-reduces.
-            spec = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
-            dist.init_process_group(backend=spec, timeout=datetime.timedelta(seconds=timeout_s))
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if backend == "nccl":
+                # This process's first GPU in default_devices' sharing of the machine's GPUs,
+                # bound at once (device_id) so NCCL does not guess it at the first collective.
+                device = torch.device(default_devices(None)[1][0])
+                torch.cuda.set_device(device)
+                # Gradients and BatchNorm buffers (CUDA tensors) go over NCCL; the small
+                # control messages (epoch lengths, counters, rank 0's echo factor: CPU tensors
+                # and objects) over Gloo, which a pure NCCL group would reject.
+                dist.init_process_group(
+                    backend="cpu:gloo,cuda:nccl", timeout=timeout, device_id=device
+                )
+            else:
+                dist.init_process_group(backend="gloo", timeout=timeout)
         return cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
 
     def make_stage_groups(self, num_stages: int) -> None:

@@ -126,6 +126,11 @@ def check_stages(name: str, value: Any) -> None:
         int_at_least(1)(name, value)
 
 
+def check_stages_or_zero(name: str, value: Any) -> None:
+    if value != "auto":
+        int_at_least(0)(name, value)
+
+
 def check_balance(name: str, value: Any) -> None:
     if value == "auto":
         return

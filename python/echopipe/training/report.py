@@ -156,7 +156,7 @@ def echo_verdict(rows: Sequence[dict[str, Any]], factor: float) -> list[str]:
         return []
     r = rows[-1]["R"]
     if factor <= 1.0:
-        why = "the input kept up" if r < 1 else "--echo 1"
+        why = "the input kept up" if r < 1 else "echoing was off"
         return [f"echo: e = 1 (R = t_up/t_down = {r:.2f}; {why}): no sample was repeated"]
     if r > 1:
         return [

@@ -10,7 +10,7 @@ from torch import nn
 
 from .config import TrainConfig
 
-__all__ = ["EpochClock", "lr_factor", "sgd_factory"]
+__all__ = ["EpochClock", "hybrid_switch_epoch", "lr_factor", "sgd_factory"]
 
 
 class EpochClock:
@@ -41,15 +41,43 @@ class EpochClock:
         return 0.0
 
 
-def lr_factor(epochs_next: float, epochs_now: float, warmup_epochs: float, epochs: int) -> float:
+def hybrid_switch_epoch(cfg: TrainConfig) -> tuple[int | None, bool]:
+    """``(epoch, restart)``: the epoch the run turns synchronous (None: never), and whether the
+    learning rate restarts there.
+
+    ``--hybrid-switch auto`` is the study's default hybrid (``HybridSchedule.default``: the
+    first 25 % of the epochs pipelined, the rate restarting at the switch); an explicit epoch
+    keeps one schedule over the whole run.
+    """
+    if cfg.hybrid_switch != "auto":
+        return cfg.hybrid_switch, False  # type: ignore[return-value]
+    from ..pipeline.schedule import HybridSchedule
+
+    switch = HybridSchedule.default(cfg.epochs, 1).pipelined_steps
+    return switch, 0 < switch < cfg.epochs
+
+
+def lr_factor(
+    epochs_next: float,
+    epochs_now: float,
+    warmup_epochs: float,
+    epochs: int,
+    restart_at: int | None = None,
+) -> float:
     """Linear warm-up over ``warmup_epochs``, then cosine decay to 2 % at ``epochs``.
 
     ``epochs_next`` is the progress once the coming update is applied (warm-up never starts at
-    zero), ``epochs_now`` the progress before it.
+    zero), ``epochs_now`` the progress before it. With ``restart_at``, the decay ends there
+    and a second cosine (no warm-up) runs from the full rate over the remaining epochs.
     """
+    if restart_at is not None and epochs_now >= restart_at:
+        span = max(epochs - restart_at, 1e-9)
+        progress = min(1.0, max(0.0, (epochs_now - restart_at) / span))
+        return 0.02 + 0.98 * 0.5 * (1.0 + math.cos(math.pi * progress))
+    end = epochs if restart_at is None else restart_at
     if warmup_epochs > 0 and epochs_next <= warmup_epochs:
         return epochs_next / warmup_epochs
-    span = max(epochs - warmup_epochs, 1e-9)
+    span = max(end - warmup_epochs, 1e-9)
     progress = min(1.0, max(0.0, (epochs_now - warmup_epochs) / span))
     return 0.02 + 0.98 * 0.5 * (1.0 + math.cos(math.pi * progress))
 

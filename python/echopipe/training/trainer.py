@@ -38,7 +38,7 @@ from .report import (
     write_config,
     write_run_files,
 )
-from .schedule import EpochClock, lr_factor, sgd_factory
+from .schedule import EpochClock, hybrid_switch_epoch, lr_factor, sgd_factory
 from .state import RunState, get_rng_state, set_rng_state
 
 __all__ = ["Trainer", "train"]
@@ -169,13 +169,18 @@ class Trainer:
         device_id = next(
             (torch.device(d).index or 0 for d in devices if d.startswith("cuda")), None
         )
-        self.controller = EchoController(1.0, e_max=cfg.echo_max) if cfg.echo == "auto" else None
+        self.controller = None
+        if cfg.echo == "auto" and cfg.deterministic:
+            # The controller acts on measured times, which differ from run to run.
+            self.decisions.append("echo: e = 1 (--deterministic: no timing-based choice)")
+        elif cfg.echo == "auto":
+            self.controller = EchoController(1.0, e_max=cfg.echo_max)
         if saved and self.controller is not None:
             self.controller.load_state_dict(saved["controller"])
         if saved:
             factor = float(saved["input_factor"])
         else:
-            factor = 1.0 if self.controller is not None else float(cfg.echo)
+            factor = 1.0 if cfg.echo == "auto" else float(cfg.echo)
         self.data = TrainInput(cfg, self.data_dir, self.ctx, device_id)
         self._open.append(self.data)
         if saved:
@@ -246,12 +251,16 @@ class Trainer:
     def _scheduler(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
         cfg, clock = self.cfg, self.clock
 
+        switch, restart = hybrid_switch_epoch(cfg)
+        restart_at = switch if restart else None
+
         def factor(updates: int) -> float:
             return lr_factor(
                 clock.epochs_at(updates + 1),
                 clock.epochs_at(updates),
                 cfg.warmup_epochs,
                 cfg.epochs,
+                restart_at,
             )
 
         return torch.optim.lr_scheduler.LambdaLR(opt, factor)
@@ -270,13 +279,11 @@ class Trainer:
 
     def run_epoch(self) -> None:
         cfg, st = self.cfg, self.run_state
-        if (
-            cfg.hybrid_switch is not None
-            and st.epoch >= cfg.hybrid_switch
-            and self.pipeline.pipelined
-        ):
+        switch, restart = hybrid_switch_epoch(cfg)
+        if switch is not None and st.epoch >= switch and self.pipeline.pipelined:
             self.pipeline.set_pipelined(False)
-            self.say(f"hybrid: synchronous from epoch {st.epoch + 1} (staleness now 0)")
+            again = ", learning rate restarted" if restart else ""
+            self.say(f"hybrid: synchronous from epoch {st.epoch + 1} (staleness now 0{again})")
         self.progress.start_epoch(st.epoch, st.steps_per_epoch, st.step_in_epoch)
         if st.step_in_epoch == 0 and self.clock.segments[-1][0] != st.global_step:
             self.clock.plan(
@@ -427,11 +434,13 @@ class Trainer:
         t_up = up_s / up_n if up_n else math.nan
         world = self.ctx.world_size
         n = st.global_step  # the LR after n updates, as the stages' schedulers computed it
+        switch, restart = hybrid_switch_epoch(self.cfg)
         lr = self.cfg.lr * lr_factor(
             self.clock.epochs_at(n + 1),
             self.clock.epochs_at(n),
             self.cfg.warmup_epochs,
             self.cfg.epochs,
+            switch if restart else None,
         )
         return {
             # Epochs done: a whole number, or a fraction for a run stopped by --max-steps.
@@ -533,7 +542,7 @@ def _stale_list(cfg: TrainConfig, stages: int) -> list[int]:
 
     # The staleness of the pipelined phase, also after a hybrid switch ended it; a run that was
     # never pipelined (--hybrid-switch 0) had none.
-    return stage_staleness(stages, cfg.hybrid_switch != 0)
+    return stage_staleness(stages, hybrid_switch_epoch(cfg)[0] != 0)
 
 
 class _Restore:
