@@ -38,7 +38,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _add_train(sub: Any) -> argparse.ArgumentParser:
-    from .training.config import add_arguments
+    from .training.arguments import add_arguments
 
     p = sub.add_parser(
         "train",
@@ -149,8 +149,9 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
 
     from ._allocator import tune_host_allocator
     from .data import CorruptImageError
+    from .training.arguments import from_namespace
     from .training.checkpoints import CheckpointError
-    from .training.config import TrainError, UsageError, from_namespace
+    from .training.config import TrainError, UsageError
     from .training.input import evaluate_checkpoint
     from .training.report import format_summary
     from .training.trainer import train

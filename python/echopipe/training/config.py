@@ -1,8 +1,8 @@
 """Every option of ``echopipe train``, defined once: the Python API and the CLI both read it.
 
 Each :class:`TrainConfig` field carries its command-line spelling, help text, choices, whether
-it may change on ``--resume``, and the check its value must pass. ``add_arguments`` builds the
-argparse group from those fields, :meth:`TrainConfig.validate` checks a whole config (no data,
+it may change on ``--resume``, and the check its value must pass. :mod:`.arguments` builds the
+argparse groups from those fields, :meth:`TrainConfig.validate` checks a whole config (no data,
 model or DALI is touched), and the trainer compares a checkpoint's config against the fields
 that may not change.
 """
@@ -13,7 +13,6 @@ that may not change.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,6 @@ from .options import (
     DataError,
     TrainError,
     UsageError,
-    add_field_arguments,
     check_balance,
     check_devices,
     check_echo,
@@ -52,10 +50,8 @@ __all__ = [
     "TrainConfig",
     "TrainError",
     "UsageError",
-    "add_arguments",
     "flag",
     "free_on_resume",
-    "from_namespace",
 ]
 
 _D, _E, _P, _O = "data and schedule", "data echoing", "pipelining and devices", "run folder"
@@ -389,43 +385,3 @@ def free_on_resume() -> list[str]:
         for f in dataclasses.fields(TrainConfig)
         if f.metadata["on_resume"] == "free" and f.metadata["cli"]
     ]
-
-
-# --------------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``echopipe train`` arguments: one per :class:`TrainConfig` field, and the actions."""
-    groups = add_field_arguments(parser, TrainConfig)
-    g = groups[_O]
-    g.add_argument(
-        "--resume",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="CKPT",
-        help="continue the run in --output from its last checkpoint, or from CKPT "
-        f"(these may change on resume: {', '.join(free_on_resume())})",
-    )
-    g.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="no progress bars; log lines every --log-interval steps instead",
-    )
-    g.add_argument(
-        "--evaluate",
-        type=Path,
-        default=None,
-        metavar="CKPT",
-        help="only validate the weights of checkpoint CKPT and print top-1",
-    )
-    g.add_argument("--debug", action="store_true", help="show the traceback of an error")
-
-
-def from_namespace(args: argparse.Namespace) -> TrainConfig:
-    """The :class:`TrainConfig` of parsed ``echopipe train`` arguments."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    if values["resume"] not in (True, False):
-        values["resume"] = Path(values["resume"])
-    return TrainConfig(**values)

@@ -3,15 +3,13 @@
 ``prepare`` does everything cheap that can refuse the run: the run folder and its lock, the
 checkpoint to resume and whether its options match, the data folder's classes and files.
 ``setup`` builds the input, the model and the pipeline and takes the ``auto`` decisions.
-Counters live in one :class:`~.state.RunState`.
+Counters live in one :class:`~.state.RunState`; the epoch loop is :mod:`.epoch`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -25,10 +23,11 @@ from torch import nn
 from ..adaptive import EchoController
 from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks
 from .checkpoints import RunCheckpoints
-from .config import DataError, TrainConfig, UsageError
+from .config import TrainConfig, UsageError
 from .decide import choose_split
-from .distributed import DistContext, all_reduce_grads, average_buffers, default_devices
-from .input import StageClock, TrainInput, evaluate
+from .distributed import DistContext, all_reduce_grads, default_devices
+from .epoch import EpochLoop
+from .input import StageClock, TrainInput
 from .preflight import check_data, load_resume, lock_run_folder, run_folder
 from .report import (
     Progress,
@@ -42,8 +41,6 @@ from .schedule import EpochClock, hybrid_switch_epoch, lr_factor, sgd_factory
 from .state import RunState, get_rng_state, set_rng_state
 
 __all__ = ["Trainer", "train"]
-
-_CACHE_FULL = re.compile(r"sample of (\d+) bytes.*larger than the cache arena", re.S)
 
 
 def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> TrainSummary:
@@ -61,7 +58,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> Trai
         ctx.close()
 
 
-class Trainer:
+class Trainer(EpochLoop):
     """One run of ``echopipe train`` (see the module notes for its phases)."""
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> None:
@@ -274,196 +271,6 @@ class Trainer:
             if items:
                 path, why = items[0]
                 self.say(f"data: {len(items)} {what} left out of train/ (e.g. {path}: {why})")
-
-    # ---- one epoch -----------------------------------------------------------------------
-
-    def run_epoch(self) -> None:
-        cfg, st = self.cfg, self.run_state
-        switch, restart = hybrid_switch_epoch(cfg)
-        if switch is not None and st.epoch >= switch and self.pipeline.pipelined:
-            self.pipeline.set_pipelined(False)
-            again = ", learning rate restarted" if restart else ""
-            self.say(f"hybrid: synchronous from epoch {st.epoch + 1} (staleness now 0{again})")
-        self.progress.start_epoch(st.epoch, st.steps_per_epoch, st.step_in_epoch)
-        if st.step_in_epoch == 0 and self.clock.segments[-1][0] != st.global_step:
-            self.clock.plan(
-                st.global_step, float(st.epoch), st.steps_per_epoch, float(st.epoch + 1)
-            )
-        t0 = time.perf_counter()
-        self.losses = []
-        self.epoch_samples = 0
-        self.paused_s = 0.0  # checkpoints within the epoch: not training time
-        fresh0 = self.data.counters()["fresh"]
-        while st.step_in_epoch < st.steps_per_epoch:
-            if cfg.max_steps is not None and st.global_step >= cfg.max_steps:
-                self.stopped = f"--max-steps {cfg.max_steps} reached"
-                break
-            self._step()
-            if (
-                self.controller is not None
-                and st.global_step % cfg.echo_interval == 0
-                and st.step_in_epoch < st.steps_per_epoch
-            ):
-                self._retune_echo(within_epoch=True)
-            if (
-                cfg.checkpoint_every
-                and st.global_step % cfg.checkpoint_every == 0
-                and st.step_in_epoch < st.steps_per_epoch
-            ):
-                self.checkpoint(best=False)
-            self.progress.step(
-                st.global_step,
-                self.losses[-1] if self.losses else None,
-                self.data.factor,
-                delivered=self.epoch_samples,
-                fresh=self.data.counters()["fresh"] - fresh0,
-            )
-        self._drain()
-        average_buffers(self.model, self.ctx)
-        st.train_s += time.perf_counter() - t0 - self.paused_s
-        st.samples_trained += self.epoch_samples
-
-    def _drain(self) -> None:
-        """Finish every minibatch in flight and keep the losses they report."""
-        losses = [r.value for r in self.pipeline.drain()]
-        self._check_losses(losses)
-        self.losses.extend(losses)
-
-    def _step(self) -> None:
-        cfg, st = self.cfg, self.run_state
-        try:
-            batch = next(self.data.iterator)[0]
-        except RuntimeError as exc:  # the DALI pipeline's failure, e.g. a full echo cache
-            raise self._input_error(exc) from None
-        x, y = batch["data"], batch["label"].reshape(-1).long()
-        if cfg.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        result = self.pipeline.train_step(x, y)
-        self._check_losses(result.losses)
-        self.losses.extend(result.losses)
-        st.global_step += 1
-        st.step_in_epoch += 1
-        st.epoch_fresh += cfg.batch_size / self.data.factor
-        self.epoch_samples += int(x.shape[0])
-        busy = self.stage_clock.step_seconds()
-        if busy is not None:
-            st.step_time_s += busy
-            st.steps_timed += 1
-            t_up = self.data.upstream_step_seconds()
-            if self.controller is not None and t_up is not None:
-                self.controller.observe(t_up, busy, st.global_step)
-
-    def _check_losses(self, losses: list[float]) -> None:
-        bad = next((v for v in losses if not math.isfinite(v)), None)
-        if bad is not None:
-            raise DataError(
-                f"the training loss became {bad} at step {self.run_state.global_step}: training "
-                f"diverged; lower --lr (now {self.cfg.lr:g}) or the warm-up (--warmup-epochs)"
-            )
-
-    def _input_error(self, exc: RuntimeError) -> Exception:
-        match = _CACHE_FULL.search(str(exc))
-        if match:
-            need = int(match.group(1)) / 2**20
-            return DataError(
-                f"a decoded training image needs {need:.1f} MiB, more than the echo cache "
-                f"holds (--cache-mb {self.cfg.cache_mb}); raise --cache-mb to at least "
-                f"{math.ceil(need) * 4}"
-            )
-        return exc
-
-    def _retune_echo(self, within_epoch: bool) -> None:
-        """Adopt rank 0's echo factor. Within an epoch, the fresh samples it still owes are
-        re-planned at the new factor; at its end, the next epoch's length follows the factor."""
-        assert self.controller is not None
-        cfg, st, data = self.cfg, self.run_state, self.data
-        wanted = self.ctx.broadcast_object(self.controller.factor)
-        if wanted != data.factor:
-            if within_epoch:
-                fresh_left = max(data.iterator.shard_size - st.epoch_fresh, 0.0)
-                left = max(1, math.ceil(fresh_left * wanted / cfg.batch_size))
-                left = self.ctx.all_reduce_min(left)
-                st.steps_per_epoch = st.step_in_epoch + left
-                data.set_steps(st.steps_per_epoch)
-                self.clock.plan(
-                    st.global_step, self.clock.epochs_at(st.global_step), left, float(st.epoch + 1)
-                )
-                self.progress.set_total(st.steps_per_epoch)
-                where = f"step {st.global_step} (epoch {st.epoch + 1}, {left} steps left in it; "
-            else:
-                where = f"epoch {st.epoch + 1} ("
-            data.set_factor(wanted)
-            st.factors_used.append(wanted)
-            self.say(f"echo: factor {wanted:g} from {where}R = {self.controller.ratio:.2f})")
-        if not within_epoch:  # also when e stayed: the epoch that ended may have been re-planned
-            st.steps_per_epoch = self.ctx.all_reduce_min(data.natural_steps())
-            data.set_steps(st.steps_per_epoch)
-
-    def end_epoch(self) -> None:
-        """Validate, record the row, retune echo, checkpoint, rewrite the run folder's files."""
-        cfg, st = self.cfg, self.run_state
-        if st.rows and st.rows[-1]["step"] == st.global_step:
-            return  # --max-steps fell on an epoch end: that epoch is already recorded
-        top1, val_loss, val_n = evaluate(
-            self.pipeline, cfg, self.data_dir, self.ctx, self.data.device_id, self._val
-        )
-        finished = st.step_in_epoch >= st.steps_per_epoch
-        if finished:
-            st.epoch += 1
-            st.step_in_epoch = 0
-            st.epoch_fresh = 0.0
-        row = self._row(top1, val_loss, val_n)
-        st.rows.append(row)
-        best = top1 > st.best_top1
-        st.best_top1 = max(st.best_top1, top1)
-        self.progress.end_epoch(row)
-        if finished and self.controller is not None and st.epoch < cfg.epochs:
-            self._retune_echo(within_epoch=False)
-        if finished:
-            self.data.iterator.reset()
-        self.checkpoint(best=best)
-        if self.ctx.is_main:
-            self._write_metrics()
-
-    def _row(self, top1: float, val_loss: float, val_n: int) -> dict[str, Any]:
-        st = self.run_state
-        c = self.data.counters()
-        fresh, echoed, up_s, up_n = self.ctx.all_reduce_sum(
-            [c["fresh"], c["echoed"], c["up_s"], c["up_iters"]]
-        )
-        t_up = up_s / up_n if up_n else math.nan
-        world = self.ctx.world_size
-        n = st.global_step  # the LR after n updates, as the stages' schedulers computed it
-        switch, restart = hybrid_switch_epoch(self.cfg)
-        lr = self.cfg.lr * lr_factor(
-            self.clock.epochs_at(n + 1),
-            self.clock.epochs_at(n),
-            self.cfg.warmup_epochs,
-            self.cfg.epochs,
-            switch if restart else None,
-        )
-        return {
-            # Epochs done: a whole number, or a fraction for a run stopped by --max-steps.
-            "epoch": st.epoch if st.step_in_epoch == 0 else round(self.clock.epochs_at(n), 3),
-            "step": st.global_step,
-            "wall_s": st.wall_s + time.perf_counter() - self.wall0,
-            "train_s": st.train_s,
-            "train_loss": float(np.mean(self.losses)) if self.losses else None,
-            "val_top1": top1,
-            "val_loss": val_loss,
-            "val_images": val_n,
-            "fresh_samples": int(fresh),
-            "echoed_samples": int(echoed),
-            "fresh_per_s": fresh / max(st.train_s, 1e-9),
-            "delivered_per_s": world * st.samples_trained / max(st.train_s, 1e-9),
-            "echo_factor": self.data.factor,
-            "input_builds": self.data.builds,
-            "t_up_ms": 1000 * t_up,
-            "t_down_ms": 1000 * st.t_down_s,
-            "R": t_up / st.t_down_s if st.steps_timed else None,
-            "pipelined": self.pipeline.pipelined,
-            "lr": lr,
-        }
 
     # ---- files ---------------------------------------------------------------------------
 
