@@ -69,6 +69,12 @@ def _truncated_jpeg(root: Path) -> None:
     (root / "train" / "ant" / "cut.JPEG").write_bytes(whole[: len(whole) // 2])
 
 
+def _truncated_val_jpeg(root: Path) -> None:
+    _dataset(root)
+    whole = (root / "val" / "cat" / "0.JPEG").read_bytes()
+    (root / "val" / "cat" / "cut.JPEG").write_bytes(whole[: len(whole) // 2])
+
+
 def _no_classes(root: Path) -> None:
     (root / "train").mkdir(parents=True)
     (root / "val").mkdir()
@@ -87,13 +93,15 @@ BAD_DATA = {
     "only non-images": (_only_non_images, [], 1, "has no images"),
     "empty JPEG": (_empty_jpeg, [], 1, "empty.JPEG"),
     "truncated JPEG": (_truncated_jpeg, [], 1, "cut.JPEG"),
+    "truncated val JPEG": (_truncated_val_jpeg, [], 1, "val/cat/cut.JPEG"),
     "no classes": (_no_classes, [], 1, "no class sub-folders"),
     "one class": (_one_class, [], 1, "1 class folder"),
     "image larger than the cache": (
         _too_big_for_the_cache,
         ["--cache-mb", "1", "--echo", "2"],
         1,
-        "--cache-mb 1",
+        # The file is named (found from the image headers), and the flag that fixes it.
+        "huge.JPEG, 1000x1000) needs 2.9 MiB, more than the echo cache holds (--cache-mb 1)",
     ),
 }
 
@@ -177,6 +185,8 @@ def test_bad_data_gives_one_line_and_exit_1(
     ]
     code, line = _fails(argv, capsys)
     assert code == status and needle in line, line
+    if case != "image larger than the cache":  # refused before the input and model are built
+        assert not (tmp_path / "run" / "config.json").exists()
 
 
 def test_debug_shows_the_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

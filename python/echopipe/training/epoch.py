@@ -8,6 +8,7 @@ up; the trainer builds what it uses (``pipeline``, ``data``, ``clock``, ``progre
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -146,9 +147,12 @@ class EpochLoop:
         match = _CACHE_FULL.search(str(exc))
         if match:
             need = int(match.group(1)) / 2**20
+            files = getattr(getattr(self.data.pipe, "folder_index", None), "files", [])
+            found = _image_larger_than(files, self.cfg.cache_mb << 20)
+            which = f" ({found})" if found else ""
             return DataError(
-                f"a decoded training image needs {need:.1f} MiB, more than the echo cache "
-                f"holds (--cache-mb {self.cfg.cache_mb}); raise --cache-mb to at least "
+                f"a decoded training image{which} needs {need:.1f} MiB, more than the echo "
+                f"cache holds (--cache-mb {self.cfg.cache_mb}); raise --cache-mb to at least "
                 f"{math.ceil(need) * 4}"
             )
         return exc
@@ -245,3 +249,32 @@ class EpochLoop:
             "pipelined": self.pipeline.pipelined,
             "lr": lr,
         }
+
+
+def _image_larger_than(files: list[str], capacity: int, budget_s: float = 5.0) -> str | None:
+    """``'PATH, WxH'`` of an image whose decoded RGB pixels exceed ``capacity`` bytes, or None.
+
+    The cache's error does not name the sample, so the image headers are read (largest files
+    first, no decoding) until one is found or ``budget_s`` has passed: a huge dataset is not
+    read in full only to improve an error message.
+    """
+    from PIL import Image
+
+    def size(path: str) -> int:
+        try:
+            return os.stat(path).st_size
+        except OSError:
+            return 0
+
+    deadline = time.perf_counter() + budget_s
+    for path in sorted(files, key=size, reverse=True):
+        if time.perf_counter() > deadline:
+            return None
+        try:
+            with Image.open(path) as im:
+                w, h = im.size
+        except Exception:  # Pillow raises many types; the run's own error is what counts
+            continue
+        if 3 * w * h > capacity:
+            return f"{path}, {w}x{h}"
+    return None

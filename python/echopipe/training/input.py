@@ -230,6 +230,8 @@ def evaluate(
             num_threads=cfg.workers,
             device_id=device_id,
             on_corrupt=cfg.on_corrupt,
+            # check_data has read every val/ header; with skip, the bad files are left out here
+            check="none" if cfg.on_corrupt == "error" else "header",
         )
         pipe.build()
         val_iter.append(

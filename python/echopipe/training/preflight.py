@@ -67,8 +67,8 @@ def load_resume(cfg: TrainConfig, path: Path, world_size: int) -> dict[str, Any]
 def check_data(cfg: TrainConfig, say: Callable[[str], None]) -> tuple[Path, list[str]]:
     """The data folder and its classes; the synthetic set is made here when needed.
 
-    Lists files only (the input's scan checks each image); warns about empty class folders,
-    which stay classes of the model.
+    Lists train/ (the train input's scan checks each image) and checks val/'s headers; warns
+    about empty class folders, which stay classes of the model.
     """
     from ..data import scan_image_folder
 
@@ -89,7 +89,13 @@ def check_data(cfg: TrainConfig, say: Callable[[str], None]) -> tuple[Path, list
             )
     try:
         train = scan_image_folder(data_dir / "train", check="none")
-        val = scan_image_folder(data_dir / "val", check="none")
+        # val/ is header-checked here, before any training (the train input's scan checks
+        # train/), so a corrupt validation file stops the run before its first epoch.
+        val = scan_image_folder(
+            data_dir / "val",
+            check="header",
+            on_corrupt=cfg.on_corrupt,  # type: ignore[arg-type]
+        )
     except (ValueError, FileNotFoundError) as exc:
         raise DataError(f"--data: {exc}") from None
     if len(train.classes) < 2:
