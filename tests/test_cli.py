@@ -132,6 +132,13 @@ BAD_ARGUMENTS = [
     (["--on-corrupt", "ignore"], "'ignore'"),
     (["--output", "/etc/hostname"], "--output '/etc/hostname' is a file"),
     (["--resume", "/no/such.pt"], "/no/such.pt"),
+    (["--output", "/proc/echopipe-run"], "--output '/proc/echopipe-run': cannot create"),
+    (["--output", "/etc/hostname/run"], "--output '/etc/hostname/run': cannot create"),
+    (["--read-delay-ms", "1e9"], "--read-delay-ms must be <= 10000, got 1e+09"),
+    (["--momentum", "2"], "--momentum must be <= 0.999, got 2"),
+    (["--epochs", "100000000000"], "--epochs must be <= 100000"),
+    (["--warmup-epochs", "1e9"], "--warmup-epochs 1e+09 is longer than the run (--epochs 8)"),
+    (["--hybrid-switch", "100"], "--hybrid-switch 100 is after the last epoch (--epochs 8)"),
     (["--evaluate", "/no/such.pt"], "--evaluate '/no/such.pt' does not exist"),
     (["--evaluate", "/tmp"], "--evaluate '/tmp' is not a file"),
     (["--hybrid-switch", "-1"], "--hybrid-switch"),
@@ -247,6 +254,22 @@ def test_output_folder_of_an_earlier_run_is_refused_and_kept(
     line = _bad(["train", "--data", str(tiny_imagenet), "--output", str(tmp_path / "run")], capsys)
     assert "earlier run" in line and "--resume" in line and str(tmp_path / "run") in line
     assert earlier.read_bytes() == b"an earlier run's checkpoint"
+
+
+def test_output_folder_with_files_from_elsewhere_is_refused_and_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder holding a config.json (or metrics, plot) that no echopipe run wrote is not
+    overwritten; other files in it are no obstacle."""
+    data = _dataset(tmp_path / "data")
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "config.json").write_text('{"lr": 0.1}')
+    argv = ["train", "--data", str(data), "--output", str(out), "--image-size", "32"]
+    line = _bad(argv, capsys)
+    assert "project" in line and "'config.json'" in line
+    assert (out / "config.json").read_text() == '{"lr": 0.1}'
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
 
 
 def test_output_folder_in_use_by_a_live_run_is_refused(

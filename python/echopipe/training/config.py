@@ -83,7 +83,7 @@ class TrainConfig:
     epochs: int = opt(
         8,
         "passes over the fresh training data",
-        check=int_at_least(1),
+        check=int_at_least(1, 100_000),
         parse=parse_int,
         on_resume="free",
     )
@@ -104,7 +104,7 @@ class TrainConfig:
     lr: float = opt(
         0.1, "peak learning rate (SGD, Nesterov)", check=finite(positive=True), parse=parse_float
     )
-    momentum: float = opt(0.9, "SGD momentum", check=finite(), parse=parse_float)
+    momentum: float = opt(0.9, "SGD momentum", check=finite(maximum=0.999), parse=parse_float)
     weight_decay: float = opt(
         5e-4,
         "weight decay (not on biases and norm scales)",
@@ -199,7 +199,7 @@ class TrainConfig:
     read_delay_ms: float = opt(
         0.0,
         "simulated read latency per sample (a network file system), ms",
-        check=finite(),
+        check=finite(maximum=10_000.0),
         parse=parse_float,
         group=_E,
         on_resume="free",
@@ -329,6 +329,16 @@ class TrainConfig:
             raise UsageError(
                 f"--devices {','.join(self.devices)} gives {len(self.devices)} "
                 f"devices for {self.stages} stages; give one, or one per stage"
+            )
+        if self.warmup_epochs > self.epochs:
+            raise UsageError(
+                f"--warmup-epochs {self.warmup_epochs:g} is longer than the run (--epochs "
+                f"{self.epochs}): the rate would never reach --lr"
+            )
+        if isinstance(self.hybrid_switch, int) and self.hybrid_switch > self.epochs:
+            raise UsageError(
+                f"--hybrid-switch {self.hybrid_switch} is after the last epoch (--epochs "
+                f"{self.epochs}): the run would never switch"
             )
         self._validate_model_split()
         self._validate_gpu_needs()

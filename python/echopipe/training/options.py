@@ -97,7 +97,9 @@ def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str, Any
     return check
 
 
-def finite(minimum: float = 0.0, positive: bool = False) -> Callable[[str, Any], None]:
+def finite(
+    minimum: float = 0.0, positive: bool = False, maximum: float | None = None
+) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise UsageError(f"{flag(name)} must be a number, got {value!r}")
@@ -106,6 +108,8 @@ def finite(minimum: float = 0.0, positive: bool = False) -> Callable[[str, Any],
         if value < minimum or (positive and value <= 0):
             bound = "> 0" if positive else f">= {minimum:g}"
             raise UsageError(f"{flag(name)} must be {bound}, got {value:g}")
+        if maximum is not None and value > maximum:
+            raise UsageError(f"{flag(name)} must be <= {maximum:g}, got {value:g}")
 
     return check
 

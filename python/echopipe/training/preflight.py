@@ -19,8 +19,35 @@ def run_folder(cfg: TrainConfig, say: Callable[[str], None]) -> Path:
         # Older scripts named the metrics file; its folder is the run folder now.
         out = out.parent
         say(f"--output: {cfg.output} names a file; using its folder {out}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(
+            f"--output {str(out)!r}: cannot create the run folder ({exc.strerror or exc})"
+        ) from None
+    clash = [name for name in RUN_FILES if (out / name).exists()]
+    if clash and not _is_run_folder(out):
+        raise UsageError(
+            f"--output {str(out)!r} holds {clash[0]!r}, which is not from an echopipe run and "
+            "would be overwritten; choose a new or empty folder"
+        )
     return out
+
+
+RUN_FILES = ("config.json", "metrics.json", "metrics.csv", "training.png", "tb")
+"""What a run writes into its folder besides ``checkpoints/`` (whose own check, in the trainer's
+``prepare``, asks for ``--resume``): a folder holding any of them from elsewhere is refused."""
+
+
+def _is_run_folder(out: Path) -> bool:
+    """Whether ``out/config.json`` was written by ``echopipe train`` (see ``write_config``)."""
+    import json
+
+    try:
+        doc = json.loads((out / "config.json").read_text())
+        return "echopipe" in doc["versions"] and "options" in doc
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def lock_run_folder(out: Path) -> Any:
