@@ -432,7 +432,7 @@ def test_deterministic_runs_are_identical(tiny_imagenet: Path, tmp_path: Path) -
             progress=False,
         )
         s = train(cfg, log=lambda m: None)
-        assert s.balance == [4, 4]  # by parameter count, not by timing
+        assert s.balance == [3, 5]  # by modelled cost (FLOPs, bytes), not by timing
         docs.append(json.loads((tmp_path / name / "metrics.json").read_text())["epochs"])
     keys = ("step", "train_loss", "val_top1", "val_loss", "fresh_samples", "echoed_samples")
     assert [[r[k] for k in keys] for r in docs[0]] == [[r[k] for k in keys] for r in docs[1]]
@@ -553,7 +553,7 @@ def test_stage_and_balance_decisions_are_measured_and_said() -> None:
     says which won by how much; --deterministic takes no timing-based choice."""
     from echopipe.models import build_model
     from echopipe.train import TrainConfig
-    from echopipe.training.decide import balance_by_parameters, balance_by_weights, choose_split
+    from echopipe.training.decide import balance_by_weights, choose_split
 
     assert balance_by_weights([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == [1, 5]
     assert balance_by_weights([1, 1, 1, 1], 4) == [1, 1, 1, 1]
@@ -576,7 +576,11 @@ def test_stage_and_balance_decisions_are_measured_and_said() -> None:
     decisions = []
     cfg = TrainConfig(deterministic=True, stages=2)
     split = choose_split(cfg, model, sample, 2, ["cpu", "cpu"], decisions)
-    assert split == balance_by_parameters(model, 2) and "parameter count" in decisions[0]
+    from echopipe.pipeline.cost_model import estimate_layer_seconds
+
+    assert split == balance_by_weights(estimate_layer_seconds(model, sample), 2)
+    assert "by modelled cost" in decisions[0]
+    assert choose_split(cfg, model, sample, 2, ["cpu", "cpu"], []) == split  # repeatable
 
 
 def test_lr_schedule_follows_epochs_done_through_replanned_epochs() -> None:
@@ -595,6 +599,52 @@ def test_lr_schedule_follows_epochs_done_through_replanned_epochs() -> None:
     assert _lr_factor(1.25, 1.25, 0.5, 2) == pytest.approx(0.02 + 0.98 * 0.5)  # half-way down
     assert _lr_factor(2.0, 2.0, 0.5, 2) == pytest.approx(0.02)
     assert _lr_factor(3.0, 3.0, 0.5, 2) == pytest.approx(0.02)  # stays at the floor
+
+
+def test_hybrid_switch_auto_is_the_study_default_with_a_restart() -> None:
+    """``--hybrid-switch auto``: synchronous after DEFAULT_SWITCH_FRACTION of the epochs, and
+    the learning rate restarts there (the study's hybrid); an explicit epoch keeps one cosine."""
+    from echopipe.pipeline.schedule import DEFAULT_SWITCH_FRACTION
+    from echopipe.train import TrainConfig
+    from echopipe.training.schedule import hybrid_switch_epoch, lr_factor
+
+    assert DEFAULT_SWITCH_FRACTION == 0.25
+    assert hybrid_switch_epoch(TrainConfig(epochs=8, hybrid_switch="auto")) == (2, True)
+    assert hybrid_switch_epoch(TrainConfig(epochs=8, hybrid_switch=3)) == (3, False)
+    assert hybrid_switch_epoch(TrainConfig(epochs=8)) == (None, False)
+    TrainConfig(hybrid_switch="auto").validate()
+    # Two cosines: at the floor just before the switch, back at the full rate on it.
+    assert lr_factor(2.0, 1.999, 0.5, 8, restart_at=2) == pytest.approx(0.02, abs=1e-4)
+    assert lr_factor(2.01, 2.0, 0.5, 8, restart_at=2) == pytest.approx(1.0)
+    assert lr_factor(5.0, 5.0, 0.5, 8, restart_at=2) == pytest.approx(0.02 + 0.98 * 0.5)
+    assert lr_factor(0.25, 0.0, 0.5, 8, restart_at=2) == pytest.approx(0.5)  # warm-up kept
+    assert lr_factor(2.01, 2.0, 0.5, 8) < 0.95  # no restart without restart_at
+
+
+def test_deterministic_takes_no_timing_based_echo_choice(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """With ``--echo auto`` (the default) and a slow reader, the controller would raise e at a
+    step that depends on timing; --deterministic keeps e = 1 and says so."""
+    from echopipe.train import TrainConfig, train
+
+    cfg = TrainConfig(
+        data=tiny_imagenet,
+        image_size=32,
+        batch_size=8,
+        epochs=1,
+        echo_interval=1,
+        read_delay_ms=20.0,
+        deterministic=True,
+        output=tmp_path / "run",
+        progress=False,
+    )
+    s = train(cfg, log=lambda m: None)
+    assert "echo: e = 1 (--deterministic: no timing-based choice)" in s.decisions
+    assert "stages: 1 (--deterministic: no timing-based choice)" in s.decisions
+    history = json.loads((tmp_path / "run" / "metrics.json").read_text())["echo_history"]
+    assert [h["factor"] for h in history] in ([], [1.0])
+    assert s.echoed_samples == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -709,49 +759,3 @@ def test_torchrun_two_gloo_replicas(tiny_imagenet: Path, tmp_path: Path) -> None
     for a, b in zip(w[0]["pipeline"]["stages"], w[1]["pipeline"]["stages"], strict=True):
         for key in a:
             assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
-
-
-def test_hybrid_switch_auto_is_the_study_default_with_a_restart() -> None:
-    """``--hybrid-switch auto``: synchronous after DEFAULT_SWITCH_FRACTION of the epochs, and
-    the learning rate restarts there (the study's hybrid); an explicit epoch keeps one cosine."""
-    from echopipe.pipeline.schedule import DEFAULT_SWITCH_FRACTION
-    from echopipe.train import TrainConfig
-    from echopipe.training.schedule import hybrid_switch_epoch, lr_factor
-
-    assert DEFAULT_SWITCH_FRACTION == 0.25
-    assert hybrid_switch_epoch(TrainConfig(epochs=8, hybrid_switch="auto")) == (2, True)
-    assert hybrid_switch_epoch(TrainConfig(epochs=8, hybrid_switch=3)) == (3, False)
-    assert hybrid_switch_epoch(TrainConfig(epochs=8)) == (None, False)
-    TrainConfig(hybrid_switch="auto").validate()
-    # Two cosines: at the floor just before the switch, back at the full rate on it.
-    assert lr_factor(2.0, 1.999, 0.5, 8, restart_at=2) == pytest.approx(0.02, abs=1e-4)
-    assert lr_factor(2.01, 2.0, 0.5, 8, restart_at=2) == pytest.approx(1.0)
-    assert lr_factor(5.0, 5.0, 0.5, 8, restart_at=2) == pytest.approx(0.02 + 0.98 * 0.5)
-    assert lr_factor(0.25, 0.0, 0.5, 8, restart_at=2) == pytest.approx(0.5)  # warm-up kept
-    assert lr_factor(2.01, 2.0, 0.5, 8) < 0.95  # no restart without restart_at
-
-
-def test_deterministic_takes_no_timing_based_echo_choice(
-    tiny_imagenet: Path, tmp_path: Path
-) -> None:
-    """With ``--echo auto`` (the default) and a slow reader, the controller would raise e at a
-    step that depends on timing; --deterministic keeps e = 1 and says so."""
-    from echopipe.train import TrainConfig, train
-
-    cfg = TrainConfig(
-        data=tiny_imagenet,
-        image_size=32,
-        batch_size=8,
-        epochs=1,
-        echo_interval=1,
-        read_delay_ms=20.0,
-        deterministic=True,
-        output=tmp_path / "run",
-        progress=False,
-    )
-    s = train(cfg, log=lambda m: None)
-    assert "echo: e = 1 (--deterministic: no timing-based choice)" in s.decisions
-    assert "stages: 1 (--deterministic: no timing-based choice)" in s.decisions
-    history = json.loads((tmp_path / "run" / "metrics.json").read_text())["echo_history"]
-    assert [h["factor"] for h in history] in ([], [1.0])
-    assert s.echoed_samples == 0

@@ -139,7 +139,8 @@ class TrainConfig:
     deterministic: bool = opt(
         False,
         "repeatable runs: input in lock-step with training, "
-        "balance by parameter count, deterministic torch kernels",
+        "balance by modelled cost (FLOPs, bytes), e = 1 under --echo auto, deterministic torch "
+        "kernels",
     )
     synthetic_classes: int = opt(
         10,

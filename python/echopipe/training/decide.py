@@ -2,7 +2,9 @@
 
 ``--stages auto`` pipelines only where a short timed run shows the stale pipeline faster than
 one stage that has all the threads; ``--balance auto`` splits by the blocks' measured forward
-times (or, with ``--deterministic``, by parameter count, which does not depend on timing).
+times (or, with ``--deterministic``, by the cost model of
+:mod:`echopipe.pipeline.cost_model`: FLOPs and bytes from the shapes, which do not depend on
+timing).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def choose_split(
 
     ``--balance`` when given. Otherwise the stage count is ``--stages``, one per GPU, or, with
     ``--stages auto`` on one device, 2 only when a timed run of the 2-stage pipeline beats one
-    stage using all the threads; the split is profiled (by parameters with ``--deterministic``).
+    stage using all the threads; the split is profiled (modelled with ``--deterministic``).
     """
     if isinstance(cfg.balance, list):
         return list(cfg.balance)
@@ -155,8 +157,15 @@ def _split(
     if stages == 1:
         return [len(model)]
     if cfg.deterministic:
-        balance = balance_by_parameters(model, stages)
-        decisions.append(f"balance: {balance} by parameter count (--deterministic)")
+        from ..pipeline.cost_model import estimate_layer_seconds
+
+        # FLOPs and bytes from the shapes (the pipeline's balance cost="model"): the same split
+        # on every run and machine, and closer to the stages' times than parameter counts,
+        # which put a ResNet's wide, cheap last blocks on their own.
+        balance = balance_by_weights(estimate_layer_seconds(model, sample), stages)
+        decisions.append(
+            f"balance: {balance} by modelled cost, FLOPs and bytes per block (--deterministic)"
+        )
         return balance
     # Forward times per block: a fraction of a second, where a full profile of forward and
     # backward per split (partition_balance) took close to a minute on a loaded 2-core machine.
