@@ -456,6 +456,11 @@ def test_max_steps_and_a_diverging_loss(tiny_imagenet: Path, tmp_path: Path) -> 
     doc = json.loads((tmp_path / "short" / "metrics.json").read_text())
     assert [r["step"] for r in doc["epochs"]] == [4, 6]
     assert [r["epoch"] for r in doc["epochs"]] == [1, 1.5]  # the stopped epoch's share
+    # Two steps: nothing timed, which the summary says instead of printing nan.
+    from echopipe.training.report import format_summary
+
+    s = train(TrainConfig(**base, max_steps=2, output=tmp_path / "two"), log=lambda m: None)
+    assert "nan" not in format_summary(s)
     with pytest.raises(
         DataError, match=r"training loss became (nan|inf).*lower --lr \(now 1e\+30\)"
     ):

@@ -319,8 +319,12 @@ def format_summary(s: TrainSummary) -> str:
         f"{s.wall_s:.1f} s wall, {s.world_size} replica(s))",
         f"  samples             {total} = {s.fresh_samples} fresh + {s.echoed_samples} echoed "
         f"(realised echo {realised:.2f}x)",
-        f"  t_up / t_down       {s.t_up_ms:.1f} ms / {s.t_down_ms:.1f} ms per step  "
-        f"(R = {s.ratio:.2f})",
+        (
+            f"  t_up / t_down       {s.t_up_ms:.1f} ms / {s.t_down_ms:.1f} ms per step  "
+            f"(R = {s.ratio:.2f})"
+            if math.isfinite(s.ratio)
+            else "  t_up / t_down       not measured (too few steps timed)"
+        ),
         f"  echo factor         {s.echo_factor:g}  (used: {used})",
         f"  stages              balance {s.balance} on {', '.join(s.devices)}; staleness per "
         f"stage {s.staleness}",
