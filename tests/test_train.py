@@ -652,6 +652,27 @@ def test_deterministic_takes_no_timing_based_echo_choice(
     assert s.echoed_samples == 0
 
 
+def test_log_line_rates_span_epoch_ends_without_the_pause() -> None:
+    """A line's img/s covers the steps since the previous line, across an epoch end, with the
+    time between epochs left out. (Restarting at each epoch start once reported the stale
+    pipeline's fill-up, steps that only enqueue work, as 4508 img/s.)"""
+    from echopipe.training.report import Progress
+
+    lines: list[str] = []
+    p = Progress(True, False, 4, 2, lines.append, None)
+    p.start_epoch(0, 3, 0)
+    for k in range(1, 4):  # 0.1 s per step of 8 images
+        time.sleep(0.1)
+        p.step(k, 1.0, 1.0, delivered=8 * k, fresh=8.0 * k)
+    time.sleep(0.5)  # validation: not training time
+    p.start_epoch(1, 3, 0)
+    p.step(4, 1.0, 1.0, delivered=8, fresh=8.0)  # at once: a step that only enqueued work
+    (line,) = lines
+    rate = float(re.search(r"img/s ([0-9.e+]+)", line).group(1))
+    # 32 images over at least 0.3 s of steps (sleeps only last longer): at most ~107 img/s.
+    assert rate <= 32 / 0.3 * 1.01, line
+
+
 # --------------------------------------------------------------------------------------------
 # Subprocesses: kill + resume, torchrun
 # --------------------------------------------------------------------------------------------

@@ -188,7 +188,15 @@ class Progress:
         self.say = say
         self.bar: Any = None
         self.tb: Any = None
-        self._window: tuple[float, int, float] = (time.perf_counter(), 0, 0.0)
+        # The rates of a line are over the steps since the previous line, across epoch ends:
+        # counts are kept since the run began (the trainer's are per epoch), and the time from
+        # an epoch's last step to the next epoch's start (validation, checkpoint) is left out.
+        # Restarting the window at each epoch start showed the stale pipeline filling up
+        # (steps that only enqueue work) as thousands of images per second.
+        self._window: tuple[float, float, float] = (time.perf_counter(), 0.0, 0.0)
+        self._base = (0.0, 0.0)  # samples delivered and fresh before this epoch
+        self._last = (0.0, 0.0)  # this epoch's counts at its latest step
+        self._last_step_at: float | None = None
         if enabled and tb_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -198,7 +206,13 @@ class Progress:
                 self.tb = SummaryWriter(str(tb_dir))
 
     def start_epoch(self, epoch: int, steps: int, done: int) -> None:
-        self._window = (time.perf_counter(), 0, 0.0)
+        now = time.perf_counter()
+        t0, d0, f0 = self._window
+        if self._last_step_at is not None:
+            t0 += now - self._last_step_at
+        self._window = (t0, d0, f0)
+        self._base = (self._base[0] + self._last[0], self._base[1] + self._last[1])
+        self._last = (0.0, 0.0)
         if self.bars:
             from tqdm import tqdm
 
@@ -215,25 +229,27 @@ class Progress:
              fresh: float) -> None:  # fmt: skip
         """One step done; ``delivered`` and ``fresh`` count samples since the epoch began.
 
-        The rates shown are over the steps since the previous line (or bar refresh), so a line
-        right after an epoch starts is not skewed by batches prefetched before it.
+        The rates shown are over the steps since the previous line (or bar refresh), also
+        across an epoch end, with the time between epochs left out.
         """
         if not self.enabled:
             return
         now = time.perf_counter()
-        t0, d0, f0 = self._window if self._window[1] <= delivered else (now, 0, 0.0)
+        self._last, self._last_step_at = (delivered, fresh), now
+        total, total_fresh = self._base[0] + delivered, self._base[1] + fresh
+        t0, d0, f0 = self._window
         seconds = max(now - t0, 1e-9)
-        fields = {"loss": loss, "e": e, "img/s": (delivered - d0) / seconds,
-                  "fresh/s": (fresh - f0) / seconds}  # fmt: skip
+        fields = {"loss": loss, "e": e, "img/s": (total - d0) / seconds,
+                  "fresh/s": (total_fresh - f0) / seconds}  # fmt: skip
         shown = {k: v for k, v in fields.items() if v is not None}
         if self.bar is not None:
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
             self.bar.update(1)
             if step % self.interval == 0:
-                self._window = (now, delivered, fresh)
+                self._window = (now, total, total_fresh)
         elif step % self.interval == 0:
             self.say(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
-            self._window = (now, delivered, fresh)
+            self._window = (now, total, total_fresh)
         if self.tb is not None and loss is not None:
             self.tb.add_scalar("train/loss", loss, step)
 
