@@ -400,6 +400,42 @@ def test_a_forked_child_gets_a_keeper_of_its_own() -> None:
     assert child.exitcode == 0
 
 
+class _LockingPayload:
+    """Dropping it takes ``lock``, as dropping a lease takes its cache's locks."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+
+    def __del__(self) -> None:
+        with self.lock:
+            pass
+
+
+def test_a_forked_child_does_not_drop_the_parents_payloads() -> None:
+    """A lock the parent holds at the fork stays held in the child for ever: the child's fork
+    handler must not drop a payload whose release takes it (it would hang there)."""
+    import multiprocessing as mp
+
+    from echopipe import _inflight
+
+    never, lock = threading.Event(), threading.Lock()
+    _inflight.hold_until(lambda: never.wait(5), _Payload())  # busy in the parent
+    _inflight.hold_until(lambda: None, _LockingPayload(lock))  # queued behind it
+    child = None
+    try:
+        with lock:  # held by this thread at the fork
+            child = mp.get_context("fork").Process(target=_hold_and_drain_in_child)
+            child.start()
+        child.join(20)
+        assert child.exitcode == 0, "the forked child hung dropping its parent's payloads"
+    finally:
+        never.set()
+        if child is not None and child.exitcode is None:
+            child.kill()
+            child.join(5)
+    assert _inflight._KEEPER.drain(timeout=10)
+
+
 def _hold_and_drain_in_child() -> None:
     from echopipe import _inflight
 

@@ -83,13 +83,21 @@ class InFlight:
                     self._cond.notify_all()
 
     def _forget_after_fork(self) -> None:
-        """In a forked child: the parent's thread does not exist here (nor do its CUDA reads)."""
+        """In a forked child: the parent's thread does not exist here (nor do its CUDA reads).
+
+        The parent's payloads are set aside, not dropped: dropping a lease takes the cache's
+        locks, which another parent thread may have held at the fork (the child would then block
+        in this handler for ever), and an event's destructor would call CUDA in a forked child.
+        """
+        _ORPHANED.append(self._queue)
         self._cond = threading.Condition()
-        self._queue.clear()
+        self._queue = deque()
         self._busy = False
         self._thread = None
 
 
+# A forked child's share of its parent's payloads: referenced for the child's whole life.
+_ORPHANED: list[deque[tuple[Callable[[], Any], Any]]] = []
 _KEEPER = InFlight()
 atexit.register(_KEEPER.close)
 if hasattr(os, "register_at_fork"):
