@@ -234,6 +234,9 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
 
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
+    // Before the (blocking) draw: leases whose copies have completed go back to the cache, so
+    // a small cache is not kept full by slots that only wait for the next RunImpl.
+    RetireFinished();
     int batch_size = ws.GetRequestedBatchSize(0);
     const echopipe_dali::SampleCopy* pad = padding_ ? &padding_->desc_only : nullptr;
     batch_ = echopipe_dali::DrawBatch(*cache_, batch_size, pad, cache_name_);
