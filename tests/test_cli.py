@@ -507,9 +507,15 @@ def test_bench_unknown_suite_is_rejected(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_bench_suite_sets() -> None:
-    assert BENCH_DEFAULT == ("echo_cache", "dali_echo", "pipeline")
+    assert BENCH_DEFAULT == ("echo_cache", "echo_loader", "dali_echo", "pipeline")
     assert BENCH_SUITES == BENCH_DEFAULT + BENCH_STUDIES
-    assert set(BENCH_STUDIES) == {"convergence", "wallclock", "staleness", "staleness_remedies"}
+    assert set(BENCH_STUDIES) == {
+        "convergence",
+        "wallclock",
+        "wallclock_train",
+        "staleness",
+        "staleness_remedies",
+    }
     parser = build_parser()
     assert parser.parse_args(["bench", "--only", "staleness_remedies"]).only == [
         "staleness_remedies"

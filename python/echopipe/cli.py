@@ -20,10 +20,16 @@ from typing import Any, NoReturn
 
 __all__ = ["BENCH_DEFAULT", "BENCH_STUDIES", "BENCH_SUITES", "build_parser", "main"]
 
-BENCH_DEFAULT: tuple[str, ...] = ("echo_cache", "dali_echo", "pipeline")
+BENCH_DEFAULT: tuple[str, ...] = ("echo_cache", "echo_loader", "dali_echo", "pipeline")
 """The microbenchmarks ``echopipe bench`` runs by default, in this order."""
 
-BENCH_STUDIES: tuple[str, ...] = ("convergence", "wallclock", "staleness", "staleness_remedies")
+BENCH_STUDIES: tuple[str, ...] = (
+    "convergence",
+    "wallclock",
+    "wallclock_train",
+    "staleness",
+    "staleness_remedies",
+)
 """Training studies (minutes each): run only with ``--only NAME`` or ``--all``."""
 
 BENCH_SUITES: tuple[str, ...] = BENCH_DEFAULT + BENCH_STUDIES
