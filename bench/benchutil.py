@@ -545,6 +545,26 @@ def evaluate(model: torch.nn.Module, data: Dataset, batch: int = 512) -> float:
     return correct / len(data.val_y)
 
 
+def train_stale_epochs(
+    pipe: Any, data: Dataset, batch: int, epochs: int, gen: torch.Generator
+) -> list[float]:
+    """Trains a StalePipeline ``epochs`` times over a fresh seeded shuffle of the training set
+    (augmented per batch, last partial batch dropped), draining after each epoch so that the
+    validation sees every update; returns the validation accuracy after each epoch."""
+    n = len(data.train_y)
+    accs = []
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen)
+        batches = []
+        for i in range(n // batch):
+            idx = order[i * batch : (i + 1) * batch]
+            batches.append((data.augment(data.train_x[idx], gen), data.train_y[idx]))
+        pipe.run_epoch(batches)
+        pipe.drain()
+        accs.append(float(pipe.accuracy(data.prepare(data.val_x), data.val_y, batch_size=512)))
+    return accs
+
+
 def save_plot(path: Path, draw: Any) -> str | None:
     """Calls ``draw(plt)`` on a fresh Agg figure and saves it; returns the path or None."""
     try:

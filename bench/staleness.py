@@ -104,18 +104,9 @@ def train_variant(
     )
     stale = pipe.staleness()
     gen = torch.Generator().manual_seed(seed)
-    accs = []
     start = time.perf_counter()
     try:
-        for _ in range(epochs):
-            order = torch.randperm(n, generator=gen)
-            batches = []
-            for i in range(steps_per_epoch):
-                idx = order[i * setup["batch"] : (i + 1) * setup["batch"]]
-                batches.append((data.augment(data.train_x[idx], gen), data.train_y[idx]))
-            pipe.run_epoch(batches)
-            pipe.drain()
-            accs.append(_accuracy(pipe, data))
+        accs = bu.train_stale_epochs(pipe, data, setup["batch"], epochs, gen)
         steps, samples = pipe.steps_applied, pipe.samples_seen
     finally:
         pipe.close()
@@ -133,10 +124,6 @@ def train_variant(
         "samples": samples,
         "seconds": time.perf_counter() - start,
     }
-
-
-def _accuracy(pipe: StalePipeline, data: bu.Dataset) -> float:
-    return float(pipe.accuracy(data.prepare(data.val_x), data.val_y, batch_size=512))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -166,18 +166,9 @@ def train(data: bu.Dataset, setup: dict[str, Any], v: Variant, seed: int, epochs
     steps_per_epoch = n // setup["batch"]
     pipe = build_pipeline(data, setup, v, epochs, steps_per_epoch)
     gen = torch.Generator().manual_seed(seed)
-    accs = []
     start = time.perf_counter()
     try:
-        for _ in range(epochs):
-            order = torch.randperm(n, generator=gen)
-            batches = []
-            for i in range(steps_per_epoch):
-                idx = order[i * setup["batch"] : (i + 1) * setup["batch"]]
-                batches.append((data.augment(data.train_x[idx], gen), data.train_y[idx]))
-            pipe.run_epoch(batches)
-            pipe.drain()
-            accs.append(float(pipe.accuracy(data.prepare(data.val_x), data.val_y, 512)))
+        accs = bu.train_stale_epochs(pipe, data, setup["batch"], epochs, gen)
         steps = pipe.steps_applied
     finally:
         pipe.close()
