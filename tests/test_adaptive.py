@@ -23,7 +23,7 @@ def test_tracks_ratio_and_settles() -> None:
     changes = feed(c, 0.3, 0.1, range(40))
     assert c.factor == 3.0
     assert math.isclose(c.ratio, 3.0)
-    # Smoothing starts from the first observation, so the first change already aims at R=3.
+    # Smoothing starts after the warm-up, so the first change already aims at R=3.
     assert changes == [3.0]
     assert c.history[0] == EchoChange(0, 1.0, c.history[0].ratio)
     assert c.history[1].step == 2 and c.history[1].factor == 3.0
@@ -68,6 +68,14 @@ def test_warmup_holds_initial_factor() -> None:
     assert feed(c, 0.5, 0.1, range(3)) == []
     assert c.factor == 1.5
     assert c.observe(0.5, 0.1, 3) == 5.0
+
+
+def test_warmup_observations_are_not_averaged() -> None:
+    # Start-up: the first two batches look 10x slower upstream. They must not pull R up.
+    c = EchoController(e_max=8, smoothing=0.2, warmup=2, quantum=0.5)
+    assert feed(c, 1.0, 0.1, range(2)) == []
+    assert c.observe(0.3, 0.1, 2) == 3.0
+    assert math.isclose(c.ratio, 3.0)
 
 
 def test_state_roundtrip_continues_identically() -> None:

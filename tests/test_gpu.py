@@ -561,20 +561,23 @@ class _Spin(nn.Module):
         return self.fc(x)
 
 
-def test_train_stage_clock_times_gpu_work_not_kernel_launches() -> None:
-    """``echopipe train``'s estimate of t_down must see the GPU time of a stage's forward (here
-    a spin of ~20 ms), not the microseconds it takes to queue the kernels."""
-    from echopipe.train import _StageClock
+def test_busy_timer_times_gpu_work_not_kernel_launches() -> None:
+    """``echopipe train``'s t_down (the stages' busy timers) must see the GPU time of a stage's
+    work (here a spin of ~20 ms), not the microseconds it takes to queue the kernels."""
+    from echopipe.pipeline.stream import BusyTimer, DeviceStream
 
+    stream = DeviceStream(torch.device("cuda"))
+    timer = BusyTimer(stream)
     stage = _Spin(40_000_000).cuda().train()  # ~20 ms at ~2 GHz
-    clock = _StageClock([stage])
     x = torch.randn(8, 64, device="cuda")
-    for _ in range(3):
-        stage(x)
-    torch.cuda.synchronize()
-    seconds = clock.step_seconds()
-    assert seconds is not None and clock.calls == [3]
-    assert 3 * 0.005 < seconds < 3 * 0.5  # 3x the forward; launches alone take microseconds
+    with stream.use():
+        for _ in range(3):
+            with timer.span():
+                stage(x)
+    stream.synchronize()
+    seconds, spans = timer.take()
+    assert spans == 3
+    assert 3 * 0.005 < seconds < 3 * 0.5  # launches alone take microseconds
 
 
 def _kernel_intervals(trace: dict[str, Any]) -> list[tuple[int, float, float, str]]:

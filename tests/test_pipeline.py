@@ -241,6 +241,35 @@ def test_result_is_independent_of_thread_timing(one_thread) -> None:
         assert max_rel_error(model, ref_model) <= 1e-12
 
 
+class _Sleep(nn.Module):
+    """Sleeps a fixed time in forward: known busy time for one stage."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+def test_step_seconds_is_the_slowest_stages_busy_time_not_the_callers_wait() -> None:
+    """t_down for ``echopipe train``: stage 1 sleeps 30 ms a forward, stage 0 nothing. The
+    caller feeds slowly (80 ms between steps), so its own view of a step is 80 ms; the
+    pipeline's busy time per minibatch must still be about 30 ms (the slow stage), and
+    ``None`` before every stage has done a forward and a backward."""
+    model = small_cnn()
+    slow = nn.Sequential(*model[:2], _Sleep(0.03), *model[2:])
+    with StalePipeline(slow, balance=[2, len(slow) - 2], optimizer=sgd, loss_fn=loss_fn) as pipe:
+        assert pipe.step_seconds() is None
+        for x, y in make_batches(8):
+            pipe.train_step(x, y)
+            time.sleep(0.08)
+        pipe.drain()
+        busy = pipe.step_seconds()
+    assert busy is not None and 0.03 <= busy < 0.075
+
+
 def test_documented_weight_rule_by_hand() -> None:
     """Independent of autograd aliasing: a 3-stage tanh MLP with hand-written gradients.
 

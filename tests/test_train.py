@@ -456,6 +456,13 @@ def test_max_steps_and_a_diverging_loss(tiny_imagenet: Path, tmp_path: Path) -> 
     doc = json.loads((tmp_path / "short" / "metrics.json").read_text())
     assert [r["step"] for r in doc["epochs"]] == [4, 6]
     assert [r["epoch"] for r in doc["epochs"]] == [1, 1.5]  # the stopped epoch's share
+    # Early stop: the first validation (any top-1 >= 0.001 on 4 classes) ends the run.
+    s = train(
+        TrainConfig(**base, stop_at_top1=0.001, output=tmp_path / "early"), log=lambda m: None
+    )
+    doc = json.loads((tmp_path / "early" / "metrics.json").read_text())
+    assert s.epochs == 1 and len(doc["epochs"]) == 1
+    assert s.stopped is not None and s.stopped.startswith("--stop-at-top1 0.001 reached")
     # Two steps: nothing timed, which the summary says instead of printing nan.
     from echopipe.training.report import format_summary
 
@@ -514,10 +521,12 @@ def test_echo_auto_raises_the_factor_when_reading_is_slow(
 
 
 def test_echo_auto_changes_the_factor_within_an_epoch(tiny_imagenet: Path, tmp_path: Path) -> None:
-    """Decisions every 2 steps: e rises inside the first epoch, whose remaining steps are
-    re-planned for the fresh samples it still owes; the second epoch is a whole one at the new
-    e; the LR ends at its floor on the last step. Reading (30 ms a sample) is far slower than
-    training here, so R is well above e_max = 2 and the one change goes straight to 2."""
+    """Decisions every 2 steps (every step before the first 2): e rises inside the first
+    epoch (16 steps of 2; the stages' busy times exist from step 3, then come 3 warm-up
+    observations), whose remaining steps are re-planned for the fresh samples it still owes;
+    the second epoch is a whole one at the new e; the LR ends at its floor on the last step.
+    Reading (30 ms a sample) is far slower than training here, so R is well above e_max = 2
+    and the one change goes straight to 2."""
     from echopipe.train import TrainConfig, _EpochClock, train
 
     out = tmp_path / "run"
@@ -525,7 +534,7 @@ def test_echo_auto_changes_the_factor_within_an_epoch(tiny_imagenet: Path, tmp_p
     cfg = TrainConfig(
         data=tiny_imagenet,
         image_size=32,
-        batch_size=4,
+        batch_size=2,
         epochs=2,
         echo="auto",
         echo_max=2.0,
@@ -543,9 +552,9 @@ def test_echo_auto_changes_the_factor_within_an_epoch(tiny_imagenet: Path, tmp_p
     changed_at = int(change.split("from step ")[1].split()[0])
     doc = json.loads((out / "metrics.json").read_text())
     first, second = doc["epochs"][0]["step"], doc["epochs"][1]["step"] - doc["epochs"][0]["step"]
-    # 32 fresh samples: `changed_at` steps of 4 at e = 1, the rest at e = 2 in steps of 4.
-    assert first == changed_at + math.ceil((32 - 4 * changed_at) * 2 / 4)
-    assert second == 32 * 2 // 4  # a whole epoch at e = 2, not the re-planned length again
+    # 32 fresh samples: `changed_at` steps of 2 at e = 1, the rest at e = 2 in steps of 2.
+    assert first == changed_at + math.ceil((32 - 2 * changed_at) * 2 / 2)
+    assert second == 32 * 2 // 2  # a whole epoch at e = 2, not the re-planned length again
     assert s.echoed_samples > 0
     assert doc["epochs"][-1]["lr"] == pytest.approx(cfg.lr * 0.02, rel=1e-6)
     # The checkpoint carries the re-planned clock, so a resumed run keeps the same schedule.

@@ -57,8 +57,8 @@ class EchoController:
         smoothing: EMA weight of a new observation, in ``(0, 1]`` (1 = no smoothing).
         hysteresis: relative band: ``e`` changes only when the rounded target differs from it by
             more than ``hysteresis * e``.
-        warmup: observations to collect before the first change (timings of the first steps
-            include start-up costs).
+        warmup: observations to skip before averaging and deciding (timings of the first steps
+            include start-up costs, which would bias the averages for many steps).
         quantum: factors are rounded to multiples of this (``> 0``), and never below 1.
 
     Example::
@@ -123,12 +123,12 @@ class EchoController:
         """
         up = _check_positive_finite("t_up", t_up, allow_zero=True)
         down = _check_positive_finite("t_down", t_down)
+        self.observations += 1
+        if self.observations <= self.warmup:
+            return None  # start-up costs: kept out of the averages, not only out of decisions
         a = self.smoothing
         self.t_up = up if self.t_up is None else (1 - a) * self.t_up + a * up
         self.t_down = down if self.t_down is None else (1 - a) * self.t_down + a * down
-        self.observations += 1
-        if self.observations <= self.warmup:
-            return None
         ratio = self.ratio
         target = self.target(ratio)
         if abs(target - self.factor) <= self.hysteresis * self.factor:

@@ -30,7 +30,6 @@ from .training.checkpoints import (
 )
 from .training.config import DataError, TrainConfig, TrainError, UsageError
 from .training.distributed import DistContext, default_devices
-from .training.input import StageClock as _StageClock
 from .training.input import evaluate_checkpoint
 from .training.report import TrainSummary, format_summary
 from .training.schedule import EpochClock as _EpochClock
@@ -57,5 +56,5 @@ __all__ = [
     "write_checkpoint",
 ]
 
-# Older names kept for callers (tests/test_gpu.py uses _StageClock).
-_ = (_StageClock, _EpochClock, _lr_factor)
+# Older names kept for callers.
+_ = (_EpochClock, _lr_factor)

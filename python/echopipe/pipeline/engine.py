@@ -35,6 +35,7 @@ from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult, un
 from .schedule import HybridSchedule, stage_staleness
 from .stage import StageCore
 from .stream import (
+    BusyTimer,
     DeviceStream,
     KeepAlive,
     StreamEvent,
@@ -275,6 +276,10 @@ class StalePipeline:
             self._cores.append(core)
 
         self._threads_per_stage = self._divide_threads(intra_op_threads)
+        # Per stage: timers of its forwards and backwards (set by its thread), and the latest
+        # mean seconds of each (None until one completed).
+        self._busy: list[tuple[BusyTimer, BusyTimer] | None] = [None] * self.num_stages
+        self._busy_means: list[list[float | None]] = [[None, None] for _ in self._cores]
         self.steps_fed = 0
         self.samples_seen = 0
         self._fwd_queues: list[queue.Queue[Any]] = [
@@ -325,6 +330,19 @@ class StalePipeline:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"intra_op_threads entries must be ints >= 1, got {values!r}")
         return values
+
+    def step_seconds(self) -> float | None:
+        """Busy seconds per minibatch of the slowest stage (forward plus backward and update),
+        from the work completed since the previous call; ``None`` until every stage has done
+        both once. This is the pipeline's pace with an instant input (``t_down``): queue waits
+        are not counted, and on CUDA it is the streams' time, not the kernel launches'."""
+        for timers, means in zip(self._busy, self._busy_means, strict=True):
+            for j, timer in enumerate(timers or ()):
+                seconds, spans = timer.take()
+                if spans:
+                    means[j] = seconds / spans
+        totals = [None if None in m else m[0] + m[1] for m in self._busy_means]  # type: ignore[operator]
+        return None if None in totals else max(totals)  # type: ignore[type-var]
 
     def staleness(self) -> list[int]:
         """Per stage: how many of the newest updates its forward misses in steady state.
@@ -379,6 +397,7 @@ class StalePipeline:
                 torch.set_num_threads(self._threads_per_stage[k])
             compute = DeviceStream(device)
             copy = DeviceStream(device)
+            self._busy[k] = (BusyTimer(compute), BusyTimer(compute))
         except BaseException as exc:  # pragma: no cover - stream creation failure
             self._fail(k, exc)
             started.abort()
@@ -413,7 +432,8 @@ class StalePipeline:
                 target = msg.target
                 if last and target is not None:
                     target = transfer(target, msg.target_ready, copy, compute, held)
-                out, loss = core.forward(msg.index, x, target)
+                with self._busy[k][0].span():
+                    out, loss = core.forward(msg.index, x, target)
                 if last:
                     assert loss is not None
                     self._losses.put(LossRecord(msg.index, loss, compute.record()))
@@ -432,7 +452,8 @@ class StalePipeline:
                         )
                     if gmsg.grad is not None:
                         grad = transfer(gmsg.grad, gmsg.ready, copy, compute, held)
-                grad_in = core.backward(index, grad)
+                with self._busy[k][1].span():
+                    grad_in = core.backward(index, grad)
                 if k > 0:
                     self._bwd_queues[k - 1].put(_Grad(index, grad_in, compute.record()))
             else:

@@ -12,13 +12,17 @@ Allocations used on a stream other than the one that made them are marked with
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 __all__ = [
+    "BusyTimer",
     "DeviceStream",
     "KeepAlive",
     "StreamEvent",
@@ -116,6 +120,14 @@ class DeviceStream:
         event.record(self._stream)
         return StreamEvent(event)
 
+    def timing_mark(self) -> Any:
+        """A point to time work from: host seconds on CPU, a timing event on CUDA."""
+        if self._stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self._stream)
+        return event
+
     def wait(self, event: StreamEvent) -> None:
         """Make future work on this stream wait for ``event`` (no host blocking)."""
         if self._stream is not None and event.event is not None:
@@ -130,6 +142,46 @@ class DeviceStream:
         """Block the calling thread until all work on this stream has finished."""
         if self._stream is not None:
             self._stream.synchronize()
+
+
+class BusyTimer:
+    """Seconds of work a stream does inside :meth:`span` blocks, without the waits between.
+
+    A stage's busy time per minibatch is the pace its pipeline keeps once the input is instant:
+    the training loop cannot see it, because ``train_step`` returns as soon as a minibatch is
+    queued and the stages run in their own threads. On CPU a span is host time (the work is
+    synchronous in the stage's thread); on CUDA it is the time between two timing events on the
+    stream, read only once they have completed, so neither side ever blocks. Spans are
+    appended by the stage's thread and read by another (deque appends and pops are atomic).
+    """
+
+    def __init__(self, stream: DeviceStream) -> None:
+        self._stream = stream
+        self._spans: collections.deque[tuple[Any, Any]] = collections.deque()
+
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        """Time the work queued on the stream inside the block."""
+        start = self._stream.timing_mark()
+        try:
+            yield
+        finally:
+            self._spans.append((start, self._stream.timing_mark()))
+
+    def take(self) -> tuple[float, int]:
+        """``(seconds, spans)`` of the spans completed since the last call."""
+        seconds, count = 0.0, 0
+        while self._spans:
+            start, end = self._spans[0]
+            if isinstance(end, float):
+                seconds += end - start
+            elif end.query():
+                seconds += start.elapsed_time(end) / 1000.0
+            else:
+                break
+            self._spans.popleft()
+            count += 1
+        return seconds, count
 
 
 def transfer(

@@ -94,6 +94,14 @@ class TrainConfig:
         check=check_optional(int_at_least(1)),
         on_resume="free",
     )
+    stop_at_top1: float | None = opt(
+        None,
+        "stop once validation top-1 (a fraction, e.g. 0.6) reaches this; the LR schedule still "
+        "spans --epochs",
+        parse=parse_float,
+        check=check_optional(finite(maximum=1.0, positive=True)),
+        on_resume="free",
+    )
     batch_size: int = opt(
         32,
         "minibatch size per replica",
@@ -168,7 +176,8 @@ class TrainConfig:
     )
     echo_interval: int = opt(
         50,
-        "with --echo auto: steps between decisions on e",
+        "with --echo auto: steps between decisions on e (every step before the first "
+        "interval, so the first decision, after a short warm-up, applies at once)",
         check=int_at_least(1),
         parse=parse_int,
         group=_E,

@@ -20,7 +20,7 @@ import torch
 from ..adaptive import EchoController
 from .config import DataError, TrainConfig
 from .distributed import DistContext, average_buffers
-from .input import StageClock, TrainInput, evaluate
+from .input import TrainInput, evaluate
 from .report import Progress
 from .schedule import EpochClock, hybrid_switch_epoch, lr_factor
 from .state import RunState
@@ -42,7 +42,6 @@ class EpochLoop:
     clock: EpochClock
     progress: Progress
     controller: EchoController | None
-    stage_clock: StageClock
     model: Any
     stopped: str | None
     losses: list[float]
@@ -81,11 +80,7 @@ class EpochLoop:
                 self.stopped = f"--max-steps {cfg.max_steps} reached"
                 break
             self._step()
-            if (
-                self.controller is not None
-                and st.global_step % cfg.echo_interval == 0
-                and st.step_in_epoch < st.steps_per_epoch
-            ):
+            if self._retune_due() and st.step_in_epoch < st.steps_per_epoch:
                 self._retune_echo(within_epoch=True)
             if (
                 cfg.checkpoint_every
@@ -104,6 +99,14 @@ class EpochLoop:
         average_buffers(self.model, self.ctx)
         st.train_s += time.perf_counter() - t0 - self.paused_s
         st.samples_trained += self.epoch_samples
+
+    def _retune_due(self) -> bool:
+        """Whether rank 0's controller is consulted after this step: every step of the first
+        ``--echo-interval``, so its first decision (right after its warm-up) is used at once
+        rather than an interval later, then every interval. Steps are counted alike on every
+        rank, so all ranks join the same broadcasts."""
+        step, interval = self.run_state.global_step, self.cfg.echo_interval
+        return self.controller is not None and (step < interval or step % interval == 0)
 
     def _drain(self) -> None:
         """Finish every minibatch in flight and keep the losses they report."""
@@ -127,7 +130,7 @@ class EpochLoop:
         st.step_in_epoch += 1
         st.epoch_fresh += cfg.batch_size / self.data.factor
         self.epoch_samples += int(x.shape[0])
-        busy = self.stage_clock.step_seconds()
+        busy = self.pipeline.step_seconds()
         if busy is not None:
             st.step_time_s += busy
             st.steps_timed += 1
@@ -199,6 +202,11 @@ class EpochLoop:
             st.epoch_fresh = 0.0
         row = self._row(top1, val_loss, val_n)
         st.rows.append(row)
+        target = cfg.stop_at_top1
+        if target is not None and top1 >= target and self.stopped is None:
+            self.stopped = (
+                f"--stop-at-top1 {target:g} reached (top-1 {top1:.3f}, step {st.global_step})"
+            )
         best = top1 > st.best_top1
         st.best_top1 = max(st.best_top1, top1)
         self.progress.end_epoch(row)

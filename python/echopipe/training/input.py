@@ -1,19 +1,18 @@
-"""The training input (DALI + the echo cache), its clocks, and validation.
+"""The training input (DALI + the echo cache) and validation.
 
 :class:`TrainInput` wraps :func:`echopipe.dali.imagenet_train_pipeline` (reader, decode, echo,
 augmentation) and :class:`echopipe.dali.EchoIterator`; its :meth:`TrainInput.build` is the one
 place the DALI training input is constructed. ``t_up`` is the upstream time per fresh batch that
-the echo pipeline measures; ``t_down`` comes from :class:`StageClock`.
+the echo pipeline measures; ``t_down`` is the stages' busy time,
+:meth:`echopipe.pipeline.StalePipeline.step_seconds`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,75 +22,7 @@ from torch import nn
 from .config import DataError, TrainConfig
 from .distributed import DistContext
 
-__all__ = ["StageClock", "TrainInput", "evaluate", "evaluate_checkpoint"]
-
-
-class StageClock:
-    """Downstream seconds per step: ``3 x`` the slowest stage's mean training forward time.
-
-    ``train_step`` returns as soon as the minibatch is queued, so the caller cannot see how long
-    the stages compute; forward hooks on each stage module (they run in the stage's thread)
-    time its forward, and backward is taken as twice the forward, the usual ratio for conv
-    nets. The slowest stage sets the pipeline's pace. On a GPU the forward only queues kernels,
-    so it is timed with CUDA events on the stage's stream, read once they have completed.
-    """
-
-    def __init__(self, stages: Sequence[nn.Module]) -> None:
-        self.seconds = [0.0] * len(stages)
-        self.calls = [0] * len(stages)
-        self._starts: dict[tuple[int, int], Any] = {}
-        # Per stage: (start, end) CUDA events not read yet. Appended by the stage's thread,
-        # drained by the training loop (deque appends and pops are atomic).
-        self._pending: list[collections.deque[tuple[Any, Any]]] = [
-            collections.deque() for _ in stages
-        ]
-        import threading
-
-        self._ident = threading.get_ident
-        for k, stage in enumerate(stages):
-            stage.register_forward_pre_hook(self._pre(k))
-            stage.register_forward_hook(self._post(k))
-
-    @staticmethod
-    def _on_gpu(args: Any) -> bool:
-        return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_cuda
-
-    def _pre(self, k: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            if not module.training:
-                return
-            if self._on_gpu(args):
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()  # on the stage thread's current stream
-                self._starts[(k, self._ident())] = start
-            else:
-                self._starts[(k, self._ident())] = time.perf_counter()
-
-        return hook
-
-    def _post(self, k: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            t0 = self._starts.pop((k, self._ident()), None)
-            if isinstance(t0, torch.cuda.Event):
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self._pending[k].append((t0, end))
-            elif t0 is not None:
-                self.seconds[k] += time.perf_counter() - t0
-                self.calls[k] += 1
-
-        return hook
-
-    def step_seconds(self) -> float | None:
-        """Estimated seconds per training step, or ``None`` before every stage ran once."""
-        for k, pending in enumerate(self._pending):
-            while pending and pending[0][1].query():
-                start, end = pending.popleft()
-                self.seconds[k] += start.elapsed_time(end) / 1000.0
-                self.calls[k] += 1
-        if min(self.calls) == 0:
-            return None
-        return 3.0 * max(s / c for s, c in zip(self.seconds, self.calls, strict=True))
+__all__ = ["TrainInput", "evaluate", "evaluate_checkpoint"]
 
 
 class TrainInput:

@@ -27,7 +27,7 @@ from .config import TrainConfig, UsageError
 from .decide import choose_split
 from .distributed import DistContext, all_reduce_grads, default_devices
 from .epoch import EpochLoop
-from .input import StageClock, TrainInput
+from .input import TrainInput
 from .preflight import check_data, load_resume, lock_run_folder, run_folder
 from .report import (
     Progress,
@@ -219,7 +219,6 @@ class Trainer(EpochLoop):
             set_rng_state(saved["rng"])
             st = self.run_state
             self.say(f"resume: {self.resume_path} (step {st.global_step}, epoch {st.epoch})")
-        self.stage_clock = StageClock(self.pipeline.stages)
 
     def _devices(self) -> tuple[int, list[str]]:
         """The default stage count and one device per stage (``--devices`` or the GPUs)."""
