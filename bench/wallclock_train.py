@@ -32,6 +32,7 @@ Run: ``python bench/wallclock_train.py [--quick]``; writes ``wallclock_train.jso
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import shutil
 import subprocess
@@ -57,10 +58,30 @@ def trainer_command() -> list[str]:
 
 
 def run_train(
-    trainer: list[str], flags: list[str], out: Path, log: Path, timeout: float
+    trainer: list[str],
+    flags: list[str],
+    out: Path,
+    log: Path,
+    timeout: float,
+    reuse: bool = False,
 ) -> dict[str, Any]:
-    """Runs ``<trainer> train`` with ``flags`` into ``out``; returns its metrics.json."""
+    """Runs ``<trainer> train`` with ``flags`` into ``out``; returns its metrics.json.
+
+    With ``reuse``, a finished run of the same command in ``out`` is read instead (``reused``
+    marks it in the results), so a study can redo some of its runs, e.g. after a change
+    that only ``auto`` depends on, without redoing the others.
+    """
     cmd = [*trainer, "train", *flags, "--output", str(out), "--no-progress"]
+    if reuse and (out / "metrics.json").exists():
+        first = log.read_text().splitlines()[0] if log.exists() else ""
+        if first != shlex.join(cmd):
+            raise RuntimeError(f"{out} holds a run of another command: {first!r}")
+        metrics = json.loads((out / "metrics.json").read_text())
+        metrics.update(process_s=math.nan, command=first, reused=True)
+        metrics["finished_utc"] = time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", time.gmtime((out / "metrics.json").stat().st_mtime)
+        )
+        return metrics
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write(shlex.join(cmd) + "\n")
@@ -72,6 +93,8 @@ def run_train(
     metrics = json.loads((out / "metrics.json").read_text())
     metrics["process_s"] = time.perf_counter() - t0
     metrics["command"] = shlex.join(cmd)
+    metrics["reused"] = False
+    metrics["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return metrics
 
 
@@ -97,7 +120,7 @@ def calibrate(args: Any, work: Path) -> dict[str, Any]:
         args.trainer,
         [*args.common, "--echo", "1", "--epochs", "1", "--max-steps", str(args.calib_steps),
          "--seed", "0"],
-        work / "calibration", work / "calibration.log", args.run_timeout,
+        work / "calibration", work / "calibration.log", args.run_timeout, args.reuse_runs,
     )  # fmt: skip
     s = metrics["summary"]
     t_up, t_down = float(s["t_up_ms"]), float(s["t_down_ms"])
@@ -170,7 +193,9 @@ def one_run(args: Any, work: Path, echo: str, seed: int, delay: float) -> dict[s
     flags = [*args.common, "--echo", echo, "--epochs", str(args.epochs), "--seed", str(seed),
              "--read-delay-ms", f"{delay:g}", "--echo-interval", str(args.echo_interval),
              "--echo-max", f"{args.echo_max:g}", "--stop-at-top1", f"{args.target:g}"]  # fmt: skip
-    m = run_train(args.trainer, flags, work / name, work / f"{name}.log", args.run_timeout)
+    m = run_train(
+        args.trainer, flags, work / name, work / f"{name}.log", args.run_timeout, args.reuse_runs
+    )
     rows = m["epochs"]
     hit = time_to_target(rows, args.target)
     ratios = [r["R"] for r in rows if r.get("R") is not None]
@@ -187,6 +212,8 @@ def one_run(args: Any, work: Path, echo: str, seed: int, delay: float) -> dict[s
         "input_builds": rows[-1].get("input_builds") if rows else None,
         "train_s": m["summary"].get("train_s"),
         "process_s": round(m["process_s"], 1),
+        "reused": m["reused"],
+        "finished_utc": m["finished_utc"],
         "curve": [[r["train_s"], r["val_top1"], r["echo_factor"], r["step"]] for r in rows],
         "command": m["command"],
     }
@@ -209,9 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--calib-steps", type=int, default=30)
     p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per trainer run")
     p.add_argument("--keep-runs", type=Path, default=None, help="keep run folders here")
+    p.add_argument("--reuse-runs", action="store_true",
+                   help="with --keep-runs: read finished runs of the same command there "
+                        "instead of running them again (delete a folder to redo it)")  # fmt: skip
     p.add_argument("--trainer", default=None,
                    help="command that runs the echopipe CLI (default: echopipe)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.reuse_runs and args.keep_runs is None:
+        p.error("--reuse-runs needs --keep-runs DIR (where the earlier runs are)")
     factors = args.echo_factors or (["1", "4", "auto"] if args.quick else
                                     ["1", "2", "4", "6", "auto"])  # fmt: skip
     for f in factors:

@@ -30,7 +30,7 @@ def test_tracks_ratio_and_settles() -> None:
 
 
 def test_clamps_to_bounds() -> None:
-    c = EchoController(initial=2.0, e_max=4, smoothing=1.0, warmup=0)
+    c = EchoController(initial=2.0, e_max=4, smoothing=1.0, warmup=0, patience=1)
     assert c.observe(1.0, 0.1, 0) == 4.0  # R = 10 -> e_max
     assert c.observe(0.01, 0.1, 1) == 1.0  # R = 0.1 -> never below 1
     assert c.observe(0.0, 0.1, 2) is None  # zero upstream time is legal: stays at 1
@@ -61,6 +61,18 @@ def test_smoothing_delays_reaction_to_a_spike() -> None:
     assert changes == sorted(changes) and len(changes) >= 2
     # It settles within the hysteresis band of R = 5, not necessarily on it.
     assert abs(c.factor - 5.0) <= 0.25 * c.factor and c.factor >= 4.0
+
+
+def test_a_short_dip_does_not_lower_e_but_a_lasting_one_does() -> None:
+    c = EchoController(e_max=8, smoothing=1.0, hysteresis=0.15, warmup=0, patience=5)
+    assert c.observe(0.6, 0.1, 0) == 6.0  # raises are immediate
+    # Four steps of a slower downstream (R = 3): fewer than `patience`, e stays 6.
+    assert feed(c, 0.6, 0.2, range(1, 5)) == []
+    assert c.observe(0.6, 0.1, 5) is None and c.below == 0  # back inside the band: reset
+    # A lasting drop: lowered on the 5th observation in a row, and only then.
+    assert feed(c, 0.6, 0.2, range(6, 10)) == []
+    assert c.observe(0.6, 0.2, 10) == 3.0
+    assert [(h.step, h.factor) for h in c.history] == [(0, 1.0), (0, 6.0), (10, 3.0)]
 
 
 def test_warmup_holds_initial_factor() -> None:
@@ -100,6 +112,7 @@ def test_state_roundtrip_continues_identically() -> None:
         ({"smoothing": 1.5}, "smoothing"),
         ({"hysteresis": -0.1}, "hysteresis"),
         ({"warmup": -1}, "warmup"),
+        ({"patience": 0}, "patience"),
         ({"quantum": 0.0}, "quantum"),
     ],
 )

@@ -10,7 +10,10 @@ the downstream), so :class:`EchoController` measures it as training runs.
 The controller smooths both times with exponential moving averages, clamps the ratio to
 ``[1, e_max]``, rounds it to a grid (``quantum``) and changes ``e`` only when the target leaves
 a relative band around the current value (hysteresis). The band keeps ``e`` from flapping
-between neighbouring values on noisy timings; each real change is recorded with the step, the
+between neighbouring values on noisy timings. A raise is immediate, a lower factor must be asked
+for ``patience`` observations in a row: too little echo leaves the accelerator idle, so a short
+dip of ``R`` (measured in ``echopipe train``: a busy machine dropped ``e`` from 7.25 to 3.75 for
+20 steps) must not cost input-bound steps. Each real change is recorded with the step, the
 measured ratio and the new factor, so a run can report the ``e`` it used over time.
 """
 
@@ -60,6 +63,11 @@ class EchoController:
         warmup: observations to skip before averaging and deciding (timings of the first steps
             include start-up costs, which would bias the averages for many steps).
         quantum: factors are rounded to multiples of this (``> 0``), and never below 1.
+        patience: observations in a row that must ask for a *lower* factor before it is lowered
+            (a raise is immediate). Too little echo leaves the accelerator waiting for input,
+            while a little too much only repeats samples a bit more; a short slowdown of the
+            downstream (another process, a validation pass) lowers the measured ``R`` for a few
+            steps and should not drop ``e``.
 
     Example::
 
@@ -79,6 +87,7 @@ class EchoController:
         hysteresis: float = 0.15,
         warmup: int = 3,
         quantum: float = 0.25,
+        patience: int = 10,
     ) -> None:
         self.e_max = _check_positive_finite("e_max", e_max)
         if self.e_max < 1:
@@ -94,6 +103,10 @@ class EchoController:
             raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
         self.warmup = warmup
         self.quantum = _check_positive_finite("quantum", quantum)
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience must be an int >= 1, got {patience!r}")
+        self.patience = patience
+        self.below = 0  # observations in a row whose target was below the band
         self.factor = initial_v
         self.observations = 0
         self.t_up: float | None = None
@@ -132,7 +145,13 @@ class EchoController:
         ratio = self.ratio
         target = self.target(ratio)
         if abs(target - self.factor) <= self.hysteresis * self.factor:
+            self.below = 0
             return None
+        if target < self.factor:
+            self.below += 1
+            if self.below < self.patience:
+                return None
+        self.below = 0
         self.factor = target
         self.history.append(EchoChange(int(step), target, ratio))
         return target
@@ -142,6 +161,7 @@ class EchoController:
         return {
             "factor": self.factor,
             "observations": self.observations,
+            "below": self.below,
             "t_up": self.t_up,
             "t_down": self.t_down,
             "history": [asdict(c) for c in self.history],
@@ -154,6 +174,7 @@ class EchoController:
             raise ValueError(f"saved echo factor {factor:g} is outside [1, {self.e_max:g}]")
         self.factor = factor
         self.observations = int(state["observations"])
+        self.below = int(state.get("below", 0))
         self.t_up = None if state["t_up"] is None else float(state["t_up"])
         self.t_down = None if state["t_down"] is None else float(state["t_down"])
         self.history = [EchoChange(int(c["step"]), float(c["factor"]), float(c["ratio"]))
