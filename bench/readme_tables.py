@@ -32,6 +32,7 @@ END = "<!-- results:end -->"
 ORDER = (
     "convergence.json",
     "wallclock.json",
+    "wallclock_train.json",
     "dali_echo.json",
     "echo_cache.json",
     "echo_loader.json",
