@@ -522,8 +522,8 @@ def test_echo_auto_raises_the_factor_when_reading_is_slow(
 
 def test_echo_auto_changes_the_factor_within_an_epoch(tiny_imagenet: Path, tmp_path: Path) -> None:
     """Decisions every 2 steps (every step before the first 2): e rises inside the first
-    epoch (16 steps of 2; the stages' busy times exist from step 3, then come 3 warm-up
-    observations), whose remaining steps are re-planned for the fresh samples it still owes;
+    epoch (16 steps of 2; the stages' busy times exist from step 3, then comes 1 warm-up
+    observation), whose remaining steps are re-planned for the fresh samples it still owes;
     the second epoch is a whole one at the new e; the LR ends at its floor on the last step.
     Reading (30 ms a sample) is far slower than training here, so R is well above e_max = 2
     and the one change goes straight to 2."""

@@ -171,7 +171,11 @@ class Trainer(EpochLoop):
             # The controller acts on measured times, which differ from run to run.
             self.decisions.append("echo: e = 1 (--deterministic: no timing-based choice)")
         elif cfg.echo == "auto":
-            self.controller = EchoController(1.0, e_max=cfg.echo_max)
+            # One warm-up observation: t_down is the stages' busy time, available once each
+            # stage has run a forward and a backward (step 3 of a 2-stage pipeline), and only
+            # its first spans carry start-up costs. Every step at e = 1 before the first
+            # decision is an input-bound step (0.5 s each at R = 6 in bench/wallclock_train.py).
+            self.controller = EchoController(1.0, e_max=cfg.echo_max, warmup=1)
         if saved and self.controller is not None:
             self.controller.load_state_dict(saved["controller"])
         if saved:
