@@ -1,11 +1,8 @@
 """Thread-per-stage engine for stale-weight pipelined backprop (PPL-SGD) in one process.
 
-Each stage runs in its own worker thread with its own compute stream and copy stream (CUDA),
-or as a plain thread with its share of the intra-op CPU threads. Stages talk through queues:
-activations flow forward with the targets, gradients flow backward. Every blocking wait has a
-short timeout and checks a stop flag, so an exception in any stage stops all workers and is
-raised to the caller at its next call (or while it is blocked in one) within a fraction of a
-second.
+:class:`StalePipeline` is the caller's side: it builds the stages (``build.py``), feeds them
+minibatches, drains, switches mode and evaluates. Its stage worker threads and their schedule
+loop are in ``worker.py``, its checkpoints in ``state.py``.
 """
 
 from __future__ import annotations
@@ -15,34 +12,26 @@ import os
 import queue
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from .checkpoint import atomic_save, load_file
-from .partition import (
-    DeviceLike,
-    check_stale_share,
-    parse_devices,
-    partition_balance,
-    split_sequential,
-)
+# Re-exported: callers import these from here (distributed.py, echopipe.pipeline).
+from .build import LossFn as LossFn
+from .build import OptimizerFactory as OptimizerFactory
+from .build import SchedulerFactory as SchedulerFactory
+from .build import StageGradHook as StageGradHook
+from .build import _stage_optimizer as _stage_optimizer
+from .build import build_cores, check_arguments, resolve_balance
+from .partition import DeviceLike, parse_devices, split_sequential
 from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult, unpack_batch
 from .schedule import HybridSchedule, stage_staleness
-from .stage import StageCore
-from .stream import (
-    BusyTimer,
-    DeviceStream,
-    KeepAlive,
-    StreamEvent,
-    caller_event,
-    synchronize_devices,
-    transfer,
-)
+from .state import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
+from .state import PipelineState
+from .stream import BusyTimer, caller_event, synchronize_devices
+from .worker import _POLL_S, PipelineError, StageWorkers, _Batch, _Drain, _SchedulerStep
 
 __all__ = [
     "EpochResult",
@@ -52,80 +41,8 @@ __all__ = [
     "StepResult",
 ]
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-StageGradHook = Callable[[int, list[nn.Parameter], list[torch.Tensor | None]], None]
-"""``hook(stage, params, grads)``: sees (and may replace entries of) a stage's gradients."""
 
-_POLL_S = 0.02
-CHECKPOINT_FORMAT = 1
-
-
-class PipelineError(RuntimeError):
-    """An exception raised inside a pipeline stage; ``stage`` names which one."""
-
-    def __init__(self, stage: int, message: str) -> None:
-        super().__init__(message)
-        self.stage = stage
-
-
-# Messages between the caller and the stage workers ------------------------------------------
-@dataclass
-class _Batch:
-    index: int
-    x: torch.Tensor
-    target: torch.Tensor | None
-    ready: StreamEvent  # x is ready: the caller's stream for stage 0, else the sender's compute
-    target_ready: StreamEvent  # the target is ready (the caller's stream)
-
-
-@dataclass
-class _Grad:
-    index: int
-    grad: torch.Tensor | None
-    ready: StreamEvent
-
-
-@dataclass
-class _Drain:
-    staleness: list[int]
-
-
-class _SchedulerStep:
-    pass
-
-
-class _Stopped(Exception):
-    pass
-
-
-def _bind_grad_hook(
-    hook: StageGradHook | None, stage: int, params: list[nn.Parameter]
-) -> Callable[[list[torch.Tensor | None]], None] | None:
-    if hook is None:
-        return None
-
-    def bound(grads: list[torch.Tensor | None]) -> None:
-        hook(stage, params, grads)
-
-    return bound
-
-
-def _stage_optimizer(
-    factory: OptimizerFactory, params: list[nn.Parameter]
-) -> torch.optim.Optimizer | None:
-    if not params:
-        return None
-    optimizer = factory(params)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer factory must return a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    return optimizer
-
-
-class StalePipeline:
+class StalePipeline(StageWorkers, PipelineState):
     """Stale-weight pipelined training (PPL-SGD) of an ``nn.Sequential`` over several devices.
 
     All stages work at once on different minibatches. With ``K`` stages, stage ``k`` runs the
@@ -209,42 +126,11 @@ class StalePipeline:
         balance_cost: Literal["time", "model"] = "time",
         balance_cache: str | os.PathLike[str] | None = None,
     ) -> None:
-        if not isinstance(module, nn.Sequential):
-            raise TypeError(
-                f"StalePipeline needs an nn.Sequential (one child per block), got "
-                f"{type(module).__name__}"
-            )
-        if not callable(optimizer):
-            raise TypeError("optimizer must be a factory: params -> torch.optim.Optimizer")
-        if not callable(loss_fn):
-            raise TypeError("loss_fn must be callable as loss_fn(output, target)")
-        if grad_hook is not None and not callable(grad_hook):
-            raise TypeError(
-                "grad_hook must be callable as hook(stage, params, grads), got "
-                f"{type(grad_hook).__name__}"
-            )
-        if scheduler_interval not in ("epoch", "step"):
-            raise ValueError(
-                f"scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}"
-            )
-        if hybrid is not None and not isinstance(hybrid, HybridSchedule):
-            raise TypeError(f"hybrid must be a HybridSchedule, got {type(hybrid).__name__}")
-        if isinstance(balance, str):
-            if balance != "auto":
-                raise ValueError(f"balance must be a list of ints, 'auto' or None, got {balance!r}")
-            if sample_input is None:
-                raise ValueError("balance='auto' needs sample_input (a representative batch)")
-            stages_wanted = num_stages or (len(devices) if devices is not None else None)
-            if stages_wanted is None:
-                raise ValueError("balance='auto' needs num_stages or devices")
-            balance = partition_balance(
-                module, sample_input, stages_wanted, devices, max_stale_share=max_stale_share,
-                cost=balance_cost, cache=balance_cache,
-            )  # fmt: skip
-        elif balance is None:
-            balance = [len(module)]
-        if max_stale_share is not None:
-            check_stale_share(module, balance, max_stale_share)
+        check_arguments(module, optimizer, loss_fn, grad_hook, scheduler_interval, hybrid)
+        balance = resolve_balance(
+            module, balance, devices, num_stages, sample_input, max_stale_share, balance_cost,
+            balance_cache,
+        )  # fmt: skip
         self.module = module
         self.stages = split_sequential(module, balance)
         self.balance = [len(s) for s in self.stages]
@@ -261,20 +147,10 @@ class StalePipeline:
         synchronize_devices(self.devices)
         module.train()
 
-        self._cores: list[StageCore] = []
-        staleness = stage_staleness(self.num_stages, self._pipelined)
-        for k, (stage, device) in enumerate(zip(self.stages, self.devices, strict=True)):
-            params = [p for p in stage.parameters() if p.requires_grad]
-            opt = _stage_optimizer(optimizer, params)
-            sched = scheduler(opt) if (scheduler is not None and opt is not None) else None
-            core = StageCore(
-                k, self.num_stages, stage, device, opt, sched, scheduler_interval,
-                loss_fn if k == self.num_stages - 1 else None, self.recompute,
-                grad_hook=_bind_grad_hook(grad_hook, k, params),
-            )  # fmt: skip
-            core.staleness = staleness[k]
-            self._cores.append(core)
-
+        self._cores = build_cores(
+            self.stages, self.devices, optimizer, scheduler, scheduler_interval, loss_fn,
+            self.recompute, grad_hook, stage_staleness(self.num_stages, self._pipelined),
+        )  # fmt: skip
         self._threads_per_stage = self._divide_threads(intra_op_threads)
         # Per stage: timers of its forwards and backwards (set by its thread), and the latest
         # mean seconds of each (None until one completed).
@@ -282,54 +158,9 @@ class StalePipeline:
         self._busy_means: list[list[float | None]] = [[None, None] for _ in self._cores]
         self.steps_fed = 0
         self.samples_seen = 0
-        self._fwd_queues: list[queue.Queue[Any]] = [
-            queue.Queue(maxsize=max(1, max_prefetch)) if k == 0 else queue.Queue()
-            for k in range(self.num_stages)
-        ]
-        self._bwd_queues: list[queue.Queue[Any]] = [queue.Queue() for _ in range(self.num_stages)]
-        self._drained: queue.Queue[int] = queue.Queue()
-        self._losses: queue.Queue[LossRecord] = queue.Queue()
-        self._stop = threading.Event()
-        self._error: PipelineError | None = None
-        self._error_lock = threading.Lock()
         self._closed = False
         self._idle = True  # no minibatch in flight (after construction or a drain)
-        started = threading.Barrier(self.num_stages + 1)
-        caller_threads = torch.get_num_threads()
-        self._threads = [
-            threading.Thread(
-                target=self._worker,
-                args=(k, started),
-                name=f"echopipe-stage-{k}",
-                daemon=True,
-            )
-            for k in range(self.num_stages)
-        ]
-        for t in self._threads:
-            t.start()
-        started.wait(timeout=60)
-        # torch.set_num_threads acts per OS thread for OpenMP/MKL, but the value that
-        # torch.get_num_threads() reports is global; restore the caller's view.
-        torch.set_num_threads(caller_threads)
-
-    # ---------------------------------------------------------------------------------------
-    def _divide_threads(self, intra_op_threads: int | Sequence[int] | None) -> list[int]:
-        if intra_op_threads is None:
-            cpu_stages = sum(1 for d in self.devices if d.type == "cpu")
-            share = max(1, torch.get_num_threads() // max(1, cpu_stages))
-            return [share if d.type == "cpu" else 1 for d in self.devices]
-        if isinstance(intra_op_threads, int):
-            values = [intra_op_threads] * self.num_stages
-        else:
-            values = list(intra_op_threads)
-            if len(values) != self.num_stages:
-                raise ValueError(
-                    f"intra_op_threads needs {self.num_stages} entries, got {values!r}"
-                )
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"intra_op_threads entries must be ints >= 1, got {values!r}")
-        return values
+        self._start_workers(max_prefetch)
 
     def step_seconds(self) -> float | None:
         """Busy seconds per minibatch of the slowest stage (forward plus backward and update),
@@ -375,103 +206,6 @@ class StalePipeline:
     def schedulers(self) -> list[torch.optim.lr_scheduler.LRScheduler | None]:
         """The per-stage LR schedulers."""
         return [core.scheduler for core in self._cores]
-
-    # Worker ---------------------------------------------------------------------------------
-    def _get(self, q: queue.Queue[Any]) -> Any:
-        while True:
-            if self._stop.is_set():
-                raise _Stopped
-            try:
-                return q.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-
-    def _worker(self, k: int, started: threading.Barrier) -> None:
-        core = self._cores[k]
-        device = self.devices[k]
-        try:
-            if device.type == "cpu":
-                # ATen initialises a thread's OpenMP pool from the process-wide count on the
-                # thread's first parallel op; trigger that now so our per-thread count sticks.
-                torch.get_num_threads()
-                torch.set_num_threads(self._threads_per_stage[k])
-            compute = DeviceStream(device)
-            copy = DeviceStream(device)
-            self._busy[k] = (BusyTimer(compute), BusyTimer(compute))
-        except BaseException as exc:  # pragma: no cover - stream creation failure
-            self._fail(k, exc)
-            started.abort()
-            return
-        started.wait()
-        try:
-            with compute.use():
-                self._stage_loop(k, core, compute, copy)
-        except _Stopped:
-            return
-        except BaseException as exc:
-            self._fail(k, exc)
-
-    def _stage_loop(
-        self, k: int, core: StageCore, compute: DeviceStream, copy: DeviceStream
-    ) -> None:
-        last = k == self.num_stages - 1
-        draining: _Drain | None = None
-        held = KeepAlive()
-        while True:
-            if draining is None and len(core.in_flight) <= core.staleness:
-                msg = self._get(self._fwd_queues[k])
-                if isinstance(msg, _Drain | _SchedulerStep):
-                    if not last:
-                        self._fwd_queues[k + 1].put(msg)
-                    if isinstance(msg, _Drain):
-                        draining = msg
-                    else:
-                        core.schedule_scheduler_step()
-                    continue
-                x = transfer(msg.x, msg.ready, copy, compute, held)
-                target = msg.target
-                if last and target is not None:
-                    target = transfer(target, msg.target_ready, copy, compute, held)
-                with self._busy[k][0].span():
-                    out, loss = core.forward(msg.index, x, target)
-                if last:
-                    assert loss is not None
-                    self._losses.put(LossRecord(msg.index, loss, compute.record()))
-                else:
-                    self._fwd_queues[k + 1].put(
-                        _Batch(msg.index, out, msg.target, compute.record(), msg.target_ready)
-                    )
-            elif core.in_flight:
-                index = core.in_flight[0].index
-                grad = None
-                if not last:
-                    gmsg = self._get(self._bwd_queues[k])
-                    if gmsg.index != index:
-                        raise RuntimeError(
-                            f"stage {k}: got gradient of minibatch {gmsg.index}, expected {index}"
-                        )
-                    if gmsg.grad is not None:
-                        grad = transfer(gmsg.grad, gmsg.ready, copy, compute, held)
-                with self._busy[k][1].span():
-                    grad_in = core.backward(index, grad)
-                if k > 0:
-                    self._bwd_queues[k - 1].put(_Grad(index, grad_in, compute.record()))
-            else:
-                assert draining is not None
-                compute.synchronize()
-                copy.synchronize()
-                core.staleness = draining.staleness[k]
-                draining = None
-                self._drained.put(k)
-
-    def _fail(self, k: int, exc: BaseException) -> None:
-        with self._error_lock:
-            if self._error is None:
-                detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-                error = PipelineError(k, f"pipeline stage {k} failed: {detail}")
-                error.__cause__ = exc
-                self._error = error
-        self._stop.set()
 
     # Caller side ----------------------------------------------------------------------------
     def _check(self) -> None:
@@ -621,73 +355,6 @@ class StalePipeline:
         """Top-1 accuracy (fraction in [0, 1]) of :meth:`evaluate` on ``x`` against ``target``."""
         logits = self.evaluate(x, batch_size)
         return float((logits.argmax(dim=1) == target.cpu()).double().mean().item())
-
-    # Checkpoints ----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: weights, optimizers, schedulers, counters, mode.
-
-        Drains first (the checkpoint policy): no minibatch is in flight in a checkpoint, so
-        resuming continues exactly as an uninterrupted run that drained at the same step.
-        """
-        if not self._idle:
-            self.drain()
-        self._check()
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "balance": list(self.balance),
-            "stages": [s.state_dict() for s in self.stages],
-            "optimizers": [o.state_dict() if o is not None else None for o in self.optimizers],
-            "schedulers": [s.state_dict() if s is not None else None for s in self.schedulers],
-            "updates_per_stage": self.updates_per_stage,
-            "scheduler_steps": [c.scheduler_steps for c in self._cores],
-            "steps_fed": self.steps_fed,
-            "samples_seen": self.samples_seen,
-            "pipelined": self._pipelined,
-            "recompute": self.recompute,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the balance must match this pipeline's."""
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError("not an echopipe pipeline checkpoint (missing or unknown 'format')")
-        if list(state["balance"]) != self.balance:
-            raise ValueError(
-                f"checkpoint balance {state['balance']!r} does not match this pipeline's "
-                f"{self.balance!r}"
-            )
-        if not self._idle:
-            self.drain()
-        self._check()
-        for stage, sd in zip(self.stages, state["stages"], strict=True):
-            stage.load_state_dict(sd)
-        for core, osd, ssd, updates, ssteps in zip(
-            self._cores,
-            state["optimizers"],
-            state["schedulers"],
-            state["updates_per_stage"],
-            state["scheduler_steps"],
-            strict=True,
-        ):
-            if core.optimizer is not None and osd is not None:
-                core.optimizer.load_state_dict(osd)
-            if core.scheduler is not None and ssd is not None:
-                core.scheduler.load_state_dict(ssd)
-            core.updates_applied = int(updates)
-            core.scheduler_steps = int(ssteps)
-            core.last_forward_index = core.last_backward_index = int(state["steps_fed"]) - 1
-        synchronize_devices(self.devices)
-        self.steps_fed = int(state["steps_fed"])
-        self.samples_seen = int(state["samples_seen"])
-        if bool(state["pipelined"]) != self._pipelined:
-            self.set_pipelined(bool(state["pipelined"]))
-
-    def save_checkpoint(self, path: str | Any) -> None:
-        """Drain, then write :meth:`state_dict` to ``path`` atomically (tmp file + os.replace)."""
-        atomic_save(self.state_dict(), path)
-
-    def load_checkpoint(self, path: str | Any) -> None:
-        """Load a file written by :meth:`save_checkpoint` (``FileNotFoundError`` names it)."""
-        self.load_state_dict(load_file(path))
 
     # Lifetime -------------------------------------------------------------------------------
     def _shutdown(self) -> None:

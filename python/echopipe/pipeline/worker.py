@@ -1,0 +1,222 @@
+"""The stage worker threads of :class:`~echopipe.pipeline.engine.StalePipeline`.
+
+Each stage runs in its own worker thread with its own compute stream and copy stream (CUDA),
+or as a plain thread with its share of the intra-op CPU threads. Stages talk through queues:
+activations flow forward with the targets, gradients flow backward. Every blocking wait has a
+short timeout and checks a stop flag, so an exception in any stage stops all workers and is
+raised to the caller at its next call (or while it is blocked in one) within a fraction of a
+second.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .results import LossRecord
+from .stage import StageCore
+from .stream import BusyTimer, DeviceStream, KeepAlive, StreamEvent, transfer
+
+__all__ = ["PipelineError", "StageWorkers"]
+
+_POLL_S = 0.02
+
+
+class PipelineError(RuntimeError):
+    """An exception raised inside a pipeline stage; ``stage`` names which one."""
+
+    def __init__(self, stage: int, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+# Messages between the caller and the stage workers ------------------------------------------
+@dataclass
+class _Batch:
+    index: int
+    x: torch.Tensor
+    target: torch.Tensor | None
+    ready: StreamEvent  # x is ready: the caller's stream for stage 0, else the sender's compute
+    target_ready: StreamEvent  # the target is ready (the caller's stream)
+
+
+@dataclass
+class _Grad:
+    index: int
+    grad: torch.Tensor | None
+    ready: StreamEvent
+
+
+@dataclass
+class _Drain:
+    staleness: list[int]
+
+
+class _SchedulerStep:
+    pass
+
+
+class _Stopped(Exception):
+    pass
+
+
+class StageWorkers:
+    """Mixin: the worker threads of :class:`StalePipeline` and their schedule loop."""
+
+    # Provided by StalePipeline.
+    devices: list[torch.device]
+    num_stages: int
+    _cores: list[StageCore]
+    _threads_per_stage: list[int]
+    _busy: list[tuple[BusyTimer, BusyTimer] | None]
+
+    def _start_workers(self, max_prefetch: int) -> None:
+        """Create the queues between the stages and start one worker thread per stage."""
+        self._fwd_queues: list[queue.Queue[Any]] = [
+            queue.Queue(maxsize=max(1, max_prefetch)) if k == 0 else queue.Queue()
+            for k in range(self.num_stages)
+        ]
+        self._bwd_queues: list[queue.Queue[Any]] = [queue.Queue() for _ in range(self.num_stages)]
+        self._drained: queue.Queue[int] = queue.Queue()
+        self._losses: queue.Queue[LossRecord] = queue.Queue()
+        self._stop = threading.Event()
+        self._error: PipelineError | None = None
+        self._error_lock = threading.Lock()
+        started = threading.Barrier(self.num_stages + 1)
+        caller_threads = torch.get_num_threads()
+        self._threads = [
+            threading.Thread(
+                target=self._worker,
+                args=(k, started),
+                name=f"echopipe-stage-{k}",
+                daemon=True,
+            )
+            for k in range(self.num_stages)
+        ]
+        for t in self._threads:
+            t.start()
+        started.wait(timeout=60)
+        # torch.set_num_threads acts per OS thread for OpenMP/MKL, but the value that
+        # torch.get_num_threads() reports is global; restore the caller's view.
+        torch.set_num_threads(caller_threads)
+
+    def _divide_threads(self, intra_op_threads: int | Sequence[int] | None) -> list[int]:
+        """Intra-op CPU threads of each stage worker (``intra_op_threads`` checked)."""
+        if intra_op_threads is None:
+            cpu_stages = sum(1 for d in self.devices if d.type == "cpu")
+            share = max(1, torch.get_num_threads() // max(1, cpu_stages))
+            return [share if d.type == "cpu" else 1 for d in self.devices]
+        if isinstance(intra_op_threads, int):
+            values = [intra_op_threads] * self.num_stages
+        else:
+            values = list(intra_op_threads)
+            if len(values) != self.num_stages:
+                raise ValueError(
+                    f"intra_op_threads needs {self.num_stages} entries, got {values!r}"
+                )
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"intra_op_threads entries must be ints >= 1, got {values!r}")
+        return values
+
+    def _get(self, q: queue.Queue[Any]) -> Any:
+        while True:
+            if self._stop.is_set():
+                raise _Stopped
+            try:
+                return q.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+
+    def _worker(self, k: int, started: threading.Barrier) -> None:
+        core = self._cores[k]
+        device = self.devices[k]
+        try:
+            if device.type == "cpu":
+                # ATen initialises a thread's OpenMP pool from the process-wide count on the
+                # thread's first parallel op; trigger that now so our per-thread count sticks.
+                torch.get_num_threads()
+                torch.set_num_threads(self._threads_per_stage[k])
+            compute = DeviceStream(device)
+            copy = DeviceStream(device)
+            self._busy[k] = (BusyTimer(compute), BusyTimer(compute))
+        except BaseException as exc:  # pragma: no cover - stream creation failure
+            self._fail(k, exc)
+            started.abort()
+            return
+        started.wait()
+        try:
+            with compute.use():
+                self._stage_loop(k, core, compute, copy)
+        except _Stopped:
+            return
+        except BaseException as exc:
+            self._fail(k, exc)
+
+    def _stage_loop(
+        self, k: int, core: StageCore, compute: DeviceStream, copy: DeviceStream
+    ) -> None:
+        last = k == self.num_stages - 1
+        draining: _Drain | None = None
+        held = KeepAlive()
+        while True:
+            if draining is None and len(core.in_flight) <= core.staleness:
+                msg = self._get(self._fwd_queues[k])
+                if isinstance(msg, _Drain | _SchedulerStep):
+                    if not last:
+                        self._fwd_queues[k + 1].put(msg)
+                    if isinstance(msg, _Drain):
+                        draining = msg
+                    else:
+                        core.schedule_scheduler_step()
+                    continue
+                x = transfer(msg.x, msg.ready, copy, compute, held)
+                target = msg.target
+                if last and target is not None:
+                    target = transfer(target, msg.target_ready, copy, compute, held)
+                with self._busy[k][0].span():
+                    out, loss = core.forward(msg.index, x, target)
+                if last:
+                    assert loss is not None
+                    self._losses.put(LossRecord(msg.index, loss, compute.record()))
+                else:
+                    self._fwd_queues[k + 1].put(
+                        _Batch(msg.index, out, msg.target, compute.record(), msg.target_ready)
+                    )
+            elif core.in_flight:
+                index = core.in_flight[0].index
+                grad = None
+                if not last:
+                    gmsg = self._get(self._bwd_queues[k])
+                    if gmsg.index != index:
+                        raise RuntimeError(
+                            f"stage {k}: got gradient of minibatch {gmsg.index}, expected {index}"
+                        )
+                    if gmsg.grad is not None:
+                        grad = transfer(gmsg.grad, gmsg.ready, copy, compute, held)
+                with self._busy[k][1].span():
+                    grad_in = core.backward(index, grad)
+                if k > 0:
+                    self._bwd_queues[k - 1].put(_Grad(index, grad_in, compute.record()))
+            else:
+                assert draining is not None
+                compute.synchronize()
+                copy.synchronize()
+                core.staleness = draining.staleness[k]
+                draining = None
+                self._drained.put(k)
+
+    def _fail(self, k: int, exc: BaseException) -> None:
+        with self._error_lock:
+            if self._error is None:
+                detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                error = PipelineError(k, f"pipeline stage {k} failed: {detail}")
+                error.__cause__ = exc
+                self._error = error
+        self._stop.set()
