@@ -1,0 +1,256 @@
+"""The data path of :class:`~echopipe.echo.EchoCache`: host arrays in, samples and batches out.
+
+Puts read numpy arrays, torch CPU tensors, ``__dlpack__`` or buffer-protocol objects and Python
+scalars in place and hand raw pointers to the native cache, which copies once; takes return
+zero-copy :class:`EchoSample` views or an :class:`EchoBatch` gathered into fresh arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._echo_values import CacheClosedError, EchoBatch, EchoSample, InputEndedError
+from ._native import _C
+
+__all__ = ["CacheIO"]
+
+
+def _as_host_array(value: Any, index: int) -> tuple[Any, int, str, tuple[int, ...]]:
+    """Returns (keepalive, data pointer, dtype name, shape) of a C-contiguous host array.
+
+    Accepts numpy arrays, torch CPU tensors, anything with ``__dlpack__`` or the buffer protocol,
+    and Python scalars. Contiguous inputs are read in place (no copy here; the cache copies once).
+    """
+    torch = _torch_module()
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(
+                f"field {index}: EchoCache.put needs host tensors, got one on {value.device}"
+            )
+        t = value.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        return t, t.data_ptr(), _C.normalize_dtype(_TORCH_ALIASES.get(dtype, dtype)), tuple(t.shape)
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif hasattr(value, "__dlpack__") and not isinstance(value, (bytes, bytearray, memoryview)):
+        arr = np.from_dlpack(value)
+    else:
+        arr = np.asarray(value)
+    name = _DTYPE_NAMES.get(arr.dtype)
+    if name is None:
+        name = _numpy_dtype_name(arr.dtype, index)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)  # (never applied to 0-d arrays: it would make them 1-d)
+    return arr, arr.__array_interface__["data"][0], name, arr.shape
+
+
+_TORCH_ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
+# numpy dtype -> cache dtype name; dtype.name is slow enough to matter at 4 KB samples.
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _numpy_dtype_name(dtype: np.dtype, index: int) -> str:
+    if dtype.hasobject or dtype.kind in "USVOMm" or not dtype.isnative:
+        raise ValueError(f"field {index}: unsupported dtype '{dtype}'")
+    try:
+        name = str(_C.normalize_dtype(dtype.name))
+    except ValueError as exc:
+        raise ValueError(f"field {index}: {exc}") from None
+    _DTYPE_NAMES[dtype] = name
+    return name
+
+
+def _torch_module() -> Any:
+    """torch if the application already imported it (never imported just for a type check)."""
+    return sys.modules.get("torch")
+
+
+def _timeout_arg(timeout: float | None) -> float:
+    if timeout is None:
+        return -1.0
+    t = float(timeout)
+    if math.isnan(t) or t < 0:
+        raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+    return t
+
+
+class CacheIO:
+    """Mixin: the producer and consumer calls of :class:`~echopipe.echo.EchoCache`."""
+
+    # Provided by EchoCache.
+    _native: Any
+    _name: str
+    _mode: str
+    _batch_size: int
+
+    # ---- producers ----
+    def put(self, sample: Any, timeout: float | None = None) -> None:
+        """Copies one sample in: an array, or a tuple/list of up to 4 arrays (its fields).
+
+        Blocks while the cache is full. Raises TimeoutError when ``timeout`` seconds pass first,
+        :class:`CacheClosedError` if the cache is (or gets) closed, :class:`InputEndedError` after
+        :meth:`end_of_input`, ValueError for a bad dtype or a sample larger than the arena.
+        """
+        parts = sample if isinstance(sample, (tuple, list)) else (sample,)
+        if not 1 <= len(parts) <= 4:
+            raise ValueError(f"a sample has 1..4 fields, got {len(parts)}")
+        converted = [_as_host_array(p, i) for i, p in enumerate(parts)]
+        status = self._native.put_raw(
+            [c[1] for c in converted],
+            [c[2] for c in converted],
+            [list(c[3]) for c in converted],
+            _timeout_arg(timeout),
+        )
+        del converted  # keepalive until the native copy returned
+        self._raise_put(status, timeout)
+
+    def put_batch(self, samples: Any, timeout: float | None = None) -> int:
+        """Puts every row of an array (or of a tuple of arrays with equal first dimension) as
+        one sample, in one native call without the GIL (slots are reserved in chunks under one
+        allocator lock each). ``timeout`` applies to each wait for space.
+
+        Returns the number of rows put (all of them, unless an exception is raised; the
+        exception's ``args[1]`` then holds how many rows went in before it).
+        """
+        parts = samples if isinstance(samples, (tuple, list)) else (samples,)
+        if not 1 <= len(parts) <= 4:
+            raise ValueError(f"a sample has 1..4 fields, got {len(parts)}")
+        converted = [_as_host_array(p, i) for i, p in enumerate(parts)]
+        rows = {c[3][0] if c[3] else -1 for c in converted}
+        if len(rows) != 1 or -1 in rows:
+            shapes = [c[3] for c in converted]
+            raise ValueError(
+                f"put_batch needs arrays with one common first dimension, got {shapes}"
+            )
+        n = rows.pop()
+        status, done = self._native.put_rows_raw(
+            [c[1] for c in converted],
+            [c[2] for c in converted],
+            [list(c[3][1:]) for c in converted],
+            n,
+            _timeout_arg(timeout),
+        )
+        del converted
+        try:
+            self._raise_put(status, timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            exc.args = (*exc.args, int(done))
+            raise
+        return int(done)
+
+    put_many = put_batch  # the name used before put_batch existed
+
+    def wait_for_room(self, n: int, timeout: float | None = None) -> None:
+        """Blocks until at least ``n`` slots are free (``n <= capacity_samples``), without
+        polling; meanwhile the caller counts as a blocked producer (consumers may take short
+        batches and skip the warm-up). Raises TimeoutError, :class:`CacheClosedError`,
+        :class:`InputEndedError` after :meth:`end_of_input`, or ValueError for a bad ``n``."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be a non-negative integer, got {n!r}")
+        status = self._native.wait_for_room(int(n), _timeout_arg(timeout))
+        if status == "timeout":
+            raise TimeoutError(f"EchoCache.wait_for_room: no room for {n} within {timeout}s")
+        self._raise_put(status, timeout)
+
+    @property
+    def quota(self) -> int:
+        """Fresh samples a DALI sink may still store into this cache (-1: unlimited)."""
+        return int(self._native.quota)
+
+    @quota.setter
+    def quota(self, remaining: int) -> None:
+        self._native.quota = int(remaining)
+
+    @property
+    def layouts(self) -> list[str]:
+        """Tensor layout of each field as a DALI sink saw it (``""`` where none)."""
+        return list(self._native.layouts)
+
+    @layouts.setter
+    def layouts(self, value: Sequence[str]) -> None:
+        self._native.layouts = [str(v) for v in value]
+
+    def _raise_put(self, status: str, timeout: float | None) -> None:
+        if status == "ok":
+            return
+        if status == "timeout":
+            raise TimeoutError(f"EchoCache.put: no space within timeout={timeout}s")
+        if status == "closed":
+            raise CacheClosedError(f"echo cache '{self._name}' is closed")
+        raise InputEndedError(
+            f"echo cache '{self._name}': put after end_of_input() (call reset_input() first)"
+        )
+
+    def end_of_input(self) -> None:
+        """Declares the input finished: consumers drain the remaining copies, then stop."""
+        self._native.end_of_input()
+
+    def reset_input(self) -> None:
+        """Accepts puts again after :meth:`end_of_input` (a new epoch/stream)."""
+        self._native.reset_input()
+
+    # ---- consumers ----
+    def _check_n(self, n: int) -> int:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        if self._mode == "batch" and n % self._batch_size:
+            raise ValueError(
+                f"batch mode: n must be a multiple of batch_size={self._batch_size}, got {n!r}"
+            )
+        return int(n)
+
+    def _raise_take(self, status: str, timeout: float | None) -> None:
+        if status == "timeout":
+            raise TimeoutError(f"EchoCache.take: no samples within timeout={timeout}s")
+        if status == "closed":
+            raise CacheClosedError(f"echo cache '{self._name}' is closed")
+
+    def take(self, n: int = 1, timeout: float | None = None) -> list[EchoSample]:
+        """Draws ``n`` random copies (a whole number of echoed batches in batch mode).
+
+        Returns fewer than ``n`` only for the partial last batch after :meth:`end_of_input`, and
+        an empty list once everything was emitted. Raises TimeoutError or CacheClosedError.
+        """
+        n = self._check_n(n)
+        status, leases = self._native.take(n, _timeout_arg(timeout))
+        if status in ("ok", "end"):
+            return [EchoSample(lease) for lease in leases]
+        self._raise_take(status, timeout)
+        raise AssertionError(status)  # pragma: no cover
+
+    def take_batch(self, n: int, timeout: float | None = None) -> EchoBatch | None:
+        """Like :meth:`take`, but gathers each field into one new contiguous array.
+
+        Returns None once everything was emitted.
+        """
+        n = self._check_n(n)
+        status, fields, dtypes, shapes, ids, emissions = self._native.take_batch(
+            n, _timeout_arg(timeout)
+        )
+        if status == "end":
+            return None
+        if status != "ok":
+            self._raise_take(status, timeout)
+        return EchoBatch(
+            fields=[f[0] for f in fields],
+            offsets=[f[1] for f in fields],
+            dtypes=list(dtypes),
+            shapes=shapes,  # already tuples; one shared tuple per sample when all agree
+            sample_ids=ids,
+            emissions=emissions,
+        )
+
+    def __iter__(self) -> Iterator[EchoSample]:
+        """Yields copies one at a time until the input ended and everything was emitted."""
+        while True:
+            got = self.take(self._batch_size if self._mode == "batch" else 1)
+            if not got:
+                return
+            yield from got
