@@ -132,6 +132,38 @@ def test_batch_structures_dtypes_and_strings_survive() -> None:
     assert seen == {i: 2 for i in range(24)}
 
 
+def test_batches_without_strings_keep_every_dtype_and_the_structure() -> None:
+    """The per-batch fast paths (match on the way in, views on the way out), many batches."""
+
+    def batch(k: int) -> dict:
+        ids = torch.arange(4 * k, 4 * k + 4)
+        return {
+            "pair": Pair(ids.view(4, 1, 1).expand(4, 2, 3).to(torch.bfloat16),
+                         np.stack([np.full((2,), i % 2 == 0) for i in ids.tolist()])),
+            "z": (ids.to(torch.complex64) * 1j, ids.double() / 2),
+            "flags": [ids % 3 == 0, ids.to(torch.int16), ids.to(torch.uint8).view(4, 1, 1)],
+        }  # fmt: skip
+
+    source = [batch(k) for k in range(10)]
+    with EchoLoader(source, 2.0, shuffle_buffer=8) as el:
+        out = list(el)
+    seen: collections.Counter = collections.Counter()
+    for b in out:
+        assert list(b) == ["pair", "z", "flags"] and isinstance(b["pair"], Pair)
+        ids = b["z"][1].mul(2).long()
+        assert b["pair"].image.dtype == torch.bfloat16 and b["pair"].image.shape == (4, 2, 3)
+        assert torch.equal(b["pair"].image[:, 1, 2].long(), ids)
+        assert isinstance(b["pair"].mask, np.ndarray) and b["pair"].mask.dtype == np.bool_
+        assert (b["pair"].mask[:, 1] == (ids.numpy() % 2 == 0)).all()
+        assert b["z"][0].dtype == torch.complex64 and torch.equal(b["z"][0], ids * 1j)
+        assert isinstance(b["flags"], list) and torch.equal(b["flags"][0], ids % 3 == 0)
+        assert b["flags"][1].dtype == torch.int16 and torch.equal(b["flags"][1].long(), ids)
+        assert b["flags"][2].shape == (4, 1, 1) and b["flags"][2].dtype == torch.uint8
+        assert torch.equal(b["flags"][2].view(-1).long(), ids)
+        seen.update(ids.tolist())
+    assert seen == {i: 2 for i in range(40)}
+
+
 def test_more_than_four_leaves_share_one_field() -> None:
     source = [tuple(torch.arange(4 * k, 4 * k + 4) * (j + 1) for j in range(6)) for k in range(4)]
     with EchoLoader(source, 1.0) as el:
@@ -231,6 +263,34 @@ def test_loader_error_names_the_batch_and_ends_the_workers() -> None:
         ([(torch.zeros(4), ["a", "b"])], r"field batch\[1\] has 2 strings for 4 samples"),
         ([(np.array(["a"] * 4),)], r"numpy dtype <U1"),
         ([{"y": 3}], r"batch\['y'\] is a int"),
+        # later batches are checked too (the fast path of every batch after the first)
+        (
+            [(torch.zeros(4, 3),), (torch.zeros(4, 3, dtype=torch.float64),)],
+            r"batch 1 .*field batch\[0\] changed from tensor float32\[3\] to tensor float64\[3\]",
+        ),
+        (
+            [(np.zeros((4, 2), np.float32),), (np.zeros((4, 2), np.float64),)],
+            r"batch 1 .*field batch\[0\] changed from numpy <f4\[2\] to numpy <f8\[2\]",
+        ),
+        (
+            [
+                {"a": torch.zeros(4), "b": torch.zeros(4)},
+                {"b": torch.zeros(4), "a": torch.zeros(4)},
+            ],
+            r"batch 1 .*the batch structure changed",
+        ),
+        (
+            [(torch.zeros(4), torch.zeros(4)), (torch.zeros(4), torch.zeros(3))],
+            r"batch 1 .*field batch\[1\] has 3 rows .* 4 samples",
+        ),
+        (
+            [(torch.zeros(4), ["a"] * 4), (torch.zeros(4), ["a"] * 3)],
+            r"batch 1 .*field batch\[1\] has 3 strings for 4 samples",
+        ),
+        (
+            [(torch.zeros(4, 2),), (torch.zeros(4, 2).to_sparse(),)],
+            r"batch 1 .*field batch\[0\] is a torch.sparse_coo tensor",
+        ),
     ],
 )
 def test_bad_batches_get_one_clear_error(batches: list, message: str) -> None:

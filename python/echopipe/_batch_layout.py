@@ -18,14 +18,17 @@ cannot be stacked again and is rejected with :class:`LayoutError`, naming the le
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Layout", "LayoutError", "decode", "decode_many", "describe", "encode"]
+__all__ = [
+    "Layout", "LayoutError", "decode", "decode_many", "decoder", "describe", "encode", "match",
+]  # fmt: skip
 
 _MAX_FIELDS = 4  # fields per cache sample (csrc/echo)
 
@@ -53,6 +56,9 @@ class Layout:
     leaves: tuple[Leaf, ...]
     groups: tuple[tuple[int, ...], ...]  # fixed-size leaf indices per cache field
     strings: tuple[int, ...]  # string leaf indices (two extra fields when present)
+    # Per leaf (type, dtype, per-sample shape) as the batch holds them: match() checks a later
+    # batch against these without rebuilding the leaves' descriptions.
+    keys: tuple[tuple[Any, Any, Any], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def sample_bytes(self) -> int:
@@ -135,16 +141,81 @@ def describe(batch: Any) -> tuple[Layout, list[Any], int]:
     leaves = tuple(_leaf(p, v, rows) for p, v in flat)
     fixed = tuple(i for i, x in enumerate(leaves) if x.kind != "str")
     strings = tuple(i for i, x in enumerate(leaves) if x.kind == "str")
+    keys = tuple(_key(v) for _, v in flat)
     slots = _MAX_FIELDS - (2 if strings else 0)
     if len(fixed) <= slots:
         groups = tuple((i,) for i in fixed)
     else:  # the first leaves keep a field each (no copy on the way out), the rest share one
         groups = (*((i,) for i in fixed[: slots - 1]), fixed[slots - 1 :])
-    return Layout(treedef, leaves, groups, strings), [v for _, v in flat], rows
+    return Layout(treedef, leaves, groups, strings, keys), [v for _, v in flat], rows
+
+
+def _key(value: Any) -> tuple[Any, Any, Any]:
+    if isinstance(value, torch.Tensor):
+        return (torch.Tensor, value.dtype, tuple(value.shape[1:]))
+    if isinstance(value, np.ndarray):
+        return (np.ndarray, value.dtype.str, value.shape[1:])
+    return (str, None, None)
+
+
+def match(layout: Layout, batch: Any) -> tuple[list[Any], int] | None:
+    """The leaves and rows of a batch that :func:`describe` would give exactly ``layout``.
+
+    The per-batch fast path after a stream's first batch; None for anything else (a different
+    structure, dtype or shape, a sparse tensor, no rows): :func:`describe` then says what differs.
+    """
+    values: list[Any] = []
+    if not _walk(layout.treedef, batch, values):
+        return None
+    rows = -1
+    for value, (kind, dtype, shape) in zip(values, layout.keys, strict=True):
+        if kind is torch.Tensor:
+            if not isinstance(value, torch.Tensor) or value.dtype is not dtype or (
+                value.layout != torch.strided):  # fmt: skip
+                return None
+        elif kind is np.ndarray:
+            if not isinstance(value, np.ndarray) or value.dtype.str != dtype:
+                return None
+        else:
+            continue
+        size = value.shape
+        if not size or size[1:] != shape or (rows >= 0 and size[0] != rows):
+            return None
+        rows = size[0]
+    if rows <= 0:
+        return None
+    for i in layout.strings:
+        value = values[i]
+        if not isinstance(value, (list, tuple)) or len(value) != rows or not all(
+            isinstance(v, str) for v in value):  # fmt: skip
+            return None
+    return values, int(rows)
+
+
+def _walk(treedef: Any, obj: Any, out: list[Any]) -> bool:
+    """Appends ``obj``'s leaves to ``out`` if its containers are those of ``treedef``."""
+    kind = treedef[0]
+    if kind == "leaf":
+        out.append(obj)
+        return True
+    if kind == "dict":
+        if not isinstance(obj, Mapping) or tuple(obj) != treedef[1]:
+            return False
+        return all(_walk(c, obj[k], out) for k, c in zip(treedef[1], treedef[2], strict=True))
+    if kind == "namedtuple":
+        ok, children = type(obj) is treedef[1], treedef[2]
+    elif kind == "tuple":
+        ok, children = isinstance(obj, tuple) and not hasattr(obj, "_fields"), treedef[1]
+    else:
+        ok, children = isinstance(obj, list), treedef[1]
+    return ok and len(obj) == len(children) and all(
+        _walk(c, v, out) for c, v in zip(children, obj, strict=True))  # fmt: skip
 
 
 def check_same(layout: Layout, other: Layout) -> None:
     """Raises LayoutError naming the first difference between two batches' layouts."""
+    if other is layout:
+        return
     if layout.treedef != other.treedef:
         raise LayoutError(
             f"the batch structure changed: {_tree_text(other.treedef)} instead of "
@@ -162,13 +233,20 @@ def check_same(layout: Layout, other: Layout) -> None:
 
 def _rows_as_bytes(value: Any, rows: int) -> np.ndarray:
     if isinstance(value, torch.Tensor):
-        t = value.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.resolve_conj().resolve_neg().contiguous()
-        return t.reshape(rows, -1 if t.numel() else 0).view(torch.uint8).numpy()
+        try:  # a plain CPU tensor: numpy's view calls cost a fraction of torch's
+            value = value.detach().numpy()
+        except (RuntimeError, TypeError):  # bfloat16, conj/neg bits, CUDA: torch's own path
+            return _tensor_rows_as_bytes(value, rows)
     a = np.ascontiguousarray(value)
     return a.reshape(rows, -1 if a.size else 0).view(np.uint8)
+
+
+def _tensor_rows_as_bytes(value: torch.Tensor, rows: int) -> np.ndarray:
+    t = value.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    return t.reshape(rows, -1 if t.numel() else 0).view(torch.uint8).numpy()
 
 
 def encode(layout: Layout, leaves: list[Any], rows: int) -> list[np.ndarray]:
@@ -228,7 +306,38 @@ def decode_many(layout: Layout, parts: list[tuple[list[np.ndarray], list[Any], i
 
 def decode(layout: Layout, fields: list[np.ndarray], offsets: list[Any], n: int) -> Any:
     """Rebuilds a batch of ``n`` samples (fields as gathered by ``EchoCache.take_batch``)."""
-    return _unflatten(layout.treedef, _decode_leaves(layout, fields, offsets, n))
+    return _builder(layout.treedef)(_decode_leaves(layout, fields, offsets, n))
+
+
+def decoder(layout: Layout) -> Callable[[list[np.ndarray], list[Any], int], Any]:
+    """:func:`decode` for one layout with its per-leaf choices made once (the per-batch path).
+
+    Leaves with a field each (the common case) become views of the gathered arrays without any
+    further copy; other layouts (strings, shared fields, empty leaves) use :func:`decode`.
+    """
+    leaves = layout.leaves
+    if layout.strings or len(layout.groups) != len(leaves) or not all(x.nbytes for x in leaves):
+        return lambda fields, offsets, n: decode(layout, fields, offsets, n)
+    convert = [_converter(leaves[g[0]]) for g in layout.groups]  # groups are (0,), (1,), ...
+    build = _builder(layout.treedef)
+    return lambda fields, offsets, n: build([c(f, n) for c, f in zip(convert, fields, strict=True)])
+
+
+def _converter(leaf: Leaf) -> Callable[[np.ndarray, int], Any]:
+    """``(gathered (n, nbytes) uint8 rows, n) -> the leaf's rows``, a view of the same memory."""
+    shape = leaf.shape
+    if leaf.kind == "numpy":
+        dt = np.dtype(leaf.dtype)
+        return lambda rows, n: rows.reshape(n, -1).view(dt).reshape(n, *shape)
+    td = getattr(torch, leaf.dtype)
+    try:  # numpy's view is cheaper than torch's; bfloat16 and the like have no numpy twin
+        nd = torch.empty(0, dtype=td).numpy().dtype
+        twin = torch.from_numpy(np.empty(0, dtype=nd)).dtype == td
+    except (RuntimeError, TypeError):
+        twin = False
+    if twin:
+        return lambda rows, n: torch.from_numpy(rows.reshape(n, -1).view(nd).reshape(n, *shape))
+    return lambda rows, n: torch.from_numpy(rows.reshape(n, -1)).view(td).reshape(n, *shape)
 
 
 def _decode_leaves(
@@ -270,13 +379,18 @@ def _decode_strings(
     return columns
 
 
-def _unflatten(treedef: Any, values: list[Any]) -> Any:
+def _builder(treedef: Any) -> Callable[[list[Any]], Any]:
+    """A function rebuilding the batch tree of ``treedef`` from its leaves' values."""
     kind = treedef[0]
     if kind == "leaf":
-        return values[treedef[1]]
+        return operator.itemgetter(treedef[1])
     if kind == "dict":
-        return {k: _unflatten(c, values) for k, c in zip(treedef[1], treedef[2], strict=True)}
+        keys, subs = treedef[1], [_builder(c) for c in treedef[2]]
+        return lambda v: {k: b(v) for k, b in zip(keys, subs, strict=True)}
+    subs = [_builder(c) for c in (treedef[2] if kind == "namedtuple" else treedef[1])]
     if kind == "namedtuple":
-        return treedef[1](*(_unflatten(c, values) for c in treedef[2]))
-    items = [_unflatten(c, values) for c in treedef[1]]
-    return tuple(items) if kind == "tuple" else items
+        cls = treedef[1]
+        return lambda v: cls(*[b(v) for b in subs])
+    if kind == "tuple":
+        return lambda v: tuple([b(v) for b in subs])
+    return lambda v: [b(v) for b in subs]

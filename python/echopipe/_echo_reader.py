@@ -55,6 +55,7 @@ class _Producer(threading.Thread):
         workers = getattr(self.source, "num_workers", 0) or 0
         self.prefetched = workers * ((getattr(self.source, "prefetch_factor", 0) or 0) + 1)
         self.taint = 0  # batches still to leave out of t_up
+        self.layout: bl.Layout | None = None  # the stream's, once a batch was accepted
 
     def run(self) -> None:
         it: Any = None
@@ -105,7 +106,11 @@ class _Producer(threading.Thread):
 
     def _put(self, batch: Any, index: int, start: int, skip: bool = False) -> None:
         try:
-            layout, leaves, rows = bl.describe(batch)
+            known = bl.match(self.layout, batch) if self.layout is not None else None
+            if known is None:
+                layout, leaves, rows = bl.describe(batch)
+            else:
+                layout, (leaves, rows) = self.layout, known
             owner = self.owner_ref()
             if owner is None:
                 raise CacheClosedError("EchoLoader was garbage collected")
@@ -115,6 +120,7 @@ class _Producer(threading.Thread):
                 f"EchoLoader: batch {index} of epoch {self.epoch}: {exc}"
             ) from None
         del owner
+        self.layout = layout
         self.ready.set()
         if skip or rows == 0:
             return

@@ -198,6 +198,7 @@ class EchoLoader:
             self._pin = False
         self._shared = _Shared()
         self._layout: bl.Layout | None = None
+        self._decode: Any = None  # bl.decoder(self._layout)
         self._saved_layout: str | None = None  # signature a resumed stream must match
         self._cache_config: dict[str, int] | None = None
         self._epoch = 0
@@ -243,6 +244,7 @@ class EchoLoader:
                         f"the batches differ from the saved state's: {layout.signature()} "
                         f"instead of {self._saved_layout}"
                     )
+                self._decode = bl.decoder(layout)  # before _layout: the consumer reads both
                 self._layout = layout
             else:
                 bl.check_same(self._layout, layout)
@@ -330,7 +332,10 @@ class EchoLoader:
         if not parts:
             return None
         assert self._layout is not None
-        batch = bl.decode_many(self._layout, [(g.fields, g.offsets, len(g)) for g in parts])
+        if len(parts) == 1:
+            batch = self._decode(parts[0].fields, parts[0].offsets, n)
+        else:
+            batch = bl.decode_many(self._layout, [(g.fields, g.offsets, len(g)) for g in parts])
         if self._pin or self._device is not None:
             batch = _map_tensors(batch, self._move)
         self._delivered_epoch[0] += 1
@@ -488,7 +493,7 @@ class EchoLoader:
         if state["batch_size"] is not None and not self._explicit_batch:
             self._batch_size = int(state["batch_size"])
         self._cache_config = dict(state["cache_config"]) if state["cache_config"] else None
-        self._layout, self._saved_layout = None, state["layout"]
+        self._layout, self._decode, self._saved_layout = None, None, state["layout"]
         if state["cache"] is not None:
             cache = self._new_cache()
             cache.load_state_dict(state["cache"])
