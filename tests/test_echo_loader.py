@@ -133,14 +133,15 @@ def test_batch_structures_dtypes_and_strings_survive() -> None:
 
 
 def test_batches_without_strings_keep_every_dtype_and_the_structure() -> None:
-    """The per-batch fast paths (match on the way in, views on the way out), many batches."""
+    """The per-batch fast paths (match on the way in, views on the way out), many batches;
+    a conjugate view and a tensor that requires grad take torch's own path in."""
 
     def batch(k: int) -> dict:
         ids = torch.arange(4 * k, 4 * k + 4)
         return {
             "pair": Pair(ids.view(4, 1, 1).expand(4, 2, 3).to(torch.bfloat16),
                          np.stack([np.full((2,), i % 2 == 0) for i in ids.tolist()])),
-            "z": (ids.to(torch.complex64) * 1j, ids.double() / 2),
+            "z": ((ids.to(torch.complex64) * 1j).conj(), (ids.double() / 2).requires_grad_()),
             "flags": [ids % 3 == 0, ids.to(torch.int16), ids.to(torch.uint8).view(4, 1, 1)],
         }  # fmt: skip
 
@@ -155,7 +156,7 @@ def test_batches_without_strings_keep_every_dtype_and_the_structure() -> None:
         assert torch.equal(b["pair"].image[:, 1, 2].long(), ids)
         assert isinstance(b["pair"].mask, np.ndarray) and b["pair"].mask.dtype == np.bool_
         assert (b["pair"].mask[:, 1] == (ids.numpy() % 2 == 0)).all()
-        assert b["z"][0].dtype == torch.complex64 and torch.equal(b["z"][0], ids * 1j)
+        assert b["z"][0].dtype == torch.complex64 and torch.equal(b["z"][0], ids * -1j)
         assert isinstance(b["flags"], list) and torch.equal(b["flags"][0], ids % 3 == 0)
         assert b["flags"][1].dtype == torch.int16 and torch.equal(b["flags"][1].long(), ids)
         assert b["flags"][2].shape == (4, 1, 1) and b["flags"][2].dtype == torch.uint8

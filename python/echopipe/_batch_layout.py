@@ -233,8 +233,10 @@ def check_same(layout: Layout, other: Layout) -> None:
 
 def _rows_as_bytes(value: Any, rows: int) -> np.ndarray:
     if isinstance(value, torch.Tensor):
-        try:  # a plain CPU tensor: numpy's view calls cost a fraction of torch's
-            value = value.detach().numpy()
+        # A plain CPU tensor goes through numpy's views: they cost a fraction of torch's calls,
+        # which also release and retake the GIL (detach() only when needed, for that reason).
+        try:
+            value = value.detach().numpy() if value.requires_grad else value.numpy()
         except (RuntimeError, TypeError):  # bfloat16, conj/neg bits, CUDA: torch's own path
             return _tensor_rows_as_bytes(value, rows)
     a = np.ascontiguousarray(value)

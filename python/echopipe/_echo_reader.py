@@ -120,8 +120,9 @@ class _Producer(threading.Thread):
                 f"EchoLoader: batch {index} of epoch {self.epoch}: {exc}"
             ) from None
         del owner
+        if self.layout is None:
+            self.ready.set()  # (Event.set takes a lock and notifies: once is enough)
         self.layout = layout
-        self.ready.set()
         if skip or rows == 0:
             return
         fields = bl.encode(layout, leaves, rows)
