@@ -330,16 +330,18 @@ def _converter(leaf: Leaf) -> Callable[[np.ndarray, int], Any]:
     shape = leaf.shape
     if leaf.kind == "numpy":
         dt = np.dtype(leaf.dtype)
-        return lambda rows, n: rows.reshape(n, -1).view(dt).reshape(n, *shape)
+        return lambda rows, n: rows.view(dt).reshape(n, *shape)
     td = getattr(torch, leaf.dtype)
     try:  # numpy's view is cheaper than torch's; bfloat16 and the like have no numpy twin
         nd = torch.empty(0, dtype=td).numpy().dtype
         twin = torch.from_numpy(np.empty(0, dtype=nd)).dtype == td
     except (RuntimeError, TypeError):
         twin = False
-    if twin:
-        return lambda rows, n: torch.from_numpy(rows.reshape(n, -1).view(nd).reshape(n, *shape))
-    return lambda rows, n: torch.from_numpy(rows.reshape(n, -1)).view(td).reshape(n, *shape)
+    if not twin:
+        return lambda rows, n: torch.from_numpy(rows).view(td).reshape(n, *shape)
+    if nd == np.uint8:  # images, mostly: the gathered bytes are already the values
+        return lambda rows, n: torch.from_numpy(rows.reshape(n, *shape))
+    return lambda rows, n: torch.from_numpy(rows.view(nd).reshape(n, *shape))
 
 
 def _decode_leaves(
@@ -389,7 +391,10 @@ def _builder(treedef: Any) -> Callable[[list[Any]], Any]:
     if kind == "dict":
         keys, subs = treedef[1], [_builder(c) for c in treedef[2]]
         return lambda v: {k: b(v) for k, b in zip(keys, subs, strict=True)}
-    subs = [_builder(c) for c in (treedef[2] if kind == "namedtuple" else treedef[1])]
+    children = treedef[2] if kind == "namedtuple" else treedef[1]
+    if kind == "tuple" and len(children) > 1 and all(c[0] == "leaf" for c in children):
+        return operator.itemgetter(*(c[1] for c in children))  # (images, labels): one C call
+    subs = [_builder(c) for c in children]
     if kind == "namedtuple":
         cls = treedef[1]
         return lambda v: cls(*[b(v) for b in subs])
