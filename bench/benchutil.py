@@ -10,15 +10,9 @@ The convention (every suite: echo_cache, dali_echo, pipeline, convergence, wallc
   in or that is the current directory, else ``./bench-results``; ``--quick`` runs go to its
   ``quick/`` subfolder so they never overwrite recorded full results); the suite writes
   ``DIR/<name>.json`` (plots may go next to it).
-* The suite works both as ``python bench/<name>.py`` and as ``echopipe._bench.<name>`` (what
-  ``echopipe bench`` imports: CMake installs ``bench/*.py`` there). So no ``sys.path`` edits;
-  import this module with::
-
-      try:
-          from . import benchutil as bu
-      except ImportError:  # run as a script: bench/ is sys.path[0]
-          import benchutil as bu
-
+* The suite runs as ``python bench/<name>.py``; ``echopipe bench`` runs the same file from the
+  checkout, with ``bench/`` on ``sys.path`` (the suites are not in the wheel). Import this
+  module as ``import benchutil as bu``.
 * A suite that cannot run on this machine (a missing optional dependency, e.g. DALI) defines
   ``unavailable() -> str | None`` returning the reason (see :func:`missing_module`);
   ``echopipe bench`` then reports it as skipped with that reason, and ``main`` returns 1 with
@@ -84,8 +78,7 @@ def default_results_dir() -> Path:
     """Where results go without ``--results-dir``.
 
     ``bench/results`` of the checkout this file lives in, or of the checkout that is the
-    current directory (an installed ``echopipe._bench`` run from a checkout); else
-    ``./bench-results``, so installed copies never write into site-packages.
+    current directory; else ``./bench-results``.
     """
     if BENCH_DIR.name == "bench" and _is_checkout(REPO):
         return BENCH_DIR / "results"

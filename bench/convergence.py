@@ -43,13 +43,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import benchutil as bu
 from echopipe.echo import EchoCache
 from echopipe.models import build_model
-
-try:
-    from . import benchutil as bu
-except ImportError:  # run as a script: bench/ is sys.path[0]
-    import benchutil as bu
 
 
 @dataclass(frozen=True)

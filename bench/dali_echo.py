@@ -30,10 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-try:
-    from . import benchutil as bu
-except ImportError:  # run as a script: bench/ is sys.path[0]
-    import benchutil as bu
+import benchutil as bu
 
 
 def unavailable() -> str | None:

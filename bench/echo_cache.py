@@ -34,13 +34,9 @@ from typing import Any
 
 import numpy as np
 
+import benchutil as bu
 from echopipe import _bench_native
 from echopipe.echo import EchoCache
-
-try:
-    from . import benchutil as bu
-except ImportError:  # run as a script: bench/ is sys.path[0]
-    import benchutil as bu
 
 SIZES = {"4KB": 4 << 10, "150KB": 150 << 10, "600KB": 600 << 10}
 

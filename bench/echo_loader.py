@@ -40,12 +40,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+import benchutil as bu
 from echopipe.torch import EchoLoader
-
-try:
-    from . import benchutil as bu
-except ImportError:  # run as a script: bench/ is sys.path[0]
-    import benchutil as bu
 
 BATCH = 64
 WORKERS = 2

@@ -47,16 +47,12 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+import benchutil as bu
 from echopipe.pipeline import (
     DistributedStalePipeline,
     StalePipeline,
     partition_balance,
 )
-
-try:
-    from . import benchutil as bu
-except ImportError:  # run as a script: bench/ is sys.path[0]
-    import benchutil as bu
 
 DIST_KINDS = ("stale", "gpipe", "1f1b")
 TUNED_MALLOC_ENV = {

@@ -36,13 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import benchutil as bu
 from echopipe.models import build_model
 from echopipe.pipeline import HybridSchedule, StalePipeline
-
-try:
-    from . import benchutil as bu
-except ImportError:  # run as a script: bench/ is sys.path[0]
-    import benchutil as bu
 
 PAPER_DROP_POINTS = {"lenet5": 0.4, "resnet20": 1.45}
 

@@ -44,19 +44,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import benchutil as bu
+import staleness_tables as tables
 from echopipe.models import build_model
 from echopipe.pipeline import HybridSchedule, StalePipeline
 from echopipe.pipeline.partition import stale_share
 from echopipe.pipeline.schedule import hybrid_lr_factor
-
-try:
-    from . import benchutil as bu
-    from . import staleness_tables as tables
-    from .staleness import SETUPS as BASE_SETUPS
-except ImportError:  # run as a script: bench/ is sys.path[0]
-    import benchutil as bu
-    import staleness_tables as tables
-    from staleness import SETUPS as BASE_SETUPS
+from staleness import SETUPS as BASE_SETUPS
 
 SETUPS: dict[str, dict[str, Any]] = {
     # 16 epochs (not 15) so that 25/50/75 % fall on whole epochs.

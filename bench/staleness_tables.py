@@ -13,10 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-try:
-    from . import benchutil as bu
-except ImportError:  # run as a script: bench/ is sys.path[0]
-    import benchutil as bu
+import benchutil as bu
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "pipeline.md"
 GENERATOR = "python bench/staleness_remedies.py --render-docs"

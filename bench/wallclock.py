@@ -12,7 +12,7 @@ Set-up (all in one process, scikit-learn digits, LeNet-5, batch 64):
 * ``read_delay`` is set per run to ``R * t_down``, where ``t_down`` is the trainer's measured
   time per step (augment + forward + backward + update), so the upstream is about ``R`` (6)
   times slower than the trainer. The measured ratio is reported for every run.
-* ``e = auto``: starts at e = 1; :class:`echopipe.adaptive.EchoController` watches the
+* ``e = auto``: starts at e = 1; :class:`echopipe.echo.controller.EchoController` watches the
   producer's time per batch (``t_up``) and the trainer's compute time per step (``t_down``) and
   picks ``e ~ t_up / t_down`` (rounded to whole numbers, 30 % hysteresis, 10 warm-up steps, so
   noise on this shared machine does not make it swap caches every few steps). The cache fixes
@@ -40,15 +40,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from echopipe.adaptive import EchoController
+import benchutil as bu
+from convergence import Reader, RunConfig, make_model, make_optimizer
 from echopipe.echo import CacheClosedError, EchoCache, InputEndedError
-
-try:
-    from . import benchutil as bu
-    from .convergence import Reader, RunConfig, make_model, make_optimizer
-except ImportError:  # run as a script: bench/ is sys.path[0]
-    import benchutil as bu
-    from convergence import Reader, RunConfig, make_model, make_optimizer
+from echopipe.echo.controller import EchoController
 
 
 class DelayedProducer(threading.Thread):

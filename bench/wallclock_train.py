@@ -43,10 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-try:
-    from . import benchutil as bu
-except ImportError:  # run as a script: bench/ is sys.path[0]
-    import benchutil as bu
+import benchutil as bu
 
 
 def trainer_command() -> list[str]:

@@ -38,10 +38,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     except ImportError as exc:
         pytest.exit(f"{', '.join(required)} set but echopipe._C does not import: {exc}", 1)
     if "ECHOPIPE_REQUIRE_DALI" in required:
-        from echopipe.dali import _plugin
+        from echopipe.dali import plugin
 
         try:
-            _plugin.plugin_path()
+            plugin.plugin_path()
         except ImportError as exc:
             pytest.exit(f"ECHOPIPE_REQUIRE_DALI set but the DALI plugin is missing: {exc}", 1)
 

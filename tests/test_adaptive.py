@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from echopipe.adaptive import EchoChange, EchoController
+from echopipe.echo.controller import EchoChange, EchoController
 
 
 def feed(controller: EchoController, t_up: float, t_down: float, steps: range) -> list[float]:

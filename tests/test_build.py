@@ -45,14 +45,15 @@ def test_unknown_attribute_names_itself() -> None:
 
 def test_version_is_written_once() -> None:
     # pyproject.toml is the only place: the package metadata, CMake and the modules follow it.
-    from echopipe._native import _C, build_config
+    from echopipe.native import build_config
+    from echopipe.native import core as _C
 
     assert _C.__version__ == echopipe.__version__ == build_config()["version"]
 
 
 def test_benchmark_drivers_are_not_in_the_product_module() -> None:
     from echopipe import _bench_native
-    from echopipe._native import _C
+    from echopipe.native import core as _C
 
     assert not [name for name in dir(_C) if "bench" in name]
     assert callable(_bench_native.put_take) and callable(_bench_native.memcpy)

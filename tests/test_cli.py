@@ -315,7 +315,7 @@ def test_resume_refuses_planted_foreign_and_damaged_files_without_running_them(
     assert "not an echopipe checkpoint" in _bad([*base, "--resume"], capsys)
     assert "evil.pt" in _bad([*base, "--resume", str(tmp_path / "evil.pt")], capsys)
     (run / "checkpoints" / "last.pt").unlink()
-    from echopipe.train import write_checkpoint
+    from echopipe.training import write_checkpoint
 
     good = write_checkpoint({"kind": "echopipe-train"}, tmp_path / "good.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(good[:-100])

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.dali
 from nvidia.dali import fn  # noqa: E402
 
 import echopipe.dali as edali  # noqa: E402
-from echopipe.dali import _plugin  # noqa: E402
+from echopipe.dali import plugin  # noqa: E402
 
 LBP = edali.LastBatchPolicy
 
@@ -73,7 +73,7 @@ def _make(files, *, after="decode", **opts):
 def test_plugin_records_the_installed_dali_version() -> None:
     import nvidia.dali
 
-    assert _plugin.read_built_version(_plugin.plugin_path()) == nvidia.dali.__version__
+    assert plugin.read_built_version(plugin.plugin_path()) == nvidia.dali.__version__
     assert edali.built_dali_version() == nvidia.dali.__version__
 
 
@@ -85,16 +85,16 @@ def test_version_mismatch_names_both_versions(tmp_path: Path) -> None:
     fake = tmp_path / "libechopipe_dali.so"
     fake.write_bytes(b"\x7fELF...ECHOPIPE_DALI_BUILT_VERSION=1.99.0\n...")
     with pytest.raises(edali.DaliVersionMismatchError, match=r"1\.99\.0.*2\.4\.0"):
-        edali.check_dali_version(_plugin.read_built_version(fake), "2.4.0")
+        edali.check_dali_version(plugin.read_built_version(fake), "2.4.0")
     fake.write_bytes(b"not a plugin")
     with pytest.raises(edali.DaliPluginMissingError, match=r"libechopipe_dali\.so"):
-        _plugin.read_built_version(fake)
+        plugin.read_built_version(fake)
 
 
 def test_gpu_backend_registered_when_cuda_compiled() -> None:
     from nvidia.dali.ops import _registry
 
-    from echopipe._native import build_config
+    from echopipe.native import build_config
 
     assert "EchopipeEchoSink" in _registry.cpu_ops()
     assert "EchopipeEchoSource" in _registry.cpu_ops()

@@ -127,27 +127,27 @@ def test_plain_and_val_pipelines_do_not_load_the_plugin_and_echo_checks_it_first
 import nvidia.dali
 from nvidia.dali.ops import _registry
 import echopipe.dali as edali
-from echopipe.dali import _plugin
+from echopipe.dali import plugin
 
 root = {str(data)!r}
 for build in (edali.imagenet_val_pipeline, edali.imagenet_plain_train_pipeline):
     pipe = build(root, batch_size=4, image_size=16, num_threads=1)
     pipe.build()
     assert len(pipe.run()[0]) == 4
-assert _plugin._lib is None and "EchopipeEchoSink" not in _registry.cpu_ops()
-real = _plugin.plugin_path
-_plugin.plugin_path = lambda: {str(fake)!r}  # a plugin built for another DALI
+assert plugin._lib is None and "EchopipeEchoSink" not in _registry.cpu_ops()
+real = plugin.plugin_path
+plugin.plugin_path = lambda: {str(fake)!r}  # a plugin built for another DALI
 try:
     edali.imagenet_train_pipeline(root, batch_size=4, image_size=16, num_threads=1)
 except edali.DaliVersionMismatchError as exc:
     assert "1.99.0" in str(exc) and nvidia.dali.__version__ in str(exc), str(exc)
 else:
     raise SystemExit("no DaliVersionMismatchError")
-_plugin.plugin_path = real
+plugin.plugin_path = real
 pipe = edali.imagenet_train_pipeline(root, batch_size=4, image_size=16, num_threads=1)
 with edali.EchoIterator(pipe, ["data", "label"], steps_per_epoch=1) as it:
     assert next(it)[0]["data"].shape == (4, 3, 16, 16)
-assert _plugin._lib is not None and "EchopipeEchoSink" in _registry.cpu_ops()
+assert plugin._lib is not None and "EchopipeEchoSink" in _registry.cpu_ops()
 print("lazy plugin ok")
 """
     import subprocess

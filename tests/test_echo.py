@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 echo = pytest.importorskip("echopipe.echo", reason="needs the native module echopipe._C")
-from echopipe._native import _C  # noqa: E402
+from echopipe.native import core as _C  # noqa: E402
 
 EchoCache = echo.EchoCache
 

@@ -32,7 +32,7 @@ needs_two_gpus = pytest.mark.skipif(
 
 
 def _native() -> Any:
-    from echopipe._native import _C
+    from echopipe.native import core as _C
 
     return _C
 
@@ -288,7 +288,7 @@ def test_gather_keeps_the_slots_until_the_kernel_has_read_them() -> None:
     kernel read them, so the batch holds the old bytes."""
     import time
 
-    from echopipe import _inflight
+    from echopipe.echo import inflight as _inflight
 
     cache = _cache(memory="pinned", echo_factor=1.0, capacity_samples=8, min_fill=0)
     try:

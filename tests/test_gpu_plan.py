@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from echopipe._inflight import InFlight
+from echopipe.echo.inflight import InFlight
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -202,7 +202,7 @@ def test_scatter_table_fits_one_kernel_parameter(
 
 
 # ---------------------------------------------------------------------------------------------
-# Leases held until the GPU read is done (echopipe._inflight)
+# Leases held until the GPU read is done (echopipe.echo.inflight)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -388,7 +388,7 @@ def test_a_forked_child_gets_a_keeper_of_its_own() -> None:
     """The parent's keeper thread does not exist in a forked child: holds there still end."""
     import multiprocessing as mp
 
-    from echopipe import _inflight
+    from echopipe.echo import inflight as _inflight
 
     never = threading.Event()
     _inflight.hold_until(lambda: never.wait(5), _Payload())  # busy in the parent at fork time
@@ -416,7 +416,7 @@ def test_a_forked_child_does_not_drop_the_parents_payloads() -> None:
     handler must not drop a payload whose release takes it (it would hang there)."""
     import multiprocessing as mp
 
-    from echopipe import _inflight
+    from echopipe.echo import inflight as _inflight
 
     never, lock = threading.Event(), threading.Lock()
     _inflight.hold_until(lambda: never.wait(5), _Payload())  # busy in the parent
@@ -437,7 +437,7 @@ def test_a_forked_child_does_not_drop_the_parents_payloads() -> None:
 
 
 def _hold_and_drain_in_child() -> None:
-    from echopipe import _inflight
+    from echopipe.echo import inflight as _inflight
 
     _inflight.hold_until(lambda: None, _Payload())
     os._exit(0 if _inflight._KEEPER.drain(timeout=5) else 3)
@@ -492,7 +492,7 @@ def test_the_script_runs_its_steps_in_the_order_the_plan_prints() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Where the arena lives: memory="auto" decided from the input (echopipe.dali.memory)
+# Where the arena lives: memory="auto" decided from the input (echopipe.echo.memory)
 # ---------------------------------------------------------------------------------------------
 
 _GiB = 1 << 30
@@ -512,7 +512,7 @@ _GiB = 1 << 30
 def test_auto_memory_follows_the_input_and_the_free_device_memory(
     input_device: str, gpus: int, arena: int, free: int | None, expected: str
 ) -> None:
-    from echopipe.dali.memory import choose_memory
+    from echopipe.echo.memory import choose_memory
 
     got = choose_memory(
         "auto", input_device=input_device, gpu_count=gpus, arena_bytes=arena, device_free_bytes=free
@@ -521,7 +521,7 @@ def test_auto_memory_follows_the_input_and_the_free_device_memory(
 
 
 def test_auto_memory_takes_the_device_up_to_half_the_free_memory_exactly() -> None:
-    from echopipe.dali.memory import DEVICE_SHARE, choose_memory
+    from echopipe.echo.memory import DEVICE_SHARE, choose_memory
 
     free = 10 * _GiB
     edge = int(DEVICE_SHARE * free)
@@ -532,7 +532,7 @@ def test_auto_memory_takes_the_device_up_to_half_the_free_memory_exactly() -> No
 
 @pytest.mark.parametrize("memory", ["pageable", "pinned", "device"])
 def test_explicit_memory_is_kept(memory: str) -> None:
-    from echopipe.dali.memory import choose_memory
+    from echopipe.echo.memory import choose_memory
 
     got = choose_memory(
         memory, input_device="gpu", gpu_count=1, arena_bytes=1 << 40, device_free_bytes=1
@@ -552,7 +552,7 @@ def test_explicit_memory_is_kept(memory: str) -> None:
 def test_memory_choice_errors_are_one_line_naming_the_value(
     memory: str, input_device: str, gpus: int, message: str
 ) -> None:
-    from echopipe.dali.memory import choose_memory
+    from echopipe.echo.memory import choose_memory
 
     with pytest.raises(ValueError, match=re.escape(message)):
         choose_memory(
@@ -563,7 +563,7 @@ def test_memory_choice_errors_are_one_line_naming_the_value(
 def test_without_a_gpu_the_machine_facts_give_host_memory_or_one_clear_error() -> None:
     """resolve_memory asks echopipe's core for the GPUs: on a machine without one, auto is
     pageable and device is refused in one line (the core refuses it too, see test_gpu.py)."""
-    from echopipe.dali.memory import gpu_count, resolve_memory
+    from echopipe.echo.memory import gpu_count, resolve_memory
 
     if gpu_count() > 0:
         pytest.skip("this machine has a GPU")
@@ -582,8 +582,8 @@ def test_echo_config_accepts_device_and_names_a_bad_memory() -> None:
 
 
 def test_a_device_cache_without_a_gpu_is_one_clear_error() -> None:
-    from echopipe._native import _C
     from echopipe.echo import EchoCache
+    from echopipe.native import core as _C
 
     if _C.cuda_available():
         pytest.skip("this machine has a GPU (tests/test_gpu.py uses the device arena)")
@@ -598,7 +598,7 @@ def test_a_device_cache_without_a_gpu_is_one_clear_error() -> None:
 
 
 def test_copy_ranges_names_a_bad_mode_or_mismatched_lists() -> None:
-    from echopipe._native import _C
+    from echopipe.native import core as _C
 
     with pytest.raises(ValueError, match="mode must be 'gather', 'batch' or 'each', got 'x'"):
         _C.copy_ranges("x", [], [], [], 0)

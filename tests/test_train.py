@@ -218,7 +218,7 @@ def test_metrics_json_and_csv_are_written_atomically(tmp_path: Path) -> None:
 
 def test_train_end_to_end_writes_the_run_folder(tiny_imagenet: Path, tmp_path: Path) -> None:
     from echopipe.models import build_model
-    from echopipe.train import (
+    from echopipe.training import (
         TrainConfig,
         UsageError,
         evaluate_checkpoint,
@@ -323,7 +323,7 @@ def test_fp16_run_exports_a_state_dict_under_the_model_names(
 ) -> None:
     from echopipe.cli import main
     from echopipe.models import build_model
-    from echopipe.train import TrainConfig, train
+    from echopipe.training import TrainConfig, train
 
     out = tmp_path / "run"
     cfg = TrainConfig(
@@ -364,7 +364,7 @@ def test_default_run_learns_well_above_chance(
     """No --data: the synthetic set (10 classes) is generated into the cache folder and the
     default model, with the default decisions, learns it well above the 10 % of chance
     (shortened: 30 images per class, 2 epochs)."""
-    from echopipe.train import TrainConfig, train
+    from echopipe.training import TrainConfig, train
 
     monkeypatch.setenv("ECHOPIPE_CACHE_DIR", str(tmp_path / "cache"))
     cfg = TrainConfig(epochs=2, synthetic_per_class=30, output=tmp_path / "run", progress=False)
@@ -415,7 +415,7 @@ def test_fp16_loss_scaling_skips_overflowing_updates_and_backs_off() -> None:
 
 
 def test_deterministic_runs_are_identical(tiny_imagenet: Path, tmp_path: Path) -> None:
-    from echopipe.train import TrainConfig, train
+    from echopipe.training import TrainConfig, train
 
     docs = []
     for name in ("a", "b"):
@@ -439,7 +439,7 @@ def test_deterministic_runs_are_identical(tiny_imagenet: Path, tmp_path: Path) -
 
 
 def test_max_steps_and_a_diverging_loss(tiny_imagenet: Path, tmp_path: Path) -> None:
-    from echopipe.train import DataError, TrainConfig, train
+    from echopipe.training import DataError, TrainConfig, train
 
     base = dict(
         data=tiny_imagenet,
@@ -479,7 +479,7 @@ def test_echo_auto_raises_the_factor_when_reading_is_slow(
 ) -> None:
     """A 15 ms/sample read delay makes upstream ~0.12 s per batch of 8, far slower than a
     training step on 32 px: R > 1, so the controller must raise e above 1 (up to e_max)."""
-    from echopipe.train import TrainConfig, train
+    from echopipe.training import TrainConfig, train
 
     out = tmp_path / "run"
     cfg = TrainConfig(
@@ -527,7 +527,8 @@ def test_echo_auto_changes_the_factor_within_an_epoch(tiny_imagenet: Path, tmp_p
     the second epoch is a whole one at the new e; the LR ends at its floor on the last step.
     Reading (30 ms a sample) is far slower than training here, so R is well above e_max = 2
     and the one change goes straight to 2."""
-    from echopipe.train import TrainConfig, _EpochClock, train
+    from echopipe.training import TrainConfig, train
+    from echopipe.training.schedule import EpochClock
 
     out = tmp_path / "run"
     messages: list[str] = []
@@ -558,7 +559,7 @@ def test_echo_auto_changes_the_factor_within_an_epoch(tiny_imagenet: Path, tmp_p
     assert s.echoed_samples > 0
     assert doc["epochs"][-1]["lr"] == pytest.approx(cfg.lr * 0.02, rel=1e-6)
     # The checkpoint carries the re-planned clock, so a resumed run keeps the same schedule.
-    clock = _EpochClock(read_checkpoint(out / "checkpoints" / "last.pt")["run"]["epoch_clock"])
+    clock = EpochClock(read_checkpoint(out / "checkpoints" / "last.pt")["run"]["epoch_clock"])
     assert len(clock.segments) >= 3 and clock.epochs_at(s.steps) == pytest.approx(2.0)
 
 
@@ -566,7 +567,7 @@ def test_stage_and_balance_decisions_are_measured_and_said() -> None:
     """--stages auto times one stage against the 2-stage pipeline on a copy of the model and
     says which won by how much; --deterministic takes no timing-based choice."""
     from echopipe.models import build_model
-    from echopipe.train import TrainConfig
+    from echopipe.training import TrainConfig
     from echopipe.training.decide import balance_by_weights, choose_split
 
     assert balance_by_weights([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == [1, 5]
@@ -598,9 +599,9 @@ def test_stage_and_balance_decisions_are_measured_and_said() -> None:
 
 
 def test_lr_schedule_follows_epochs_done_through_replanned_epochs() -> None:
-    from echopipe.train import _EpochClock, _lr_factor
+    from echopipe.training.schedule import EpochClock, lr_factor
 
-    clock = _EpochClock()
+    clock = EpochClock()
     clock.plan(0, 0.0, 10, 1.0)  # epoch 1: 10 steps at e = 1
     clock.plan(4, 0.4, 30, 1.0)  # e = 5 from step 4: the 6 steps left become 30
     clock.plan(34, 1.0, 50, 2.0)  # epoch 2 at e = 5
@@ -609,17 +610,17 @@ def test_lr_schedule_follows_epochs_done_through_replanned_epochs() -> None:
     assert clock.epochs_at(34) == pytest.approx(1.0) and clock.epochs_at(84) == pytest.approx(2.0)
     steps = [clock.epochs_at(n) for n in range(85)]
     assert steps == sorted(steps)
-    assert _lr_factor(0.25, 0.0, 0.5, 2) == pytest.approx(0.5)  # warm-up
-    assert _lr_factor(1.25, 1.25, 0.5, 2) == pytest.approx(0.02 + 0.98 * 0.5)  # half-way down
-    assert _lr_factor(2.0, 2.0, 0.5, 2) == pytest.approx(0.02)
-    assert _lr_factor(3.0, 3.0, 0.5, 2) == pytest.approx(0.02)  # stays at the floor
+    assert lr_factor(0.25, 0.0, 0.5, 2) == pytest.approx(0.5)  # warm-up
+    assert lr_factor(1.25, 1.25, 0.5, 2) == pytest.approx(0.02 + 0.98 * 0.5)  # half-way down
+    assert lr_factor(2.0, 2.0, 0.5, 2) == pytest.approx(0.02)
+    assert lr_factor(3.0, 3.0, 0.5, 2) == pytest.approx(0.02)  # stays at the floor
 
 
 def test_hybrid_switch_auto_is_the_study_default_with_a_restart() -> None:
     """``--hybrid-switch auto``: synchronous after DEFAULT_SWITCH_FRACTION of the epochs, and
     the learning rate restarts there (the study's hybrid); an explicit epoch keeps one cosine."""
     from echopipe.pipeline.schedule import DEFAULT_SWITCH_FRACTION
-    from echopipe.train import TrainConfig
+    from echopipe.training import TrainConfig
     from echopipe.training.schedule import hybrid_switch_epoch, lr_factor
 
     assert DEFAULT_SWITCH_FRACTION == 0.25
@@ -640,7 +641,7 @@ def test_deterministic_takes_no_timing_based_echo_choice(
 ) -> None:
     """With ``--echo auto`` (the default) and a slow reader, the controller would raise e at a
     step that depends on timing; --deterministic keeps e = 1 and says so."""
-    from echopipe.train import TrainConfig, train
+    from echopipe.training import TrainConfig, train
 
     cfg = TrainConfig(
         data=tiny_imagenet,

@@ -55,8 +55,8 @@ def _events_ms(fn: Any, iters: int, stream: torch.cuda.Stream) -> float:
 
 
 def measure(side: int, batch: int, iters: int) -> dict[str, Any]:
-    from echopipe._native import _C
     from echopipe.echo import EchoCache
+    from echopipe.native import _C
 
     sample_bytes = side * side * 3
     resident = max(2 * batch, 64)
@@ -137,8 +137,8 @@ def measure(side: int, batch: int, iters: int) -> dict[str, Any]:
 
 def measure_paths(memory: str, side: int, batch: int, iters: int) -> dict[str, Any]:
     """GB/s of the source's three copy paths from a ``memory`` arena, and of the peer copy."""
-    from echopipe._native import _C
     from echopipe.echo import EchoCache
+    from echopipe.native import _C
 
     sample_bytes = side * side * 3
     resident = max(2 * batch, 64)

@@ -32,7 +32,7 @@ _LAZY_ATTRIBUTES = {
     "StalePipeline": ("echopipe.pipeline", "StalePipeline"),
     "make_synthetic_imagenet": ("echopipe.data", "make_synthetic_imagenet"),
 }
-_LAZY_SUBMODULES = {"echo", "dali", "pipeline", "data", "models", "train", "cli", "torch"}
+_LAZY_SUBMODULES = {"echo", "dali", "pipeline", "data", "models", "training", "cli", "torch"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from .data import make_synthetic_imagenet
@@ -60,7 +60,7 @@ def build_info() -> dict[str, Any]:
     plugin was compiled against), ``dali_version`` (the DALI importable now, or ``None``),
     ``torch_version`` and ``python``.
     """
-    from ._native import _C, build_config
+    from .native import build_config, core
 
     config = build_config()
     try:
@@ -75,13 +75,13 @@ def build_info() -> dict[str, Any]:
         torch_version: str | None = torch.__version__
     except ImportError:  # pragma: no cover - torch is a hard dependency
         torch_version = None
-    cuda_devices = int(_C.cuda_device_count())
+    cuda_devices = int(core.cuda_device_count())
     return {
         "version": __version__,
-        "cuda_compiled": bool(_C.built_with_cuda()),
+        "cuda_compiled": bool(core.built_with_cuda()),
         "cuda_architectures": config.get("cuda_architectures") or None,
         "cuda_devices": cuda_devices,
-        "memory_kind": "pinned" if cuda_devices > 0 and _C.built_with_cuda() else "pageable",
+        "memory_kind": "pinned" if cuda_devices > 0 and core.built_with_cuda() else "pageable",
         "dali_plugin_built": bool(config.get("dali_plugin_built", False)),
         "dali_built_version": config.get("dali_built_version") or None,
         "dali_version": dali_version,

@@ -1,7 +1,7 @@
 """The ``echopipe`` command: ``echopipe train``, ``echopipe export`` and ``echopipe bench``.
 
 ``echopipe train`` runs DALI input with data echoing into a stale-weight pipelined model (see
-:mod:`echopipe.train` and ``docs/train.md``). ``echopipe bench`` runs the benchmark suites and
+:mod:`echopipe.training` and ``docs/train.md``). ``echopipe bench`` runs the benchmark suites and
 prints their tables. A bad argument prints one line, ``echopipe <command>: error: ...``, naming
 the value, and exits with status 2.
 """
@@ -124,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"echopipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
     sub.required = True
-    _add_train(sub)
-    _add_export(sub)
-    _add_bench(sub)
+    for add in (_add_train, _add_export, _add_bench):
+        command = add(sub)
+        command.set_defaults(command_parser=command)  # for its one-line errors after parsing
     return parser
 
 
@@ -153,8 +153,8 @@ def _fail(prog: str, exc: BaseException, debug: bool) -> int:
 def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
-    from ._allocator import tune_host_allocator
     from .data import CorruptImageError
+    from .training.allocator import tune_host_allocator
     from .training.arguments import from_namespace
     from .training.checkpoints import CheckpointError
     from .training.config import TrainError, UsageError
@@ -235,39 +235,35 @@ def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
 # --------------------------------------------------------------------------------------------
 
 
-def _bench_package() -> str | None:
-    """Makes ``echopipe._bench`` importable; the reason why not, or None.
-
-    Installs ship ``bench/*.py`` as ``echopipe._bench``; a source tree that was never installed
-    gets its ``bench/`` folder mapped to that name, so the suites' relative imports still work.
-    """
-    try:
-        importlib.import_module("echopipe._bench")
-        return None
-    except ModuleNotFoundError as exc:
-        if exc.name != "echopipe._bench":
-            raise
-    source = Path(__file__).resolve().parents[2] / "bench"
-    if not (source / "benchutil.py").is_file():
-        return "echopipe._bench is not installed and there is no bench/ folder next to it"
-    package = ModuleType("echopipe._bench")
-    package.__path__ = [str(source)]
-    package.__package__ = "echopipe._bench"
-    sys.modules["echopipe._bench"] = package
+def bench_dir() -> Path | None:
+    """The ``bench/`` folder of the source checkout that is the current directory or that this
+    package runs from; None outside a checkout (the suites are not in the wheel)."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (root / "bench" / "benchutil.py").is_file() and (root / "pyproject.toml").is_file():
+            return root / "bench"
     return None
 
 
 def _load_suite(name: str) -> tuple[ModuleType | None, str]:
-    """The suite module, or None and the reason it cannot run here."""
-    problem = _bench_package()
-    if problem is not None:
-        return None, problem
+    """The suite module, or None and the reason it cannot run here.
+
+    The suite is imported from the checkout's ``bench/``, which goes onto ``sys.path`` as it
+    does for ``python bench/<name>.py``; processes the suite spawns inherit that path.
+    """
+    folder = bench_dir()
+    if folder is None:
+        return None, (
+            "the suites live in a source checkout's bench/ folder, not in the installed package: "
+            "run `echopipe bench` inside a clone of echopipe"
+        )
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
     try:
-        module = importlib.import_module(f"echopipe._bench.{name}")
+        module = importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        if exc.name == f"echopipe._bench.{name}":
-            return None, f"echopipe._bench.{name} is not installed (re-install echopipe)"
         return None, f"needs {exc.name}, which is not installed"
+    if Path(getattr(module, "__file__", "")).parent != folder:
+        return None, f"another module named {name!r} shadows bench/{name}.py"
     unavailable = getattr(module, "unavailable", None)
     reason = unavailable() if callable(unavailable) else None
     return (None, reason) if reason else (module, "")
@@ -320,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _run_bench(args)
-    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    sub = args.command_parser
     return _run_train(sub, args) if args.command == "train" else _run_export(sub, args)
 
 

@@ -32,14 +32,7 @@ from __future__ import annotations
 
 from nvidia.dali.plugin.base_iterator import LastBatchPolicy
 
-from . import _plugin
-from ._plugin import (
-    DaliPluginMissingError,
-    DaliVersionMismatchError,
-    check_dali_version,
-    gpu_backend_compiled,
-    plugin_path,
-)
+from . import plugin
 from .builders import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -57,6 +50,13 @@ from .definition import echo_pipeline_def
 from .iterator import EchoIterator, EchoIteratorStats, to_torch
 from .peer import PythonEchoBuffer, PythonEchoPipeline, python_echo_train_pipeline
 from .pipeline import EchoConfig, EchoPipeline, current_stage, echo
+from .plugin import (
+    DaliPluginMissingError,
+    DaliVersionMismatchError,
+    check_dali_version,
+    gpu_backend_compiled,
+    plugin_path,
+)
 from .specs import AugmentSpec, EchoSpec, ReaderSpec
 
 
@@ -69,12 +69,12 @@ def load_plugin() -> None:
         DaliVersionMismatchError: the plugin was built for another DALI (names both versions).
         DaliPluginMissingError: the plugin was not built or cannot be found.
     """
-    _plugin.load()
+    plugin.load()
 
 
 def built_dali_version() -> str:
     """The DALI version the loaded plugin was compiled against."""
-    return _plugin.load().echopipe_dali_built_version().decode()
+    return plugin.load().echopipe_dali_built_version().decode()
 
 
 __all__ = [

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def _check_positive_int(name: str, value: object) -> int:
+def check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < 1:
@@ -19,13 +19,13 @@ def _check_positive_int(name: str, value: object) -> int:
     return int(value)
 
 
-def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
+def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
 def _check_shard(shard_id: object, num_shards: object) -> tuple[int, int]:
-    num = _check_positive_int("num_shards", num_shards)
+    num = check_positive_int("num_shards", num_shards)
     if isinstance(shard_id, bool) or not isinstance(shard_id, int | np.integer):
         raise TypeError(f"shard_id must be an int, got {shard_id!r}")
     if not 0 <= shard_id < num:
@@ -34,7 +34,7 @@ def _check_shard(shard_id: object, num_shards: object) -> tuple[int, int]:
 
 
 def _check_device(decode_device: object, device_id: object) -> int | None:
-    _check_choice("decode_device", decode_device, ("cpu", "mixed"))
+    check_choice("decode_device", decode_device, ("cpu", "mixed"))
     if device_id is not None and (
         isinstance(device_id, bool) or not isinstance(device_id, int | np.integer) or device_id < 0
     ):
@@ -44,7 +44,7 @@ def _check_device(decode_device: object, device_id: object) -> int | None:
     return None if device_id is None else int(device_id)
 
 
-def _check_common(
+def check_common(
     batch_size: object,
     image_size: object,
     num_threads: object,
@@ -57,12 +57,12 @@ def _check_common(
     check: object,
     read_delay_ms: object,
 ) -> tuple[int, int, int, int | None]:
-    _check_positive_int("batch_size", batch_size)
-    _check_positive_int("image_size", image_size)
-    _check_positive_int("num_threads", num_threads)
-    _check_choice("dtype", dtype, ("float", "half"))
-    _check_choice("on_corrupt", on_corrupt, ("error", "skip"))
-    _check_choice("check", check, ("none", "header", "decode"))
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("image_size", image_size)
+    check_positive_int("num_threads", num_threads)
+    check_choice("dtype", dtype, ("float", "half"))
+    check_choice("on_corrupt", on_corrupt, ("error", "skip"))
+    check_choice("check", check, ("none", "header", "decode"))
     if isinstance(read_delay_ms, bool) or not isinstance(read_delay_ms, int | float):
         raise TypeError(f"read_delay_ms must be a number, got {read_delay_ms!r}")
     if not np.isfinite(read_delay_ms) or read_delay_ms < 0:
@@ -72,11 +72,11 @@ def _check_common(
     return shard, shards, int(image_size), dev
 
 
-def _check_resize(resize_size: object, image_size: int) -> int:
+def check_resize(resize_size: object, image_size: int) -> int:
     """The validation resize side: ``resize_size``, or ``image_size * 256 / 224`` by default."""
     if resize_size is None:
         return round(image_size * 256 / 224)
-    resize = _check_positive_int("resize_size", resize_size)
+    resize = check_positive_int("resize_size", resize_size)
     if resize < image_size:
         raise ValueError(f"resize_size ({resize}) must be >= image_size ({image_size})")
     return resize

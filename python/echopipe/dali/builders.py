@@ -22,23 +22,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .builder_checks import _check_choice, _check_common, _check_positive_int
+from ..echo.memory import resolve_memory
+from .builder_checks import check_choice, check_common, check_positive_int
 from .imagenet_files import (
-    _attach,
-    _ReaderArgs,
-    _train_reader_args,
+    ReaderArgs,
+    attach,
     index_imagenet_split,
     resolve_split_dir,
+    train_reader_args,
 )
 from .imagenet_graph import (
     IMAGENET_MEAN,
     IMAGENET_STD,
-    _graph_decode,
-    _graph_labels,
-    _graph_read,
-    _graph_train_augment,
+    graph_decode,
+    graph_labels,
+    graph_read,
+    graph_train_augment,
 )
-from .memory import resolve_memory
 from .pipeline import EchoConfig, EchoPipeline, current_stage
 from .pipeline import echo as echo_point
 from .plain_builders import (
@@ -131,22 +131,22 @@ def imagenet_train_pipeline(
             data_dir, batch_size=batch_size, **asdict(r), **asdict(a)
         )
     e = echo
-    shard, shards, size, dev = _check_common(
+    shard, shards, size, dev = check_common(
         batch_size, a.image_size, r.num_threads, a.dtype, r.shard_id, r.num_shards,
         r.decode_device, r.device_id, r.on_corrupt, r.check, r.read_delay_ms,
     )  # fmt: skip
-    _check_choice("echo_insert", e.echo_insert, ("after_decode", "after_augment"))
-    _check_choice("echo_mode", e.echo_mode, ("example", "batch"))
+    check_choice("echo_insert", e.echo_insert, ("after_decode", "after_augment"))
+    check_choice("echo_mode", e.echo_mode, ("example", "batch"))
     if e.upstream_threads is not None:
-        _check_positive_int("upstream_threads", e.upstream_threads)
+        check_positive_int("upstream_threads", e.upstream_threads)
     index = index_imagenet_split(data_dir, "train", check=r.check, on_corrupt=r.on_corrupt)
-    files = _train_reader_args(
+    files = train_reader_args(
         index, shard_id=shard, num_shards=shards, seed=int(r.seed), shuffle_files=r.shuffle_files,
         stick_to_shard=r.stick_to_shard, initial_fill=r.initial_fill,
     )  # fmt: skip
     if e.epochs is not None:
         # echopipe counts epochs in whole reader batches, so the last one must not wrap.
-        files = _ReaderArgs(**{**files.__dict__, "pad_last_batch": True})
+        files = ReaderArgs(**{**files.__dict__, "pad_last_batch": True})
     tap = UpstreamTap(r.read_delay_ms) if (r.track_sources or r.read_delay_ms > 0) else None
     pipe = ImagenetEchoPipeline(
         _echo_train_graph(files, tap, r, a, e, size),
@@ -157,11 +157,11 @@ def imagenet_train_pipeline(
         prefetch_queue_depth=r.prefetch_queue_depth,
         enable_checkpointing=e.enable_checkpointing,
     )
-    return _attach(pipe, index, tap)
+    return attach(pipe, index, tap)
 
 
 def _echo_train_graph(
-    files: _ReaderArgs,
+    files: ReaderArgs,
     tap: UpstreamTap | None,
     r: ReaderSpec,
     a: AugmentSpec,
@@ -174,14 +174,14 @@ def _echo_train_graph(
         # The function is traced twice; the reader is pruned from the downstream trace, but a
         # python_function never is, so the tap goes into the upstream trace only.
         upstream = current_stage() != "downstream"
-        jpegs, labels, _ = _graph_read(files, tap if upstream else None)
-        images = _graph_decode(jpegs, r.decode_device)
-        labels = _graph_labels(labels)
+        jpegs, labels, _ = graph_read(files, tap if upstream else None)
+        images = graph_decode(jpegs, r.decode_device)
+        labels = graph_labels(labels)
         if e.echo_insert == "after_augment":
-            images = _graph_train_augment(images, size, a.dtype, a.random_area)
+            images = graph_train_augment(images, size, a.dtype, a.random_area)
             return echo_point(images, labels)
         images, labels = echo_point(images, labels)
-        return _graph_train_augment(images, size, a.dtype, a.random_area), labels
+        return graph_train_augment(images, size, a.dtype, a.random_area), labels
 
     return imagenet_train
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .memory import check_memory
+from ..echo.memory import check_memory
 
 _ECHO_MODES = ("example", "batch")
 #: Default shuffle buffer, in downstream batches. The cache draws uniformly from what it holds,

@@ -116,7 +116,7 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
         seed: seeds the cache's tickets and draws, and both DALI pipelines.
         memory: cache arena: ``"auto"`` (pinned when a GPU is present), ``"pageable"``,
             ``"pinned"`` or ``"device"`` (GPU memory, for inputs on the GPU; see
-            :mod:`echopipe.dali.memory`).
+            :mod:`echopipe.echo.memory`).
         prefetch_queue_depth: downstream DALI prefetch (forced to 1 when deterministic).
         enable_checkpointing: also checkpoint DALI's own operator states (reader position,
             random augmentation state), so checkpoints resume exactly; needed for DALI

@@ -7,17 +7,17 @@ from typing import Any
 import numpy as np
 
 
-def _host_dense(tensor_list: Any) -> np.ndarray:
+def host_dense(tensor_list: Any) -> np.ndarray:
     """Host copy of a dense DALI TensorList, CPU or GPU (a GPU one has no array interface)."""
     if hasattr(tensor_list, "as_cpu"):
         tensor_list = tensor_list.as_cpu()
     return np.array(tensor_list.as_tensor())
 
 
-def _to_numpy(tensor_list: Any) -> np.ndarray | list[np.ndarray]:
+def to_numpy(tensor_list: Any) -> np.ndarray | list[np.ndarray]:
     """Host copy of a DALI TensorList: one array when dense, else a list of samples."""
     if tensor_list.is_dense_tensor():
-        return _host_dense(tensor_list)
+        return host_dense(tensor_list)
     if hasattr(tensor_list, "as_cpu"):
         tensor_list = tensor_list.as_cpu()
     return [np.array(tensor_list.at(i)) for i in range(len(tensor_list))]

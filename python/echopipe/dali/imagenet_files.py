@@ -31,7 +31,7 @@ from .specs import CheckLevel, OnCorrupt
 
 __all__ = ["index_imagenet_split", "resolve_split_dir"]
 
-_READER_NAME = "Reader"
+READER_NAME = "Reader"
 
 
 def resolve_split_dir(data_dir: str | Path, split: str) -> Path:
@@ -66,7 +66,7 @@ def index_imagenet_split(
 
 
 @dataclass(frozen=True)
-class _ReaderArgs:
+class ReaderArgs:
     files: list[str]
     labels: list[int]
     shard_id: int
@@ -78,7 +78,7 @@ class _ReaderArgs:
     initial_fill: int
 
 
-def _train_reader_args(
+def train_reader_args(
     index: ImageFolderIndex,
     *,
     shard_id: int,
@@ -87,7 +87,7 @@ def _train_reader_args(
     shuffle_files: bool,
     stick_to_shard: bool,
     initial_fill: int,
-) -> _ReaderArgs:
+) -> ReaderArgs:
     files, labels = list(index.files), list(index.labels)
     if shuffle_files:
         # One permutation, the same on every rank (it depends on seed only), so the contiguous
@@ -95,7 +95,7 @@ def _train_reader_args(
         order = np.random.default_rng(seed).permutation(len(files))
         files = [files[i] for i in order]
         labels = [labels[i] for i in order]
-    return _ReaderArgs(
+    return ReaderArgs(
         files=files,
         labels=labels,
         shard_id=shard_id,
@@ -108,11 +108,11 @@ def _train_reader_args(
     )
 
 
-def _val_reader_args(
+def val_reader_args(
     index: ImageFolderIndex, *, shard_id: int, num_shards: int, seed: int, stick_to_shard: bool
-) -> _ReaderArgs:
+) -> ReaderArgs:
     # Sorted files, no shuffle, and the last batch padded so every image is read once per epoch.
-    return _ReaderArgs(
+    return ReaderArgs(
         files=list(index.files),
         labels=list(index.labels),
         shard_id=shard_id,
@@ -125,9 +125,9 @@ def _val_reader_args(
     )
 
 
-def _attach(pipe: Any, index: ImageFolderIndex, tap: UpstreamTap | None) -> Any:
+def attach(pipe: Any, index: ImageFolderIndex, tap: UpstreamTap | None) -> Any:
     pipe.folder_index = index
     pipe.skipped_files = list(index.skipped)
     pipe.upstream_tap = tap
-    pipe.reader_name = _READER_NAME
+    pipe.reader_name = READER_NAME
     return pipe

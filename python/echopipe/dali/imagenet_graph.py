@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .imagenet_files import _READER_NAME, _ReaderArgs
+from .imagenet_files import READER_NAME, ReaderArgs
 from .source_tap import UpstreamTap
 from .specs import DecodeDevice, OutputDType
 
@@ -23,7 +23,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 """Per-channel RGB standard deviation of ImageNet, on a 0-1 scale."""
 
 
-def _graph_read(args: _ReaderArgs, tap: UpstreamTap | None) -> tuple[Any, Any, Any]:
+def graph_read(args: ReaderArgs, tap: UpstreamTap | None) -> tuple[Any, Any, Any]:
     """``(encoded files, labels, source paths)``; the files pass through ``tap`` if given."""
     from nvidia.dali import fn
 
@@ -37,7 +37,7 @@ def _graph_read(args: _ReaderArgs, tap: UpstreamTap | None) -> tuple[Any, Any, A
         stick_to_shard=args.stick_to_shard,
         initial_fill=args.initial_fill,
         seed=args.seed,
-        name=_READER_NAME,
+        name=READER_NAME,
     )
     sources = fn.get_property(jpegs, key="source_info")
     if tap is not None:
@@ -47,7 +47,7 @@ def _graph_read(args: _ReaderArgs, tap: UpstreamTap | None) -> tuple[Any, Any, A
     return jpegs, labels, sources
 
 
-def _graph_decode(jpegs: Any, decode_device: DecodeDevice) -> Any:
+def graph_decode(jpegs: Any, decode_device: DecodeDevice) -> Any:
     from nvidia.dali import fn, types
 
     return fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB)
@@ -59,7 +59,7 @@ def _dali_dtype(dtype: OutputDType) -> Any:
     return types.FLOAT16 if dtype == "half" else types.FLOAT
 
 
-def _graph_train_augment(
+def graph_train_augment(
     images: Any, image_size: int, dtype: OutputDType, random_area: tuple[float, float]
 ) -> Any:
     from nvidia.dali import fn
@@ -77,7 +77,7 @@ def _graph_train_augment(
     )
 
 
-def _graph_center_crop(images: Any, resize: int, size: int, dtype: OutputDType) -> Any:
+def graph_center_crop(images: Any, resize: int, size: int, dtype: OutputDType) -> Any:
     """Resize the shorter side to ``resize``, centre-crop ``size`` square, normalise to CHW."""
     from nvidia.dali import fn
 
@@ -92,7 +92,7 @@ def _graph_center_crop(images: Any, resize: int, size: int, dtype: OutputDType) 
     )
 
 
-def _graph_labels(labels: Any) -> Any:
+def graph_labels(labels: Any) -> Any:
     from nvidia.dali import fn, types
 
     # The reader gives int32 of shape (1,); torch losses want int64 scalars per sample.

@@ -25,10 +25,10 @@ import numpy as np
 
 from .builders import (
     UpstreamTap,
-    _check_common,
-    _check_positive_int,
-    _graph_train_augment,
+    check_common,
+    check_positive_int,
     explain_decode_failure,
+    graph_train_augment,
     imagenet_decode_pipeline,
 )
 from .config import DEFAULT_SHUFFLE_BATCHES
@@ -52,7 +52,7 @@ class PythonEchoBuffer:
     def __init__(
         self, capacity: int, echo_factor: float, *, min_fill: int = 0, seed: int = 0
     ) -> None:
-        self.capacity = _check_positive_int("capacity", capacity)
+        self.capacity = check_positive_int("capacity", capacity)
         e = float(echo_factor)
         if not math.isfinite(e) or e < 1.0:
             raise ValueError(f"echo_factor must be a finite number >= 1, got {echo_factor!r}")
@@ -307,7 +307,7 @@ def python_echo_train_pipeline(
     if spec is None:
         raise ValueError("the Python echo peer needs an echo_factor (it has no plain mode)")
     r, a = reader, augment
-    shard, shards, size, dev = _check_common(
+    shard, shards, size, dev = check_common(
         batch_size, a.image_size, r.num_threads, a.dtype, r.shard_id, r.num_shards,
         r.decode_device, r.device_id, r.on_corrupt, r.check, r.read_delay_ms,
     )  # fmt: skip
@@ -321,11 +321,11 @@ def python_echo_train_pipeline(
     for name, (value, only) in unsupported.items():
         if value != only:
             raise ValueError(f"the Python echo peer supports only {name}={only!r}, got {value!r}")
-    up_batch = _check_positive_int("upstream_batch_size", spec.upstream_batch_size or batch_size)
-    upstream_threads = _check_positive_int("upstream_threads", spec.upstream_threads or 1)
+    up_batch = check_positive_int("upstream_batch_size", spec.upstream_batch_size or batch_size)
+    upstream_threads = check_positive_int("upstream_threads", spec.upstream_threads or 1)
     default_fill = DEFAULT_SHUFFLE_BATCHES * int(batch_size)
     fill = default_fill if spec.shuffle_buffer is None else int(spec.shuffle_buffer)
-    capacity = _check_positive_int("cache_samples", spec.cache_samples or max(1024, 2 * fill))
+    capacity = check_positive_int("cache_samples", spec.cache_samples or max(1024, 2 * fill))
     fill = min(fill, capacity)
     upstream = imagenet_decode_pipeline(
         data_dir, batch_size=up_batch, num_threads=upstream_threads, seed=r.seed,
@@ -345,7 +345,7 @@ def python_echo_train_pipeline(
             images, labels = fn.external_source(
                 source=feeder, num_outputs=2, batch=True, layout=["HWC", None]
             )
-            return _graph_train_augment(images, size, dtype, random_area), labels
+            return graph_train_augment(images, size, dtype, random_area), labels
 
         return downstream()
 

@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _plugin
+from ..echo.memory import resolve_memory
+from . import plugin
 from .config import EchoConfig, make_cache
 from .dali_api import DaliPipelineApi
-from .host_copy import _host_dense, _to_numpy
-from .memory import resolve_memory
-from .upstream import _UpstreamRunner
+from .host_copy import host_dense, to_numpy
+from .upstream import UpstreamRunner
 
 _STATE_VERSION = 1
 _name_counter = itertools.count()
@@ -103,7 +103,7 @@ def echo(*fields: Any, device: str | None = None) -> tuple[Any, ...]:
         raise ValueError(f"echo() takes 1 to 4 fields per sample, got {len(fields)}")
     if device not in (None, "cpu", "gpu"):
         raise ValueError(f"echo(device=...) must be 'cpu', 'gpu' or None, got {device!r}")
-    _plugin.load()  # the operators below exist only once the plugin is loaded
+    plugin.load()  # the operators below exist only once the plugin is loaded
     state.calls += 1
     if state.calls > 1:
         raise RuntimeError("echo() was called more than once; a pipeline has one echo point")
@@ -130,12 +130,12 @@ def echo(*fields: Any, device: str | None = None) -> tuple[Any, ...]:
 # ---- the pipeline pair ---------------------------------------------------------------------
 
 
-def _close_resources(cache: Any, runner: _UpstreamRunner, cache_name: str) -> None:
+def _close_resources(cache: Any, runner: UpstreamRunner, cache_name: str) -> None:
     # Closing the cache first wakes a sink or source blocked inside DALI; then the thread can end.
     with contextlib.suppress(Exception):
         cache.close()
     runner.stop()
-    _plugin.forget(cache_name)
+    plugin.forget(cache_name)
 
 
 class EchoPipeline(DaliPipelineApi):
@@ -178,7 +178,7 @@ class EchoPipeline(DaliPipelineApi):
         pipeline_kwargs: dict[str, Any] | None = None,
         on_upstream_error: Callable[[BaseException], BaseException | None] | None = None,
     ) -> None:
-        _plugin.load()
+        plugin.load()
         self.config = config.resolved()
         if self.config.deterministic:
             prefetch_queue_depth = 1
@@ -200,8 +200,8 @@ class EchoPipeline(DaliPipelineApi):
         self._on_upstream_error = on_upstream_error
         self.cache_name = f"echopipe-dali-{os.getpid()}-{next(_name_counter)}"
         self.cache = make_cache(self.config, self.cache_name, device_id)
-        _plugin.set_quota(self.cache_name, -1)
-        self._runner = _UpstreamRunner(self)
+        plugin.set_quota(self.cache_name, -1)
+        self._runner = UpstreamRunner(self)
         self._finalizer = weakref.finalize(
             self, _close_resources, self.cache, self._runner, self.cache_name
         )
@@ -286,7 +286,7 @@ class EchoPipeline(DaliPipelineApi):
 
     def _place_cache(self, devices: list[str]) -> None:
         """``memory="auto"`` with the echo input on the GPU: the cache moves to the device arena
-        when it fits (:func:`echopipe.dali.memory.choose_memory`). The trace is the first place
+        when it fits (:func:`echopipe.echo.memory.choose_memory`). The trace is the first place
         that knows where the input lives; nothing has used the cache yet (DALI builds before
         anything runs, and a checkpoint is applied after the build)."""
         if self.config.memory != "auto" or "gpu" not in devices:
@@ -299,12 +299,12 @@ class EchoPipeline(DaliPipelineApi):
         )
         if memory != "device":
             return
-        quota = _plugin.get_quota(self.cache_name)
+        quota = plugin.get_quota(self.cache_name)
         self._finalizer.detach()
         self.cache.close()  # also frees its name in the registry
         self.config = replace(self.config, memory=memory)
         self.cache = make_cache(self.config, self.cache_name, self._device_id)
-        _plugin.set_quota(self.cache_name, quota)
+        plugin.set_quota(self.cache_name, quota)
         self._finalizer = weakref.finalize(
             self, _close_resources, self.cache, self._runner, self.cache_name
         )
@@ -450,7 +450,7 @@ class EchoPipeline(DaliPipelineApi):
         """The batch's ``info`` as numpy, or None (and the stream marked ended) when it holds
         no real sample. Only such a batch ends the stream: in batch mode the input's short last
         unit can make a batch short while whole units are still to come."""
-        info = _host_dense(info_list)
+        info = host_dense(info_list)
         if info[:, 0].any():
             return info
         self._input_done = True
@@ -489,8 +489,8 @@ class EchoPipeline(DaliPipelineApi):
         while self._scheduled > 0:
             outputs = list(self.downstream.outputs())
             self._scheduled -= 1
-            info = _host_dense(outputs[-1])
-            arrays = [_to_numpy(o) for o in outputs[:-1]]
+            info = host_dense(outputs[-1])
+            arrays = [to_numpy(o) for o in outputs[:-1]]
             if int(info[:, 0].sum()) > 0:
                 self._stash.append((arrays, info))
         self._runner.pause()
@@ -500,8 +500,8 @@ class EchoPipeline(DaliPipelineApi):
                 "config": asdict(self.config),
                 "num_fields": self.num_fields,
                 "cache": self.cache.state_dict(),
-                "layouts": _plugin.get_layouts(self.cache_name),
-                "quota": _plugin.get_quota(self.cache_name),
+                "layouts": plugin.get_layouts(self.cache_name),
+                "quota": plugin.get_quota(self.cache_name),
                 "runner": self._runner.state(),
                 "stash": [
                     ([a.copy() for a in arrays], info.copy()) for arrays, info in self._stash
@@ -548,8 +548,8 @@ class EchoPipeline(DaliPipelineApi):
 
     def _apply_restore(self, state: dict[str, Any]) -> None:
         self.cache.load_state_dict(state["cache"])
-        _plugin.set_layouts(self.cache_name, list(state["layouts"]))
-        _plugin.set_quota(self.cache_name, int(state["quota"]))
+        plugin.set_layouts(self.cache_name, list(state["layouts"]))
+        plugin.set_quota(self.cache_name, int(state["quota"]))
         self._runner.load(state["runner"])
         self._stash = [(list(arrays), info) for arrays, info in state["stash"]]
         self._input_done = bool(state["input_done"])

@@ -13,14 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .builder_checks import _check_common, _check_resize
-from .imagenet_files import _attach, _train_reader_args, _val_reader_args, index_imagenet_split
+from .builder_checks import check_common, check_resize
+from .imagenet_files import attach, index_imagenet_split, train_reader_args, val_reader_args
 from .imagenet_graph import (
-    _graph_center_crop,
-    _graph_decode,
-    _graph_labels,
-    _graph_read,
-    _graph_train_augment,
+    graph_center_crop,
+    graph_decode,
+    graph_labels,
+    graph_read,
+    graph_train_augment,
 )
 from .naming import naming_pipeline
 from .source_tap import UpstreamTap
@@ -65,22 +65,22 @@ def imagenet_plain_train_pipeline(
     The arguments are those of :func:`~echopipe.dali.imagenet_train_pipeline` that apply without
     echo.
     """
-    shard, shards, size, dev = _check_common(
+    shard, shards, size, dev = check_common(
         batch_size, image_size, num_threads, dtype, shard_id, num_shards, decode_device,
         device_id, on_corrupt, check, read_delay_ms,
     )  # fmt: skip
     index = index_imagenet_split(data_dir, "train", check=check, on_corrupt=on_corrupt)
-    reader = _train_reader_args(
+    reader = train_reader_args(
         index, shard_id=shard, num_shards=shards, seed=int(seed), shuffle_files=shuffle_files,
         stick_to_shard=stick_to_shard, initial_fill=initial_fill,
     )  # fmt: skip
     tap = UpstreamTap(read_delay_ms) if (track_sources or read_delay_ms > 0) else None
 
     def plain_train() -> tuple[Any, Any]:
-        jpegs, labels, _ = _graph_read(reader, tap)
-        images = _graph_decode(jpegs, decode_device)
-        images = _graph_train_augment(images, size, dtype, random_area)
-        return images, _graph_labels(labels)
+        jpegs, labels, _ = graph_read(reader, tap)
+        images = graph_decode(jpegs, decode_device)
+        images = graph_train_augment(images, size, dtype, random_area)
+        return images, graph_labels(labels)
 
     pipe = naming_pipeline(
         plain_train,
@@ -91,7 +91,7 @@ def imagenet_plain_train_pipeline(
         seed=int(seed) + shard,
         prefetch_queue_depth=prefetch_queue_depth,
     )
-    return _attach(pipe, index, tap)
+    return attach(pipe, index, tap)
 
 
 def imagenet_decode_pipeline(
@@ -114,20 +114,20 @@ def imagenet_decode_pipeline(
     labels. This is the upstream of the Python echo peer (:mod:`echopipe.dali.peer`) and what
     ``bench/dali_echo.py`` times as "upstream alone". Attributes as for the other builders.
     """
-    shard, shards, _, _ = _check_common(
+    shard, shards, _, _ = check_common(
         batch_size, 1, num_threads, "float", shard_id, num_shards, "cpu", None, on_corrupt,
         check, read_delay_ms,
     )  # fmt: skip
     index = index_imagenet_split(data_dir, "train", check=check, on_corrupt=on_corrupt)
-    reader = _train_reader_args(
+    reader = train_reader_args(
         index, shard_id=shard, num_shards=shards, seed=int(seed), shuffle_files=shuffle_files,
         stick_to_shard=False, initial_fill=1024,
     )  # fmt: skip
     tap = UpstreamTap(read_delay_ms)
 
     def decode_only() -> tuple[Any, Any]:
-        jpegs, labels, _ = _graph_read(reader, tap)
-        return _graph_decode(jpegs, "cpu"), _graph_labels(labels)
+        jpegs, labels, _ = graph_read(reader, tap)
+        return graph_decode(jpegs, "cpu"), graph_labels(labels)
 
     pipe = naming_pipeline(
         decode_only,
@@ -138,7 +138,7 @@ def imagenet_decode_pipeline(
         seed=int(seed) + shard,
         prefetch_queue_depth=prefetch_queue_depth,
     )
-    return _attach(pipe, index, tap)
+    return attach(pipe, index, tap)
 
 
 def imagenet_val_pipeline(
@@ -197,23 +197,23 @@ def imagenet_val_pipeline(
         An ``nvidia.dali.Pipeline`` (not built) with ``folder_index``, ``skipped_files``,
         ``upstream_tap`` and ``reader_name`` attributes.
     """
-    shard, shards, size, dev = _check_common(
+    shard, shards, size, dev = check_common(
         batch_size, image_size, num_threads, dtype, shard_id, num_shards, decode_device,
         device_id, on_corrupt, check, read_delay_ms,
     )  # fmt: skip
-    resize = _check_resize(resize_size, size)
+    resize = check_resize(resize_size, size)
     index = index_imagenet_split(data_dir, "val", check=check, on_corrupt=on_corrupt)
-    reader = _val_reader_args(
+    reader = val_reader_args(
         index, shard_id=shard, num_shards=shards, seed=int(seed), stick_to_shard=stick_to_shard
     )
     tap = UpstreamTap(read_delay_ms) if (track_sources or read_delay_ms > 0) else None
 
     def val() -> tuple[Any, ...]:
-        jpegs, labels, sources = _graph_read(reader, tap)
-        images = _graph_center_crop(_graph_decode(jpegs, decode_device), resize, size, dtype)
+        jpegs, labels, sources = graph_read(reader, tap)
+        images = graph_center_crop(graph_decode(jpegs, decode_device), resize, size, dtype)
         if return_paths:
-            return images, _graph_labels(labels), sources
-        return images, _graph_labels(labels)
+            return images, graph_labels(labels), sources
+        return images, graph_labels(labels)
 
     pipe = naming_pipeline(
         val,
@@ -224,4 +224,4 @@ def imagenet_val_pipeline(
         seed=int(seed),
         prefetch_queue_depth=prefetch_queue_depth,
     )
-    return _attach(pipe, index, tap)
+    return attach(pipe, index, tap)

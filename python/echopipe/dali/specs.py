@@ -94,7 +94,7 @@ class EchoSpec:
         deterministic: upstream in lock-step with the consumer (reproducible stream).
         memory: cache memory (``"auto"``, ``"pageable"``, ``"pinned"``, ``"device"``); the
             ImageNet builder's ``"auto"`` takes ``"device"`` for a ``"mixed"`` decode when the
-            arena fits (:func:`echopipe.dali.memory.choose_memory`).
+            arena fits (:func:`echopipe.echo.memory.choose_memory`).
         enable_checkpointing: also checkpoint DALI's operator states.
     """
 

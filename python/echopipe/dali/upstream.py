@@ -7,8 +7,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import _plugin
-from .host_copy import _host_dense
+from . import plugin
+from .host_copy import host_dense
 
 if TYPE_CHECKING:
     from .pipeline import EchoPipeline
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 _POLL_S = 0.005
 
 
-class _UpstreamRunner:
+class UpstreamRunner:
     """Runs the upstream DALI pipeline: one iteration = one upstream batch into the cache.
 
     Free-running mode uses a daemon thread that only starts an iteration when the cache has room
@@ -52,12 +52,12 @@ class _UpstreamRunner:
         if self.ended:
             return False
         if cfg.epochs is not None and self.iter_in_epoch == 0:
-            _plugin.set_quota(owner.cache_name, owner._shard_size)
+            plugin.set_quota(owner.cache_name, owner._shard_size)
         bytes_before = owner.cache.stats().bytes_used if cfg.deterministic else 0
         t0 = time.perf_counter()
         outputs = owner.upstream.run()
         elapsed = time.perf_counter() - t0
-        stored = int(_host_dense(outputs[0]).sum())
+        stored = int(host_dense(outputs[0]).sum())
         if cfg.deterministic and stored:
             # Nothing else touches the cache meanwhile: the growth is this batch's bytes.
             grown = owner.cache.stats().bytes_used - bytes_before

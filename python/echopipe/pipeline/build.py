@@ -107,7 +107,7 @@ def _bind_grad_hook(
     return bound
 
 
-def _stage_optimizer(
+def stage_optimizer(
     factory: OptimizerFactory, params: list[nn.Parameter]
 ) -> torch.optim.Optimizer | None:
     if not params:
@@ -136,7 +136,7 @@ def build_cores(
     cores: list[StageCore] = []
     for k, (stage, device) in enumerate(zip(stages, devices, strict=True)):
         params = [p for p in stage.parameters() if p.requires_grad]
-        opt = _stage_optimizer(optimizer, params)
+        opt = stage_optimizer(optimizer, params)
         sched = scheduler(opt) if (scheduler is not None and opt is not None) else None
         core = StageCore(
             k, num_stages, stage, device, opt, sched, scheduler_interval,

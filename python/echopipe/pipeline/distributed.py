@@ -37,7 +37,7 @@ from torch import nn
 from .checkpoint import atomic_save, load_file
 from .dist_setup import check_gpus_per_rank
 from .distributed_epoch import DistributedEpochApi, agreed_auto_balance
-from .engine import CHECKPOINT_FORMAT, LossFn, OptimizerFactory, SchedulerFactory, _stage_optimizer
+from .engine import CHECKPOINT_FORMAT, LossFn, OptimizerFactory, SchedulerFactory, stage_optimizer
 from .partition import DeviceLike, parse_devices, split_sequential
 from .results import LossRecord, StepResult
 from .schedule import HybridSchedule, stage_staleness
@@ -50,14 +50,14 @@ __all__ = ["DistributedStalePipeline"]
 # tags on Gloo either makes the tests over Gloo check that order too.
 _TAG_ACT = 1
 _TAG_GRAD = 2
-_TAG_TARGET = 3
-_TAG_EVAL = 4
+TAG_TARGET = 3
+TAG_EVAL = 4
 _P2P_TAG = 0
 _TAG_NAMES = {
     _TAG_ACT: "activations",
     _TAG_GRAD: "gradients",
-    _TAG_TARGET: "targets",
-    _TAG_EVAL: "evaluation activations",
+    TAG_TARGET: "targets",
+    TAG_EVAL: "evaluation activations",
 }
 _MAX_DIMS = 8
 _DTYPES = [
@@ -176,7 +176,7 @@ class DistributedStalePipeline(DistributedEpochApi):
                     self._dp_group = group
 
         params = [p for p in self.stage.parameters() if p.requires_grad]
-        opt = _stage_optimizer(optimizer, params)
+        opt = stage_optimizer(optimizer, params)
         sched = scheduler(opt) if (scheduler is not None and opt is not None) else None
         last = self.stage_index == self.num_stages - 1
         self._core = StageCore(
@@ -328,13 +328,13 @@ class DistributedStalePipeline(DistributedEpochApi):
             if self.is_last:
                 target = tgt.to(self.device)
             else:
-                self._send(tgt, self._last_rank, _TAG_TARGET)
+                self._send(tgt, self._last_rank, TAG_TARGET)
         else:
             assert self._prev is not None
             if self.is_last:
                 # Stage 0 sends the target before its activations; with two stages both go to
                 # this rank, and without tags the receives must come in the same order.
-                target = self._recv(self._base, _TAG_TARGET)
+                target = self._recv(self._base, TAG_TARGET)
             x = self._recv(self._prev, _TAG_ACT)
         out, loss = core.forward(index, x, target)
         if self.is_last:
@@ -434,11 +434,11 @@ class DistributedStalePipeline(DistributedEpochApi):
                     h = x.to(self.device)
                 else:
                     assert self._prev is not None
-                    h = self._recv(self._prev, _TAG_EVAL)
+                    h = self._recv(self._prev, TAG_EVAL)
                 h = self.stage(h)
                 if not self.is_last:
                     assert self._next is not None
-                    self._send(h, self._next, _TAG_EVAL)
+                    self._send(h, self._next, TAG_EVAL)
                     self._reap_sends(wait_all=True)
                     return None
                 return h.cpu()

@@ -125,7 +125,7 @@ class DistributedEpochApi:
         Stage 0 passes ``x`` and ``target`` (others ``None``); every rank of the replica gets
         the same fraction in [0, 1], as :meth:`StalePipeline.accuracy` returns it.
         """
-        from .distributed import _TAG_EVAL, _TAG_TARGET
+        from .distributed import TAG_EVAL, TAG_TARGET
 
         self.drain()  # type: ignore[attr-defined]
         send, recv = self._send, self._recv  # type: ignore[attr-defined]
@@ -136,17 +136,17 @@ class DistributedEpochApi:
             chunks = list(torch.split(x, batch_size))
             target = target.reshape(-1)
             if not self.is_last:
-                send(target, self._last_rank, _TAG_TARGET)
+                send(target, self._last_rank, TAG_TARGET)
         elif self.is_last:
-            target = recv(self._base, _TAG_TARGET)  # stage 0 sends it first
+            target = recv(self._base, TAG_TARGET)  # stage 0 sends it first
         # The chunk count travels down the pipeline ahead of the chunks.
         n = torch.tensor([len(chunks)], dtype=torch.int64)
         if not self.is_first:
             assert self._prev is not None
-            n = recv(self._prev, _TAG_EVAL)
+            n = recv(self._prev, TAG_EVAL)
         if not self.is_last:
             assert self._next is not None
-            send(n, self._next, _TAG_EVAL)
+            send(n, self._next, TAG_EVAL)
         outputs = [self.evaluate(chunks[i] if chunks else None) for i in range(int(n.item()))]  # type: ignore[attr-defined]
         result = torch.zeros(1, dtype=torch.float64)
         if self.is_last:
@@ -158,9 +158,9 @@ class DistributedEpochApi:
             else:
                 result[0] = math.nan
             for peer in range(self._base, self._last_rank):
-                send(result, peer, _TAG_EVAL)
+                send(result, peer, TAG_EVAL)
         else:
-            result = recv(self._last_rank, _TAG_EVAL)
+            result = recv(self._last_rank, TAG_EVAL)
         self._reap_sends(wait_all=True)  # type: ignore[attr-defined]
         return float(result.cpu()[0])
 

@@ -23,15 +23,15 @@ from .build import LossFn as LossFn
 from .build import OptimizerFactory as OptimizerFactory
 from .build import SchedulerFactory as SchedulerFactory
 from .build import StageGradHook as StageGradHook
-from .build import _stage_optimizer as _stage_optimizer
 from .build import build_cores, check_arguments, resolve_balance
+from .build import stage_optimizer as stage_optimizer
 from .partition import DeviceLike, parse_devices, split_sequential
 from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult, unpack_batch
 from .schedule import HybridSchedule, stage_staleness
 from .state import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
 from .state import PipelineState
 from .stream import BusyTimer, caller_event, synchronize_devices
-from .worker import _POLL_S, PipelineError, StageWorkers, _Batch, _Drain, _SchedulerStep
+from .worker import POLL_S, Batch, Drain, PipelineError, SchedulerStep, StageWorkers
 
 __all__ = [
     "EpochResult",
@@ -210,7 +210,7 @@ class StalePipeline(StageWorkers, PipelineState):
     # Caller side ----------------------------------------------------------------------------
     def _check(self) -> None:
         if self._error is not None:
-            self._shutdown()
+            self.shutdown()
             raise self._error
         if self._closed:
             raise RuntimeError("the pipeline is closed")
@@ -219,7 +219,7 @@ class StalePipeline(StageWorkers, PipelineState):
         while True:
             self._check()
             try:
-                q.put(item, timeout=_POLL_S)
+                q.put(item, timeout=POLL_S)
                 return
             except queue.Full:
                 continue
@@ -247,7 +247,7 @@ class StalePipeline(StageWorkers, PipelineState):
         index = self.steps_fed
         if self.hybrid is not None and self._pipelined and not self.hybrid.pipelined_at(index):
             self.set_pipelined(False)
-        batch = _Batch(index, x, target, caller_event(x), caller_event(target))
+        batch = Batch(index, x, target, caller_event(x), caller_event(target))
         self._put(self._fwd_queues[0], batch)
         self._idle = False
         self.steps_fed += 1
@@ -261,7 +261,7 @@ class StalePipeline(StageWorkers, PipelineState):
         same point of its own operation sequence regardless of thread timing.
         """
         self._check()
-        self._put(self._fwd_queues[0], _SchedulerStep())
+        self._put(self._fwd_queues[0], SchedulerStep())
 
     def run_epoch(
         self,
@@ -306,12 +306,12 @@ class StalePipeline(StageWorkers, PipelineState):
 
     def _drain_to(self, staleness: list[int]) -> None:
         self._check()
-        self._put(self._fwd_queues[0], _Drain(list(staleness)))
+        self._put(self._fwd_queues[0], Drain(list(staleness)))
         done = 0
         while done < self.num_stages:
             self._check()
             try:
-                self._drained.get(timeout=_POLL_S)
+                self._drained.get(timeout=POLL_S)
                 done += 1
             except queue.Empty:
                 continue
@@ -357,7 +357,7 @@ class StalePipeline(StageWorkers, PipelineState):
         return float((logits.argmax(dim=1) == target.cpu()).double().mean().item())
 
     # Lifetime -------------------------------------------------------------------------------
-    def _shutdown(self) -> None:
+    def shutdown(self) -> None:
         self._stop.set()
         current = threading.current_thread()
         for t in self._threads:
@@ -369,7 +369,7 @@ class StalePipeline(StageWorkers, PipelineState):
         """Stop and join all workers; in-flight minibatches are dropped (drain first to keep
         them). Idempotent."""
         if not self._closed:
-            self._shutdown()
+            self.shutdown()
 
     def __enter__(self) -> StalePipeline:
         return self

@@ -25,7 +25,7 @@ from .stream import BusyTimer, DeviceStream, KeepAlive, StreamEvent, transfer
 
 __all__ = ["PipelineError", "StageWorkers"]
 
-_POLL_S = 0.02
+POLL_S = 0.02
 
 
 class PipelineError(RuntimeError):
@@ -38,7 +38,7 @@ class PipelineError(RuntimeError):
 
 # Messages between the caller and the stage workers ------------------------------------------
 @dataclass
-class _Batch:
+class Batch:
     index: int
     x: torch.Tensor
     target: torch.Tensor | None
@@ -54,11 +54,11 @@ class _Grad:
 
 
 @dataclass
-class _Drain:
+class Drain:
     staleness: list[int]
 
 
-class _SchedulerStep:
+class SchedulerStep:
     pass
 
 
@@ -130,7 +130,7 @@ class StageWorkers:
             if self._stop.is_set():
                 raise _Stopped
             try:
-                return q.get(timeout=_POLL_S)
+                return q.get(timeout=POLL_S)
             except queue.Empty:
                 continue
 
@@ -163,15 +163,15 @@ class StageWorkers:
         self, k: int, core: StageCore, compute: DeviceStream, copy: DeviceStream
     ) -> None:
         last = k == self.num_stages - 1
-        draining: _Drain | None = None
+        draining: Drain | None = None
         held = KeepAlive()
         while True:
             if draining is None and len(core.in_flight) <= core.staleness:
                 msg = self._get(self._fwd_queues[k])
-                if isinstance(msg, _Drain | _SchedulerStep):
+                if isinstance(msg, Drain | SchedulerStep):
                     if not last:
                         self._fwd_queues[k + 1].put(msg)
-                    if isinstance(msg, _Drain):
+                    if isinstance(msg, Drain):
                         draining = msg
                     else:
                         core.schedule_scheduler_step()
@@ -187,7 +187,7 @@ class StageWorkers:
                     self._losses.put(LossRecord(msg.index, loss, compute.record()))
                 else:
                     self._fwd_queues[k + 1].put(
-                        _Batch(msg.index, out, msg.target, compute.record(), msg.target_ready)
+                        Batch(msg.index, out, msg.target, compute.record(), msg.target_ready)
                     )
             elif core.in_flight:
                 index = core.in_flight[0].index

@@ -11,8 +11,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from .config import _O as RUN_FOLDER_GROUP
-from .config import TrainConfig, free_on_resume
+from .config import RUN_FOLDER_GROUP, TrainConfig, free_on_resume
 from .options import add_field_arguments
 
 __all__ = ["add_arguments", "from_namespace"]

@@ -54,7 +54,12 @@ __all__ = [
     "free_on_resume",
 ]
 
-_D, _E, _P, _O = "data and schedule", "data echoing", "pipelining and devices", "run folder"
+_D, _E, _P, RUN_FOLDER_GROUP = (
+    "data and schedule",
+    "data echoing",
+    "pipelining and devices",
+    "run folder",
+)
 
 
 @dataclass
@@ -275,7 +280,7 @@ class TrainConfig:
         check=check_output,
         parse=Path,
         metavar="DIR",
-        group=_O,
+        group=RUN_FOLDER_GROUP,
         on_resume="free",
     )
     checkpoint_every: int = opt(
@@ -284,13 +289,13 @@ class TrainConfig:
         check=int_at_least(0),
         parse=parse_int,
         metavar="STEPS",
-        group=_O,
+        group=RUN_FOLDER_GROUP,
         on_resume="free",
     )
     resume: bool | Path = opt(
         False,
         "continue the run in --output from its last checkpoint, or from CKPT",
-        group=_O,
+        group=RUN_FOLDER_GROUP,
         on_resume="free",
         cli=False,
     )
@@ -300,10 +305,12 @@ class TrainConfig:
         check=int_at_least(1),
         parse=parse_int,
         metavar="STEPS",
-        group=_O,
+        group=RUN_FOLDER_GROUP,
         on_resume="free",
     )
-    progress: bool = opt(True, "progress bars on a terminal", group=_O, on_resume="free", cli=False)
+    progress: bool = opt(
+        True, "progress bars on a terminal", group=RUN_FOLDER_GROUP, on_resume="free", cli=False
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.amp, bool):  # the older on/off spelling means bfloat16

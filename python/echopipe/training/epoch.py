@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..adaptive import EchoController
+from ..echo.controller import EchoController
 from .config import DataError, TrainConfig
 from .distributed import DistContext, average_buffers
 from .input import TrainInput, evaluate

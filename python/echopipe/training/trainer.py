@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..adaptive import EchoController
+from ..echo.controller import EchoController
 from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks
 from .checkpoints import RunCheckpoints
 from .config import TrainConfig, UsageError

@@ -4,7 +4,7 @@ The set is real JPEG files in the ImageNet folder layout (``train/<wnid>/*.JPEG`
 ``val/<wnid>/*.JPEG``), so the DALI readers and decoders do real work on it. Classes differ by
 shape, hue and texture, and every image carries noise, clutter from other classes' palettes,
 random placement, scale and rotation, and its own width and height (the drawing is in
-:mod:`echopipe._synthetic_draw`). Generation is deterministic in its arguments and atomic on
+:mod:`echopipe.data.synthetic_draw`). Generation is deterministic in its arguments and atomic on
 disk, so several processes (torchrun ranks) can ask for the same set at once and all get one
 complete copy. The public names are re-exported by :mod:`echopipe.data`.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ._synthetic_draw import _class_styles, _encode_jpeg, _render_image
+from .synthetic_draw import class_styles, encode_jpeg, render_image
 
 __all__ = [
     "MANIFEST_NAME",
@@ -46,7 +46,7 @@ _GENERATOR_ID = "echopipe.synthetic_imagenet"
 
 def synthetic_class_names(classes: int) -> list[str]:
     """WordNet-id-like folder names ``n0XXXXXXX`` whose sorted order is the class index order."""
-    _check_int("classes", classes, minimum=2)
+    check_int("classes", classes, minimum=2)
     return [f"n{1_000_000 + 7_919 * c:08d}" for c in range(classes)]
 
 
@@ -58,11 +58,11 @@ def _synthetic_params(
     val_per_class: int,
     quality: int,
 ) -> dict[str, Any]:
-    _check_int("classes", classes, minimum=2)
-    _check_int("per_class", per_class, minimum=1)
-    _check_int("val_per_class", val_per_class, minimum=0)
-    _check_int("seed", seed, minimum=0)
-    _check_int("quality", quality, minimum=1)
+    check_int("classes", classes, minimum=2)
+    check_int("per_class", per_class, minimum=1)
+    check_int("val_per_class", val_per_class, minimum=0)
+    check_int("seed", seed, minimum=0)
+    check_int("quality", quality, minimum=1)
     if quality > 100:
         raise ValueError(f"quality must be in [1, 100], got {quality}")
     try:
@@ -138,7 +138,7 @@ def make_synthetic_imagenet(
 def _write_synthetic(out: Path, params: dict[str, Any]) -> dict[str, Any]:
     classes = params["classes"]
     names = synthetic_class_names(classes)
-    styles = _class_styles(classes)
+    styles = class_styles(classes)
     size = (params["size"][0], params["size"][1])
     digest = hashlib.sha256()
     counts = {}
@@ -156,8 +156,8 @@ def _write_synthetic(out: Path, params: dict[str, Any]) -> dict[str, Any]:
             for i in range(count):
                 # One RNG stream per image keeps every image independent of the loop order.
                 rng = np.random.default_rng([params["seed"], split_id, c, i])
-                pixels = _render_image(rng, styles[c], other_hues, size)
-                data = _encode_jpeg(pixels, params["quality"])
+                pixels = render_image(rng, styles[c], other_hues, size)
+                data = encode_jpeg(pixels, params["quality"])
                 stem = f"{name}_{i:05d}" if split == "train" else f"{name}_val_{i:05d}"
                 rel = f"{split}/{name}/{stem}.JPEG"
                 (out / rel).write_bytes(data)
@@ -307,7 +307,7 @@ def ensure_synthetic_imagenet(
     return target
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
+def check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:

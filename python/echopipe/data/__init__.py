@@ -2,23 +2,23 @@
 
 This module is the public face of three pieces, each in its own module:
 
-* the synthetic set (:mod:`echopipe._synthetic_set`, drawn by :mod:`echopipe._synthetic_draw`):
+* the synthetic set (:mod:`echopipe.data.synthetic`, drawn by :mod:`echopipe.data.synthetic_draw`):
   real JPEG files in the ImageNet folder layout (``train/<wnid>/*.JPEG``,
   ``val/<wnid>/*.JPEG``), so the DALI readers and decoders do real work on it. Classes differ
   by shape, hue and texture, and every image carries noise, clutter from other classes'
   palettes, random placement, scale and rotation, and its own width and height. Generation is
   deterministic in its arguments and atomic on disk, so several processes (torchrun ranks) can
   ask for the same set at once and all get one complete copy;
-* folder scanning (:mod:`echopipe._image_folder`): an ImageFolder tree indexed with labels,
+* folder scanning (:mod:`echopipe.data.image_folder`): an ImageFolder tree indexed with labels,
   its files checked, bad ones named (:class:`CorruptImageError`) or left out;
-* scikit-learn's digits as tensors (:mod:`echopipe._digits`).
+* scikit-learn's digits as tensors (:mod:`echopipe.data.digits`).
 """
 
 from __future__ import annotations
 
-from ._digits import load_digits
-from ._image_folder import CorruptImageError, ImageFolderIndex, check_image_file, scan_image_folder
-from ._synthetic_set import (
+from .digits import load_digits
+from .image_folder import CorruptImageError, ImageFolderIndex, check_image_file, scan_image_folder
+from .synthetic import (
     MANIFEST_NAME,
     SYNTHETIC_GENERATOR_VERSION,
     default_dataset_dir,

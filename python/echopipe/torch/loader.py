@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _batch_layout as bl
-from ._echo_reader import _POLL_S, LoaderError, _Producer, _Shared, _shutdown
-from .adaptive import EchoController
-from .echo import CacheClosedError, EchoCache, EchoStats
+from ..echo import CacheClosedError, EchoCache, EchoStats
+from ..echo.controller import EchoController
+from . import batch_layout as bl
+from .reader import POLL_S, LoaderError, Producer, Shared, shutdown
 
 __all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError"]
 
@@ -135,7 +135,7 @@ class EchoLoader:
             sample; lists of ``str`` (one per sample) pass through too. Iterated once per epoch.
         echo_factor: ``e >= 1``: each fresh sample is delivered ``floor(e)`` or ``ceil(e)``
             times; or ``"auto"``: start at 1 and follow ``R = t_up / t_down`` with the controller
-            ``echopipe train --echo auto`` uses (:class:`echopipe.adaptive.EchoController`).
+            ``echopipe train --echo auto`` uses (:class:`echopipe.echo.controller.EchoController`).
         shuffle_buffer: Samples the cache holds (default 4 batches; at least 2 batches). Copies
             of a sample are drawn at random among them.
         batch_size: Samples per output batch (default: the first input batch's).
@@ -196,7 +196,7 @@ class EchoLoader:
             warnings.warn("EchoLoader: pin_memory=True but CUDA is not available; not pinning",
                           RuntimeWarning, stacklevel=2)  # fmt: skip
             self._pin = False
-        self._shared = _Shared()
+        self._shared = Shared()
         self._layout: bl.Layout | None = None
         self._decode: Any = None  # bl.decoder(self._layout)
         self._saved_layout: str | None = None  # signature a resumed stream must match
@@ -213,7 +213,7 @@ class EchoLoader:
         self._closed = False
         self._last_yield: float | None = None
         self._observed = (0.0, 0)
-        self._finalizer = weakref.finalize(self, _shutdown, self._shared, self._close_timeout)
+        self._finalizer = weakref.finalize(self, shutdown, self._shared, self._close_timeout)
 
     # ---- configuration ----
     @property
@@ -301,7 +301,7 @@ class EchoLoader:
             self._delivered_epoch = [0, 0]
             if self._shared.cache is not None:
                 self._shared.cache.reset_input()
-        producer = _Producer(self, self._epoch, skip_batches, skip_rows)
+        producer = Producer(self, self._epoch, skip_batches, skip_rows)
         self._shared.producer = producer
         self._last_yield = None
         self._observed = (0.0, 0)
@@ -350,7 +350,7 @@ class EchoLoader:
             t = t.to(self._device, non_blocking=self._pin)
         return t
 
-    def _take(self, producer: _Producer, have: int) -> Any:
+    def _take(self, producer: Producer, have: int) -> Any:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         while True:
             if producer.error is not None:
@@ -363,11 +363,11 @@ class EchoLoader:
                     if producer.error is not None:
                         raise producer.error
                     return None  # the wrapped loader yielded no batch this epoch
-                producer.ready.wait(_POLL_S)
+                producer.ready.wait(POLL_S)
             else:
                 assert self._batch_size is not None
                 try:
-                    got = cache.take_batch(self._batch_size - have, timeout=_POLL_S)
+                    got = cache.take_batch(self._batch_size - have, timeout=POLL_S)
                 except TimeoutError:
                     got = False
                 except CacheClosedError:
@@ -385,7 +385,7 @@ class EchoLoader:
                     "read from the wrapped loader)"
                 )
 
-    def _observe(self, producer: _Producer, busy: float) -> None:
+    def _observe(self, producer: Producer, busy: float) -> None:
         """Feeds the controller (``"auto"``) and applies its factor every ``echo_interval``."""
         if self._controller is None:
             return
@@ -408,7 +408,7 @@ class EchoLoader:
         self._current = None
         producer = self._shared.producer
         if abort:
-            _shutdown(self._shared, self._close_timeout)  # the cache goes; a new epoch makes one
+            shutdown(self._shared, self._close_timeout)  # the cache goes; a new epoch makes one
         elif producer is not None:
             producer.shutdown(self._close_timeout)  # already ended: it ended the input
         self._shared.producer = None
@@ -417,7 +417,7 @@ class EchoLoader:
             self._totals[key] += value
         self._epoch += 1
 
-    def _epoch_counts(self, producer: _Producer | None) -> tuple[int, int, int, int]:
+    def _epoch_counts(self, producer: Producer | None) -> tuple[int, int, int, int]:
         if producer is None:
             return (0, self._fresh_base, *self._delivered_epoch)  # type: ignore[return-value]
         return (producer.batches_done, self._fresh_base + producer.samples_put,
@@ -483,7 +483,7 @@ class EchoLoader:
             raise ValueError(f"not an EchoLoader state of version {_STATE_VERSION}: {got!r}")
         if (self._controller is None) != (state["controller"] is None):
             raise ValueError("the state was saved with a different echo_factor mode (auto/fixed)")
-        _shutdown(self._shared, self._close_timeout)
+        shutdown(self._shared, self._close_timeout)
         self._epoch = int(state["epoch"])
         self._totals = {k: int(state["totals"][k]) for k in _COUNTS}
         self._factor = float(state["echo_factor"])

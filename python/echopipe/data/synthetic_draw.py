@@ -1,8 +1,8 @@
 """Drawing one image of the synthetic set: class styles, shapes, clutter, noise, JPEG bytes.
 
 Each class has a shape, a hue shared with one other class, and a stripe or checker texture of
-a class frequency; :func:`_render_image` draws one sample of a class from its own RNG stream.
-The set on disk (:mod:`echopipe._synthetic_set`) calls these; the bytes they produce are
+a class frequency; :func:`render_image` draws one sample of a class from its own RNG stream.
+The set on disk (:mod:`echopipe.data.synthetic`) calls these; the bytes they produce are
 covered by :data:`echopipe.data.SYNTHETIC_GENERATOR_VERSION`, so any change here must bump it.
 """
 
@@ -29,7 +29,7 @@ class _ClassStyle:
     frequency: float
 
 
-def _class_styles(classes: int) -> list[_ClassStyle]:
+def class_styles(classes: int) -> list[_ClassStyle]:
     # Pairs of classes share a hue group, so colour alone cannot tell a pair apart: the model
     # must also use shape and texture. Shapes and textures cycle with different periods so no
     # single cue identifies a class either.
@@ -81,7 +81,7 @@ def _object_coords(
     return (c * dx + s * dy) / radius, (-s * dx + c * dy) / radius
 
 
-def _render_image(
+def render_image(
     rng: np.random.Generator,
     style: _ClassStyle,
     other_hues: Sequence[float],
@@ -135,7 +135,7 @@ def _render_image(
     return (np.clip(img, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
-def _encode_jpeg(pixels: np.ndarray, quality: int) -> bytes:
+def encode_jpeg(pixels: np.ndarray, quality: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels, mode="RGB").save(buf, format="JPEG", quality=quality)
     return buf.getvalue()

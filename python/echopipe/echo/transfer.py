@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ._echo_values import CacheClosedError, EchoBatch, EchoSample, InputEndedError
-from ._native import _C
+from ..native import core
+from .values import CacheClosedError, EchoBatch, EchoSample, InputEndedError
 
 __all__ = ["CacheIO"]
 
@@ -26,7 +26,7 @@ def _as_host_array(value: Any, index: int) -> tuple[Any, int, str, tuple[int, ..
     Accepts numpy arrays, torch CPU tensors, anything with ``__dlpack__`` or the buffer protocol,
     and Python scalars. Contiguous inputs are read in place (no copy here; the cache copies once).
     """
-    torch = _torch_module()
+    torch = torch_module()
     if torch is not None and isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise ValueError(
@@ -36,7 +36,12 @@ def _as_host_array(value: Any, index: int) -> tuple[Any, int, str, tuple[int, ..
         if not t.is_contiguous():
             t = t.contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
-        return t, t.data_ptr(), _C.normalize_dtype(_TORCH_ALIASES.get(dtype, dtype)), tuple(t.shape)
+        return (
+            t,
+            t.data_ptr(),
+            core.normalize_dtype(_TORCH_ALIASES.get(dtype, dtype)),
+            tuple(t.shape),
+        )
     if isinstance(value, np.ndarray):
         arr = value
     elif hasattr(value, "__dlpack__") and not isinstance(value, (bytes, bytearray, memoryview)):
@@ -60,14 +65,14 @@ def _numpy_dtype_name(dtype: np.dtype, index: int) -> str:
     if dtype.hasobject or dtype.kind in "USVOMm" or not dtype.isnative:
         raise ValueError(f"field {index}: unsupported dtype '{dtype}'")
     try:
-        name = str(_C.normalize_dtype(dtype.name))
+        name = str(core.normalize_dtype(dtype.name))
     except ValueError as exc:
         raise ValueError(f"field {index}: {exc}") from None
     _DTYPE_NAMES[dtype] = name
     return name
 
 
-def _torch_module() -> Any:
+def torch_module() -> Any:
     """torch if the application already imported it (never imported just for a type check)."""
     return sys.modules.get("torch")
 

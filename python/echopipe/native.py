@@ -16,7 +16,7 @@ from typing import Any
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 try:
-    from . import _C  # type: ignore[attr-defined]
+    from . import _C as core  # type: ignore[attr-defined]
 except ImportError as exc:  # pragma: no cover - exercised only on broken installs
     raise ImportError(
         "echopipe's native module echopipe._C could not be loaded "
@@ -31,7 +31,7 @@ def build_config() -> dict[str, Any]:
     path = _PACKAGE_DIR / "build_config.json"
     if not path.exists():
         # Editable installs keep the file in the build tree; the module knows where it came from.
-        path = Path(_C.__file__).resolve().parent / "build_config.json"
+        path = Path(core.__file__).resolve().parent / "build_config.json"
     if not path.exists():
         return {}
     raw = json.loads(path.read_text())
@@ -42,7 +42,7 @@ def build_config() -> dict[str, Any]:
 
 def native_dir() -> Path:
     """Folder holding ``_C`` and its sibling shared objects (core library, DALI plugin)."""
-    return Path(_C.__file__).resolve().parent
+    return Path(core.__file__).resolve().parent
 
 
-__all__ = ["_C", "build_config", "native_dir"]
+__all__ = ["build_config", "core", "native_dir"]

@@ -79,9 +79,9 @@ def choose_memory(
 
 def gpu_count() -> int:
     """CUDA devices echopipe's core sees (0 when it was built without CUDA)."""
-    from .._native import _C
+    from ..native import core
 
-    return int(_C.cuda_device_count()) if bool(_C.built_with_cuda()) else 0
+    return int(core.cuda_device_count()) if bool(core.built_with_cuda()) else 0
 
 
 def device_free_bytes(device_id: int | None) -> int | None:

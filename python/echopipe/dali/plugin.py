@@ -56,7 +56,7 @@ def read_built_version(path: Path) -> str:
 
 def plugin_path() -> Path:
     """Path of the plugin next to ``echopipe._C`` (raises if it was not built)."""
-    from .._native import build_config, native_dir
+    from ..native import build_config, native_dir
 
     path = native_dir() / PLUGIN_FILENAME
     if not path.exists():
@@ -94,9 +94,9 @@ def load() -> ctypes.CDLL:
 
 
 def _cache(cache_name: str) -> Any:
-    from .._native import _C
+    from ..native import core
 
-    cache = _C.find_cache(cache_name)
+    cache = core.find_cache(cache_name)
     if cache is None:
         raise KeyError(f"no echo cache named {cache_name!r} is registered in this process")
     return cache

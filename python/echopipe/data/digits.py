@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._synthetic_set import _check_int
+from .synthetic import check_int
 
 __all__ = ["load_digits"]
 
@@ -31,8 +31,8 @@ def load_digits(
     from sklearn.datasets import load_digits as _sk_load_digits
     from sklearn.model_selection import train_test_split
 
-    _check_int("image_size", image_size, minimum=8)
-    _check_int("seed", seed, minimum=0)
+    check_int("image_size", image_size, minimum=8)
+    check_int("seed", seed, minimum=0)
     if not 0.0 < float(test_fraction) < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
     bunch = _sk_load_digits()

@@ -1,7 +1,7 @@
 """The reader thread of :class:`echopipe.torch.EchoLoader`: one epoch of the wrapped loader
 into the echo cache, stoppable at any point, with the wrapped loader's workers ended with it.
 
-It holds the loader only weakly and shares a small :class:`_Shared` record with it, so that the
+It holds the loader only weakly and shares a small :class:`Shared` record with it, so that the
 loader can be garbage collected (its finalizer then stops the reader and closes the cache).
 """
 
@@ -13,13 +13,13 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from . import _batch_layout as bl
-from .echo import CacheClosedError, EchoCache
+from ..echo import CacheClosedError, EchoCache
+from . import batch_layout as bl
 
 if TYPE_CHECKING:
-    from .torch_loader import EchoLoader
+    from .loader import EchoLoader
 
-_POLL_S = 0.2  # longest single wait; closing or an error ends every wait sooner
+POLL_S = 0.2  # longest single wait; closing or an error ends every wait sooner
 _BLOCKED_S = 0.005  # a put that took longer waited for space (copying a batch takes less)
 
 
@@ -27,7 +27,7 @@ class LoaderError(RuntimeError):
     """The wrapped loader raised; the message names the batch, ``__cause__`` is the original."""
 
 
-class _Producer(threading.Thread):
+class Producer(threading.Thread):
     """Reads one epoch of the wrapped loader into the cache (one thread per epoch)."""
 
     def __init__(self, owner: EchoLoader, epoch: int, skip_batches: int, skip_rows: int) -> None:
@@ -135,13 +135,13 @@ class _Producer(threading.Thread):
                 if layout.strings:
                     texts, lengths = bl.encode_strings(layout, leaves, done)
                     try:
-                        cache.put((*(f[done] for f in fields), texts, lengths), timeout=_POLL_S)
+                        cache.put((*(f[done] for f in fields), texts, lengths), timeout=POLL_S)
                         done += 1
                     except TimeoutError:
                         pass
                 else:
                     try:
-                        done += cache.put_batch([f[done:] for f in fields], timeout=_POLL_S)
+                        done += cache.put_batch([f[done:] for f in fields], timeout=POLL_S)
                     except TimeoutError as exc:
                         done += int(exc.args[-1])
                 self.samples_put += done - before
@@ -194,16 +194,16 @@ def _release_iterator(it: Any, finished: bool) -> None:
                       stacklevel=2)  # fmt: skip
 
 
-class _Shared:
+class Shared:
     """What the producer thread, the finalizer and the loader share (never the loader itself)."""
 
     def __init__(self) -> None:
         self.cache: EchoCache | None = None
-        self.producer: _Producer | None = None
+        self.producer: Producer | None = None
         self.lock = threading.Lock()
 
 
-def _shutdown(shared: _Shared, timeout: float) -> None:
+def shutdown(shared: Shared, timeout: float) -> None:
     producer, cache = shared.producer, shared.cache
     if producer is not None:
         producer.stop.set()

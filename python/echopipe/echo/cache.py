@@ -27,16 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from . import _device_gather
-from ._echo_io import CacheIO, _torch_module
-from ._echo_values import (
+from ..native import core
+from . import device_gather
+from .transfer import CacheIO, torch_module
+from .values import (
     CacheClosedError,
     EchoBatch,
     EchoSample,
     EchoStats,
     InputEndedError,
 )
-from ._native import _C
 
 __all__ = [
     "CacheClosedError",
@@ -50,7 +50,7 @@ __all__ = [
 
 def _close_native(native: Any, name: str) -> None:
     native.close()
-    _C.remove_cache(name)
+    core.remove_cache(name)
 
 
 # Every open cache, so that interpreter exit can close them all.
@@ -146,7 +146,7 @@ class EchoCache(CacheIO):
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
         self._batch_size = int(batch_size) if batch_size is not None else 1
         self._mode = mode
-        self._native = _C.EchoCache(
+        self._native = core.EchoCache(
             capacity_bytes=int(capacity_bytes),
             capacity_samples=int(capacity_samples),
             echo_factor=e,
@@ -265,20 +265,18 @@ class EchoCache(CacheIO):
                 pinned arena could not be mapped into the GPU's address space
                 (``cudaHostGetDevicePointer`` failed), or echopipe was built without CUDA.
         """
-        torch = _torch_module()
+        torch = torch_module()
         if torch is None or not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if layout not in ("HWC", "CHW"):
             raise ValueError(f"layout must be 'HWC' or 'CHW', got {layout!r}")
         if layout == "CHW" and normalize is None:
             raise ValueError("layout='CHW' needs normalize=(mean, std) (the fused kernel permutes)")
-        samples, field = _device_gather.check_samples(samples, field, EchoSample)
+        samples, field = device_gather.check_samples(samples, field, EchoSample)
         if normalize is None:
-            _device_gather.check_plain_out(torch, samples, field, out)
+            device_gather.check_plain_out(torch, samples, field, out)
         else:
-            mean, std = _device_gather.check_normalize(
-                torch, samples, field, out, normalize, layout
-            )
+            mean, std = device_gather.check_normalize(torch, samples, field, out, normalize, layout)
         if out.device.type != "cuda":
             raise ValueError(f"out must be a CUDA tensor, got one on device '{out.device}'")
         if not out.is_contiguous():
@@ -295,17 +293,17 @@ class EchoCache(CacheIO):
                 "cudaHostGetDevicePointer failed when its arena was allocated (no unified "
                 "addressing on this device?); gather on the host with take_batch instead"
             )
-        stream_obj = _device_gather.resolve_stream(torch, stream, out.device)
+        stream_obj = device_gather.resolve_stream(torch, stream, out.device)
         leases = [s._lease for s in samples]
         with torch.cuda.device(out.device):
             if normalize is None:
-                _C.gather_to_device(leases, field, out.data_ptr(), stream_obj.cuda_stream)
+                core.gather_to_device(leases, field, out.data_ptr(), stream_obj.cuda_stream)
             else:
-                _C.gather_normalize_to_device(
+                core.gather_normalize_to_device(
                     leases, field, mean, std, layout == "CHW", out.data_ptr(),
                     stream_obj.cuda_stream,
                 )  # fmt: skip
-            _device_gather.keep_until_done(torch, stream_obj, out, leases)
+            device_gather.keep_until_done(torch, stream_obj, out, leases)
         return out
 
     def stats(self) -> EchoStats:

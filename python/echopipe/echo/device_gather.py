@@ -2,7 +2,7 @@
 
 Everything here runs before or right after the native launch: bad arguments become one clear
 ``ValueError``/``TypeError`` naming the value before CUDA is touched, and after the launch the
-samples' leases are kept (:mod:`echopipe._inflight`) until an event recorded behind the kernel
+samples' leases are kept (:mod:`echopipe.echo.inflight`) until an event recorded behind the kernel
 has fired, so the cache cannot reuse a slot the kernel is still reading.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _inflight
+from . import inflight
 
 
 def check_samples(samples: Sequence[Any], field: Any, sample_type: type) -> tuple[list[Any], int]:
@@ -131,4 +131,4 @@ def keep_until_done(torch: Any, stream: Any, out: Any, leases: list[Any]) -> Non
     # A blocking-sync event: the keeper's wait sleeps instead of spinning a core.
     event = torch.cuda.Event(blocking=True)
     event.record(stream)
-    _inflight.hold_until(event.synchronize, leases)
+    inflight.hold_until(event.synchronize, leases)

@@ -1,0 +1,28 @@
+"""The echo cache's Python side: the cache, its put/take paths, what it hands back, the device
+gather and its leases, the arena's memory kind, and the controller that picks the echo factor.
+
+* :mod:`.cache`: :class:`EchoCache`, construction, lifetime, stats and state;
+* :mod:`.transfer`: host arrays in, samples and batches out (:class:`~.transfer.CacheIO`);
+* :mod:`.values`: errors, :class:`EchoStats`, :class:`EchoSample`, :class:`EchoBatch`;
+* :mod:`.device_gather` and :mod:`.inflight`: one gather launch per batch into device memory,
+  with the samples' leases kept until the GPU has read them;
+* :mod:`.memory`: where an arena lives (``memory="auto"``);
+* :mod:`.controller`: :class:`EchoController`, ``e`` kept close to ``R = t_up / t_down``.
+"""
+
+from __future__ import annotations
+
+from .cache import EchoCache
+from .controller import EchoChange, EchoController
+from .values import CacheClosedError, EchoBatch, EchoSample, EchoStats, InputEndedError
+
+__all__ = [
+    "CacheClosedError",
+    "EchoBatch",
+    "EchoCache",
+    "EchoChange",
+    "EchoController",
+    "EchoSample",
+    "EchoStats",
+    "InputEndedError",
+]
