@@ -30,22 +30,9 @@ import numpy as np
 from ..native import core
 from . import device_gather
 from .transfer import CacheIO, torch_module
-from .values import (
-    CacheClosedError,
-    EchoBatch,
-    EchoSample,
-    EchoStats,
-    InputEndedError,
-)
+from .values import EchoSample, EchoStats, SampleTooLargeError
 
-__all__ = [
-    "CacheClosedError",
-    "EchoBatch",
-    "EchoCache",
-    "EchoSample",
-    "EchoStats",
-    "InputEndedError",
-]
+__all__ = ["EchoCache"]
 
 
 def _close_native(native: Any, name: str) -> None:
@@ -98,7 +85,8 @@ class EchoCache(CacheIO):
     """A bounded, thread-safe data echoing buffer (native; all blocking calls release the GIL).
 
     Args:
-        capacity_bytes: Size of the sample arena; fixed. A sample larger than it is a ValueError.
+        capacity_bytes: Size of the sample arena; fixed. A sample larger than it is a
+            :class:`SampleTooLargeError` (a ValueError).
         capacity_samples: Maximum resident samples (slots).
         echo_factor: e >= 1; each sample is emitted floor(e) or ceil(e) times (mean e).
         min_fill: Samples with tickets required before takes start (warm-up, shuffle quality).
@@ -195,6 +183,22 @@ class EchoCache(CacheIO):
     @echo_factor.setter
     def echo_factor(self, value: float) -> None:
         self._native.echo_factor = _check_echo_factor(value)
+
+    @property
+    def refused_sample(self) -> SampleTooLargeError | None:
+        """The largest sample this cache refused as larger than its arena, as the typed error,
+        or None. A refusal inside a DALI pipeline's sink reaches Python only as the operator's
+        message; this is how a caller learns which error it was without reading that text."""
+        need = int(self._native.refused_sample_bytes)
+        if need == 0:
+            return None
+        cap = int(self.stats().capacity_bytes)
+        return SampleTooLargeError(
+            f"sample of {need} bytes (64-byte aligned fields) is larger than the cache arena of "
+            f"capacity_bytes={cap}",
+            need,
+            cap,
+        )
 
     @property
     def closed(self) -> bool:
@@ -320,8 +324,9 @@ class EchoCache(CacheIO):
 
     def load_state_dict(self, state: bytes | bytearray | memoryview) -> None:
         """Restores :meth:`state_dict` into this cache, which must be empty and use the same
-        mode, batch_size and capacity_samples; ValueError names the mismatch. The echo factor is
-        runtime state: the cache adopts the saved (current) factor."""
+        mode, batch_size and capacity_samples; :class:`CacheStateError` (a ValueError) names the
+        mismatch or the corruption, and leaves the cache unchanged. The echo factor is runtime
+        state: the cache adopts the saved (current) factor."""
         if not isinstance(state, (bytes, bytearray, memoryview)):
             raise TypeError(f"state must be bytes, got {type(state).__name__}")
         self._native.restore_state(bytes(state))
