@@ -288,8 +288,13 @@ def test_bad_input_errors_name_the_value() -> None:
     with pytest.raises(ValueError, match="min_fill=99"):
         EchoCache(capacity_samples=8, min_fill=99)
     cache = EchoCache(capacity_bytes=4096, capacity_samples=8)
-    with pytest.raises(ValueError, match=r"8192 bytes.*capacity_bytes=4096"):
+    assert cache.refused_sample is None
+    with pytest.raises(echo.SampleTooLargeError, match=r"8192 bytes.*capacity_bytes=4096") as e:
         cache.put(np.zeros(8192, np.uint8))
+    assert (e.value.sample_bytes, e.value.capacity_bytes) == (8192, 4096)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, echo.EchoCacheError)
+    # What a DALI sink's refusal leaves on the cache: the same typed error.
+    assert cache.refused_sample is not None and cache.refused_sample.sample_bytes == 8192
     with pytest.raises(ValueError, match="complex64"):
         cache.put(np.zeros(4, np.complex64))
     with pytest.raises(ValueError, match="-1"):
@@ -621,3 +626,80 @@ def test_batch_mode_state_round_trip_with_an_open_batch() -> None:
     with pytest.raises(ValueError, match="corrupt"):
         fresh.load_state_dict(bytes(corrupt))
     assert fresh.stats().resident == 0
+
+
+def test_errors_are_one_hierarchy_and_a_bad_state_is_typed() -> None:
+    for cls in (echo.CacheClosedError, echo.InputEndedError, echo.SampleTooLargeError,
+                echo.CacheStateError):  # fmt: skip
+        assert issubclass(cls, echo.EchoCacheError)
+    cache = EchoCache(capacity_bytes=4096, capacity_samples=8)
+    with pytest.raises(echo.CacheStateError, match="magic"):
+        cache.load_state_dict(b"not a cache state at all")
+    cache.put(np.int64(1))
+    with pytest.raises(echo.CacheStateError, match="empty cache"):
+        cache.load_state_dict(cache.state_dict())
+    assert cache.stats().fresh_in == 1  # unchanged
+    cache.close()
+    with pytest.raises(echo.CacheClosedError):
+        cache.put(np.int64(2))
+
+
+@pytest.mark.parametrize("mode", ["example", "batch"])
+def test_take_batch_that_raises_after_its_claim_loses_nothing(mode: str) -> None:
+    # A batch of samples with different dtypes cannot be gathered into one array per field; the
+    # error comes after the copies were drawn, and they must go back to the cache.
+    batch = 2 if mode == "batch" else None
+    cache = EchoCache(
+        capacity_bytes=1 << 16, capacity_samples=8, echo_factor=1.0, mode=mode, batch_size=batch
+    )
+    cache.put(np.zeros(3, np.uint8))
+    cache.put(np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="mixes dtypes"):
+        cache.take_batch(2, timeout=0)
+    st = cache.stats()
+    assert (st.emitted, st.tickets_left) == (0, 2 if mode == "example" else 1)
+    cache.end_of_input()
+    delivered = _drain(cache, n=2)
+    assert sorted(delivered) == [0, 1]  # each exactly once: its one ticket
+    st = cache.stats()
+    assert (st.emitted, st.retired, st.resident) == (2, 2, 0)
+    assert cache.take_batch(2, timeout=0) is None
+
+
+def test_take_batch_hands_back_under_concurrent_takers() -> None:
+    # Two samples of another dtype among many: takers that draw one of them raise and hand the
+    # batch back; the others gather. In the end every copy was delivered exactly once.
+    cache = EchoCache(capacity_bytes=1 << 20, capacity_samples=512, echo_factor=2.0, seed=1)
+    cache.put_batch(np.arange(200, dtype=np.int64))
+    cache.put(np.float64(-1.0))
+    cache.put(np.float64(-2.0))
+    cache.end_of_input()
+    delivered: list[int] = []
+    raised = [0]
+    lock = threading.Lock()
+
+    def taker() -> None:
+        while True:
+            try:
+                got = cache.take_batch(4, timeout=10)
+            except ValueError:
+                with lock:
+                    raised[0] += 1
+                got_one = cache.take(1, timeout=10)  # what a caller falls back to
+                with lock:
+                    delivered.extend(s.sample_id for s in got_one)
+                continue
+            if got is None:
+                return
+            with lock:
+                delivered.extend(int(i) for i in got.sample_ids)
+
+    threads = [threading.Thread(target=taker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive()
+    assert raised[0] > 0
+    assert sorted(delivered) == sorted(list(range(202)) * 2)
+    assert cache.stats().emitted == len(delivered) == 404

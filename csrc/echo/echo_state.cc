@@ -249,8 +249,10 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
       unit.members.push_back(m);
     }
   };
-  std::vector<ParsedUnit> units(r.get<uint32_t>());
-  if (units.size() > I.capacity) throw corrupt(std::to_string(units.size()) + " units");
+  const uint32_t nunits = r.get<uint32_t>();
+  // Checked before anything is sized by it: a corrupt count must not allocate gigabytes.
+  if (nunits > I.capacity) throw corrupt(std::to_string(nunits) + " units");
+  std::vector<ParsedUnit> units(nunits);
   int64_t tickets = 0, live = 0;
   for (ParsedUnit& unit : units) {
     unit.left = r.get<uint32_t>();
