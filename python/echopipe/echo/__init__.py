@@ -12,7 +12,7 @@ gather and its leases, the arena's memory kind, and the controller that picks th
 
 from __future__ import annotations
 
-from .cache import EchoCache
+from .cache import EchoCache, copies_per_epoch
 from .controller import EchoChange, EchoController
 from .values import CacheClosedError, EchoBatch, EchoSample, EchoStats, InputEndedError
 
@@ -25,4 +25,5 @@ __all__ = [
     "EchoSample",
     "EchoStats",
     "InputEndedError",
+    "copies_per_epoch",
 ]
