@@ -350,7 +350,8 @@ void bind_echo(py::module_& m) {
   py::class_<EchoCache, std::shared_ptr<EchoCache>>(m, "EchoCache")
       .def(py::init([](size_t capacity_bytes, size_t capacity_samples, double echo_factor,
                        size_t min_fill, uint64_t seed, const std::string& mode, size_t batch_size,
-                       const std::string& memory, const std::string& name, size_t num_shards) {
+                       const std::string& memory, const std::string& name, size_t num_shards,
+                       size_t epoch_size) {
              EchoConfig cfg;
              cfg.capacity_bytes = capacity_bytes;
              cfg.capacity_samples = capacity_samples;
@@ -361,11 +362,12 @@ void bind_echo(py::module_& m) {
              cfg.batch_size = batch_size;
              cfg.memory = memory_kind_from_name(memory);
              cfg.num_shards = num_shards;
+             cfg.epoch_size = epoch_size;
              return create_cache(name, cfg);  // registered, so the DALI plugin can find it
            }),
            py::arg("capacity_bytes"), py::arg("capacity_samples"), py::arg("echo_factor"),
            py::arg("min_fill"), py::arg("seed"), py::arg("mode"), py::arg("batch_size"),
-           py::arg("memory"), py::arg("name"), py::arg("num_shards") = 0)
+           py::arg("memory"), py::arg("name"), py::arg("num_shards") = 0, py::arg("epoch_size") = 0)
       .def_property_readonly("name", &EchoCache::name)
       .def_property_readonly("handle", &EchoCache::handle)
       .def_property_readonly("memory_kind",

@@ -207,6 +207,9 @@ void EchoConfig::validate() const {
     throw std::invalid_argument("unknown memory kind code " +
                                 std::to_string(static_cast<int>(memory)));
   }
+  if (epoch_size > (size_t{1} << 40)) {
+    throw std::invalid_argument("epoch_size must be <= 2^40, got " + std::to_string(epoch_size));
+  }
   if (num_shards > 1024) {
     throw std::invalid_argument("num_shards must be <= 1024, got " + std::to_string(num_shards));
   }

@@ -495,6 +495,8 @@ void EchoCache::reset_input() {
   I.input_ended_locked = false;
   I.input_ended.store(false, std::memory_order_seq_cst);
   I.sealed.store(false, std::memory_order_seq_cst);
+  // A new stream is a new epoch: its units start a new block of epoch_size.
+  I.epoch_base.store(I.next_sample_id.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
 // ---- the sink's side state -------------------------------------------------------------------

@@ -192,6 +192,12 @@ struct EchoConfig {
   EchoMode mode = EchoMode::kExample;
   size_t batch_size = 1;  ///< batch mode: samples per unit (>= 1); ignored in example mode
   MemoryKind memory = MemoryKind::kAuto;
+  /// 0: each unit gets ceil(e) tickets with probability frac(e), independently. N > 0: exact
+  /// totals per epoch. The units put since the last reset_input() (or since the start) form
+  /// blocks of N, and in every block exactly round(frac(e) * N) units get ceil(e) tickets, the
+  /// others floor(e); which ones is a seeded pseudo-random choice, stateless per unit (so it
+  /// survives save/restore). Exact while e stays the same over the block. At most 2^40.
+  size_t epoch_size = 0;
   size_t num_shards = 0;  ///< unused since draws probe slots without locks (kept for callers)
 
   /// Throws std::invalid_argument whose message names the field and the bad value.

@@ -58,6 +58,27 @@ inline uint32_t bounded(uint32_t r, uint32_t n) {
   return static_cast<uint32_t>((static_cast<uint64_t>(r) * n) >> 32);
 }
 
+// A pseudo-random permutation of [0, n) keyed by `key`, evaluated at x < n without a table: a
+// four-round Feistel network on the smallest even number of bits covering n, walked until the
+// image falls below n (a bijection of the larger domain maps each x < n to a unique x' < n).
+inline uint64_t permute_below(uint64_t x, uint64_t n, uint64_t key) {
+  unsigned bits = 2;
+  while ((uint64_t{1} << bits) < n) bits += 2;
+  const unsigned half = bits / 2;
+  const uint64_t mask = (uint64_t{1} << half) - 1;
+  do {
+    uint64_t left = x >> half, right = x & mask;
+    for (uint64_t round = 0; round < 4; ++round) {
+      const uint64_t f = splitmix64(key ^ (right + (round << 58))) & mask;
+      const uint64_t next_left = right;
+      right = left ^ f;
+      left = next_left;
+    }
+    x = (left << half) | right;
+  } while (x >= n);
+  return x;
+}
+
 inline size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // Best-fit extent allocator with coalescing, fronted by exact-size free lists (caller holds the
@@ -170,6 +191,7 @@ struct CacheImpl {
   alignas(64) std::atomic<int64_t> pending{0};    // reservations not yet committed/aborted
   std::atomic<uint64_t> fresh_in{0};
   std::atomic<uint64_t> next_sample_id{0};
+  std::atomic<uint64_t> epoch_base{0};  // next_sample_id at the last reset_input(): epoch blocks
   alignas(64) std::atomic<uint64_t> emitted{0};
   std::atomic<uint64_t> emit_pos{0};      // emission position (units)
   std::atomic<uint64_t> draw_counter{0};  // RNG counter for draws

@@ -174,6 +174,18 @@ uint32_t CacheImpl::tickets_for(uint64_t sample_id) const {
   const auto floor_tickets = static_cast<uint32_t>(std::floor(e));
   const double frac_tickets = e - floor_tickets;
   if (frac_tickets <= 0.0) return floor_tickets;
+  if (cfg.epoch_size > 0) {
+    // Exactly round(frac * N) units of each block of N get the extra ticket: those whose
+    // position, permuted by a key of (seed, block), falls below that count.
+    const uint64_t base = epoch_base.load(std::memory_order_relaxed);
+    const uint64_t unit = (sample_id - base) / unit_samples;
+    const uint64_t n = cfg.epoch_size;
+    const uint64_t block = unit / n;
+    const auto extra =
+        static_cast<uint64_t>(std::floor(frac_tickets * static_cast<double>(n) + 0.5));
+    const uint64_t key = splitmix64(seed ^ splitmix64(base ^ (block * 0x9E3779B97F4A7C15ull)));
+    return floor_tickets + (permute_below(unit % n, n, key) < extra ? 1 : 0);
+  }
   const uint64_t r = splitmix64(seed ^ splitmix64(sample_id + 0x51ed270b27ull));
   const double u = static_cast<double>(r >> 11) * (1.0 / 9007199254740992.0);
   return floor_tickets + (u < frac_tickets ? 1 : 0);

@@ -18,7 +18,7 @@ namespace {
 constexpr char kMagic[8] = {'E', 'C', 'H', 'O', 'C', 'A', 'C', '1'};
 // Version 3: units are saved with the slots they occupy and the free-slot order, so that a
 // restored cache (same capacity_samples) draws exactly the stream the saved one would have.
-constexpr uint32_t kStateVersion = 3;
+constexpr uint32_t kStateVersion = 4;
 
 struct Writer {
   std::vector<uint8_t>& buf;
@@ -126,6 +126,7 @@ std::vector<uint8_t> EchoCache::save_state() const {
   w.put<uint32_t>(I.capacity);
   w.put<uint64_t>(I.seed);
   w.put<uint64_t>(I.next_sample_id.load());
+  w.put<uint64_t>(I.epoch_base.load());
   w.put<uint64_t>(I.draw_counter.load());
   w.put<uint64_t>(I.emit_pos.load());
   w.put<uint64_t>(I.fresh_in.load());
@@ -214,6 +215,8 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
   check_empty();
   const uint64_t seed = r.get<uint64_t>();
   const uint64_t next_id = r.get<uint64_t>();
+  const uint64_t epoch_base = r.get<uint64_t>();
+  if (epoch_base > next_id) throw corrupt("epoch_base=" + std::to_string(epoch_base));
   const uint64_t draws = r.get<uint64_t>();
   const uint64_t epos = r.get<uint64_t>();
   const uint64_t fresh = r.get<uint64_t>();
@@ -353,6 +356,7 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
   I.seed = seed;
   I.echo_factor.store(e, std::memory_order_relaxed);
   I.next_sample_id.store(next_id);
+  I.epoch_base.store(epoch_base);
   I.draw_counter.store(draws);
   I.emit_pos.store(epos);
   I.fresh_in.store(fresh);

@@ -13,7 +13,7 @@ gather and its leases, the arena's memory kind, and the controller that picks th
 
 from __future__ import annotations
 
-from .cache import EchoCache
+from .cache import EchoCache, copies_per_epoch
 from .controller import EchoChange, EchoController
 from .values import (
     CacheClosedError,
@@ -38,4 +38,5 @@ __all__ = [
     "EchoStats",
     "InputEndedError",
     "SampleTooLargeError",
+    "copies_per_epoch",
 ]

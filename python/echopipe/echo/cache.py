@@ -32,7 +32,15 @@ from . import device_gather
 from .transfer import CacheIO, torch_module
 from .values import EchoSample, EchoStats, SampleTooLargeError
 
-__all__ = ["EchoCache"]
+__all__ = ["EchoCache", "copies_per_epoch"]
+
+
+def copies_per_epoch(echo_factor: float, samples: int) -> int:
+    """Copies an ``EchoCache(epoch_size=samples)`` emits for one full block of ``samples``
+    units at a constant ``echo_factor``: ``floor(e) * N + floor(frac(e) * N + 1/2)``, computed as
+    the native core does (the same double arithmetic)."""
+    whole = math.floor(echo_factor)
+    return int(whole * samples + math.floor((echo_factor - whole) * samples + 0.5))
 
 
 def _close_native(native: Any, name: str) -> None:
@@ -102,6 +110,11 @@ class EchoCache(CacheIO):
             :meth:`gather_to_device` and the DALI GPU source read it device to device).
         name: Registry name, so the DALI operators can find this cache; unique per process.
             ``None`` picks one (``echo-<n>``).
+        epoch_size: 0 draws each sample's extra copy independently (probability ``frac(e)``).
+            ``N > 0`` makes the totals exact per epoch: the units put since the last
+            :meth:`reset_input` form blocks of ``N``, and in each block exactly
+            ``floor(frac(e) * N + 1/2)`` get ``ceil(e)`` copies (a seeded pseudo-random choice),
+            so a block yields :func:`copies_per_epoch` copies while ``e`` stays the same.
     """
 
     def __init__(
@@ -115,12 +128,14 @@ class EchoCache(CacheIO):
         batch_size: int | None = None,
         memory: str = "auto",
         name: str | None = None,
+        epoch_size: int = 0,
     ) -> None:
         for arg, value in (
             ("capacity_bytes", capacity_bytes),
             ("capacity_samples", capacity_samples),
             ("min_fill", min_fill),
             ("seed", seed),
+            ("epoch_size", epoch_size),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{arg} must be a non-negative integer, got {value!r}")
@@ -144,6 +159,7 @@ class EchoCache(CacheIO):
             batch_size=self._batch_size,
             memory=memory,
             name=name or "",
+            epoch_size=int(epoch_size),
         )
         self._name: str = self._native.name
         # Closes the native cache (waking blocked threads) at garbage collection; at interpreter
