@@ -130,12 +130,11 @@ def echo(*fields: Any, device: str | None = None) -> tuple[Any, ...]:
 # ---- the pipeline pair ---------------------------------------------------------------------
 
 
-def _close_resources(cache: Any, runner: UpstreamRunner, cache_name: str) -> None:
+def _close_resources(cache: Any, runner: UpstreamRunner) -> None:
     # Closing the cache first wakes a sink or source blocked inside DALI; then the thread can end.
     with contextlib.suppress(Exception):
         cache.close()
     runner.stop()
-    plugin.forget(cache_name)
 
 
 class EchoPipeline(DaliPipelineApi):
@@ -200,11 +199,9 @@ class EchoPipeline(DaliPipelineApi):
         self._on_upstream_error = on_upstream_error
         self.cache_name = f"echopipe-dali-{os.getpid()}-{next(_name_counter)}"
         self.cache = make_cache(self.config, self.cache_name, device_id)
-        plugin.set_quota(self.cache_name, -1)
+        self.cache.quota = -1
         self._runner = UpstreamRunner(self)
-        self._finalizer = weakref.finalize(
-            self, _close_resources, self.cache, self._runner, self.cache_name
-        )
+        self._finalizer = weakref.finalize(self, _close_resources, self.cache, self._runner)
         self.upstream: Any = None
         self.downstream: Any = None
         self.num_fields = 0
@@ -299,15 +296,13 @@ class EchoPipeline(DaliPipelineApi):
         )
         if memory != "device":
             return
-        quota = plugin.get_quota(self.cache_name)
+        quota = self.cache.quota
         self._finalizer.detach()
         self.cache.close()  # also frees its name in the registry
         self.config = replace(self.config, memory=memory)
         self.cache = make_cache(self.config, self.cache_name, self._device_id)
-        plugin.set_quota(self.cache_name, quota)
-        self._finalizer = weakref.finalize(
-            self, _close_resources, self.cache, self._runner, self.cache_name
-        )
+        self.cache.quota = quota
+        self._finalizer = weakref.finalize(self, _close_resources, self.cache, self._runner)
 
     @property
     def shard_size(self) -> int:
@@ -500,8 +495,8 @@ class EchoPipeline(DaliPipelineApi):
                 "config": asdict(self.config),
                 "num_fields": self.num_fields,
                 "cache": self.cache.state_dict(),
-                "layouts": plugin.get_layouts(self.cache_name),
-                "quota": plugin.get_quota(self.cache_name),
+                "layouts": self.cache.layouts,
+                "quota": self.cache.quota,
                 "runner": self._runner.state(),
                 "stash": [
                     ([a.copy() for a in arrays], info.copy()) for arrays, info in self._stash
@@ -548,8 +543,8 @@ class EchoPipeline(DaliPipelineApi):
 
     def _apply_restore(self, state: dict[str, Any]) -> None:
         self.cache.load_state_dict(state["cache"])
-        plugin.set_layouts(self.cache_name, list(state["layouts"]))
-        plugin.set_quota(self.cache_name, int(state["quota"]))
+        self.cache.layouts = list(state["layouts"])
+        self.cache.quota = int(state["quota"])
         self._runner.load(state["runner"])
         self._stash = [(list(arrays), info) for arrays, info in state["stash"]]
         self._input_done = bool(state["input_done"])
@@ -604,8 +599,8 @@ class EchoPipeline(DaliPipelineApi):
         """Cache statistics plus upstream counters and timing.
 
         Keys: ``fresh_in``, ``emitted``, ``resident``, ``tickets_left``, ``emit_histogram``
-        (cache); ``upstream_batches`` (= ``upstream_iterations``), ``upstream_time_s`` (seconds
-        in those iterations), ``upstream_epochs``, ``upstream_fresh_stored``; ``t_up``
+        (cache); ``upstream_batches`` (upstream iterations run), ``upstream_time_s`` (seconds
+        in them), ``upstream_epochs``, ``upstream_fresh_stored``; ``t_up``
         (:meth:`upstream_step_seconds`); ``upstream_wait_s`` and ``downstream_wait_s`` (see the
         attributes).
         """
@@ -617,7 +612,6 @@ class EchoPipeline(DaliPipelineApi):
             "resident": int(s.resident),
             "tickets_left": int(s.tickets_left),
             "upstream_batches": batches,
-            "upstream_iterations": batches,
             "upstream_time_s": seconds,
             "upstream_epochs": self._runner.epoch_index,
             "upstream_fresh_stored": stored,

@@ -7,7 +7,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import plugin
 from .host_copy import host_dense
 
 if TYPE_CHECKING:
@@ -52,7 +51,7 @@ class UpstreamRunner:
         if self.ended:
             return False
         if cfg.epochs is not None and self.iter_in_epoch == 0:
-            plugin.set_quota(owner.cache_name, owner._shard_size)
+            owner.cache.quota = owner._shard_size
         bytes_before = owner.cache.stats().bytes_used if cfg.deterministic else 0
         t0 = time.perf_counter()
         outputs = owner.upstream.run()
