@@ -376,9 +376,17 @@ void bind_echo(py::module_& m) {
           "arena_device_ptr",
           [](const EchoCache& c) { return reinterpret_cast<uintptr_t>(c.arena_device()); })
       .def_property_readonly("closed", &EchoCache::closed)
-      .def_property_readonly("refused_sample_bytes", &EchoCache::refused_sample_bytes,
-                             "Bytes of the largest sample refused as larger than the arena (0: "
-                             "none).")
+      .def_property_readonly(
+          "refused_sample",
+          [](const EchoCache& c) -> py::object {
+            const uint64_t need = c.refused_sample_bytes();
+            if (need == 0) return py::none();
+            const SampleTooLargeError e(need, c.config().capacity_bytes);
+            return py::module_::import("echopipe.echo.values")
+                .attr("SampleTooLargeError")(e.what(), e.sample_bytes(), e.capacity_bytes());
+          },
+          "The typed error (SampleTooLargeError) of the largest sample refused as larger than "
+          "the arena, or None.")
       .def_property("echo_factor", &EchoCache::echo_factor, &EchoCache::set_echo_factor,
                     "Current echo factor; setting it applies to units published afterwards.")
       .def(

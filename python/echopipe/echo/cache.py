@@ -205,16 +205,8 @@ class EchoCache(CacheIO):
         """The largest sample this cache refused as larger than its arena, as the typed error,
         or None. A refusal inside a DALI pipeline's sink reaches Python only as the operator's
         message; this is how a caller learns which error it was without reading that text."""
-        need = int(self._native.refused_sample_bytes)
-        if need == 0:
-            return None
-        cap = int(self.stats().capacity_bytes)
-        return SampleTooLargeError(
-            f"sample of {need} bytes (64-byte aligned fields) is larger than the cache arena of "
-            f"capacity_bytes={cap}",
-            need,
-            cap,
-        )
+        refused: SampleTooLargeError | None = self._native.refused_sample
+        return refused
 
     @property
     def closed(self) -> bool:
