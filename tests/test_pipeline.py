@@ -24,7 +24,7 @@ from echopipe.pipeline import (
     stage_staleness,
 )
 from echopipe.pipeline.checkpoint import atomic_save
-from echopipe.pipeline.partition import _min_max_partition
+from echopipe.pipeline.partition import min_max_partition
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_support.models import BALANCES, adam, loss_fn, make_batches, sgd, small_cnn
@@ -516,7 +516,7 @@ def test_stage_exception_reaches_caller_fast_and_stops_workers(where: str) -> No
     caught = time.monotonic()
     assert info.value.stage == 1
     assert boom.raised_at is not None and caught - boom.raised_at < 1.0
-    for t in pipe._threads:
+    for t in pipe._workers.threads:
         t.join(timeout=1.0)
         assert not t.is_alive()
     # The failure is sticky: later calls raise it again instead of hanging.
@@ -569,11 +569,11 @@ def test_bad_configuration_errors() -> None:
 
 # Partitioning --------------------------------------------------------------------------------
 def test_min_max_partition_is_optimal_and_respects_memory() -> None:
-    assert _min_max_partition([1.0, 1.0, 20.0, 1.0, 1.0], 3) == [2, 1, 2]
-    assert _min_max_partition([1.0] * 8, 4) == [2, 2, 2, 2]
-    assert _min_max_partition([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == [1, 5]
+    assert min_max_partition([1.0, 1.0, 20.0, 1.0, 1.0], 3) == [2, 1, 2]
+    assert min_max_partition([1.0] * 8, 4) == [2, 2, 2, 2]
+    assert min_max_partition([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == [1, 5]
     # Forbid a first stage with more than one layer: the split has to adapt.
-    assert _min_max_partition([1.0] * 4, 2, lambda k, a, b: k != 0 or b - a <= 1) == [1, 3]
+    assert min_max_partition([1.0] * 4, 2, lambda k, a, b: k != 0 or b - a <= 1) == [1, 3]
 
 
 def _heavy_middle_model() -> nn.Sequential:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .partition import partition_balance
+from .balance import partition_balance
 from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult, unpack_batch
 
 _NO_LIMIT = 2**62
