@@ -20,12 +20,14 @@ from .balance import (
     partition_balance,
     profile_layers,
 )
+from .build import StageGradHook
 from .dist_setup import check_gpus_per_rank, init_distributed
 from .distributed import DistributedStalePipeline
-from .engine import PipelineError, StageGradHook, StalePipeline
+from .engine import StalePipeline
 from .partition import parse_devices, split_sequential, stale_share, validate_balance
 from .results import EpochResult, LossRecord, StepResult, unpack_batch
 from .schedule import HybridSchedule, stage_staleness
+from .worker import PipelineError
 
 __all__ = [
     "DistributedStalePipeline",

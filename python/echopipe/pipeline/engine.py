@@ -18,29 +18,24 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-# Re-exported: callers import these from here (distributed.py, echopipe.pipeline).
-from .build import LossFn as LossFn
-from .build import OptimizerFactory as OptimizerFactory
-from .build import SchedulerFactory as SchedulerFactory
-from .build import StageGradHook as StageGradHook
-from .build import build_cores, check_arguments, resolve_balance
-from .build import stage_optimizer as stage_optimizer
+from .build import (
+    LossFn,
+    OptimizerFactory,
+    SchedulerFactory,
+    StageGradHook,
+    build_cores,
+    check_arguments,
+    resolve_balance,
+)
 from .checkpoint import atomic_save, load_file
 from .partition import DeviceLike, parse_devices, split_sequential
 from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult, unpack_batch
 from .schedule import HybridSchedule, stage_staleness
-from .state import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
 from .state import Progress, check_pipeline_state, pipeline_state, restore_pipeline
 from .stream import caller_event, synchronize_devices
-from .worker import Batch, PipelineError, SchedulerStep, StageWorkers, divide_threads
+from .worker import Batch, SchedulerStep, StageWorkers, divide_threads
 
-__all__ = [
-    "EpochResult",
-    "LossRecord",
-    "PipelineError",
-    "StalePipeline",
-    "StepResult",
-]
+__all__ = ["StalePipeline"]
 
 
 class StalePipeline:
