@@ -68,8 +68,11 @@ class StalePipeline:
     Args:
         module: the model, an ``nn.Sequential`` whose children are whole blocks. Its children
             are moved to the stage devices and shared (not copied) by the stages.
-        balance: children per stage (torchgpipe convention), ``"auto"`` to profile with
-            ``sample_input``, or ``None`` for a single stage.
+        balance: children per stage (torchgpipe convention), for instance from
+            :func:`~echopipe.pipeline.balance_by_time` or
+            :func:`~echopipe.pipeline.balance_by_cost`; ``"auto"`` to have
+            :func:`~echopipe.pipeline.partition_balance` choose with ``sample_input``; or
+            ``None`` for a single stage.
         devices: one device per stage (``"cpu"``, ``"cuda:1"``, ``1``); CPU when omitted.
         optimizer: factory ``params -> Optimizer``, called once per stage with its parameters.
         scheduler: optional factory ``optimizer -> LRScheduler``, one per stage.
