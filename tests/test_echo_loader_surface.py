@@ -261,3 +261,18 @@ def test_several_processes_reading_the_whole_dataset_each_get_one_clear_error() 
             assert "2 torch.distributed processes" in len_error and "RandomSampler" in len_error
             assert "DistributedSampler" in len_error
             assert sharded == "8 8 True"  # 15 samples per process, 30 copies, batches of 4
+
+
+def test_an_iterator_dropped_before_its_first_batch_reads_nothing() -> None:
+    class Counted(DataLoader):
+        passes = 0
+
+        def __iter__(self):
+            Counted.passes += 1
+            return super().__iter__()
+
+    with EchoLoader(Counted(Ids(12), batch_size=4), 2.0) as el:
+        iter(el)  # Lightning's "is it iterable?" check makes such an iterator
+        assert (Counted.passes, el.stats().epoch) == (0, 0)
+        assert epoch(el) == (6, dict.fromkeys(range(12), 2))
+        assert (Counted.passes, el.stats().epoch) == (1, 1)

@@ -227,6 +227,7 @@ class EchoLoader(PassThrough):
         self._history: list[tuple[int, float]] = [(0, self._factor)]
         self._serial = 0  # numbers the passes; the running one's iterator carries it
         self._current: int | None = None
+        self._started = False  # whether the current iterator's epoch began (its first next())
         self._resume: dict[str, Any] | None = None
         self._closed = False
         self._last_yield: float | None = None
@@ -300,17 +301,25 @@ class EchoLoader(PassThrough):
 
     # ---- iteration ----
     def __iter__(self) -> Iterator[Any]:
-        """Starts an epoch (or continues the one restored by :meth:`load_state_dict`).
+        """An epoch (or the rest of the one restored by :meth:`load_state_dict`).
 
-        A previous iterator still in its epoch is ended first, as with a ``DataLoader``.
+        A previous iterator still in its epoch is ended first, as with a ``DataLoader``. The
+        epoch starts at the first ``next()``: an iterator dropped before it (Lightning makes one
+        to check that the loader is iterable) reads nothing and is no epoch.
         """
         if self._closed:
             raise RuntimeError("EchoLoader is closed")
+        check_sharded(self._loader)
         if self._current is not None:  # an iterator still in its epoch (as DataLoader does)
             self._end_epoch(self._current, abort=True)
+        self._serial += 1
+        self._current = self._serial
+        self._started = False
+        return _EpochIterator(self, self._serial)
+
+    def _start_epoch(self) -> None:
         resume, self._resume = self._resume, None
         skip_batches = skip_rows = 0
-        check_sharded(self._loader)
         self._epoch_samples = samples_per_epoch(self._loader)
         if resume is not None:
             skip_batches, skip_rows = resume["batches_done"], resume["rows_in_flight"]
@@ -327,10 +336,8 @@ class EchoLoader(PassThrough):
         self._shared.producer = producer
         self._last_yield = None
         self._observed = (0.0, 0)
-        self._serial += 1
-        self._current = self._serial
+        self._started = True
         producer.start()
-        return _EpochIterator(self, self._serial)
 
     def __len__(self) -> int:
         """Batches the next epoch yields, exactly (:func:`.wrapped.epoch_batches`).
@@ -361,6 +368,8 @@ class EchoLoader(PassThrough):
             raise RuntimeError("EchoLoader is closed")
         if token != self._current:
             raise RuntimeError("this EchoLoader iterator was replaced by a newer one")
+        if not self._started:
+            self._start_epoch()
         producer = self._shared.producer
         assert producer is not None
         if self._last_yield is not None:
@@ -452,6 +461,8 @@ class EchoLoader(PassThrough):
         if token != self._current:
             return
         self._current = None
+        if not self._started:
+            return  # never read: not an epoch
         producer = self._shared.producer
         if abort:
             shutdown(self._shared, self._close_timeout)  # the cache goes; a new epoch makes one

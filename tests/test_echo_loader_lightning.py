@@ -1,0 +1,81 @@
+"""A real Lightning ``Trainer.fit`` (CPU, tiny model) with an EchoLoader train dataloader knows
+the epoch length and runs exactly that many steps per epoch, each sample e times."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from echopipe.torch import EchoLoader
+
+lightning = pytest.importorskip("lightning")
+
+# Lightning 2.6 uses torch's pytree LeafSpec, which torch 2.13 deprecates: theirs, not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.* is deprecated:FutureWarning")
+
+
+class Ids(Dataset):
+    def __len__(self) -> int:
+        return 45
+
+    def __getitem__(self, i: int):
+        return torch.full((4,), float(i)), i % 3
+
+
+class Module(lightning.LightningModule):
+    """Counts its steps and the images of each epoch; builds its EchoLoader itself."""
+
+    def __init__(self, echo_factor: float, workers: int) -> None:
+        super().__init__()
+        self.echo_factor, self.workers = echo_factor, workers
+        self.layer = nn.Linear(4, 3)
+        self.steps: collections.Counter = collections.Counter()
+        self.seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.lengths: list[float] = []
+        self.loader: EchoLoader | None = None
+
+    def train_dataloader(self) -> EchoLoader:
+        data = DataLoader(Ids(), batch_size=6, shuffle=True, num_workers=self.workers)
+        self.loader = EchoLoader(data, echo_factor=self.echo_factor)
+        return self.loader
+
+    def on_train_epoch_start(self) -> None:
+        self.lengths.append(self.trainer.num_training_batches)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        assert torch.equal(y, x[:, 0].long() % 3)  # labels travel with their images
+        self.steps[self.current_epoch] += 1
+        self.seen[self.current_epoch].update(int(v) for v in x[:, 0])
+        return nn.functional.cross_entropy(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(("echo_factor", "workers"), [(1.5, 0), (2.0, 2), (1.0, 0)])
+def test_trainer_fit_knows_the_epoch_length_and_runs_it_exactly(echo_factor, workers) -> None:
+    module = Module(echo_factor, workers)
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(module)
+    copies = math.floor(echo_factor) * 45 + math.floor((echo_factor % 1) * 45 + 0.5)
+    length = math.ceil(copies / 6)
+    assert module.lengths == [length, length]  # an int: Lightning knew it (inf when unknown)
+    assert module.steps == {0: length, 1: length}
+    assert trainer.global_step == 2 * length == trainer.estimated_stepping_batches
+    for epoch in range(2):
+        got = module.seen[epoch]
+        assert sorted(got) == list(range(45)) and sum(got.values()) == copies
+        assert set(got.values()) <= {math.floor(echo_factor), math.ceil(echo_factor)}
+    assert module.loader is not None
+    stats = module.loader.stats()
+    assert stats.epoch == 2 and stats.delivered_batches == 2 * length  # both epochs ran out
+    module.loader.close()
