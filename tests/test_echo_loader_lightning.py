@@ -6,14 +6,13 @@ from __future__ import annotations
 import collections
 import math
 
+import lightning  # in the test extra: a missing Lightning fails here rather than skipping
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from echopipe.torch import EchoLoader
-
-lightning = pytest.importorskip("lightning")
 
 # Lightning 2.6 uses torch's pytree LeafSpec, which torch 2.13 deprecates: theirs, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.* is deprecated:FutureWarning")
