@@ -10,7 +10,7 @@ import lightning  # in the test extra: a missing Lightning fails here rather tha
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from echopipe.torch import EchoLoader
 
@@ -29,9 +29,11 @@ class Ids(Dataset):
 class Module(lightning.LightningModule):
     """Counts its steps and the images of each epoch; builds its EchoLoader itself."""
 
-    def __init__(self, echo_factor: float, workers: int) -> None:
+    def __init__(self, echo_factor: float, workers: int, shard: bool) -> None:
         super().__init__()
         self.echo_factor, self.workers = echo_factor, workers
+        # half of the data, as process 0 of 2 would read it; Lightning calls its set_epoch
+        self.sampler = DistributedSampler(Ids(), num_replicas=2, rank=0, seed=3) if shard else None
         self.layer = nn.Linear(4, 3)
         self.steps: collections.Counter = collections.Counter()
         self.seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -39,7 +41,8 @@ class Module(lightning.LightningModule):
         self.loader: EchoLoader | None = None
 
     def train_dataloader(self) -> EchoLoader:
-        data = DataLoader(Ids(), batch_size=6, shuffle=True, num_workers=self.workers)
+        data = DataLoader(Ids(), batch_size=6, shuffle=self.sampler is None,
+                          sampler=self.sampler, num_workers=self.workers)  # fmt: skip
         self.loader = EchoLoader(data, echo_factor=self.echo_factor)
         return self.loader
 
@@ -57,22 +60,32 @@ class Module(lightning.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize(("echo_factor", "workers"), [(1.5, 0), (2.0, 2), (1.0, 0)])
-def test_trainer_fit_knows_the_epoch_length_and_runs_it_exactly(echo_factor, workers) -> None:
-    module = Module(echo_factor, workers)
+@pytest.mark.parametrize(
+    ("echo_factor", "workers", "shard"), [(1.5, 0, False), (2.0, 2, False), (1.0, 0, False),
+                                          (2.5, 0, True)]
+)  # fmt: skip
+def test_trainer_fit_knows_the_epoch_length_and_runs_it_exactly(echo_factor, workers, shard):
+    module = Module(echo_factor, workers, shard)
     trainer = lightning.Trainer(
         accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
     )  # fmt: skip
     trainer.fit(module)
-    copies = math.floor(echo_factor) * 45 + math.floor((echo_factor % 1) * 45 + 0.5)
+    n = 23 if shard else 45
+    copies = math.floor(echo_factor) * n + math.floor((echo_factor % 1) * n + 0.5)
     length = math.ceil(copies / 6)
     assert module.lengths == [length, length]  # an int: Lightning knew it (inf when unknown)
     assert module.steps == {0: length, 1: length}
     assert trainer.global_step == 2 * length == trainer.estimated_stepping_batches
     for epoch in range(2):
         got = module.seen[epoch]
-        assert sorted(got) == list(range(45)) and sum(got.values()) == copies
+        if shard:  # the epoch's share: Lightning reached the sampler through the EchoLoader
+            share = DistributedSampler(Ids(), num_replicas=2, rank=0, seed=3)
+            share.set_epoch(epoch)
+            assert sorted(got) == sorted(share) and module.sampler.epoch == 1
+        else:
+            assert sorted(got) == list(range(45))
+        assert sum(got.values()) == copies
         assert set(got.values()) <= {math.floor(echo_factor), math.ceil(echo_factor)}
     assert module.loader is not None
     stats = module.loader.stats()

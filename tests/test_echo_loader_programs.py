@@ -250,11 +250,13 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, accum_steps, mixup
             updates.append((epoch, batch_idx, num_updates))
 
 
-def timm_main(dataset, model, loss_fn, distributed, workers, echo_factor):
+def timm_main(dataset, model, loss_fn, distributed, workers, echo_factor, inside):
     optimizer = torch.optim.SGD(model.parameters(), 0.1)
     loader_train = create_loader(dataset, 8, True, workers, distributed, MixupCollate())
-    if echo_factor is not None:  # the 2-line wrap (with `from echopipe.torch import EchoLoader`)
+    if echo_factor is not None and not inside:  # the 2-line wrap (with the import)
         loader_train = EchoLoader(loader_train, echo_factor=echo_factor)
+    elif echo_factor is not None:  # or inside the prefetcher: echo before its device copy
+        loader_train.loader = EchoLoader(loader_train.loader, echo_factor=echo_factor)
     accum = 3
     updates_per_epoch = (len(loader_train) + accum - 1) // accum
     updates: list = []
@@ -265,13 +267,14 @@ def timm_main(dataset, model, loss_fn, distributed, workers, echo_factor):
 
 
 @pytest.mark.parametrize(
-    ("echo_factor", "distributed", "workers"), [(None, False, 2), (2.0, False, 2), (2.5, True, 0)]
+    ("echo_factor", "distributed", "workers", "inside"),
+    [(None, False, 2, False), (2.0, False, 2, False), (2.5, True, 0, False), (1.5, True, 0, True)],
 )
-def test_timm_shaped_program(echo_factor, distributed, workers) -> None:
+def test_timm_shaped_program(echo_factor, distributed, workers, inside) -> None:
     dataset, loss = Images(58), Targets()
     model = tiny_model(decode=lambda x: x * Prefetcher.std + Prefetcher.mean)
     loader, updates_per_epoch, updates = timm_main(dataset, model, loss, distributed, workers,
-                                                   echo_factor)  # fmt: skip
+                                                   echo_factor, inside)  # fmt: skip
     # every update the scheduler counted, the last one of each epoch at updates_per_epoch
     assert [u[2] for u in updates] == list(range(1, 2 * updates_per_epoch + 1))
     steps = [1 + max(u[1] for u in updates if u[0] == ep) for ep in range(2)]
@@ -296,4 +299,4 @@ def test_timm_shaped_program(echo_factor, distributed, workers) -> None:
         assert sum(got.values()) == copies
         assert set(got.values()) <= {math.floor(e), math.ceil(e)}
     if echo_factor is not None:
-        loader.close()
+        (loader.loader if inside else loader).close()
