@@ -114,7 +114,8 @@ def check_sharded(loader: Any) -> None:
 
     Lightning replaces the sampler of ``DataLoader`` objects only (``use_distributed_sampler``):
     it leaves an ``EchoLoader`` alone, so the ``DistributedSampler`` has to be in the wrapped
-    ``DataLoader`` already. Custom samplers (timm's distributed ones) are trusted.
+    ``DataLoader`` already. Custom samplers and batch samplers (timm's distributed samplers,
+    accelerate's sharding batch sampler) are trusted.
     """
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -122,7 +123,12 @@ def check_sharded(loader: Any) -> None:
     dl = _innermost_dataloader(loader)
     if dl is None or isinstance(dl.dataset, IterableDataset):
         return
-    sampler = dl.sampler if dl.batch_size is not None else getattr(dl.batch_sampler, "sampler", 0)
+    if dl.batch_size is not None:
+        sampler = dl.sampler
+    elif type(dl.batch_sampler) is BatchSampler:
+        sampler = dl.batch_sampler.sampler
+    else:
+        return  # a batch sampler of its own (accelerate's shards one) is trusted like a sampler
     if type(sampler) in (RandomSampler, SequentialSampler):
         raise UnshardedLoaderError(
             f"EchoLoader: {dist.get_world_size()} torch.distributed processes, but the wrapped "
