@@ -4,6 +4,7 @@ the epoch length and runs exactly that many steps per epoch, each sample e times
 from __future__ import annotations
 
 import collections
+import json
 import math
 
 import lightning  # in the test extra: a missing Lightning fails here rather than skipping
@@ -91,3 +92,50 @@ def test_trainer_fit_knows_the_epoch_length_and_runs_it_exactly(echo_factor, wor
     stats = module.loader.stats()
     assert stats.epoch == 2 and stats.delivered_batches == 2 * length  # both epochs ran out
     module.loader.close()
+
+
+class Sharded(Module):
+    """Under DDP: the DistributedSampler built in train_dataloader (or not), counts to a file."""
+
+    def __init__(self, out: str, build_sampler: bool) -> None:
+        super().__init__(2.0, 0, False)
+        self.out, self.build_sampler = out, build_sampler
+
+    def train_dataloader(self) -> EchoLoader:
+        if self.build_sampler:  # what UnshardedLoaderError asks for
+            self.sampler = DistributedSampler(Ids(), seed=3)
+        return super().train_dataloader()
+
+    def on_train_end(self) -> None:
+        with open(f"{self.out}.{self.global_rank}", "w") as f:
+            json.dump([self.lengths, [self.steps[e] for e in (0, 1)],
+                       [sorted(self.seen[e]) for e in (0, 1)],
+                       [sum(self.seen[e].values()) for e in (0, 1)]], f)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("build_sampler", [False, True])
+def test_ddp_needs_the_sampler_in_the_wrapped_loader_and_says_so(tmp_path, build_sampler):
+    out = str(tmp_path / "seen")
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=1,
+    )  # fmt: skip
+    if not build_sampler:  # Lightning's use_distributed_sampler (on) leaves EchoLoader alone
+        with pytest.raises(Exception, match="UnshardedLoaderError") as info:
+            trainer.fit(Sharded(out, build_sampler))
+        assert "sampler=DistributedSampler(dataset)" in str(info.value)
+        return
+    trainer.fit(Sharded(out, build_sampler))
+    shares = []
+    for rank in range(2):
+        with open(f"{out}.{rank}") as f:
+            lengths, steps, seen, totals = json.load(f)
+        # 45 samples: 23 per process (DistributedSampler pads one), 46 copies, batches of 6
+        assert lengths == [8, 8] and steps == [8, 8] and totals == [46, 46]
+        shares.append(seen)
+    for epoch in range(2):  # the two processes read disjoint shares (but the padded sample)
+        first, second = set(shares[0][epoch]), set(shares[1][epoch])
+        assert first | second == set(range(45)) and len(first & second) <= 1
