@@ -9,6 +9,7 @@ attribute :class:`EchoLoader` does not define itself to the wrapped loader, read
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ def _length(obj: Any) -> int | None:
         return None
 
 
-def _dataloaders(loader: Any):
+def _dataloaders(loader: Any) -> Iterator[Any]:
     """The wrapped object, then each loader it wraps through ``.loader`` with the same length
     (timm's ``PrefetchLoader`` yields its DataLoader's batches one for one)."""
     obj = loader
