@@ -276,3 +276,20 @@ def test_an_iterator_dropped_before_its_first_batch_reads_nothing() -> None:
         assert (Counted.passes, el.stats().epoch) == (0, 0)
         assert epoch(el) == (6, dict.fromkeys(range(12), 2))
         assert (Counted.passes, el.stats().epoch) == (1, 1)
+
+
+def test_a_dropped_iterator_keeps_a_restored_position_for_the_real_epoch() -> None:
+    def make() -> EchoLoader:
+        return EchoLoader(DataLoader(Ids(40), batch_size=8), 1.5, shuffle_buffer=16)
+
+    with make() as el:
+        it = iter(el)
+        first = [next(it) for _ in range(3)]
+        state = el.state_dict()
+    with make() as el:
+        el.load_state_dict(state)
+        iter(el)  # e.g. Lightning's check: must not use up the restored position
+        rest = list(el)
+    got = collections.Counter(i for _, y in first + rest for i in y.tolist())
+    assert sorted(got) == list(range(40)) and sum(got.values()) == 60  # 40 x 1.5, exactly
+    assert len(first) + len(rest) == 8 == len(el)
