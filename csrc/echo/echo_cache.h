@@ -39,6 +39,11 @@
 //    empties that stack with one exchange before it allocates (and stats() before it counts), so
 //    a slot is reused only when its tickets are 0 and no reader holds it, and every sample is
 //    emitted exactly its ticket count (the C++ stress test, under TSAN and ASAN, checks this).
+//    give_back() undoes a draw: the copy's `k` reader references become one ticket again in one
+//    CAS, while the caller's readers still keep the unit from retiring; a unit whose last ticket
+//    had been drawn re-enters the index then (counted in live_samples first, as a publish is),
+//    and only after that is the ticket added to `available`. So a handed-back ticket is claimed
+//    and drawn again later, and the count per sample still holds (test_echo_give_back.cc).
 //    Neither a draw nor a release takes a mutex; a put takes the allocator lock once.
 //  * Waiting. Only an empty or full cache waits, each side with a waiter count. A blocked
 //    producer registers (seq_cst), re-checks its condition, then sleeps on the 32-bit word
