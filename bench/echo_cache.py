@@ -75,7 +75,7 @@ def load_driver() -> ModuleType | None:
 def unavailable() -> str | None:
     """Why this suite cannot run here (the native driver is not built), or None."""
     if load_driver() is None:
-        return f"the native driver is not built; in the checkout run: {BUILD_COMMAND}"
+        return f"needs the native driver, which is not built; in the checkout run: {BUILD_COMMAND}"
     return None
 
 

@@ -604,5 +604,6 @@ def test_copy_ranges_names_a_bad_mode_or_mismatched_lists() -> None:
         _C.copy_ranges("x", [], [], [], 0)
     with pytest.raises(ValueError, match="differ in length"):
         _C.copy_ranges("gather", [1], [], [1], 0)
-    # No ranges: nothing is launched, so this holds on a machine without a GPU too.
-    _C.copy_ranges("gather", [], [], [], 0)
+    # No ranges: nothing is launched, so a CUDA build holds this on a machine without a GPU too.
+    if _C.built_with_cuda():
+        _C.copy_ranges("gather", [], [], [], 0)
