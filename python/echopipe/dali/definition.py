@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .pipeline import EchoConfig, EchoPipeline
+from .pipeline import EchoConfig, EchoPipeline, trace_counting_echo
 
 #: Echo options and their defaults (see :func:`echo_pipeline_def`).
 ECHO_DEFAULTS: dict[str, Any] = dict(
@@ -29,7 +29,7 @@ ECHO_DEFAULTS: dict[str, Any] = dict(
     cache_bytes=256 << 20,
     upstream_batch_size=None,
     upstream_num_threads=None,
-    epochs=None,
+    epochs="auto",
     deterministic=False,
     seed=0,
     memory="auto",
@@ -47,9 +47,36 @@ def _dali_pipeline_params() -> frozenset[str]:
     return frozenset(inspect.signature(Pipeline.__init__).parameters) - {"self"}
 
 
+def _plain_pipeline(
+    func: Callable[..., Any], decorator_kwargs: dict[str, Any], args: Any, kwargs: dict[str, Any]
+) -> Any:
+    """The DALI pipeline ``@pipeline_def`` gives for this call when the function calls no
+    :func:`echo` (e.g. ``if is_training:`` around it and ``is_training=False``), else None.
+
+    The function is traced with DALI's own ``pipeline_def`` and only the DALI arguments given
+    (DALI's defaults otherwise), so outputs, reader metadata and epoch size are plain DALI's.
+    """
+    from nvidia.dali import pipeline_def
+
+    own = set(inspect.signature(func).parameters)
+    echo_only = set(ECHO_DEFAULTS) - _dali_pipeline_params()
+    dali_decorator = {k: v for k, v in decorator_kwargs.items() if k not in echo_only}
+    call = {k: v for k, v in kwargs.items() if k in own or k not in echo_only}
+    checkpoint = call.pop("checkpoint", None) if "checkpoint" not in own else None
+    pipe, calls = trace_counting_echo(lambda: pipeline_def(func, **dali_decorator)(*args, **call))
+    if calls:
+        return None
+    if checkpoint is not None:  # not given to the probe: it may be an echo checkpoint
+        pipe = pipeline_def(func, **dali_decorator)(*args, checkpoint=checkpoint, **call)
+    return pipe
+
+
 def _create(
     func: Callable[..., Any], decorator_kwargs: dict[str, Any], args: Any, kwargs: dict[str, Any]
-) -> EchoPipeline:
+) -> Any:
+    plain = _plain_pipeline(func, decorator_kwargs, args, kwargs)
+    if plain is not None:
+        return plain
     own = set(inspect.signature(func).parameters)
     opts = {**ECHO_DEFAULTS}
     extra: dict[str, Any] = {}
@@ -128,9 +155,9 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
         other ``nvidia.dali.Pipeline`` arguments: passed to both DALI pipelines.
     """
 
-    def decorate(func: Callable[..., Any]) -> Callable[..., EchoPipeline]:
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(func)
-        def create(*args: Any, **kwargs: Any) -> EchoPipeline:
+        def create(*args: Any, **kwargs: Any) -> Any:
             return _create(func, decorator_kwargs, args, kwargs)
 
         return create

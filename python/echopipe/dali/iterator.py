@@ -191,7 +191,7 @@ class EchoIterator:
     @property
     def finite(self) -> bool:
         """True for a finite stream (``epochs=N``), whose epochs end where the data ends."""
-        return self.pipeline.config.epochs is not None
+        return self.pipeline.finite
 
     @property
     def shard_size(self) -> int:

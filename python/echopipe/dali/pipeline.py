@@ -38,6 +38,7 @@ from ..echo.memory import resolve_memory
 from . import plugin
 from .config import EchoConfig, make_cache
 from .dali_api import DaliPipelineApi
+from .epochs import ReaderEpochs
 from .host_copy import host_dense, to_numpy
 from .upstream import UpstreamRunner
 
@@ -50,7 +51,7 @@ _name_counter = itertools.count()
 
 @dataclass
 class _Trace:
-    stage: str  # "upstream" | "downstream"
+    stage: str  # "upstream" | "downstream" | "probe" (a plain DALI trace that counts echo() calls)
     cache_name: str
     calls: int = 0
     num_fields: int = 0
@@ -75,7 +76,21 @@ def current_stage() -> str | None:
             jpegs = fn.python_function(jpegs, function=tap)
     """
     state: _Trace | None = getattr(_trace, "state", None)
-    return None if state is None else state.stage
+    return None if state is None or state.stage == "probe" else state.stage
+
+
+def trace_counting_echo(build: Callable[[], Any]) -> tuple[Any, int]:
+    """Runs ``build()`` (which traces a pipeline function into a plain DALI pipeline) with
+    :func:`echo` passing its fields through; returns what ``build`` returned and how many times
+    the function called :func:`echo`. A pipeline function that echoes only under a condition
+    (``if is_training:``) builds a plain pipeline when the condition is false."""
+    state = _Trace(stage="probe", cache_name="")
+    _trace.state = state
+    try:
+        result = build()
+    finally:
+        _trace.state = None
+    return result, state.calls
 
 
 def echo(*fields: Any, device: str | None = None) -> tuple[Any, ...]:
@@ -103,6 +118,9 @@ def echo(*fields: Any, device: str | None = None) -> tuple[Any, ...]:
         raise ValueError(f"echo() takes 1 to 4 fields per sample, got {len(fields)}")
     if device not in (None, "cpu", "gpu"):
         raise ValueError(f"echo(device=...) must be 'cpu', 'gpu' or None, got {device!r}")
+    if state.stage == "probe":
+        state.calls += 1
+        return tuple(fields)
     plugin.load()  # the operators below exist only once the plugin is loaded
     state.calls += 1
     if state.calls > 1:
@@ -211,11 +229,17 @@ class EchoPipeline(DaliPipelineApi):
         self.num_outputs = 0
         self._shard_size = 0
         self.iterations_per_epoch = 0
+        self.reader_epochs: ReaderEpochs | None = None
+        self._cache_epoch_size = 0
+        # Set when DALI's iterators read the epoch size: they end an epoch by counting copies.
+        self.counted_epochs = False
         self._scheduled = 0
         self._dali_prefetched = False
         self._input_done = False
         self._exhausted = False
         self._stash: list[tuple[list[np.ndarray], np.ndarray]] = []
+        self._handed = 0  # real copies handed out in this pass
+        self.copies_discarded = 0  # real copies still queued when a reset ended the pass
         self._restore: dict[str, Any] | None = None
         self._started = False
         self._closed = False
@@ -244,8 +268,6 @@ class EchoPipeline(DaliPipelineApi):
     def _build(self) -> None:
         if self.upstream is not None:
             return
-        from nvidia.dali import Pipeline
-
         cfg = self.config
         restore = self._restore or {}
         extra = dict(self._pipeline_kwargs)
@@ -256,16 +278,17 @@ class EchoPipeline(DaliPipelineApi):
         if self._enable_checkpointing:
             up_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_upstream"))
             down_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_downstream"))
-        # Depth 1 upstream: when run() returns, no later iteration has touched the cache yet.
-        upstream = Pipeline(
-            batch_size=cfg.upstream_batch_size,
-            num_threads=self._upstream_num_threads,
-            prefetch_queue_depth=1,
-            **up_kwargs,
-        )
-        up_state, _ = self._trace("upstream", upstream)
-        self._place_cache(up_state.devices)
-        upstream.set_outputs(up_state.sink)
+        upstream, up_state = self._build_upstream(up_kwargs)
+        self._shard_size, self.iterations_per_epoch = self._epoch_geometry(upstream)
+        blocks = self._epoch_units()
+        if blocks != self._cache_epoch_size:
+            # Exact copy totals per epoch need the cache to count the epoch's units, which only
+            # the built reader tells; its sink holds the old cache, so the upstream is built again.
+            self._cache_epoch_size = blocks
+            self._replace_cache(self.config)
+            upstream, up_state = self._build_upstream(up_kwargs)
+        from nvidia.dali import Pipeline
+
         downstream = Pipeline(
             batch_size=cfg.batch_size,
             num_threads=self._num_threads,
@@ -274,7 +297,6 @@ class EchoPipeline(DaliPipelineApi):
         )
         down_state, outputs = self._trace("downstream", downstream)
         downstream.set_outputs(*outputs, down_state.info)
-        upstream.build()
         downstream.build()
         # Only echopipe drives this pipeline; DALI's check against mixing its run APIs would
         # reject a checkpoint taken between a DALI iterator's steps.
@@ -282,7 +304,32 @@ class EchoPipeline(DaliPipelineApi):
         self.upstream, self.downstream = upstream, downstream
         self.num_fields = up_state.num_fields
         self.num_outputs = len(outputs)
-        self._shard_size, self.iterations_per_epoch = self._epoch_geometry(upstream)
+
+    def _build_upstream(self, up_kwargs: dict[str, Any]) -> tuple[Any, _Trace]:
+        from nvidia.dali import Pipeline
+
+        # Depth 1 upstream: when run() returns, no later iteration has touched the cache yet.
+        upstream = Pipeline(
+            batch_size=self.config.upstream_batch_size,
+            num_threads=self._upstream_num_threads,
+            prefetch_queue_depth=1,
+            **up_kwargs,
+        )
+        up_state, _ = self._trace("upstream", upstream)
+        self._place_cache(up_state.devices)
+        upstream.set_outputs(up_state.sink)
+        upstream.build()
+        return upstream, up_state
+
+    def _epoch_units(self) -> int:
+        """The cache's ``epoch_size``: units of the first reader epoch of an epoch-aligned
+        stream (samples, or upstream batches in batch mode), 0 for a free-running one."""
+        if self.config.epochs is None or self.reader_epochs is None:
+            return 0
+        fresh = self.reader_epochs.fresh(0)
+        if self.config.mode == "batch":
+            return max(1, math.ceil(fresh / self.config.upstream_batch_size))
+        return fresh
 
     def _place_cache(self, devices: list[str]) -> None:
         """``memory="auto"`` with the echo input on the GPU: the cache moves to the device arena
@@ -299,11 +346,17 @@ class EchoPipeline(DaliPipelineApi):
         )
         if memory != "device":
             return
+        self._replace_cache(replace(self.config, memory=memory))
+
+    def _replace_cache(self, config: EchoConfig) -> None:
+        """A new, empty cache under the same name (before anything used the old one)."""
         quota = plugin.get_quota(self.cache_name)
         self._finalizer.detach()
         self.cache.close()  # also frees its name in the registry
-        self.config = replace(self.config, memory=memory)
-        self.cache = make_cache(self.config, self.cache_name, self._device_id)
+        self.config = config
+        self.cache = make_cache(
+            self.config, self.cache_name, self._device_id, epoch_size=self._cache_epoch_size
+        )
         plugin.set_quota(self.cache_name, quota)
         self._finalizer = weakref.finalize(
             self, _close_resources, self.cache, self._runner, self.cache_name
@@ -322,14 +375,17 @@ class EchoPipeline(DaliPipelineApi):
         return self._shard_size
 
     def _epoch_geometry(self, upstream: Any) -> tuple[int, int]:
-        """Fresh samples per epoch of this shard, and upstream iterations per epoch."""
+        """Fresh samples per epoch of this shard, and upstream iterations per reader epoch;
+        resolves ``epochs="auto"`` (1 with a reader, endless without)."""
         meta = upstream.reader_meta()
+        epochs = self.config.epochs
         if not meta:
-            if self.config.epochs is not None:
+            if epochs not in (None, "auto"):
                 raise ValueError(
-                    "epochs= needs a DALI reader (fn.readers.*) before echo() to know the epoch "
-                    "size; without one, leave epochs=None for an endless stream"
+                    f"epochs={epochs} needs a DALI reader (fn.readers.*) before echo() to know "
+                    "the epoch size; without one, leave epochs=None for an endless stream"
                 )
+            self.config = replace(self.config, epochs=None)
             return 0, 1 << 62
         if len(meta) > 1:
             raise ValueError(
@@ -337,15 +393,39 @@ class EchoPipeline(DaliPipelineApi):
                 "exactly one to count epochs"
             )
         ((name, m),) = meta.items()
-        size, shards, shard = int(m["epoch_size"]), int(m["number_of_shards"]), int(m["shard_id"])
-        shard_size = size * (shard + 1) // shards - size * shard // shards
-        if self.config.epochs is not None and not m.get("pad_last_batch"):
-            raise ValueError(
-                f"epochs={self.config.epochs} needs the reader {name!r} to be created with "
-                "pad_last_batch=True, so every epoch starts on a batch boundary and no sample of "
-                "the next epoch is pulled into the last batch"
+        reader = ReaderEpochs.from_meta(name, m)
+        if epochs is not None and not reader.padded:
+            given = (
+                "epoch-aligned echo (the default, epochs='auto')"
+                if epochs == "auto"
+                else (f"epochs={epochs}")
             )
-        return shard_size, max(1, math.ceil(shard_size / self.config.upstream_batch_size))
+            raise ValueError(
+                f"{given} needs the reader {name!r} to be created with pad_last_batch=True, so "
+                "every epoch starts on a batch boundary and no sample of the next epoch is "
+                "pulled into the last batch; or pass epochs=None for a free-running stream"
+            )
+        if epochs == "auto":
+            self.config = replace(self.config, epochs=1)
+        self.reader_epochs = reader
+        return reader.fresh(0), reader.iterations(self.config.upstream_batch_size)
+
+    @property
+    def finite(self) -> bool:
+        """True when the stream ends after ``epochs`` reader epochs (epoch-aligned, the default
+        with a reader); False for the free-running stream (``epochs=None``). Builds the DALI
+        pipelines (nothing runs)."""
+        self.shard_size  # noqa: B018 - resolves epochs="auto" from the reader
+        return self.config.epochs is not None
+
+    def epoch_copies(self) -> int:
+        """Copies of samples in one pass of an epoch-aligned stream: ``epochs`` times e times
+        this shard's size (see :meth:`ReaderEpochs.copies`); 0 for a free-running stream."""
+        if not self.finite:
+            return 0
+        cfg = self.config
+        unit = cfg.upstream_batch_size if cfg.mode == "batch" else 1
+        return int(cfg.epochs) * self.reader_epochs.copies(cfg.echo_factor, unit)
 
     def start(self) -> None:
         """Builds both DALI pipelines and starts the upstream runner (idempotent)."""
@@ -397,6 +477,7 @@ class EchoPipeline(DaliPipelineApi):
         self.start()
         if self._stash:
             outputs, info = self._stash.pop(0)
+            self._handed += int(info[:, 0].sum())
             return outputs, info
         if self._exhausted:
             raise StopIteration
@@ -425,6 +506,7 @@ class EchoPipeline(DaliPipelineApi):
         if not self.config.deterministic:
             self.downstream.schedule_run()
             self._scheduled += 1
+        self._handed += int(info[:, 0].sum())
         return outputs[:-1], info
 
     def _schedule_free_running(self) -> None:
@@ -458,18 +540,44 @@ class EchoPipeline(DaliPipelineApi):
         return None
 
     def reset(self) -> None:
-        """Starts the next pass of a finite stream (no-op for an endless one before its end)."""
-        if not self._input_done:
+        """Starts the next pass of an epoch-aligned stream once this one is over: its end was
+        drawn (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
+        iterators count the epoch and stop before the padding). A no-op otherwise, as DALI's
+        iterators ignore a reset inside an epoch."""
+        counted = self.counted_epochs and self._handed >= self.epoch_copies()
+        ended = self._input_done or counted
+        if not ended or not self._started:
             return
+        self._await_pass_end()
+        self.release_outputs()
         # Iterations scheduled after the end hold padding only; consume them before going on.
         while self._scheduled > 0:
-            self.downstream.outputs()
+            info = host_dense(self.downstream.outputs()[-1])
+            self.copies_discarded += int(info[:, 0].sum())
             self._scheduled -= 1
         self._stash.clear()
         self._input_done = False
         self._exhausted = False
+        self._handed = 0
         self._runner.ended = False
         self.cache.reset_input()
+
+    def _await_pass_end(self, timeout_s: float = 600.0) -> None:
+        """Lets the upstream finish the pass (its padding-only last batches included) before
+        the next one starts; every copy of the pass is out, so nothing waits for the consumer."""
+        deadline = time.monotonic() + timeout_s
+        while not self._runner.ended:
+            self._raise_runner_error()
+            if self._closed:
+                raise RuntimeError("this EchoPipeline was closed")
+            if self.config.deterministic:
+                self._fill_for_next_run()
+            elif time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the upstream pipeline did not finish its epoch within {timeout_s} s"
+                )
+            else:
+                time.sleep(0.005)
 
     # -- checkpointing --
 
@@ -507,6 +615,7 @@ class EchoPipeline(DaliPipelineApi):
                     ([a.copy() for a in arrays], info.copy()) for arrays, info in self._stash
                 ],
                 "input_done": self._input_done,
+                "handed": self._handed,
                 "upstream_wait_s": self.upstream_wait_s,
                 "downstream_wait_s": self.downstream_wait_s,
             }
@@ -527,6 +636,8 @@ class EchoPipeline(DaliPipelineApi):
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"unsupported echo state version {state.get('version')!r}")
         saved = state["config"]
+        if self.config.epochs == "auto":
+            self.shard_size  # noqa: B018 - resolves epochs from the reader, as when it was saved
         mine = asdict(self.config)
         # echo_factor is runtime state (set_echo_factor): the checkpoint's factor is adopted.
         for key in ("mode", "batch_size", "upstream_batch_size", "epochs"):
@@ -553,6 +664,7 @@ class EchoPipeline(DaliPipelineApi):
         self._runner.load(state["runner"])
         self._stash = [(list(arrays), info) for arrays, info in state["stash"]]
         self._input_done = bool(state["input_done"])
+        self._handed = int(state.get("handed", 0))
         if self._runner.ended:
             self.cache.end_of_input()
         self.upstream_wait_s = float(state.get("upstream_wait_s", state.get("t_up", 0.0)))

@@ -52,7 +52,8 @@ class UpstreamRunner:
         if self.ended:
             return False
         if cfg.epochs is not None and self.iter_in_epoch == 0:
-            plugin.set_quota(owner.cache_name, owner._shard_size)
+            # Only the reader epoch's own files: its padding (pad_last_batch) is never stored.
+            plugin.set_quota(owner.cache_name, owner.reader_epochs.fresh(self.epoch_index))
         bytes_before = owner.cache.stats().bytes_used if cfg.deterministic else 0
         t0 = time.perf_counter()
         outputs = owner.upstream.run()
