@@ -749,6 +749,17 @@ class EchoPipeline(DaliPipelineApi):
         self._closed = True
         self._finalizer()
 
+    def __repr__(self) -> str:
+        # DALI's proxy mode (DALIServer) names a pipeline it cannot take by its repr: this says
+        # why and what to do instead, in that one line.
+        return (
+            f"EchoPipeline({self.cache_name!r}, echo_factor={self.config.echo_factor:g}): a pair "
+            "of DALI pipelines joined by an echo cache, not one nvidia.dali.Pipeline; DALI's "
+            "proxy mode (DALIServer) maps each output batch to one input batch, which echoing "
+            "cannot keep; build the proxy pipeline without echo() and wrap the proxy's "
+            "DataLoader in echopipe.torch.EchoLoader to echo its batches"
+        )
+
     def __enter__(self) -> EchoPipeline:
         return self
 
