@@ -15,6 +15,7 @@ each delivered sample names its file by content.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import Counter
 from pathlib import Path
@@ -178,3 +179,36 @@ def test_migrated_example_trains_each_file_twice_and_validates_each_once(
         assert all(files[g][1] == label for g, label in trained + validated)
     for (train_pipe, _), _val in shards:
         train_pipe.close()
+
+
+@edali.echo_pipeline_def(exec_dynamic=True, echo_factor=2)
+def create_dali_proxy_pipeline(crop, size, dali_cpu=False, is_training=True):
+    filepaths = fn.external_source(name="images", no_copy=True)
+    images = fn.io.file.read(filepaths)
+    decoder_device = "cpu" if dali_cpu else "mixed"
+    images = image_processing_func(images, crop, size, is_training, decoder_device)
+    if is_training:
+        (images,) = edali.echo(images)
+    return images
+
+
+# DALIServer.__del__ runs on the object whose __init__ refused the pipeline (DALI's own).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_proxy_mode_says_why_it_cannot_echo_and_what_to_use() -> None:
+    """``--data-loader dali_proxy``: DALIServer maps each output batch to one input batch of the
+    DataLoader's workers. Its validation pipeline (no echo point) is plain DALI and is taken;
+    an echoing one is refused in one line that names EchoLoader over the proxy's DataLoader."""
+    from nvidia.dali.plugin.pytorch.experimental import proxy as dali_proxy
+
+    kw = dict(batch_size=BATCH, num_threads=1, device_id=None, crop=CROP, size=SIZE, dali_cpu=True)
+    val_pipe = create_dali_proxy_pipeline(is_training=False, **kw)
+    assert type(val_pipe) is Pipeline
+    dali_proxy.DALIServer(val_pipe)  # accepted (not started: the proxy's workers need CUDA NVTX)
+    with create_dali_proxy_pipeline(is_training=True, **kw) as train_pipe:
+        with pytest.raises(TypeError) as refused:
+            dali_proxy.DALIServer(train_pipe)
+        message = str(refused.value)
+        del refused  # its traceback holds the half-made DALIServer: collected inside the test
+        gc.collect()
+        assert "\n" not in message and "proxy mode" in message
+        assert "echopipe.torch.EchoLoader" in message
