@@ -187,28 +187,33 @@ def test_echo_iterator_takes_dali_iterator_arguments(files: list[str]) -> None:
 
 
 def test_migration_guide_runs(tiny_imagenet) -> None:
-    """docs/dali.md's migrated ResNet-50 loader, run as written with device_id=None (no GPU)."""
+    """docs/dali.md's migrated ResNet-50 loaders, run as written with device_id=None (no GPU)."""
     import re
     from pathlib import Path
+
+    from nvidia.dali import Pipeline
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "dali.md").read_text()
     section = doc[doc.index("## Migrating DALI's ResNet-50") :]
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:1]
-    assert code.count("# echopipe") == 3  # the lines that differ from DALI's example
+    assert code.count("# echopipe") == 4  # the lines that differ from DALI's example
     assert "device_id=local_rank" in code
     code = code.replace("device_id=local_rank", "device_id=None")
     scope = dict(
-        batch_size=4, workers=1, local_rank=0, world_size=1, crop_size=16,
-        traindir=str(tiny_imagenet / "train"),
+        batch_size=4, workers=1, local_rank=0, world_size=1, crop_size=16, val_size=20,
+        dali_cpu=True, traindir=str(tiny_imagenet / "train"), valdir=str(tiny_imagenet / "val"),
     )  # fmt: skip
     exec(compile(code, "docs/dali.md", "exec"), scope)
     loader, images, target = scope["train_loader"], scope["images"], scope["target"]
-    assert len(loader) == math.ceil(2 * 32 / 4)  # 32 training images, e = 2
+    assert len(loader) == scope["train_loader_len"] == math.ceil(2 * 32 / 4)  # 32 images, e=2
     assert images.shape == (4, 3, 16, 16) and images.dtype == torch.float32
     assert target.shape == (4,) and target.dtype == torch.int64
     seen = sum(len(d[0]["label"]) for d in loader)  # auto_reset: a second full epoch
     assert seen == 2 * 32
-    scope["pipe"].close()
+    val = scope["val_loader"]
+    assert type(val._pipes[0]) is Pipeline  # no echo point: plain DALI
+    assert sum(len(d[0]["label"]) for d in val) == 8  # 8 validation images, each once
+    loader._pipes[0].close()
 
 
 def _float_pipe(files, **kwargs):
