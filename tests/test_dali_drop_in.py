@@ -149,18 +149,31 @@ def test_dali_checkpoints_resume_the_same_stream(files: list[str]) -> None:
             out.append((b["label"].reshape(-1).tolist(), b["data"].numpy().copy()))
         return out
 
+    def iterator(pipe):
+        return DALIGenericIterator(
+            pipe, ["data", "label"], reader_name="Reader", auto_reset=True,
+            last_batch_policy=LastBatchPolicy.PARTIAL,
+        )  # fmt: skip
+
     with make() as pipe:
-        it = DALIGenericIterator(pipe, ["data", "label"], reader_name="Reader")
+        it = iterator(pipe)
         take(it, 3)
         (checkpoint,) = it.checkpoints()
         assert isinstance(checkpoint, bytes)
-        expected = take(it, 6)
+        expected = take(it, 7)  # to the end of the epoch (10 batches of 48 copies)
+        with pytest.raises(StopIteration):
+            next(it)
+        expected += take(it, 4)  # and into the next one
     with make(checkpoint=checkpoint) as pipe:
         assert pipe.is_restored_from_checkpoint
-        it = DALIGenericIterator(pipe, ["data", "label"], reader_name="Reader")
-        got = take(it, 6)
+        it = iterator(pipe)
+        got = take(it, 7)
+        with pytest.raises(StopIteration):
+            next(it)
+        got += take(it, 4)
     assert [g[0] for g in got] == [e[0] for e in expected]
     assert all(np.array_equal(g[1], e[1]) for g, e in zip(got, expected, strict=True))
+    assert len(got[6][0]) == 3  # 48 = 9 * 5 + 3
     with pytest.raises(ValueError, match="not an echopipe"):
         make(checkpoint=b"plain DALI bytes")
 

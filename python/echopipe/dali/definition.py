@@ -1,5 +1,9 @@
 """``@echo_pipeline_def``: DALI's ``@pipeline_def``, with one :func:`echo` point.
 
+A call that builds no echo point (``echo()`` under a condition that is false, e.g. the
+validation call of a function with ``if is_training:``) returns the plain DALI pipeline that
+``@pipeline_def`` would return.
+
 It is used the way ``@pipeline_def`` is: bare or with arguments, and every argument of the
 decorator, every ``nvidia.dali.Pipeline`` argument (``batch_size``, ``num_threads``,
 ``device_id``, ``seed``, ``prefetch_queue_depth``, ``enable_checkpointing``, ``checkpoint``,
@@ -122,7 +126,9 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
     ``@echo_pipeline_def(echo_factor=2, ...)``, then ``pipe = train_pipe(batch_size=64,
     num_threads=4, device_id=0, seed=12)``. Calling the decorated function returns an
     :class:`EchoPipeline` (nothing runs until the first batch); it works with
-    :class:`EchoIterator` and with DALI's own framework iterators.
+    :class:`EchoIterator` and with DALI's own framework iterators. A call in which the function
+    calls no :func:`echo` (it may call it under a Python condition) returns the plain
+    ``nvidia.dali.Pipeline`` that DALI's ``pipeline_def`` builds from the DALI arguments given.
 
     Keyword arguments (decorator or call; the call wins):
         batch_size: downstream batch size (what the training loop sees). Required.
@@ -136,8 +142,12 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
         cache_samples, cache_bytes: capacity of the cache, in samples and bytes.
         upstream_batch_size: batch size of the reader part (default ``batch_size``).
         upstream_num_threads: DALI threads of the upstream pipeline (default ``num_threads``).
-        epochs: None for an endless stream; N to read N epochs of the reader and then end the
-            stream (the reader needs ``pad_last_batch=True``).
+        epochs: ``"auto"`` (default): epoch-aligned with a reader (1), free-running without one.
+            N: each pass of the stream is N reader epochs of this shard, each sample e times per
+            epoch (an exact total for a fractional e), never padding, then the stream ends until
+            ``reset()`` (DALI's iterators reset it themselves); the reader needs
+            ``pad_last_batch=True``. None: one endless, free-running stream (copies cross epoch
+            boundaries; iterator epochs are sample counts). See docs/dali.md, "Epochs".
         deterministic: run the upstream in lock-step with the consumer, so the output is a pure
             function of ``seed`` and the input order (also what makes checkpoints replay exactly).
         seed: seeds the cache's tickets and draws, and both DALI pipelines.
