@@ -19,7 +19,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .pipeline import EchoConfig, EchoPipeline, trace_counting_echo
+from .pipeline import EchoConfig, EchoPipeline
+from .tracing import trace_counting_echo
 
 #: Echo options and their defaults (see :func:`echo_pipeline_def`).
 ECHO_DEFAULTS: dict[str, Any] = dict(

@@ -12,10 +12,12 @@ hold one file more or less than the first one (20 files over 3 shards: 6, 7, 7 f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..echo import copies_per_epoch
+from .host_copy import host_dense
 
 
 @dataclass(frozen=True)
@@ -72,3 +74,126 @@ class ReaderEpochs:
         if unit == 1 or echo_factor == math.floor(echo_factor):
             return copies_per_epoch(echo_factor, fresh)
         return round(echo_factor * fresh)
+
+
+class EpochPasses:
+    """Mixin for :class:`EchoPipeline`: the epoch-aligned stream (or the free-running one)."""
+
+    # Set by EchoPipeline; declared here for readers and type checkers.
+    config: Any
+    cache: Any
+    downstream: Any
+    reader_epochs: ReaderEpochs | None
+    counted_epochs: bool
+    copies_discarded: int
+    _runner: Any
+    _scheduled: int
+    _stash: list[Any]
+    _input_done: bool
+    _exhausted: bool
+    _handed: int
+    _started: bool
+    _closed: bool
+
+    def _epoch_units(self) -> int:
+        """The cache's ``epoch_size``: units of the first reader epoch of an epoch-aligned
+        stream (samples, or upstream batches in batch mode), 0 for a free-running one."""
+        if self.config.epochs is None or self.reader_epochs is None:
+            return 0
+        fresh = self.reader_epochs.fresh(0)
+        if self.config.mode == "batch":
+            return max(1, math.ceil(fresh / self.config.upstream_batch_size))
+        return fresh
+
+    def _epoch_geometry(self, upstream: Any) -> tuple[int, int]:
+        """Fresh samples per epoch of this shard, and upstream iterations per reader epoch;
+        resolves ``epochs="auto"`` (1 with a reader, endless without)."""
+        meta = upstream.reader_meta()
+        epochs = self.config.epochs
+        if not meta:
+            if epochs not in (None, "auto"):
+                raise ValueError(
+                    f"epochs={epochs} needs a DALI reader (fn.readers.*) before echo() to know "
+                    "the epoch size; without one, leave epochs=None for an endless stream"
+                )
+            self.config = replace(self.config, epochs=None)
+            return 0, 1 << 62
+        if len(meta) > 1:
+            raise ValueError(
+                f"the upstream part has {len(meta)} readers ({sorted(meta)}); echopipe needs "
+                "exactly one to count epochs"
+            )
+        ((name, m),) = meta.items()
+        reader = ReaderEpochs.from_meta(name, m)
+        if epochs is not None and not reader.padded:
+            given = (
+                "epoch-aligned echo (the default, epochs='auto')"
+                if epochs == "auto"
+                else (f"epochs={epochs}")
+            )
+            raise ValueError(
+                f"{given} needs the reader {name!r} to be created with pad_last_batch=True, so "
+                "every epoch starts on a batch boundary and no sample of the next epoch is "
+                "pulled into the last batch; or pass epochs=None for a free-running stream"
+            )
+        if epochs == "auto":
+            self.config = replace(self.config, epochs=1)
+        self.reader_epochs = reader
+        return reader.fresh(0), reader.iterations(self.config.upstream_batch_size)
+
+    @property
+    def finite(self) -> bool:
+        """True when the stream ends after ``epochs`` reader epochs (epoch-aligned, the default
+        with a reader); False for the free-running stream (``epochs=None``). Builds the DALI
+        pipelines (nothing runs)."""
+        self.shard_size  # type: ignore[attr-defined]  # noqa: B018 - resolves epochs="auto" from the reader
+        return self.config.epochs is not None
+
+    def epoch_copies(self) -> int:
+        """Copies of samples in one pass of an epoch-aligned stream: ``epochs`` times e times
+        this shard's size (see :meth:`ReaderEpochs.copies`); 0 for a free-running stream."""
+        if not self.finite:
+            return 0
+        cfg = self.config
+        unit = cfg.upstream_batch_size if cfg.mode == "batch" else 1
+        return int(cfg.epochs) * self.reader_epochs.copies(cfg.echo_factor, unit)
+
+    def reset(self) -> None:
+        """Starts the next pass of an epoch-aligned stream once this one is over: its end was
+        drawn (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
+        iterators count the epoch and stop before the padding). A no-op otherwise, as DALI's
+        iterators ignore a reset inside an epoch."""
+        counted = self.counted_epochs and self._handed >= self.epoch_copies()
+        ended = self._input_done or counted
+        if not ended or not self._started:
+            return
+        self._await_pass_end()
+        self.release_outputs()  # type: ignore[attr-defined]
+        # Iterations scheduled after the end hold padding only; consume them before going on.
+        while self._scheduled > 0:
+            info = host_dense(self.downstream.outputs()[-1])
+            self.copies_discarded += int(info[:, 0].sum())
+            self._scheduled -= 1
+        self._stash.clear()
+        self._input_done = False
+        self._exhausted = False
+        self._handed = 0
+        self._runner.ended = False
+        self.cache.reset_input()
+
+    def _await_pass_end(self, timeout_s: float = 600.0) -> None:
+        """Lets the upstream finish the pass (its padding-only last batches included) before
+        the next one starts; every copy of the pass is out, so nothing waits for the consumer."""
+        deadline = time.monotonic() + timeout_s
+        while not self._runner.ended:
+            self._raise_runner_error()  # type: ignore[attr-defined]
+            if self._closed:
+                raise RuntimeError("this EchoPipeline was closed")
+            if self.config.deterministic:
+                self._fill_for_next_run()  # type: ignore[attr-defined]
+            elif time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the upstream pipeline did not finish its epoch within {timeout_s} s"
+                )
+            else:
+                time.sleep(0.005)

@@ -1,7 +1,7 @@
 """Echoing DALI pipelines: write the pipeline once, mark the echo point, get two pipelines.
 
-``@echo_pipeline_def`` turns a DALI-style pipeline function into an :class:`EchoPipeline`. The
-function is traced twice:
+``@echo_pipeline_def`` turns a DALI-style pipeline function into an :class:`EchoPipeline` when the
+call builds an echo point (:mod:`.tracing`). The function is traced once for each part:
 
 * **upstream** (reader, decode, and whatever precedes :func:`echo`): ``echo(*fields)`` becomes an
   ``echopipe_echo_sink`` that stores each sample in a native echo cache. The upstream pipeline
@@ -14,6 +14,9 @@ function is traced twice:
   ``[valid, sample_id, emission]``), tells the consumer which samples are fresh and where a finite
   stream ends (padded samples have ``valid == 0``).
 
+Epochs (:mod:`.epochs`), checkpoints (:mod:`.checkpointing`) and the upstream's reports
+(:mod:`.upstream`) are mixins of the class here.
+
 Everything that waits (the sink on a full cache, the source on an empty one, the runner thread)
 polls for close at least every 100 ms, and every pipeline is closed by ``close()``, by the context
 manager, or at interpreter exit (``weakref.finalize``), so nothing hangs.
@@ -23,126 +26,26 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..echo.memory import resolve_memory
 from . import plugin
+from .checkpointing import EchoCheckpointing
 from .config import EchoConfig, make_cache
 from .dali_api import DaliPipelineApi
-from .epochs import ReaderEpochs
-from .host_copy import host_dense, to_numpy
-from .upstream import UpstreamRunner
+from .epochs import EpochPasses, ReaderEpochs
+from .host_copy import host_dense
+from .tracing import Trace, trace
+from .upstream import UpstreamReports, UpstreamRunner
 
-_STATE_VERSION = 1
 _name_counter = itertools.count()
-
-
-# ---- tracing -------------------------------------------------------------------------------
-
-
-@dataclass
-class _Trace:
-    stage: str  # "upstream" | "downstream" | "probe" (a plain DALI trace that counts echo() calls)
-    cache_name: str
-    calls: int = 0
-    num_fields: int = 0
-    devices: list[str] = field(default_factory=list)
-    sink: Any = None
-    info: Any = None
-    source_device: str | None = None
-
-
-_trace = threading.local()
-
-
-def current_stage() -> str | None:
-    """Which part of an echoing pipeline is being traced in this thread.
-
-    ``"upstream"`` or ``"downstream"`` while :class:`EchoPipeline` traces a pipeline function
-    (it traces it once for each part), ``None`` otherwise. A pipeline function can use it to put
-    operators into one part only, e.g. a ``fn.python_function`` (DALI never prunes those) that
-    should run on the reader side::
-
-        if edali.current_stage() != "downstream":
-            jpegs = fn.python_function(jpegs, function=tap)
-    """
-    state: _Trace | None = getattr(_trace, "state", None)
-    return None if state is None or state.stage == "probe" else state.stage
-
-
-def trace_counting_echo(build: Callable[[], Any]) -> tuple[Any, int]:
-    """Runs ``build()`` (which traces a pipeline function into a plain DALI pipeline) with
-    :func:`echo` passing its fields through; returns what ``build`` returned and how many times
-    the function called :func:`echo`. A pipeline function that echoes only under a condition
-    (``if is_training:``) builds a plain pipeline when the condition is false."""
-    state = _Trace(stage="probe", cache_name="")
-    _trace.state = state
-    try:
-        result = build()
-    finally:
-        _trace.state = None
-    return result, state.calls
-
-
-def echo(*fields: Any, device: str | None = None) -> tuple[Any, ...]:
-    """Marks the echo point inside an ``@echo_pipeline_def`` function.
-
-    Args:
-        *fields: 1 to 4 DALI data nodes that make up one sample (e.g. images, labels, metadata).
-            Each may be CPU or GPU; they travel together and come back in the same order, with
-            dtype, shape and layout preserved.
-        device: where the fields come out downstream: ``"cpu"`` or ``"gpu"``. Default: ``"gpu"``
-            if any input is on the GPU (after a ``"mixed"`` decoder), else ``"cpu"``.
-
-    Returns:
-        A tuple with one node per input field (call it as ``images, labels = echo(images,
-        labels)``). In the upstream trace these are the inputs themselves; in the downstream trace
-        they are the echo source's outputs.
-    """
-    state: _Trace | None = getattr(_trace, "state", None)
-    if state is None:
-        raise RuntimeError(
-            "echopipe.dali.echo() can only be called inside a function decorated with "
-            "@echopipe.dali.echo_pipeline_def (while echopipe traces it)"
-        )
-    if not 1 <= len(fields) <= 4:
-        raise ValueError(f"echo() takes 1 to 4 fields per sample, got {len(fields)}")
-    if device not in (None, "cpu", "gpu"):
-        raise ValueError(f"echo(device=...) must be 'cpu', 'gpu' or None, got {device!r}")
-    if state.stage == "probe":
-        state.calls += 1
-        return tuple(fields)
-    plugin.load()  # the operators below exist only once the plugin is loaded
-    state.calls += 1
-    if state.calls > 1:
-        raise RuntimeError("echo() was called more than once; a pipeline has one echo point")
-    from nvidia.dali import fn
-
-    devices = [getattr(node, "device", "cpu") for node in fields]
-    state.num_fields = len(fields)
-    state.devices = devices
-    upstream_gpu = any(d == "gpu" for d in devices)
-    if state.stage == "upstream":
-        state.sink = fn.echopipe_echo_sink(
-            *fields, cache_name=state.cache_name, device="gpu" if upstream_gpu else "cpu"
-        )
-        return tuple(fields)
-    source_device = device or ("gpu" if upstream_gpu else "cpu")
-    state.source_device = source_device
-    outputs = fn.echopipe_echo_source(
-        cache_name=state.cache_name, num_fields=len(fields), device=source_device
-    )
-    state.info = outputs[-1]
-    return tuple(outputs[:-1])
 
 
 # ---- the pipeline pair ---------------------------------------------------------------------
@@ -156,7 +59,7 @@ def _close_resources(cache: Any, runner: UpstreamRunner, cache_name: str) -> Non
     plugin.forget(cache_name)
 
 
-class EchoPipeline(DaliPipelineApi):
+class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamReports):
     """An upstream and a downstream DALI pipeline joined by a native echo cache.
 
     Create it with :func:`echo_pipeline_def`. Iterate it with :class:`~echopipe.dali.EchoIterator`
@@ -249,14 +152,12 @@ class EchoPipeline(DaliPipelineApi):
 
     # -- building --
 
-    def _trace(self, stage: str, pipe: Any) -> tuple[_Trace, list[Any]]:
-        state = _Trace(stage=stage, cache_name=self.cache_name)
-        _trace.state = state
-        try:
+    def _trace(self, stage: str, pipe: Any) -> tuple[Trace, list[Any]]:
+        def build() -> Any:
             with pipe:
-                result = self._fn(*self._fn_args, **self._fn_kwargs)
-        finally:
-            _trace.state = None
+                return self._fn(*self._fn_args, **self._fn_kwargs)
+
+        state, result = trace(Trace(stage=stage, cache_name=self.cache_name), build)
         if state.calls == 0:
             raise RuntimeError(
                 f"{getattr(self._fn, '__name__', self._fn)} never called echopipe.dali.echo(); "
@@ -305,7 +206,7 @@ class EchoPipeline(DaliPipelineApi):
         self.num_fields = up_state.num_fields
         self.num_outputs = len(outputs)
 
-    def _build_upstream(self, up_kwargs: dict[str, Any]) -> tuple[Any, _Trace]:
+    def _build_upstream(self, up_kwargs: dict[str, Any]) -> tuple[Any, Trace]:
         from nvidia.dali import Pipeline
 
         # Depth 1 upstream: when run() returns, no later iteration has touched the cache yet.
@@ -320,16 +221,6 @@ class EchoPipeline(DaliPipelineApi):
         upstream.set_outputs(up_state.sink)
         upstream.build()
         return upstream, up_state
-
-    def _epoch_units(self) -> int:
-        """The cache's ``epoch_size``: units of the first reader epoch of an epoch-aligned
-        stream (samples, or upstream batches in batch mode), 0 for a free-running one."""
-        if self.config.epochs is None or self.reader_epochs is None:
-            return 0
-        fresh = self.reader_epochs.fresh(0)
-        if self.config.mode == "batch":
-            return max(1, math.ceil(fresh / self.config.upstream_batch_size))
-        return fresh
 
     def _place_cache(self, devices: list[str]) -> None:
         """``memory="auto"`` with the echo input on the GPU: the cache moves to the device arena
@@ -374,59 +265,6 @@ class EchoPipeline(DaliPipelineApi):
         self._build()
         return self._shard_size
 
-    def _epoch_geometry(self, upstream: Any) -> tuple[int, int]:
-        """Fresh samples per epoch of this shard, and upstream iterations per reader epoch;
-        resolves ``epochs="auto"`` (1 with a reader, endless without)."""
-        meta = upstream.reader_meta()
-        epochs = self.config.epochs
-        if not meta:
-            if epochs not in (None, "auto"):
-                raise ValueError(
-                    f"epochs={epochs} needs a DALI reader (fn.readers.*) before echo() to know "
-                    "the epoch size; without one, leave epochs=None for an endless stream"
-                )
-            self.config = replace(self.config, epochs=None)
-            return 0, 1 << 62
-        if len(meta) > 1:
-            raise ValueError(
-                f"the upstream part has {len(meta)} readers ({sorted(meta)}); echopipe needs "
-                "exactly one to count epochs"
-            )
-        ((name, m),) = meta.items()
-        reader = ReaderEpochs.from_meta(name, m)
-        if epochs is not None and not reader.padded:
-            given = (
-                "epoch-aligned echo (the default, epochs='auto')"
-                if epochs == "auto"
-                else (f"epochs={epochs}")
-            )
-            raise ValueError(
-                f"{given} needs the reader {name!r} to be created with pad_last_batch=True, so "
-                "every epoch starts on a batch boundary and no sample of the next epoch is "
-                "pulled into the last batch; or pass epochs=None for a free-running stream"
-            )
-        if epochs == "auto":
-            self.config = replace(self.config, epochs=1)
-        self.reader_epochs = reader
-        return reader.fresh(0), reader.iterations(self.config.upstream_batch_size)
-
-    @property
-    def finite(self) -> bool:
-        """True when the stream ends after ``epochs`` reader epochs (epoch-aligned, the default
-        with a reader); False for the free-running stream (``epochs=None``). Builds the DALI
-        pipelines (nothing runs)."""
-        self.shard_size  # noqa: B018 - resolves epochs="auto" from the reader
-        return self.config.epochs is not None
-
-    def epoch_copies(self) -> int:
-        """Copies of samples in one pass of an epoch-aligned stream: ``epochs`` times e times
-        this shard's size (see :meth:`ReaderEpochs.copies`); 0 for a free-running stream."""
-        if not self.finite:
-            return 0
-        cfg = self.config
-        unit = cfg.upstream_batch_size if cfg.mode == "batch" else 1
-        return int(cfg.epochs) * self.reader_epochs.copies(cfg.echo_factor, unit)
-
     def start(self) -> None:
         """Builds both DALI pipelines and starts the upstream runner (idempotent)."""
         if self._closed:
@@ -441,31 +279,6 @@ class EchoPipeline(DaliPipelineApi):
         self._runner.start()
 
     # -- running --
-
-    def describe_upstream_error(self, error: BaseException) -> BaseException:
-        """The exception the consumer gets when the upstream DALI pipeline raised ``error``.
-
-        Returns what the ``on_upstream_error`` callback returned, if anything, else a
-        ``RuntimeError`` saying the upstream failed. Subclasses override it to name the cause
-        (the ImageNet builders name the file DALI's decoder rejected). The caller chains the
-        result to ``error``.
-        """
-        if self._on_upstream_error is not None:
-            described = self._on_upstream_error(error)
-            if described is not None:
-                return described
-        return RuntimeError(f"the upstream DALI pipeline failed: {error}")
-
-    def _upstream_failed(self, error: BaseException) -> BaseException:
-        described = self.describe_upstream_error(error)
-        if described is not error and described.__cause__ is None:
-            described.__cause__ = error
-        return described
-
-    def _raise_runner_error(self) -> None:
-        error = self._runner.error
-        if error is not None:
-            raise self._upstream_failed(error)
 
     def next_batch(self) -> tuple[list[Any], np.ndarray]:
         """Next downstream batch: (pipeline outputs, info ``int64[batch, 3]``).
@@ -539,137 +352,6 @@ class EchoPipeline(DaliPipelineApi):
         self._exhausted = True
         return None
 
-    def reset(self) -> None:
-        """Starts the next pass of an epoch-aligned stream once this one is over: its end was
-        drawn (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
-        iterators count the epoch and stop before the padding). A no-op otherwise, as DALI's
-        iterators ignore a reset inside an epoch."""
-        counted = self.counted_epochs and self._handed >= self.epoch_copies()
-        ended = self._input_done or counted
-        if not ended or not self._started:
-            return
-        self._await_pass_end()
-        self.release_outputs()
-        # Iterations scheduled after the end hold padding only; consume them before going on.
-        while self._scheduled > 0:
-            info = host_dense(self.downstream.outputs()[-1])
-            self.copies_discarded += int(info[:, 0].sum())
-            self._scheduled -= 1
-        self._stash.clear()
-        self._input_done = False
-        self._exhausted = False
-        self._handed = 0
-        self._runner.ended = False
-        self.cache.reset_input()
-
-    def _await_pass_end(self, timeout_s: float = 600.0) -> None:
-        """Lets the upstream finish the pass (its padding-only last batches included) before
-        the next one starts; every copy of the pass is out, so nothing waits for the consumer."""
-        deadline = time.monotonic() + timeout_s
-        while not self._runner.ended:
-            self._raise_runner_error()
-            if self._closed:
-                raise RuntimeError("this EchoPipeline was closed")
-            if self.config.deterministic:
-                self._fill_for_next_run()
-            elif time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the upstream pipeline did not finish its epoch within {timeout_s} s"
-                )
-            else:
-                time.sleep(0.005)
-
-    # -- checkpointing --
-
-    def state_dict(self) -> dict[str, Any]:
-        """Echo state aligned with the batches handed out so far.
-
-        Holds the cache contents (samples with tickets left, RNG and counters), the upstream
-        position, batches DALI already prepared but nobody has consumed (kept as numpy arrays and
-        replayed first after a restore), and DALI's own checkpoints of both pipelines when
-        ``enable_checkpointing=True``. With ``deterministic=True`` a restored pipeline continues
-        with exactly the same stream; otherwise it continues with no sample lost or repeated.
-        """
-        self.start()
-        self._raise_runner_error()
-        self.release_outputs()
-        # Take DALI's prepared batches out first, while the upstream still feeds the cache.
-        while self._scheduled > 0:
-            outputs = list(self.downstream.outputs())
-            self._scheduled -= 1
-            info = host_dense(outputs[-1])
-            arrays = [to_numpy(o) for o in outputs[:-1]]
-            if int(info[:, 0].sum()) > 0:
-                self._stash.append((arrays, info))
-        self._runner.pause()
-        try:
-            state: dict[str, Any] = {
-                "version": _STATE_VERSION,
-                "config": asdict(self.config),
-                "num_fields": self.num_fields,
-                "cache": self.cache.state_dict(),
-                "layouts": plugin.get_layouts(self.cache_name),
-                "quota": plugin.get_quota(self.cache_name),
-                "runner": self._runner.state(),
-                "stash": [
-                    ([a.copy() for a in arrays], info.copy()) for arrays, info in self._stash
-                ],
-                "input_done": self._input_done,
-                "handed": self._handed,
-                "upstream_wait_s": self.upstream_wait_s,
-                "downstream_wait_s": self.downstream_wait_s,
-            }
-            if self._enable_checkpointing:
-                state["dali_upstream"] = self.upstream.checkpoint()
-                state["dali_downstream"] = self.downstream.checkpoint()
-        finally:
-            self._runner.resume()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict` output; must be called before the first batch."""
-        if self._started:
-            raise RuntimeError(
-                "load_state_dict() must be called before the first batch (the DALI pipelines are "
-                "built with the checkpoint)"
-            )
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported echo state version {state.get('version')!r}")
-        saved = state["config"]
-        if self.config.epochs == "auto":
-            self.shard_size  # noqa: B018 - resolves epochs from the reader, as when it was saved
-        mine = asdict(self.config)
-        # echo_factor is runtime state (set_echo_factor): the checkpoint's factor is adopted.
-        for key in ("mode", "batch_size", "upstream_batch_size", "epochs"):
-            if saved.get(key) != mine.get(key):
-                raise ValueError(
-                    f"checkpoint has {key}={saved.get(key)!r} but this pipeline has "
-                    f"{key}={mine.get(key)!r}"
-                )
-        if self._enable_checkpointing and "dali_upstream" not in state:
-            raise ValueError(
-                "this pipeline has enable_checkpointing=True but the checkpoint carries no DALI "
-                "state (it was saved with enable_checkpointing=False)"
-            )
-        if self._enable_checkpointing and self.upstream is not None:
-            # Built early (shard_size) without DALI's checkpoints; nothing ran, so rebuild.
-            self.upstream = self.downstream = None
-        self.set_echo_factor(float(saved["echo_factor"]))
-        self._restore = state
-
-    def _apply_restore(self, state: dict[str, Any]) -> None:
-        self.cache.load_state_dict(state["cache"])
-        plugin.set_layouts(self.cache_name, list(state["layouts"]))
-        plugin.set_quota(self.cache_name, int(state["quota"]))
-        self._runner.load(state["runner"])
-        self._stash = [(list(arrays), info) for arrays, info in state["stash"]]
-        self._input_done = bool(state["input_done"])
-        self._handed = int(state.get("handed", 0))
-        if self._runner.ended:
-            self.cache.end_of_input()
-        self.upstream_wait_s = float(state.get("upstream_wait_s", state.get("t_up", 0.0)))
-        self.downstream_wait_s = float(state.get("downstream_wait_s", state.get("t_down", 0.0)))
-
     # -- info and lifetime --
 
     def set_echo_factor(self, echo_factor: float) -> None:
@@ -685,59 +367,6 @@ class EchoPipeline(DaliPipelineApi):
             raise RuntimeError("this EchoPipeline was closed")
         self.cache.echo_factor = echo_factor  # validates
         self.config = replace(self.config, echo_factor=self.cache.echo_factor)
-
-    def upstream_time(self) -> tuple[int, float]:
-        """``(upstream batches run, seconds they took)`` so far, in either mode.
-
-        Each upstream batch is one ``upstream.run()`` of ``upstream_batch_size`` reader samples,
-        timed by the thread that runs it (restored with a checkpoint).
-        """
-        batches, seconds, _ = self._runner.timing()
-        return batches, seconds
-
-    def upstream_step_seconds(self) -> float:
-        """``t_up``: upstream seconds per downstream batch of fresh samples (nan before any).
-
-        The mean time of one upstream iteration (``upstream.run()``: read, decode, whatever
-        precedes :func:`echo`; timed in both modes), scaled from ``upstream_batch_size`` to
-        ``batch_size`` samples. With ``t_down`` the consumer's time per step, ``R = t_up /
-        t_down`` is the echo factor that keeps both sides busy.
-        """
-        batches, seconds, _ = self._runner.timing()
-        return self._per_step(batches, seconds)
-
-    def _per_step(self, batches: int, seconds: float) -> float:
-        if batches == 0:
-            return math.nan
-        cfg = self.config
-        return seconds / batches * cfg.batch_size / cfg.upstream_batch_size
-
-    def stats(self) -> dict[str, Any]:
-        """Cache statistics plus upstream counters and timing.
-
-        Keys: ``fresh_in``, ``emitted``, ``resident``, ``tickets_left``, ``emit_histogram``
-        (cache); ``upstream_batches`` (= ``upstream_iterations``), ``upstream_time_s`` (seconds
-        in those iterations), ``upstream_epochs``, ``upstream_fresh_stored``; ``t_up``
-        (:meth:`upstream_step_seconds`); ``upstream_wait_s`` and ``downstream_wait_s`` (see the
-        attributes).
-        """
-        s = self.cache.stats()
-        batches, seconds, stored = self._runner.timing()
-        return {
-            "fresh_in": int(s.fresh_in),
-            "emitted": int(s.emitted),
-            "resident": int(s.resident),
-            "tickets_left": int(s.tickets_left),
-            "upstream_batches": batches,
-            "upstream_iterations": batches,
-            "upstream_time_s": seconds,
-            "upstream_epochs": self._runner.epoch_index,
-            "upstream_fresh_stored": stored,
-            "t_up": self._per_step(batches, seconds),
-            "upstream_wait_s": self.upstream_wait_s,
-            "downstream_wait_s": self.downstream_wait_s,
-            "emit_histogram": list(s.emit_histogram),
-        }
 
     @property
     def upstream_alive(self) -> bool:
