@@ -286,3 +286,13 @@ def test_copies_spread_over_the_whole_epoch(files: list[str]) -> None:
     # A full shuffle of 40 copies in batches of 4 puts 3/39 of the pairs into one batch and
     # the copies 10/3 batches apart on average; a 1-batch buffer gives about 1 batch.
     assert same_batch / pairs < 0.25 and gaps / pairs > 2.0
+
+
+def test_echo_iterator_len_is_exact_for_a_fractional_factor(files: list[str]) -> None:
+    with echo_pipe(files, batch_size=BATCH, echo_factor=1.3,
+                   reader_kw={"random_shuffle": True}) as pipe:  # fmt: skip
+        it = edali.EchoIterator(pipe, ["data", "label"], auto_reset=True)
+        assert pipe.epoch_copies() == copies_per_epoch(1.3, N) == 26
+        assert len(it) == math.ceil(26 / BATCH)
+        for _ in range(2):
+            assert sum(1 for _ in it) == len(it)

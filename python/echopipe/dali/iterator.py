@@ -246,6 +246,8 @@ class EchoIterator:
             return self._steps_per_epoch * cfg.batch_size
         if self._size is not None:
             return self._size
+        if self._epoch_size is None and self.finite:
+            return self.pipeline.epoch_copies()  # exact, for a fractional e too
         fresh = self._epoch_size or self.pipeline.shard_size
         if not fresh:
             raise ValueError(
@@ -255,7 +257,9 @@ class EchoIterator:
         return max(1, round(fresh * cfg.echo_factor))
 
     def __len__(self) -> int:
-        """Steps per epoch of an endless stream (a finite one ends where its data ends)."""
+        """Steps per epoch: of an endless stream, and of an epoch-aligned one the steps of its
+        first epoch (exact; the epochs end where the data ends, which differs only when the
+        reader's shard moves to one of another size)."""
         b = self.pipeline.config.batch_size
         samples = self._epoch_samples()
         if self.last_batch_policy == LastBatchPolicy.DROP:
