@@ -296,3 +296,23 @@ def test_echo_iterator_len_is_exact_for_a_fractional_factor(files: list[str]) ->
         assert len(it) == math.ceil(26 / BATCH)
         for _ in range(2):
             assert sum(1 for _ in it) == len(it)
+
+
+def test_one_iterator_over_all_shards(files: list[str]) -> None:
+    """DALI's single-process multi-pipeline form: one iterator over a pipeline per shard
+    (shards of equal size, as DALI's iterator requires of echo pipelines' reported sizes)."""
+    eighteen = files[:18]
+    kw = {"random_shuffle": True}
+    pipes = [
+        echo_pipe(eighteen, shard, 3, batch_size=BATCH, echo_factor=2, reader_kw=kw)
+        for shard in range(3)
+    ]
+    it = DALIGenericIterator(
+        pipes, ["data", "label"], reader_name="Reader", last_batch_policy=LBP.PARTIAL,
+        auto_reset=True,
+    )  # fmt: skip
+    for _ in range(3):
+        labels = [x for step in it for out in step for x in out["label"].reshape(-1).tolist()]
+        assert Counter(labels) == {i: 2 for i in range(18)}
+    for pipe in pipes:
+        pipe.close()
