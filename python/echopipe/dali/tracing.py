@@ -37,7 +37,8 @@ def current_stage() -> str | None:
     """Which part of an echoing pipeline is being traced in this thread.
 
     ``"upstream"`` or ``"downstream"`` while :class:`EchoPipeline` traces a pipeline function
-    (it traces it once for each part), ``None`` otherwise. A pipeline function can use it to put
+    (it traces it once for each part), ``None`` otherwise, including the first trace by DALI's
+    own ``pipeline_def`` that looks for the echo point. A pipeline function can use it to put
     operators into one part only, e.g. a ``fn.python_function`` (DALI never prunes those) that
     should run on the reader side::
 
