@@ -147,7 +147,7 @@ def test_each_epoch_holds_each_shard_sample_e_times(files, e, policy, shard) -> 
                 assert set(extra) <= set(epoch[-1])
             else:
                 assert len(labels) == steps * BATCH and max(counts.values()) <= e
-        assert pipe.copies_discarded == 0
+        assert pipe.copies_discarded == pipe.stats()["copies_discarded"] == 0
 
 
 @pytest.mark.parametrize("policy", [LBP.PARTIAL, LBP.FILL, LBP.DROP])

@@ -93,7 +93,7 @@ class EchoCheckpointing:
             raise ValueError(f"unsupported echo state version {state.get('version')!r}")
         saved = state["config"]
         if self.config.epochs == "auto":
-            self.shard_size  # type: ignore[attr-defined]  # noqa: B018 - resolves epochs from the reader, as when it was saved
+            _ = self.shard_size  # type: ignore[attr-defined]  # resolves epochs, as when saved
         mine = asdict(self.config)
         # echo_factor is runtime state (set_echo_factor): the checkpoint's factor is adopted.
         for key in ("mode", "batch_size", "upstream_batch_size", "epochs"):

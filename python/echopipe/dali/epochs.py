@@ -126,11 +126,9 @@ class EpochPasses:
         ((name, m),) = meta.items()
         reader = ReaderEpochs.from_meta(name, m)
         if epochs is not None and not reader.padded:
-            given = (
-                "epoch-aligned echo (the default, epochs='auto')"
-                if epochs == "auto"
-                else (f"epochs={epochs}")
-            )
+            given = f"epochs={epochs}"
+            if epochs == "auto":
+                given = "epoch-aligned echo (the default, epochs='auto')"
             raise ValueError(
                 f"{given} needs the reader {name!r} to be created with pad_last_batch=True, so "
                 "every epoch starts on a batch boundary and no sample of the next epoch is "
@@ -146,7 +144,7 @@ class EpochPasses:
         """True when the stream ends after ``epochs`` reader epochs (epoch-aligned, the default
         with a reader); False for the free-running stream (``epochs=None``). Builds the DALI
         pipelines (nothing runs)."""
-        self.shard_size  # type: ignore[attr-defined]  # noqa: B018 - resolves epochs="auto" from the reader
+        _ = self.shard_size  # type: ignore[attr-defined]  # builds: resolves epochs="auto"
         return self.config.epochs is not None
 
     def epoch_copies(self) -> int:

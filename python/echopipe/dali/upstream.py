@@ -201,6 +201,7 @@ class UpstreamReports:
     upstream_wait_s: float
     downstream_wait_s: float
     _runner: UpstreamRunner
+    copies_discarded: int
     _on_upstream_error: Any
 
     def describe_upstream_error(self, error: BaseException) -> BaseException:
@@ -261,7 +262,8 @@ class UpstreamReports:
         (cache); ``upstream_batches`` (= ``upstream_iterations``), ``upstream_time_s`` (seconds
         in those iterations), ``upstream_epochs``, ``upstream_fresh_stored``; ``t_up``
         (:meth:`upstream_step_seconds`); ``upstream_wait_s`` and ``downstream_wait_s`` (see the
-        attributes).
+        attributes); ``copies_discarded``: real copies a reset found still queued after DALI's
+        iterator had counted its epoch (0 unless the epoch length DALI was told is wrong).
         """
         s = self.cache.stats()
         batches, seconds, stored = self._runner.timing()
@@ -278,5 +280,6 @@ class UpstreamReports:
             "t_up": self._per_step(batches, seconds),
             "upstream_wait_s": self.upstream_wait_s,
             "downstream_wait_s": self.downstream_wait_s,
+            "copies_discarded": self.copies_discarded,
             "emit_histogram": list(s.emit_histogram),
         }
