@@ -70,8 +70,8 @@ class EchoConfig:
             not isinstance(self.epochs, int) or self.epochs < 1
         ):
             raise ValueError(
-                f"epochs must be an int >= 1, 'auto' (1 with a reader, else endless) or None "
-                f"(endless), got {self.epochs!r}"
+                "epochs must be an int >= 1, 'auto' (1 with a padded reader, else endless) or "
+                f"None (endless), got {self.epochs!r}"
             )
         check_memory(self.memory)
         return EchoConfig(

@@ -106,6 +106,14 @@ class DaliPipelineApi:
         return {k: int(m["epoch_size_padded"]) for k, m in self.reader_meta().items()}
 
     def _scaled_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
+        unaligned = self.unaligned_reader  # type: ignore[attr-defined]
+        if unaligned is not None:
+            raise ValueError(
+                f"reader {unaligned!r} has no pad_last_batch=True, so its epochs cannot be "
+                "aligned with echoing, and DALI's iterator would count epochs over a "
+                "free-running stream whose copies cross epochs; create the reader with "
+                "pad_last_batch=True, or pass epochs=None to the pipeline to accept that"
+            )
         if self.finite:  # type: ignore[attr-defined]
             # This pipeline's own epoch, exactly: DALI's iterators split a reported data set
             # over the shards themselves (floor(k * size / shards)), which for e copies of

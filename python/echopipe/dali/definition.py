@@ -143,7 +143,9 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
         cache_samples, cache_bytes: capacity of the cache, in samples and bytes.
         upstream_batch_size: batch size of the reader part (default ``batch_size``).
         upstream_num_threads: DALI threads of the upstream pipeline (default ``num_threads``).
-        epochs: ``"auto"`` (default): epoch-aligned with a reader (1), free-running without one.
+        epochs: ``"auto"`` (default): epoch-aligned (1) with a reader that pads its last batch,
+            free-running otherwise (DALI's iterators then refuse ``reader_name=`` for an
+            unpadded reader).
             N: each pass of the stream is N reader epochs of this shard, each sample e times per
             epoch (an exact total for a fractional e), never padding, then the stream ends until
             ``reset()`` (DALI's iterators reset it themselves); the reader needs

@@ -84,6 +84,7 @@ class EpochPasses:
     cache: Any
     downstream: Any
     reader_epochs: ReaderEpochs | None
+    unaligned_reader: str | None
     counted_epochs: bool
     copies_discarded: int
     _runner: Any
@@ -107,7 +108,7 @@ class EpochPasses:
 
     def _epoch_geometry(self, upstream: Any) -> tuple[int, int]:
         """Fresh samples per epoch of this shard, and upstream iterations per reader epoch;
-        resolves ``epochs="auto"`` (1 with a reader, endless without)."""
+        resolves ``epochs="auto"`` (1 with a padded reader, endless otherwise)."""
         meta = upstream.reader_meta()
         epochs = self.config.epochs
         if not meta:
@@ -125,14 +126,18 @@ class EpochPasses:
             )
         ((name, m),) = meta.items()
         reader = ReaderEpochs.from_meta(name, m)
+        if epochs == "auto" and not reader.padded:
+            # Without padding a reader epoch ends inside a batch, so epochs cannot be aligned;
+            # the stream runs free, and DALI's iterators, which would count epochs, are refused.
+            epochs = None
+            self.config = replace(self.config, epochs=None)
+            self.unaligned_reader = name
         if epochs is not None and not reader.padded:
-            given = f"epochs={epochs}"
-            if epochs == "auto":
-                given = "epoch-aligned echo (the default, epochs='auto')"
             raise ValueError(
-                f"{given} needs the reader {name!r} to be created with pad_last_batch=True, so "
-                "every epoch starts on a batch boundary and no sample of the next epoch is "
-                "pulled into the last batch; or pass epochs=None for a free-running stream"
+                f"epochs={epochs} needs the reader {name!r} to be created with "
+                "pad_last_batch=True, so every epoch starts on a batch boundary and no sample of "
+                "the next epoch is pulled into the last batch; or pass epochs=None for a "
+                "free-running stream"
             )
         if epochs == "auto":
             self.config = replace(self.config, epochs=1)

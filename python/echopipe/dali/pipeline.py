@@ -133,6 +133,8 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
         self._shard_size = 0
         self.iterations_per_epoch = 0
         self.reader_epochs: ReaderEpochs | None = None
+        # The reader's name when epochs="auto" fell back to free-running (no pad_last_batch).
+        self.unaligned_reader: str | None = None
         self._cache_epoch_size = 0
         # Set when DALI's iterators read the epoch size: they end an epoch by counting copies.
         self.counted_epochs = False
