@@ -172,7 +172,7 @@ def run_one(cfg: RunConfig, data: bu.Dataset) -> dict[str, Any]:
         while fresh < cfg.max_fresh:
             # Top the buffer up with whole upstream batches (batch mode echoes whole batches).
             while cache.stats().resident + cfg.batch <= cfg.buffer:
-                cache.put_many(upstream_batch(cfg, data, reader, gen), timeout=10)
+                cache.put_batch(upstream_batch(cfg, data, reader, gen), timeout=10)
             got = cache.take_batch(cfg.batch, timeout=10)
             assert got is not None  # input never ends here
             ids = got.sample_ids

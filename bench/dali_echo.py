@@ -91,7 +91,7 @@ def _echo_rate(pipe: Any, *, warmup: int, seconds: float) -> tuple[float, dict[s
         info = {
             **counts,
             "realised_echo": (fresh + counts["echoed"]) / fresh if fresh else None,
-            "upstream_iterations": pipe.stats()["upstream_iterations"],
+            "upstream_batches": pipe.stats()["upstream_batches"],
         }
     finally:
         pipe.close()

@@ -3,7 +3,7 @@
 For sample sizes 4 KB, 150 KB and 600 KB, with 1 and 2 threads per side and e = 2, it measures in
 one run:
 
-* ``cache``: the native driver ``echopipe._bench_native.put_take`` (producer threads ``put`` from
+* ``cache``: the native driver ``_bench_native.put_take`` (producer threads ``put`` from
   a 64 MB source pool, consumer threads ``take(batch)`` and gather each batch into one buffer),
   over an arena several times the last-level cache. Per fresh sample the cache path moves its
   bytes once in (put copies) and e times out (gather copies).
@@ -18,6 +18,9 @@ one run:
   ``take_batch(--batch)``), against the pure-Python buffer and against memcpy of the same bytes
   by two threads (measured right after it).
 
+The native driver is not part of the installed package: build it once in the checkout with
+:data:`BUILD_COMMAND` (into ``build/bench/``, where :func:`load_driver` finds it).
+
 The issue's aims (met / not met) are checked at the end. Prints a table and writes
 ``<results-dir>/echo_cache.json`` (the convention of ``bench/benchutil.py``). ``--quick``
 finishes in < 60 s.
@@ -25,18 +28,56 @@ finishes in < 60 s.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import random
 import sys
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 import benchutil as bu
-from echopipe import _bench_native
 from echopipe.echo import EchoCache
+
+# Where the driver is built (ECHOPIPE_BUILD_BENCH=ON; never installed, so never in the wheel).
+DRIVER_DIR = Path(__file__).resolve().parents[1] / "build" / "bench"
+BUILD_COMMAND = (
+    "cmake -S . -B build/bench -DECHOPIPE_BUILD_BENCH=ON -DECHOPIPE_BUILD_DALI=OFF "
+    '-DECHOPIPE_BUILD_CUDA=OFF -DPython_EXECUTABLE="$(command -v python)" '
+    '-Dpybind11_DIR="$(python -m pybind11 --cmakedir)" '
+    "&& cmake --build build/bench --target _bench_native"
+)
+
+
+def load_driver() -> ModuleType | None:
+    """The native driver module from :data:`DRIVER_DIR`, or None when it was not built.
+
+    Loaded after ``echopipe._C`` (imported above), so it binds to the core library the process
+    already holds (one registry, one allocator) rather than the build folder's copy."""
+    if "_bench_native" in sys.modules:
+        return sys.modules["_bench_native"]
+    found = sorted(DRIVER_DIR.glob("_bench_native*.so"))
+    if not found:
+        return None
+    loader = importlib.machinery.ExtensionFileLoader("_bench_native", str(found[0]))
+    spec = importlib.util.spec_from_file_location("_bench_native", found[0], loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    sys.modules["_bench_native"] = module
+    return module
+
+
+def unavailable() -> str | None:
+    """Why this suite cannot run here (the native driver is not built), or None."""
+    if load_driver() is None:
+        return f"the native driver is not built; in the checkout run: {BUILD_COMMAND}"
+    return None
+
 
 SIZES = {"4KB": 4 << 10, "150KB": 150 << 10, "600KB": 600 << 10}
 
@@ -130,15 +171,17 @@ def api_path(sample_bytes: int, n_fresh: int, capacity: int, batch: int) -> tupl
     return secs, copies
 
 
-def native_rows(size: int, n_fresh: int, threads: int, arena: int, args: Any) -> dict[str, Any]:
+def native_rows(
+    driver: ModuleType, size: int, n_fresh: int, threads: int, arena: int, args: Any
+) -> dict[str, Any]:
     """Cache and memcpy rounds, back to back, for one size and thread count."""
     # The shared VM's speed drifts between seconds: the cache and its memcpy limit are measured
     # back to back in each round; the median and the worst round are both kept.
     trials = []
     for _ in range(args.rounds):
-        r = _bench_native.put_take(size, n_fresh, threads, threads, args.echo, arena, args.batch)
+        r = driver.put_take(size, n_fresh, threads, threads, args.echo, arena, args.batch)
         moved = int(r["fresh"]) + int(r["copies"])  # samples copied in + copied out
-        m = _bench_native.memcpy(size, moved, 2 * threads, arena, args.batch)
+        m = driver.memcpy(size, moved, 2 * threads, arena, args.batch)
         trials.append((m["seconds"] / r["seconds"], r, m, moved))
     ratios = sorted(trial[0] for trial in trials)
     _, r, m, moved = sorted(trials, key=lambda trial: trial[0])[len(trials) // 2]
@@ -158,12 +201,12 @@ def native_rows(size: int, n_fresh: int, threads: int, arena: int, args: Any) ->
     }
 
 
-def api_rows(size: int, py_fresh: int, arena: int, args: Any) -> dict[str, Any]:
+def api_rows(driver: ModuleType, size: int, py_fresh: int, arena: int, args: Any) -> dict[str, Any]:
     """The Python batch API, each round followed by memcpy of the same bytes by 2 threads."""
     trials = []
     for _ in range(args.rounds):
         secs, copies = api_path(size, py_fresh, arena, args.batch)
-        m = _bench_native.memcpy(size, py_fresh + copies, 2, arena, args.batch)
+        m = driver.memcpy(size, py_fresh + copies, 2, arena, args.batch)
         trials.append((m["seconds"] / secs, copies / secs))
     trials.sort()
     ratio, rate = trials[len(trials) // 2]
@@ -211,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 1 if args.quick else 5
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    driver = load_driver()
+    if driver is None:
+        print(f"echo_cache: {unavailable()}", file=sys.stderr)
+        return 1
     run = bu.BenchRun.start("echo_cache", args, argv)
 
     llc = llc_bytes()
@@ -222,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         # Several passes over the arena so the steady state dominates the warm-up.
         n_fresh = max(int(cap_samples * (1.5 if args.quick else 3)), 2000)
         n_fresh = min(n_fresh, (2 << 30) // size if args.quick else (12 << 30) // size)
-        per_threads = {t: native_rows(size, n_fresh, t, arena, args) for t in (1, 2)}
+        per_threads = {t: native_rows(driver, size, n_fresh, t, arena, args) for t in (1, 2)}
         # Peer and API path: fewer samples (the peer is slow), same buffer size and e.
         py_fresh = min(n_fresh, max(2000, int((0.4 if args.quick else 1.5) * 2e8 / size)))
         py_buffer = min(cap_samples, max(py_fresh // 2, 1))
@@ -235,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             "python_buffer_samples_s": py_fresh * args.echo / py_secs,
             "python_buffer_fresh": py_fresh,
             "python_buffer_size": py_buffer,
-            **api_rows(size, py_fresh, arena, args),
+            **api_rows(driver, size, py_fresh, arena, args),
         }
 
     print(f"arena {arena >> 20} MB (LLC {llc >> 20} MB), e={args.echo}, batch={args.batch}")

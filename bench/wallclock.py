@@ -79,7 +79,7 @@ class DelayedProducer(threading.Thread):
                 while not self.stop.is_set():
                     cache = self.cache
                     try:
-                        cache.put_many(batch, timeout=0.05)
+                        cache.put_batch(batch, timeout=0.05)
                         break
                     except TimeoutError as exc:
                         done = exc.args[-1]  # rows that went in before the timeout

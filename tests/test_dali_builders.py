@@ -434,7 +434,7 @@ def test_read_delay_is_counted_in_the_upstream_only(data: Path) -> None:
     # 6 upstream batches of 4, each delayed 4 x 1.5 ms; nothing in the downstream.
     assert tap["batches"] == 6 and tap["samples"] == 24
     assert tap["delay_s"] == pytest.approx(24 * 1.5e-3)
-    assert pipe.stats()["upstream_iterations"] == 6
+    assert pipe.stats()["upstream_batches"] == 6
 
 
 def test_read_delay_in_plain_and_decode_pipelines(data: Path) -> None:

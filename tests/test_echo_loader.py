@@ -69,12 +69,15 @@ def gone(pid: int, within: float = 10.0) -> bool:
 @pytest.mark.parametrize("e", [2.5, 1.0])
 def test_every_fresh_sample_is_delivered_floor_or_ceil_e_times(e: float) -> None:
     with EchoLoader(loader(200, 16), e, seed=3) as el:
+        length = len(el)
         batches = list(el)
         got = counts(batches)
         stats = el.stats()
     assert sorted(got) == list(range(200))
     assert set(got.values()) <= {math.floor(e), math.ceil(e)}
     total = sum(got.values())
+    assert total == {2.5: 500, 1.0: 200}[e]  # exact per epoch: half of them get the third copy
+    assert len(batches) == length
     assert stats.fresh_samples == 200 and stats.fresh_batches == 13  # 12 full + 1 of 8
     assert stats.delivered_samples == total and stats.delivered_batches == len(batches)
     assert len(batches) == math.ceil(total / 16)
@@ -210,7 +213,7 @@ def test_snapshots_taken_while_the_reader_runs_each_resume_exactly() -> None:
             el.load_state_dict(state)
             got = counts(before) + counts(el)
         assert sorted(got) == list(range(192)), state["batches_done"]
-        assert set(got.values()) <= {2, 3}
+        assert set(got.values()) <= {2, 3} and sum(got.values()) == 480  # 192 * 2.5, resumed
         assert el.stats().delivered_samples_epoch == sum(got.values())
 
 

@@ -264,7 +264,7 @@ def test_gathers_larger_than_one_pointer_table_span_several_launches() -> None:
     cache = _cache(memory="pinned", echo_factor=1.0, capacity_samples=n, capacity_bytes=16 << 20)
     try:
         images = rng.integers(0, 256, size=(n, 2, 3, 3), dtype=np.uint8)
-        cache.put_many(images, timeout=10)
+        cache.put_batch(images, timeout=10)
         samples = cache.take(n, timeout=10)
         drawn = np.stack([s.array for s in samples])
         raw = torch.zeros(drawn.size, dtype=torch.uint8, device="cuda")
@@ -325,7 +325,7 @@ def test_gather_normalize_matches_cpu(to_chw: bool, channels: int, hw: tuple[int
     cache = _cache(memory="pinned", echo_factor=1.0)
     try:
         images = rng.integers(0, 256, size=(40, h, w, channels), dtype=np.uint8)
-        cache.put_many(images)
+        cache.put_batch(images)
         samples = cache.take(40, timeout=5)
         mean = [float(v) for v in rng.uniform(0, 255, channels)]
         std = [float(v) for v in rng.uniform(10, 80, channels)]
@@ -350,7 +350,7 @@ def test_gather_normalize_matches_cpu(to_chw: bool, channels: int, hw: tuple[int
 def test_gather_normalize_rejects_bad_inputs_with_clear_errors() -> None:
     cache = _cache(memory="pinned", echo_factor=1.0)
     try:
-        cache.put_many(np.zeros((2, 4, 4, 3), dtype=np.uint8))
+        cache.put_batch(np.zeros((2, 4, 4, 3), dtype=np.uint8))
         samples = cache.take(2, timeout=5)
         dst = torch.empty((2, 3, 4, 4), device="cuda")
         with pytest.raises(ValueError, match="per channel"):

@@ -24,11 +24,12 @@ from echopipe.pipeline import (
     stage_staleness,
 )
 from echopipe.pipeline.checkpoint import atomic_save
-from echopipe.pipeline.partition import _min_max_partition
+from echopipe.pipeline.partition import min_max_partition
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_support.models import BALANCES, adam, loss_fn, make_batches, sgd, small_cnn
 from pipeline_support.reference import ReferencePipeline
+from pipeline_support.timing import FakeClock, Timed
 
 
 def reference_for(model: nn.Sequential, balance, opt_factory, recompute=False, scheduler=None):
@@ -241,33 +242,28 @@ def test_result_is_independent_of_thread_timing(one_thread) -> None:
         assert max_rel_error(model, ref_model) <= 1e-12
 
 
-class _Sleep(nn.Module):
-    """Sleeps a fixed time in forward: known busy time for one stage."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds)
-        return x
-
-
 def test_step_seconds_is_the_slowest_stages_busy_time_not_the_callers_wait() -> None:
-    """t_down for ``echopipe train``: stage 1 sleeps 30 ms a forward, stage 0 nothing. The
-    caller feeds slowly (80 ms between steps), so its own view of a step is 80 ms; the
-    pipeline's busy time per minibatch must still be about 30 ms (the slow stage), and
-    ``None`` before every stage has done a forward and a backward."""
+    """t_down for ``echopipe train``, from injected timings: per minibatch, stage 0 works
+    10 ms forward and 30 ms backward, stage 1 30 ms forward and 5 ms backward (each on its own
+    thread's clock). The caller takes 80 ms between steps on its clock; the pipeline's busy
+    time per minibatch is still the slowest stage's forward plus backward, 40 ms, and ``None``
+    before every stage has done a forward and a backward."""
+    clock = FakeClock()
     model = small_cnn()
-    slow = nn.Sequential(*model[:2], _Sleep(0.03), *model[2:])
-    with StalePipeline(slow, balance=[2, len(slow) - 2], optimizer=sgd, loss_fn=loss_fn) as pipe:
+    # Each Timed follows a layer with weights, so its input needs a gradient in backward.
+    timed = nn.Sequential(
+        model[0], Timed(clock, 0.010, 0.030), model[1], Timed(clock, 0.030, 0.005), *model[2:]
+    )
+    with StalePipeline(
+        timed, balance=[3, len(timed) - 3], optimizer=sgd, loss_fn=loss_fn, clock=clock
+    ) as pipe:  # fmt: skip
         assert pipe.step_seconds() is None
         for x, y in make_batches(8):
             pipe.train_step(x, y)
-            time.sleep(0.08)
+            clock.advance(0.08)
         pipe.drain()
         busy = pipe.step_seconds()
-    assert busy is not None and 0.03 <= busy < 0.075
+    assert busy == pytest.approx(0.040, rel=1e-9)
 
 
 def test_documented_weight_rule_by_hand() -> None:
@@ -479,13 +475,13 @@ class _Boom(nn.Module):
     def __init__(self, after: int, where: str = "forward") -> None:
         super().__init__()
         self.after, self.where, self.calls = after, where, 0
-        self.raised_at: float | None = None
+        self.raised = threading.Event()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls > self.after:
             if self.where == "forward":
-                self.raised_at = time.monotonic()
+                self.raised.set()
                 raise RuntimeError("boom in forward")
             return _RaiseInBackward.apply(x, self)
         return x
@@ -499,25 +495,54 @@ class _RaiseInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        ctx.owner.raised_at = time.monotonic()
+        ctx.owner.raised.set()
         raise RuntimeError("boom in backward")
 
 
+# A guard against a hang, not a bound on speed: the calls below return as soon as the stage's
+# error reaches them, and only a wait that never ends would reach this.
+HANG_S = 60.0
+
+
+def _in_thread(call) -> tuple[threading.Event, list[BaseException]]:
+    """Run ``call`` in a thread; the event fires when it returned or raised (kept in the list)."""
+    done, errors = threading.Event(), []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done, errors
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_stage_exception_reaches_caller_fast_and_stops_workers(where: str) -> None:
+def test_stage_exception_reaches_caller_and_stops_workers(where: str) -> None:
+    """The caller is stopped by the error, not by running out of input: the bounded queues let
+    it feed only a few minibatches past the failing one before it waits, and that wait ends in
+    the stage's error."""
     boom = _Boom(after=3, where=where)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), boom, nn.Linear(4, 4), nn.Linear(4, 2))
     pipe = StalePipeline(model, balance=[2, 2, 1], optimizer=sgd, loss_fn=loss_fn)
     x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
-    with pytest.raises(PipelineError, match=f"stage 1 failed.*boom in {where}") as info:
+
+    def feed() -> None:
         for _ in range(1000):
             pipe.train_step(x, y)
         pipe.drain()
-    caught = time.monotonic()
-    assert info.value.stage == 1
-    assert boom.raised_at is not None and caught - boom.raised_at < 1.0
-    for t in pipe._threads:
-        t.join(timeout=1.0)
+
+    done, errors = _in_thread(feed)
+    assert done.wait(HANG_S), "the caller never saw the stage's error"
+    (error,) = errors
+    assert isinstance(error, PipelineError) and error.stage == 1
+    assert f"stage 1 failed: RuntimeError: boom in {where}" in str(error)
+    assert boom.raised.is_set() and pipe.steps_fed < 20
+    for t in pipe._workers.threads:
+        t.join(timeout=HANG_S)
         assert not t.is_alive()
     # The failure is sticky: later calls raise it again instead of hanging.
     with pytest.raises(PipelineError, match=f"boom in {where}"):
@@ -526,16 +551,20 @@ def test_stage_exception_reaches_caller_fast_and_stops_workers(where: str) -> No
 
 
 def test_error_while_caller_waits_in_drain() -> None:
+    """With two stages, stage 0 holds two minibatches in flight and runs no backward until the
+    drain asks for it: the failing backward happens while the caller waits in ``drain``."""
     boom = _Boom(after=1, where="backward")
     model = nn.Sequential(nn.Linear(4, 4), boom, nn.Linear(4, 2))
     pipe = StalePipeline(model, balance=[2, 1], optimizer=sgd, loss_fn=loss_fn)
     x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
     pipe.train_step(x, y)
     pipe.train_step(x, y)
-    start = time.monotonic()
-    with pytest.raises(PipelineError, match="stage 0"):
-        pipe.drain()
-    assert time.monotonic() - start < 1.0
+    assert not boom.raised.is_set()
+    done, errors = _in_thread(pipe.drain)
+    assert done.wait(HANG_S), "drain never saw the stage's error"
+    assert boom.raised.is_set()
+    (error,) = errors
+    assert isinstance(error, PipelineError) and error.stage == 0
     pipe.close()
     assert threading.active_count() < 50
 
@@ -569,11 +598,11 @@ def test_bad_configuration_errors() -> None:
 
 # Partitioning --------------------------------------------------------------------------------
 def test_min_max_partition_is_optimal_and_respects_memory() -> None:
-    assert _min_max_partition([1.0, 1.0, 20.0, 1.0, 1.0], 3) == [2, 1, 2]
-    assert _min_max_partition([1.0] * 8, 4) == [2, 2, 2, 2]
-    assert _min_max_partition([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == [1, 5]
+    assert min_max_partition([1.0, 1.0, 20.0, 1.0, 1.0], 3) == [2, 1, 2]
+    assert min_max_partition([1.0] * 8, 4) == [2, 2, 2, 2]
+    assert min_max_partition([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == [1, 5]
     # Forbid a first stage with more than one layer: the split has to adapt.
-    assert _min_max_partition([1.0] * 4, 2, lambda k, a, b: k != 0 or b - a <= 1) == [1, 3]
+    assert min_max_partition([1.0] * 4, 2, lambda k, a, b: k != 0 or b - a <= 1) == [1, 3]
 
 
 def _heavy_middle_model() -> nn.Sequential:

@@ -70,7 +70,7 @@ def measure(side: int, batch: int, iters: int) -> dict[str, Any]:
     try:
         rng = np.random.default_rng(0)
         images = rng.integers(0, 256, size=(resident, side, side, 3), dtype=np.uint8)
-        cache.put_many(images)
+        cache.put_batch(images)
         stream = torch.cuda.Stream()
         dst = torch.empty(batch * sample_bytes, dtype=torch.uint8, device="cuda")
         norm_dst = torch.empty((batch, 3, side, side), dtype=torch.float32, device="cuda")
@@ -152,7 +152,7 @@ def measure_paths(memory: str, side: int, batch: int, iters: int) -> dict[str, A
     try:
         rng = np.random.default_rng(1)
         images = rng.integers(0, 256, size=(resident, side, side, 3), dtype=np.uint8)
-        cache.put_many(images)
+        cache.put_batch(images)
         stream = torch.cuda.Stream()
         nbytes = batch * sample_bytes
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

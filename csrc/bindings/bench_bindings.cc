@@ -1,8 +1,8 @@
-// Native benchmark drivers for bench/echo_cache.py: the extension module echopipe._bench_native,
-// kept out of the product module _C (it links the same core library). At 4 KB per sample a Python
-// loop costs more than the cache itself, so the measured loops (producer and consumer threads
-// around one cache, and the memcpy limit over the same bytes) run here in C++, with the GIL
-// released.
+// Native benchmark drivers for bench/echo_cache.py: the extension module _bench_native, built only
+// with ECHOPIPE_BUILD_BENCH=ON into the build folder and never installed, so not in the wheel (it
+// links the same core library). At 4 KB per sample a Python loop costs more than the cache
+// itself, so the measured loops (producer and consumer threads around one cache, and the memcpy
+// limit over the same bytes) run here in C++, with the GIL released.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

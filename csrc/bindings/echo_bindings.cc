@@ -1,7 +1,9 @@
-// pybind11 bindings of the echo cache (the private side of python/echopipe/echo.py). They stay
+// pybind11 bindings of the echo cache (the private side of python/echopipe/echo/). They stay
 // thin: raw field pointers in, zero-copy numpy views out, GIL released around every call that can
-// block or copy. std::invalid_argument from the core becomes ValueError (pybind11's default), so
-// messages that name the bad value reach the user unchanged.
+// block or copy. The core's typed errors become the exception classes of echopipe.echo.values
+// (SampleTooLargeError, CacheStateError: both ValueErrors), any other std::invalid_argument a
+// ValueError (pybind11's default), so messages that name the bad value reach the user unchanged
+// and callers tell the cases apart by type.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -183,9 +185,26 @@ py::list batch_shapes(const std::vector<SampleLease>& leases, int nf, bool unifo
   return shapes;
 }
 
+py::tuple gather_batch(std::vector<SampleLease>& leases, TakeStatus st);
+
+// Strong guarantee: whatever fails after the draw (a batch mixing dtypes or field counts, no
+// memory for the arrays) hands the copies back to the cache before the exception leaves, so
+// they are drawn again later instead of being lost.
 py::tuple take_batch(EchoCache& c, int64_t n, double timeout) {
   TakeStatus st;
   std::vector<SampleLease> leases = take_leases(c, n, timeout, &st);
+  try {
+    py::tuple result = gather_batch(leases, st);
+    release_leases(leases);
+    return result;
+  } catch (...) {
+    c.give_back(leases);
+    throw;
+  }
+}
+
+// Gathers the batch into new arrays; the leases stay valid (the caller releases or gives back).
+py::tuple gather_batch(std::vector<SampleLease>& leases, TakeStatus st) {
   const auto count = static_cast<py::ssize_t>(leases.size());
   py::array_t<uint64_t> ids(count);
   py::array_t<uint32_t> emissions(count);
@@ -220,7 +239,6 @@ py::tuple take_batch(EchoCache& c, int64_t n, double timeout) {
       id_ptr[i] = leases[i].sample_id();
       em_ptr[i] = leases[i].emission();
     }
-    release_leases(leases);
   });
   for (int f = 0; f < nf; ++f) {
     GatheredField& g = planned[f];
@@ -235,7 +253,41 @@ py::tuple take_batch(EchoCache& c, int64_t n, double timeout) {
 
 }  // namespace
 
+namespace {
+
+// Raises echopipe.echo.values.<name>(message, *extra). The classes are Python's (one hierarchy
+// with the errors raised from statuses, documented there); they are looked up when raised, by
+// which time echopipe.echo is imported. Without it (a bare `import echopipe._C`) the base
+// class's builtin stands in.
+void raise_echo_error(const char* name, PyObject* fallback, const char* message,
+                      py::tuple extra = py::tuple()) {
+  try {
+    py::object cls = py::module_::import("echopipe.echo.values").attr(name);
+    py::object exc = cls(message, *extra);
+    PyErr_SetObject(cls.ptr(), exc.ptr());
+  } catch (py::error_already_set&) {
+    PyErr_SetString(fallback, message);
+  }
+}
+
+void register_errors() {
+  py::register_exception_translator([](std::exception_ptr p) {
+    if (!p) return;
+    try {
+      std::rethrow_exception(p);
+    } catch (const SampleTooLargeError& e) {
+      raise_echo_error("SampleTooLargeError", PyExc_ValueError, e.what(),
+                       py::make_tuple(e.sample_bytes(), e.capacity_bytes()));
+    } catch (const CacheStateError& e) {
+      raise_echo_error("CacheStateError", PyExc_ValueError, e.what());
+    }
+  });
+}
+
+}  // namespace
+
 void bind_echo(py::module_& m) {
+  register_errors();
   m.def("built_with_cuda", &built_with_cuda, "True when the CUDA kernels were compiled in.");
   m.def("cuda_device_count", &cuda_device_count,
         "CUDA devices visible now (0 without CUDA/driver); first call touches the runtime.");
@@ -324,6 +376,17 @@ void bind_echo(py::module_& m) {
           "arena_device_ptr",
           [](const EchoCache& c) { return reinterpret_cast<uintptr_t>(c.arena_device()); })
       .def_property_readonly("closed", &EchoCache::closed)
+      .def_property_readonly(
+          "refused_sample",
+          [](const EchoCache& c) -> py::object {
+            const uint64_t need = c.refused_sample_bytes();
+            if (need == 0) return py::none();
+            const SampleTooLargeError e(need, c.config().capacity_bytes);
+            return py::module_::import("echopipe.echo.values")
+                .attr("SampleTooLargeError")(e.what(), e.sample_bytes(), e.capacity_bytes());
+          },
+          "The typed error (SampleTooLargeError) of the largest sample refused as larger than "
+          "the arena, or None.")
       .def_property("echo_factor", &EchoCache::echo_factor, &EchoCache::set_echo_factor,
                     "Current echo factor; setting it applies to units published afterwards.")
       .def(
@@ -373,13 +436,23 @@ void bind_echo(py::module_& m) {
           [](EchoCache& c, int64_t n, double timeout) {
             TakeStatus st;
             std::vector<SampleLease> leases = take_leases(c, n, timeout, &st);
+            // Every Python object first; the leases move in only once nothing can fail, and
+            // until then a failure hands them back (strong guarantee, as in take_batch).
+            std::vector<std::shared_ptr<PyLease>> held;
             py::list out;
-            for (auto& l : leases) {
-              auto pl = std::make_shared<PyLease>();
-              pl->lease = std::move(l);
-              out.append(py::cast(pl));
+            try {
+              held.reserve(leases.size());
+              for (size_t i = 0; i < leases.size(); ++i) {
+                held.push_back(std::make_shared<PyLease>());
+                out.append(py::cast(held.back()));
+              }
+              py::tuple result = py::make_tuple(std::string(take_status_name(st)), out);
+              for (size_t i = 0; i < leases.size(); ++i) held[i]->lease = std::move(leases[i]);
+              return result;
+            } catch (...) {
+              c.give_back(leases);
+              throw;
             }
-            return py::make_tuple(std::string(take_status_name(st)), out);
           },
           py::arg("n"), py::arg("timeout"),
           "Returns (status, [Lease]); status is 'ok', 'timeout', 'closed' or 'end'.")

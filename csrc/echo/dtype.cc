@@ -37,6 +37,14 @@ size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 }  // namespace
 
+SampleTooLargeError::SampleTooLargeError(uint64_t sample_bytes, uint64_t capacity_bytes)
+    : std::invalid_argument("sample of " + std::to_string(sample_bytes) +
+                            " bytes (64-byte aligned fields) is larger than the cache arena of "
+                            "capacity_bytes=" +
+                            std::to_string(capacity_bytes)),
+      sample_bytes_(sample_bytes),
+      capacity_bytes_(capacity_bytes) {}
+
 size_t dtype_size(DType dtype) { return info(dtype).size; }
 const char* dtype_name(DType dtype) { return info(dtype).name; }
 

@@ -94,10 +94,10 @@ size_t EchoCache::reserve_slots(const SampleDesc& desc, double timeout_s, uint32
   desc.validate();
   const uint64_t need = desc.extent_bytes();
   if (need > I.usable_bytes) {
-    throw std::invalid_argument("sample of " + std::to_string(need) +
-                                " bytes (64-byte aligned fields) is larger than the cache arena "
-                                "of capacity_bytes=" +
-                                std::to_string(config_.capacity_bytes));
+    uint64_t prev = I.refused_bytes.load(std::memory_order_relaxed);
+    while (prev < need && !I.refused_bytes.compare_exchange_weak(prev, need)) {
+    }
+    throw SampleTooLargeError(need, config_.capacity_bytes);
   }
   // The clock is read only once the cache is found full (the fast path never needs it); the
   // timeout and the blocked time count from then.
@@ -110,7 +110,7 @@ size_t EchoCache::reserve_slots(const SampleDesc& desc, double timeout_s, uint32
       result = PutStatus::kClosed;
       break;
     }
-    uint64_t gen = 0;
+    uint32_t gen = 0;
     {
       std::lock_guard<std::mutex> lk(I.alloc_mu);
       if (I.input_ended_locked) {
@@ -316,7 +316,7 @@ PutStatus EchoCache::wait_for_room(size_t n, double timeout_s) {
   const Clock::time_point deadline = deadline_after(Clock::now(), timeout_s);
   for (;;) {
     if (I.closed.load(std::memory_order_acquire)) return PutStatus::kClosed;
-    uint64_t gen = 0;
+    uint32_t gen = 0;
     {
       std::lock_guard<std::mutex> lk(I.alloc_mu);
       if (I.input_ended_locked) return PutStatus::kEnded;
@@ -469,6 +469,10 @@ void EchoCache::release_reader(uint32_t unit) {
     I.info[unit].retire_next = kNone;
     I.push_retired(unit, unit, k, bytes);
   }
+}
+
+uint64_t EchoCache::refused_sample_bytes() const {
+  return impl_->refused_bytes.load(std::memory_order_relaxed);
 }
 
 // ---- stream control --------------------------------------------------------------------------

@@ -39,11 +39,21 @@
 //    empties that stack with one exchange before it allocates (and stats() before it counts), so
 //    a slot is reused only when its tickets are 0 and no reader holds it, and every sample is
 //    emitted exactly its ticket count (the C++ stress test, under TSAN and ASAN, checks this).
-//    Neither a draw nor a release takes a lock; a put takes the allocator lock once.
-//  * Waiting. Only an empty or full cache waits, on a condition variable with a waiter count.
-//    The waiter registers (seq_cst), re-checks its condition under the mutex, then waits; the
-//    notifier changes the state (seq_cst), reads the waiter count and, when non-zero, notifies
-//    under the same mutex, so a wakeup cannot be missed (Dekker on seq_cst). Every wait is also
+//    give_back() undoes a draw: the copy's `k` reader references become one ticket again in one
+//    CAS, while the caller's readers still keep the unit from retiring; a unit whose last ticket
+//    had been drawn re-enters the index then (counted in live_samples first, as a publish is),
+//    and only after that is the ticket added to `available`. So a handed-back ticket is claimed
+//    and drawn again later, and the count per sample still holds (test_echo_give_back.cc).
+//    Neither a draw nor a release takes a mutex; a put takes the allocator lock once.
+//  * Waiting. Only an empty or full cache waits, each side with a waiter count. A blocked
+//    producer registers (seq_cst), re-checks its condition, then sleeps on the 32-bit word
+//    space_gen with a futex (what C++20 std::atomic::wait is built on, used directly because it
+//    takes a timeout); the kernel sleeps only while the word still holds the value the producer
+//    read. A release that retires enough space bumps the word (seq_cst), reads the waiter count
+//    and, when non-zero, makes one futex wake: no mutex, so releases never block on a lock. A
+//    waiting taker re-checks under wait_mu and sleeps on a condition variable; a put (or close,
+//    end of input, give_back) that may satisfy it notifies under wait_mu, and only when a taker
+//    waits. Either way a wakeup cannot be missed (Dekker on seq_cst), and every wait is also
 //    bounded by a 100 ms poll, so close() wakes everybody within 100 ms even in the worst case.
 //  * No deadlock. Consumers wait for `min_fill` resident samples with tickets (warm-up), except
 //    when a producer is blocked for space or end_of_input() was called; and a take never waits for
@@ -61,6 +71,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -68,6 +79,30 @@
 #include "echo/export.h"
 
 namespace echopipe {
+
+// ---- errors ------------------------------------------------------------------------------
+// Distinct types, so that callers (the Python module registers each as its own exception class)
+// tell the cases apart without reading a message. Both are std::invalid_argument: a bad value.
+
+/// A sample whose extent (fields 64-byte aligned) exceeds the arena: it can never be stored.
+class ECHOPIPE_API SampleTooLargeError : public std::invalid_argument {
+ public:
+  SampleTooLargeError(uint64_t sample_bytes, uint64_t capacity_bytes);
+  uint64_t sample_bytes() const { return sample_bytes_; }
+  uint64_t capacity_bytes() const { return capacity_bytes_; }
+
+ private:
+  uint64_t sample_bytes_;
+  uint64_t capacity_bytes_;
+};
+
+/// A save_state() blob this cache cannot load: corrupt or truncated, another format version, a
+/// mode, batch_size or capacity_samples other than the cache's, too large for its arena, or the
+/// cache is not empty.
+class ECHOPIPE_API CacheStateError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
 
 // ---- element types -------------------------------------------------------------------------
 
@@ -310,8 +345,8 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
 
   /// Copies one sample in. `field_data[i]` points at desc.fields[i].nbytes() dense bytes.
   /// Blocks while the cache is full; timeout_s < 0 waits forever (still woken by close()),
-  /// 0 never waits. Throws std::invalid_argument for a bad desc or a sample larger than the arena
-  /// (message names both sizes).
+  /// 0 never waits. Throws std::invalid_argument for a bad desc, SampleTooLargeError for a sample
+  /// larger than the arena (its message names both sizes; refused_sample_bytes() keeps it).
   PutStatus put(const SampleDesc& desc, const void* const* field_data, double timeout_s = -1.0);
   /// Copies `rows` samples in, each described by `desc`: field f of row i is the
   /// desc.fields[f].nbytes() dense bytes at field_data[f] + i * nbytes. Slots are reserved in
@@ -345,6 +380,17 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   /// cache holding fewer than n tickets. Throws std::invalid_argument for n == 0 or (batch mode) n
   /// not a multiple of batch_size.
   TakeStatus take(size_t n, std::vector<SampleLease>& out, double timeout_s = -1.0);
+  /// Hands copies taken but not delivered back to the cache: each unit's ticket returns to the
+  /// index (it is drawn again later, by any taker) and `emitted` drops by the copies handed back,
+  /// as if they had never been taken. For a caller whose own work after take() failed (the
+  /// Python take_batch when it cannot gather the batch), so that nothing is lost. `leases` must
+  /// come from take() on this cache, unreleased, each unit's members together (as take() returns
+  /// them); whole units are handed back and any other lease is released. Clears `leases`.
+  /// Takes no mutex, like a release, except to wake waiting takers (as a put does). A copy handed
+  /// back after another taker already got kEnd is drawn by the next take(). Emission numbers stay
+  /// unique per unit only with one consumer: with several, a copy handed back may reuse the number
+  /// of a copy drawn meanwhile.
+  void give_back(std::vector<SampleLease>& leases) noexcept;
 
   // -- stream control (any thread) --
 
@@ -382,6 +428,10 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   /// device arena; nullptr if pageable.
   const void* arena_device() const;
   EchoStats stats() const;
+  /// Extent bytes of the largest sample put() (or reserve()) refused with SampleTooLargeError, 0
+  /// when none was. A DALI sink's refusal reaches Python only as the operator's message text;
+  /// this lets the caller name the typed error instead.
+  uint64_t refused_sample_bytes() const;
 
   // -- checkpointing --
 
@@ -396,7 +446,10 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   /// have the same mode, batch_size and capacity_samples, and room for the saved bytes. The
   /// echo factor is runtime state: the cache adopts the saved current factor. Strong guarantee:
   /// the blob is parsed and placed completely before anything is committed, so on
-  /// std::invalid_argument (bad magic/version, mismatch, size, corruption) the cache is unchanged.
+  /// CacheStateError (bad magic/version, mismatch, size, corruption, a cache not empty) the cache
+  /// is unchanged. The sample bytes are copied into the (empty) arena before any of the cache's
+  /// state is written, so a failing copy (a device arena's cudaMemcpy: std::runtime_error) leaves
+  /// it unchanged too.
   void restore_state(const uint8_t* data, size_t size);
 
   // -- the DALI sink's side state (so that Python and the plugin share one registry) --

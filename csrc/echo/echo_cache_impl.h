@@ -1,7 +1,11 @@
 // Internals of the echo cache shared by its translation units (echo_cache.cc: put/take/leases,
 // echo_state.cc: save/restore); not installed. The algorithm and its correctness argument are in
 // echo_cache.h. Lock order, outermost first: assembly_mu (batch assembly) -> alloc_mu; wait_mu
-// and side_mu are leaves. The draw path (take) and the release path (leases) take no lock.
+// and side_mu are leaves. The draw path (take), the release path (leases) and give_back take no
+// mutex: a release that must wake a blocked producer makes one futex wake on space_gen, and
+// producers wait on that word (wait_on_word), not on wait_mu. wait_mu guards only the takers'
+// condition variable; it is taken by a taker that waits and by a put, close or end of input
+// that wakes waiting takers.
 #pragma once
 
 #include <algorithm>
@@ -160,8 +164,9 @@ struct CacheImpl {
   alignas(64) mutable std::mutex alloc_mu;
   std::atomic<uint64_t> resident{0};
   std::atomic<uint64_t> bytes_used{0};
-  std::atomic<uint64_t> space_gen{0};  // bumped when blocked producers should re-check
-  std::vector<uint32_t> free_slots;    // a stack: the next put takes the back
+  // Bumped when blocked producers should re-check; they sleep on it (a futex word: 32 bits).
+  std::atomic<uint32_t> space_gen{0};
+  std::vector<uint32_t> free_slots;  // a stack: the next put takes the back
   ExtentAllocator extents;
   std::vector<uint64_t> histogram = std::vector<uint64_t>(kMaxHist, 0);
   uint64_t retired = 0;
@@ -200,9 +205,8 @@ struct CacheImpl {
   static constexpr uint64_t kOrphaned = uint64_t{1} << 63;
   alignas(64) std::atomic<uint64_t> leases{0};
 
-  // Waiting (wait_mu is a leaf lock).
+  // Waiting takers (wait_mu is a leaf lock). Producers wait on space_gen instead.
   std::mutex wait_mu;
-  std::condition_variable space_cv;
   std::condition_variable data_cv;
   std::atomic<int> put_waiters{0};  // producers (and wait_for_room) blocked for space
   std::atomic<int> take_waiters{0};
@@ -214,6 +218,7 @@ struct CacheImpl {
   const int64_t wake_bytes;
   std::atomic<uint64_t> puts_blocked{0}, put_blocked_ns{0};
   std::atomic<uint64_t> takes_waited{0}, take_wait_ns{0};
+  std::atomic<uint64_t> refused_bytes{0};  // largest sample refused as larger than the arena
 
   // Field layouts ("HWC"...) recorded by a DALI sink, restored by the source (side_mu).
   mutable std::mutex side_mu;
@@ -245,17 +250,21 @@ struct CacheImpl {
   void push_retired(uint32_t first, uint32_t last, int64_t samples, int64_t bytes) noexcept;
   // Drops one reader of unit u; returns true when that retired it (the caller pushes it).
   bool drop_reader(uint32_t u) noexcept;
+  // Turns `members` reader references of unit u (one copy the caller took and holds) back into
+  // one ticket; the caller then adds it to `available`.
+  void return_ticket(uint32_t u, uint32_t members) noexcept;
   // Samples and bytes a retiring unit gives back.
   void unit_size(uint32_t u, int64_t* samples, int64_t* bytes) const noexcept;
 
-  // -- notification (Dekker: state change is seq_cst, then read the waiter count) --
+  // -- notification (Dekker: state change is seq_cst, then read the waiter count). A producer
+  // is woken by a futex wake on space_gen (no mutex); a taker by data_cv under wait_mu. --
   void notify_space() noexcept;
   void notify_data_published() noexcept;
   void notify_data() noexcept;
   void notify_all() noexcept;
   // Blocks a producer-side caller until space may have appeared (space_gen moved from `gen`, a
   // retired unit waits for collection, close, end of input) or `deadline` (unless forever).
-  void wait_for_space(uint64_t gen, bool forever, Clock::time_point deadline);
+  void wait_for_space(uint32_t gen, bool forever, Clock::time_point deadline);
 };
 
 }  // namespace echopipe::detail

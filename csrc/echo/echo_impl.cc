@@ -1,11 +1,60 @@
 // Internals of the echo cache: the extent allocator, publication of units, the lock-free draw and
 // retire paths, and the wait/notify protocol (algorithm: echo_cache.h).
+#include <climits>
 #include <cmath>
 #include <thread>
 
 #include "echo/echo_cache_impl.h"
 
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#endif
+
 namespace echopipe::detail {
+
+// ---- futex on a 32-bit atomic ----------------------------------------------------------------
+// C++20's std::atomic<T>::wait has no timeout, and a blocked put must honour its own and the
+// 100 ms poll; so producers sleep on the word with the futex that std::atomic::wait is built on,
+// which takes one. The kernel compares the word with `expected` and sleeps atomically, so a bump
+// made before the sleep begins is never missed, and a waker needs no mutex.
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t) &&
+              std::atomic<uint32_t>::is_always_lock_free);
+
+namespace {
+
+void wait_on_word(std::atomic<uint32_t>& word, uint32_t expected, Clock::time_point until) {
+  const auto left = until - Clock::now();
+  if (left <= Clock::duration::zero()) return;
+#if defined(__linux__)
+  const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+  timespec ts{};
+  ts.tv_sec = static_cast<time_t>(ns / 1000000000);
+  ts.tv_nsec = static_cast<long>(ns % 1000000000);
+  // Returns on a wake, a timeout, a signal, or at once when the word no longer holds `expected`:
+  // the caller re-checks its condition in every case.
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, &ts, nullptr,
+          0);
+#else
+  // No futex: a short sleep, so a wakeup is late by at most 1 ms (never missed: callers loop).
+  (void)word;
+  (void)expected;
+  std::this_thread::sleep_for(std::min<Clock::duration>(left, std::chrono::milliseconds(1)));
+#endif
+}
+
+void wake_all_on_word(std::atomic<uint32_t>& word) noexcept {
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+#else
+  (void)word;
+#endif
+}
+
+}  // namespace
 
 // ---- extent allocator ------------------------------------------------------------------------
 
@@ -289,6 +338,25 @@ bool CacheImpl::drop_reader(uint32_t u) noexcept {
   return ((old - 1) & kLiveMask) == 0;  // no ticket and no reader left: retire (exactly once)
 }
 
+void CacheImpl::return_ticket(uint32_t u, uint32_t members) noexcept {
+  // The caller's `members` readers keep the unit from retiring, and only draws (which take
+  // tickets) race with this, so the word's readers never drop below what is subtracted. A unit
+  // whose last ticket was drawn re-enters the index: counted in live_samples before it becomes
+  // drawable, as publish() does, and uncounted again if a draw changed the word meanwhile.
+  uint64_t s = state[u].load(std::memory_order_acquire);
+  for (;;) {
+    const bool reenters = tickets_of(s) == 0;
+    if (reenters) live_samples.fetch_add(members, std::memory_order_seq_cst);
+    // release: a drawer of this ticket sees everything the unit's publisher wrote (already
+    // visible here through the caller's draw).
+    if (state[u].compare_exchange_weak(s, s + kTicket - members, std::memory_order_acq_rel,
+                                       std::memory_order_acquire)) {
+      return;
+    }
+    if (reenters) live_samples.fetch_sub(members, std::memory_order_seq_cst);
+  }
+}
+
 void CacheImpl::unit_size(uint32_t u, int64_t* samples, int64_t* bytes) const noexcept {
   int64_t k = 0, b = 0;
   for (uint32_t s = u; s != kNone; s = slots[s].next) {
@@ -322,10 +390,9 @@ void CacheImpl::push_retired(uint32_t first, uint32_t last, int64_t samples,
 
 void CacheImpl::notify_space() noexcept {
   space_gen.fetch_add(1, std::memory_order_seq_cst);
-  if (put_waiters.load(std::memory_order_seq_cst) > 0) {
-    std::lock_guard<std::mutex> lk(wait_mu);
-    space_cv.notify_all();
-  }
+  // A producer that registered after this read sees the bumped word (seq_cst) and does not sleep;
+  // one that registered before is asleep on it or about to compare it in the kernel.
+  if (put_waiters.load(std::memory_order_seq_cst) > 0) wake_all_on_word(space_gen);
 }
 
 void CacheImpl::notify_data_published() noexcept {
@@ -353,15 +420,15 @@ void CacheImpl::notify_data() noexcept {
 }
 
 void CacheImpl::notify_all() noexcept {
+  space_gen.fetch_add(1, std::memory_order_seq_cst);
+  wake_all_on_word(space_gen);
   std::lock_guard<std::mutex> lk(wait_mu);
-  space_cv.notify_all();
   data_cv.notify_all();
 }
 
-void CacheImpl::wait_for_space(uint64_t gen, bool forever, Clock::time_point deadline) {
-  std::unique_lock<std::mutex> lk(wait_mu);
+void CacheImpl::wait_for_space(uint32_t gen, bool forever, Clock::time_point deadline) {
   put_waiters.fetch_add(1, std::memory_order_seq_cst);
-  data_cv.notify_all();  // consumers may now ignore min_fill and take short batches
+  notify_data();  // consumers may now ignore min_fill and take short batches
   while (space_gen.load(std::memory_order_seq_cst) == gen &&
          retired_head.load(std::memory_order_seq_cst) == kNone &&
          !closed.load(std::memory_order_seq_cst) && !input_ended.load(std::memory_order_seq_cst)) {
@@ -369,7 +436,7 @@ void CacheImpl::wait_for_space(uint64_t gen, bool forever, Clock::time_point dea
     if (!forever && now >= deadline) break;
     auto until = now + kPoll;
     if (!forever && deadline < until) until = deadline;
-    space_cv.wait_until(lk, until);
+    wait_on_word(space_gen, gen, until);
   }
   put_waiters.fetch_sub(1, std::memory_order_seq_cst);
 }

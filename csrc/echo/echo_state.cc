@@ -1,6 +1,8 @@
 // save_state / restore_state of the echo cache. Restore parses and checks the whole blob first,
-// into private structures (including the extent placement), and only then commits it, with
-// operations that cannot fail: a corrupt or mismatched blob leaves the cache untouched.
+// into private structures (including the extent placement), then copies the sample bytes into the
+// empty arena (the one step that can fail after parsing: a device arena's cudaMemcpy), and only
+// then commits the cache's state, with operations that cannot fail: a corrupt or mismatched blob,
+// or a failed copy, leaves the cache untouched.
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -51,7 +53,7 @@ struct Reader {
     return r;
   }
   void need(size_t n) const {
-    if (n > left) throw std::invalid_argument("echo cache state is truncated or corrupt");
+    if (n > left) throw CacheStateError("echo cache state is truncated or corrupt");
   }
 };
 
@@ -68,7 +70,7 @@ SampleDesc read_desc(Reader& r) {
   SampleDesc d;
   d.num_fields = r.get<int32_t>();
   if (d.num_fields < 1 || d.num_fields > kMaxFields) {
-    throw std::invalid_argument(
+    throw CacheStateError(
         "echo cache state is corrupt (num_fields=" + std::to_string(d.num_fields) + ")");
   }
   for (int f = 0; f < d.num_fields; ++f) {
@@ -76,12 +78,16 @@ SampleDesc read_desc(Reader& r) {
     d.fields[f].ndim = r.get<int32_t>();
     for (int i = 0; i < kMaxDims; ++i) d.fields[f].shape[i] = r.get<int64_t>();
   }
-  d.validate();
+  try {
+    d.validate();
+  } catch (const std::invalid_argument& e) {
+    throw CacheStateError(std::string("echo cache state is corrupt (") + e.what() + ")");
+  }
   return d;
 }
 
-std::invalid_argument corrupt(const std::string& what) {
-  return std::invalid_argument("echo cache state is corrupt (" + what + ")");
+CacheStateError corrupt(const std::string& what) {
+  return CacheStateError("echo cache state is corrupt (" + what + ")");
 }
 
 // A parsed unit, placed: everything the commit phase writes.
@@ -172,14 +178,14 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
   Impl& I = *impl_;
   Reader r{data, size};
   if (size < sizeof(kMagic) || std::memcmp(data, kMagic, sizeof(kMagic)) != 0) {
-    throw std::invalid_argument("not an echo cache state (bad magic)");
+    throw CacheStateError("not an echo cache state (bad magic)");
   }
   r.bytes(sizeof(kMagic));
   const uint32_t version = r.get<uint32_t>();
   if (version != kStateVersion) {
-    throw std::invalid_argument("echo cache state version " + std::to_string(version) +
-                                " is not supported (expected " + std::to_string(kStateVersion) +
-                                "; it was saved by another echopipe release)");
+    throw CacheStateError("echo cache state version " + std::to_string(version) +
+                          " is not supported (expected " + std::to_string(kStateVersion) +
+                          "; it was saved by another echopipe release)");
   }
   const double e = r.get<double>();
   const auto mode = static_cast<EchoMode>(r.get<uint8_t>());
@@ -189,22 +195,21 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
     throw corrupt("echo_factor=" + std::to_string(e));
   }
   if (mode != config_.mode) {
-    throw std::invalid_argument(std::string("saved mode '") + echo_mode_name(mode) +
-                                "' differs from this cache's '" + echo_mode_name(config_.mode) +
-                                "'");
+    throw CacheStateError(std::string("saved mode '") + echo_mode_name(mode) +
+                          "' differs from this cache's '" + echo_mode_name(config_.mode) + "'");
   }
   if (bs != I.unit_samples) {
-    throw std::invalid_argument("saved batch_size=" + std::to_string(bs) +
-                                " differs from this cache's " + std::to_string(I.unit_samples));
+    throw CacheStateError("saved batch_size=" + std::to_string(bs) + " differs from this cache's " +
+                          std::to_string(I.unit_samples));
   }
   if (capacity != I.capacity) {
-    throw std::invalid_argument("saved capacity_samples=" + std::to_string(capacity) +
-                                " differs from this cache's " + std::to_string(I.capacity));
+    throw CacheStateError("saved capacity_samples=" + std::to_string(capacity) +
+                          " differs from this cache's " + std::to_string(I.capacity));
   }
   auto check_empty = [&] {
     if (I.fresh_in.load() != 0 || I.resident.load() != 0 || I.pending.load() != 0) {
-      throw std::invalid_argument("restore_state() needs an empty cache (this one has " +
-                                  std::to_string(I.fresh_in.load()) + " samples put)");
+      throw CacheStateError("restore_state() needs an empty cache (this one has " +
+                            std::to_string(I.fresh_in.load()) + " samples put)");
     }
   };
   check_empty();
@@ -237,7 +242,7 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
       m.desc = read_desc(r);
       const uint64_t need = m.desc.extent_bytes();
       if (!extents.alloc(need, &m.offset)) {
-        throw std::invalid_argument(
+        throw CacheStateError(
             "saved state does not fit: capacity_bytes=" + std::to_string(config_.capacity_bytes) +
             " is too small for the saved samples");
       }
@@ -247,8 +252,10 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
       unit.members.push_back(m);
     }
   };
-  std::vector<ParsedUnit> units(r.get<uint32_t>());
-  if (units.size() > I.capacity) throw corrupt(std::to_string(units.size()) + " units");
+  const uint32_t nunits = r.get<uint32_t>();
+  // Checked before anything is sized by it: a corrupt count must not allocate gigabytes.
+  if (nunits > I.capacity) throw corrupt(std::to_string(nunits) + " units");
+  std::vector<ParsedUnit> units(nunits);
   int64_t tickets = 0, live = 0;
   for (ParsedUnit& unit : units) {
     unit.left = r.get<uint32_t>();
@@ -285,15 +292,32 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
   if (high_water > I.capacity) throw corrupt("high-water mark " + std::to_string(high_water));
   if (r.left != 0) throw corrupt(std::to_string(r.left) + " trailing bytes");
 
-  // ---- commit: nothing below can fail ----
+  // ---- stage the sample bytes ----
   std::lock_guard<std::mutex> alk(I.assembly_mu);
   std::lock_guard<std::mutex> lk(I.alloc_mu);
-  check_empty();  // again, under the locks (the last thing that may throw)
+  check_empty();  // again, under the locks: no extent is in use, and none is allocated meanwhile
+  // Into the empty arena, before any of the cache's state is written: a copy that fails (a
+  // device arena's cudaMemcpy) leaves only bytes that no extent owns.
+  auto stage = [&](const ParsedUnit& unit) {
+    for (const ParsedMember& m : unit.members) {
+      auto* base = static_cast<uint8_t*>(I.arena.host) + m.offset;
+      const uint8_t* src = m.data;
+      for (int f = 0; f < m.desc.num_fields; ++f) {
+        const size_t nb = m.desc.fields[f].nbytes();
+        detail::arena_copy(I.arena.kind, base + m.desc.field_offset(f), src, nb);
+        src += nb;
+      }
+    }
+  };
+  for (const ParsedUnit& unit : units) stage(unit);
+  stage(open);
+
+  // ---- commit: nothing below can fail ----
   std::swap(I.extents, extents);
   I.free_slots.swap(free_order);
   I.high_water.store(high_water, std::memory_order_release);
   uint64_t bytes = 0;
-  auto place = [&](const ParsedUnit& unit) -> uint32_t {
+  auto place = [&](const ParsedUnit& unit) noexcept -> uint32_t {
     const uint32_t first = unit.members.front().slot;
     uint32_t index = 0;
     for (size_t i = 0; i < unit.members.size(); ++i) {
@@ -306,13 +330,6 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
       sl.unit = first;
       sl.index_in_unit = index++;
       sl.next = i + 1 < unit.members.size() ? unit.members[i + 1].slot : kNone;
-      auto* base = static_cast<uint8_t*>(I.arena.host) + m.offset;
-      const uint8_t* src = m.data;
-      for (int f = 0; f < m.desc.num_fields; ++f) {
-        const size_t nb = m.desc.fields[f].nbytes();
-        detail::arena_copy(I.arena.kind, base + m.desc.field_offset(f), src, nb);
-        src += nb;
-      }
       bytes += sl.extent;
     }
     return first;

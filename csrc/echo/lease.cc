@@ -171,4 +171,39 @@ void release_leases(std::vector<SampleLease>& leases) {
   leases.clear();
 }
 
+void EchoCache::give_back(std::vector<SampleLease>& leases) noexcept {
+  Impl& I = *impl_;
+  uint64_t samples = 0;
+  int64_t tickets = 0;
+  for (size_t i = 0; i < leases.size();) {
+    if (leases[i].cache_ != this) {
+      ++i;
+      continue;
+    }
+    // One copy of a unit is its `members` leases, consecutive (take() appends them so).
+    const uint32_t u = leases[i].unit_;
+    const uint32_t members = I.info[u].members.load(std::memory_order_relaxed);
+    size_t j = i;
+    while (j < leases.size() && j - i < members && leases[j].cache_ == this &&
+           leases[j].unit_ == u) {
+      ++j;
+    }
+    if (j - i == members) {
+      I.return_ticket(u, members);
+      for (size_t k = i; k < j; ++k) leases[k].cache_ = nullptr;  // its readers became the ticket
+      samples += members;
+      ++tickets;
+    }
+    i = j;
+  }
+  if (tickets > 0) {
+    I.emitted.fetch_sub(samples, std::memory_order_relaxed);
+    // Only after the tickets are back in their units: a claimed ticket always finds a unit.
+    I.available.fetch_add(tickets, std::memory_order_seq_cst);
+    I.notify_data_published();
+  }
+  release_leases(leases);                       // what was not a whole unit of this cache
+  if (samples > 0) drop_leases(this, samples);  // last: may delete the cache
+}
+
 }  // namespace echopipe

@@ -2,12 +2,14 @@
 
 Usage: ``torchrun --nproc_per_node=2 dist_timeout_worker.py OUTDIR``. Both ranks build a
 2-stage :class:`DistributedStalePipeline` with ``timeout_s=2``. Rank 0 trains; rank 1 never
-calls ``train_step`` and only waits until rank 0 is done. Rank 0 writes what it raised, and
-after how many seconds, to ``OUTDIR/rank0.txt``.
+calls ``train_step`` and only waits until rank 0 is done (a key in torchrun's store, which
+outlives the process group that the timed-out receive leaves unusable). Rank 0 writes what it
+raised, and after how many seconds, to ``OUTDIR/rank0.txt``.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import time
@@ -30,6 +32,11 @@ def main() -> None:
         small_cnn(0), balance=[4, 4], optimizer=sgd,
         loss_fn=torch.nn.functional.cross_entropy, timeout_s=2,
     )  # fmt: skip
+    # torchrun's agent serves the store on the master port; every worker is a client of it.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
     done = out / "rank0.txt"
     if rank == 0:
         t0 = time.monotonic()
@@ -41,10 +48,9 @@ def main() -> None:
         except TimeoutError as exc:
             outcome = f"TimeoutError: {exc}"
         done.write_text(f"{time.monotonic() - t0:.2f}\n{outcome}\n")
+        store.set("echopipe_rank0_done", "1")
     else:
-        deadline = time.monotonic() + 60
-        while not done.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        store.wait(["echopipe_rank0_done"])  # bounded by the store's 60 s timeout
     # The process group cannot be shut down cleanly after a timed-out receive.
     os._exit(0)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from . import plugin
 from .host_copy import host_dense, to_numpy
 
 _STATE_VERSION = 1
@@ -64,8 +63,8 @@ class EchoCheckpointing:
                 "config": asdict(self.config),
                 "num_fields": self.num_fields,
                 "cache": self.cache.state_dict(),
-                "layouts": plugin.get_layouts(self.cache_name),
-                "quota": plugin.get_quota(self.cache_name),
+                "layouts": self.cache.layouts,
+                "quota": self.cache.quota,
                 "runner": self._runner.state(),
                 "stash": [
                     ([a.copy() for a in arrays], info.copy()) for arrays, info in self._stash
@@ -115,8 +114,8 @@ class EchoCheckpointing:
 
     def _apply_restore(self, state: dict[str, Any]) -> None:
         self.cache.load_state_dict(state["cache"])
-        plugin.set_layouts(self.cache_name, list(state["layouts"]))
-        plugin.set_quota(self.cache_name, int(state["quota"]))
+        self.cache.layouts = list(state["layouts"])
+        self.cache.quota = int(state["quota"])
         self._runner.load(state["runner"])
         self._stash = [(list(arrays), info) for arrays, info in state["stash"]]
         self._input_done = bool(state["input_done"])

@@ -51,12 +51,11 @@ _name_counter = itertools.count()
 # ---- the pipeline pair ---------------------------------------------------------------------
 
 
-def _close_resources(cache: Any, runner: UpstreamRunner, cache_name: str) -> None:
+def _close_resources(cache: Any, runner: UpstreamRunner) -> None:
     # Closing the cache first wakes a sink or source blocked inside DALI; then the thread can end.
     with contextlib.suppress(Exception):
         cache.close()
     runner.stop()
-    plugin.forget(cache_name)
 
 
 class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamReports):
@@ -121,11 +120,9 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
         self._on_upstream_error = on_upstream_error
         self.cache_name = f"echopipe-dali-{os.getpid()}-{next(_name_counter)}"
         self.cache = make_cache(self.config, self.cache_name, device_id)
-        plugin.set_quota(self.cache_name, -1)
+        self.cache.quota = -1
         self._runner = UpstreamRunner(self)
-        self._finalizer = weakref.finalize(
-            self, _close_resources, self.cache, self._runner, self.cache_name
-        )
+        self._finalizer = weakref.finalize(self, _close_resources, self.cache, self._runner)
         self.upstream: Any = None
         self.downstream: Any = None
         self.num_fields = 0
@@ -243,17 +240,15 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
 
     def _replace_cache(self, config: EchoConfig) -> None:
         """A new, empty cache under the same name (before anything used the old one)."""
-        quota = plugin.get_quota(self.cache_name)
+        quota = self.cache.quota
         self._finalizer.detach()
         self.cache.close()  # also frees its name in the registry
         self.config = config
         self.cache = make_cache(
             self.config, self.cache_name, self._device_id, epoch_size=self._cache_epoch_size
         )
-        plugin.set_quota(self.cache_name, quota)
-        self._finalizer = weakref.finalize(
-            self, _close_resources, self.cache, self._runner, self.cache_name
-        )
+        self.cache.quota = quota
+        self._finalizer = weakref.finalize(self, _close_resources, self.cache, self._runner)
 
     @property
     def shard_size(self) -> int:

@@ -13,7 +13,6 @@ import ctypes
 import re
 import threading
 from pathlib import Path
-from typing import Any
 
 PLUGIN_FILENAME = "libechopipe_dali.so"
 _MARKER = re.compile(rb"ECHOPIPE_DALI_BUILT_VERSION=([0-9A-Za-z.+_-]+)\n")
@@ -91,40 +90,6 @@ def load() -> ctypes.CDLL:
         check_dali_version(lib.echopipe_dali_built_version().decode(), dali.__version__)
         _lib = lib
         return lib
-
-
-def _cache(cache_name: str) -> Any:
-    from ..native import core
-
-    cache = core.find_cache(cache_name)
-    if cache is None:
-        raise KeyError(f"no echo cache named {cache_name!r} is registered in this process")
-    return cache
-
-
-def set_quota(cache_name: str, remaining: int) -> None:
-    """The sink for ``cache_name`` stores at most ``remaining`` more samples (< 0: unlimited)."""
-    _cache(cache_name).quota = int(remaining)
-
-
-def get_quota(cache_name: str) -> int:
-    """Samples the sink for ``cache_name`` may still store (-1: unlimited)."""
-    return int(_cache(cache_name).quota)
-
-
-def get_layouts(cache_name: str) -> list[str]:
-    """Layouts the sink saw for each field of ``cache_name`` ("" where none)."""
-    return list(_cache(cache_name).layouts)
-
-
-def set_layouts(cache_name: str, layouts: list[str]) -> None:
-    """Sets the layouts the source of ``cache_name`` gives its outputs (a restored checkpoint)."""
-    _cache(cache_name).layouts = [str(layout) for layout in layouts]
-
-
-def forget(cache_name: str) -> None:
-    """Nothing to do: the quota and layouts live in the cache and go with it."""
-    del cache_name
 
 
 def gpu_backend_compiled() -> bool:

@@ -7,7 +7,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import plugin
 from .host_copy import host_dense
 
 if TYPE_CHECKING:
@@ -53,7 +52,7 @@ class UpstreamRunner:
             return False
         if cfg.epochs is not None and self.iter_in_epoch == 0:
             # Only the reader epoch's own files: its padding (pad_last_batch) is never stored.
-            plugin.set_quota(owner.cache_name, owner.reader_epochs.fresh(self.epoch_index))
+            owner.cache.quota = owner.reader_epochs.fresh(self.epoch_index)
         bytes_before = owner.cache.stats().bytes_used if cfg.deterministic else 0
         t0 = time.perf_counter()
         outputs = owner.upstream.run()
@@ -259,8 +258,8 @@ class UpstreamReports:
         """Cache statistics plus upstream counters and timing.
 
         Keys: ``fresh_in``, ``emitted``, ``resident``, ``tickets_left``, ``emit_histogram``
-        (cache); ``upstream_batches`` (= ``upstream_iterations``), ``upstream_time_s`` (seconds
-        in those iterations), ``upstream_epochs``, ``upstream_fresh_stored``; ``t_up``
+        (cache); ``upstream_batches`` (upstream iterations run), ``upstream_time_s`` (seconds
+        in them), ``upstream_epochs``, ``upstream_fresh_stored``; ``t_up``
         (:meth:`upstream_step_seconds`); ``upstream_wait_s`` and ``downstream_wait_s`` (see the
         attributes); ``copies_discarded``: real copies a reset found still queued after DALI's
         iterator had counted its epoch (0 unless the epoch length DALI was told is wrong).
@@ -273,7 +272,6 @@ class UpstreamReports:
             "resident": int(s.resident),
             "tickets_left": int(s.tickets_left),
             "upstream_batches": batches,
-            "upstream_iterations": batches,
             "upstream_time_s": seconds,
             "upstream_epochs": self._runner.epoch_index,
             "upstream_fresh_stored": stored,

@@ -3,7 +3,8 @@ gather and its leases, the arena's memory kind, and the controller that picks th
 
 * :mod:`.cache`: :class:`EchoCache`, construction, lifetime, stats and state;
 * :mod:`.transfer`: host arrays in, samples and batches out (:class:`~.transfer.CacheIO`);
-* :mod:`.values`: errors, :class:`EchoStats`, :class:`EchoSample`, :class:`EchoBatch`;
+* :mod:`.values`: the errors (one hierarchy under :class:`EchoCacheError`), :class:`EchoStats`,
+  :class:`EchoSample`, :class:`EchoBatch`;
 * :mod:`.device_gather` and :mod:`.inflight`: one gather launch per batch into device memory,
   with the samples' leases kept until the GPU has read them;
 * :mod:`.memory`: where an arena lives (``memory="auto"``);
@@ -14,16 +15,28 @@ from __future__ import annotations
 
 from .cache import EchoCache, copies_per_epoch
 from .controller import EchoChange, EchoController
-from .values import CacheClosedError, EchoBatch, EchoSample, EchoStats, InputEndedError
+from .values import (
+    CacheClosedError,
+    CacheStateError,
+    EchoBatch,
+    EchoCacheError,
+    EchoSample,
+    EchoStats,
+    InputEndedError,
+    SampleTooLargeError,
+)
 
 __all__ = [
     "CacheClosedError",
+    "CacheStateError",
     "EchoBatch",
     "EchoCache",
+    "EchoCacheError",
     "EchoChange",
     "EchoController",
     "EchoSample",
     "EchoStats",
     "InputEndedError",
+    "SampleTooLargeError",
     "copies_per_epoch",
 ]

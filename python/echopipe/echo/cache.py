@@ -30,23 +30,9 @@ import numpy as np
 from ..native import core
 from . import device_gather
 from .transfer import CacheIO, torch_module
-from .values import (
-    CacheClosedError,
-    EchoBatch,
-    EchoSample,
-    EchoStats,
-    InputEndedError,
-)
+from .values import EchoSample, EchoStats, SampleTooLargeError
 
-__all__ = [
-    "CacheClosedError",
-    "EchoBatch",
-    "EchoCache",
-    "EchoSample",
-    "EchoStats",
-    "InputEndedError",
-    "copies_per_epoch",
-]
+__all__ = ["EchoCache", "copies_per_epoch"]
 
 
 def copies_per_epoch(echo_factor: float, samples: int) -> int:
@@ -107,7 +93,8 @@ class EchoCache(CacheIO):
     """A bounded, thread-safe data echoing buffer (native; all blocking calls release the GIL).
 
     Args:
-        capacity_bytes: Size of the sample arena; fixed. A sample larger than it is a ValueError.
+        capacity_bytes: Size of the sample arena; fixed. A sample larger than it is a
+            :class:`SampleTooLargeError` (a ValueError).
         capacity_samples: Maximum resident samples (slots).
         echo_factor: e >= 1; each sample is emitted floor(e) or ceil(e) times (mean e).
         min_fill: Samples with tickets required before takes start (warm-up, shuffle quality).
@@ -212,6 +199,14 @@ class EchoCache(CacheIO):
     @echo_factor.setter
     def echo_factor(self, value: float) -> None:
         self._native.echo_factor = _check_echo_factor(value)
+
+    @property
+    def refused_sample(self) -> SampleTooLargeError | None:
+        """The largest sample this cache refused as larger than its arena, as the typed error,
+        or None. A refusal inside a DALI pipeline's sink reaches Python only as the operator's
+        message; this is how a caller learns which error it was without reading that text."""
+        refused: SampleTooLargeError | None = self._native.refused_sample
+        return refused
 
     @property
     def closed(self) -> bool:
@@ -337,8 +332,9 @@ class EchoCache(CacheIO):
 
     def load_state_dict(self, state: bytes | bytearray | memoryview) -> None:
         """Restores :meth:`state_dict` into this cache, which must be empty and use the same
-        mode, batch_size and capacity_samples; ValueError names the mismatch. The echo factor is
-        runtime state: the cache adopts the saved (current) factor."""
+        mode, batch_size and capacity_samples; :class:`CacheStateError` (a ValueError) names the
+        mismatch or the corruption, and leaves the cache unchanged. The echo factor is runtime
+        state: the cache adopts the saved (current) factor."""
         if not isinstance(state, (bytes, bytearray, memoryview)):
             raise TypeError(f"state must be bytes, got {type(state).__name__}")
         self._native.restore_state(bytes(state))

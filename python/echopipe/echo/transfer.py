@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..native import core
-from .values import CacheClosedError, EchoBatch, EchoSample, InputEndedError
+from .values import CacheClosedError, EchoBatch, EchoCacheError, EchoSample, InputEndedError
 
 __all__ = ["CacheIO"]
 
@@ -101,7 +101,8 @@ class CacheIO:
 
         Blocks while the cache is full. Raises TimeoutError when ``timeout`` seconds pass first,
         :class:`CacheClosedError` if the cache is (or gets) closed, :class:`InputEndedError` after
-        :meth:`end_of_input`, ValueError for a bad dtype or a sample larger than the arena.
+        :meth:`end_of_input`, :class:`SampleTooLargeError` for a sample larger than the arena,
+        ValueError for a bad dtype.
         """
         parts = sample if isinstance(sample, (tuple, list)) else (sample,)
         if not 1 <= len(parts) <= 4:
@@ -121,8 +122,9 @@ class CacheIO:
         one sample, in one native call without the GIL (slots are reserved in chunks under one
         allocator lock each). ``timeout`` applies to each wait for space.
 
-        Returns the number of rows put (all of them, unless an exception is raised; the
-        exception's ``args[1]`` then holds how many rows went in before it).
+        Returns the number of rows put (all of them, unless an exception is raised: a
+        TimeoutError, :class:`CacheClosedError` or :class:`InputEndedError` then carries how many
+        rows went in before it as its ``rows_put`` attribute).
         """
         parts = samples if isinstance(samples, (tuple, list)) else (samples,)
         if not 1 <= len(parts) <= 4:
@@ -145,12 +147,10 @@ class CacheIO:
         del converted
         try:
             self._raise_put(status, timeout)
-        except (TimeoutError, RuntimeError) as exc:
-            exc.args = (*exc.args, int(done))
+        except (TimeoutError, EchoCacheError) as exc:
+            exc.rows_put = int(done)  # type: ignore[attr-defined]
             raise
         return int(done)
-
-    put_many = put_batch  # the name used before put_batch existed
 
     def wait_for_room(self, n: int, timeout: float | None = None) -> None:
         """Blocks until at least ``n`` slots are free (``n <= capacity_samples``), without
@@ -233,7 +233,10 @@ class CacheIO:
     def take_batch(self, n: int, timeout: float | None = None) -> EchoBatch | None:
         """Like :meth:`take`, but gathers each field into one new contiguous array.
 
-        Returns None once everything was emitted.
+        Returns None once everything was emitted. Strong guarantee: when the copies drawn cannot
+        be gathered (samples of one field with different dtypes or field counts: a ValueError
+        naming them; no memory: MemoryError), they are handed back to the cache before the error
+        is raised, so each is still emitted later (by :meth:`take`, say) and nothing is lost.
         """
         n = self._check_n(n)
         status, fields, dtypes, shapes, ids, emissions = self._native.take_batch(

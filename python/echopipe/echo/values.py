@@ -12,19 +12,52 @@ import numpy as np
 
 __all__ = [
     "CacheClosedError",
+    "CacheStateError",
     "EchoBatch",
+    "EchoCacheError",
     "EchoSample",
     "EchoStats",
     "InputEndedError",
+    "SampleTooLargeError",
 ]
 
 
-class CacheClosedError(RuntimeError):
+class EchoCacheError(Exception):
+    """Base of every error the echo cache raises on its own account (not TimeoutError, and not
+    the ValueError of a bad argument). Catch a subclass to handle one case: no caller needs to
+    read a message."""
+
+
+class CacheClosedError(EchoCacheError, RuntimeError):
     """Raised by blocking calls on a cache that was closed (possibly while they waited)."""
 
 
-class InputEndedError(RuntimeError):
+class InputEndedError(EchoCacheError, RuntimeError):
     """Raised by :meth:`EchoCache.put` after :meth:`EchoCache.end_of_input`."""
+
+
+class SampleTooLargeError(EchoCacheError, ValueError):
+    """A sample larger than the cache's arena: it can never be stored (raised by the native
+    core, which the bindings map to this class).
+
+    Attributes:
+        sample_bytes: The sample's size in the arena (each field rounded up to 64 bytes).
+        capacity_bytes: The arena's size (``capacity_bytes`` of the cache).
+    """
+
+    def __init__(self, message: str, sample_bytes: int, capacity_bytes: int) -> None:
+        super().__init__(message)
+        self.sample_bytes = int(sample_bytes)
+        self.capacity_bytes = int(capacity_bytes)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.sample_bytes, self.capacity_bytes))
+
+
+class CacheStateError(EchoCacheError, ValueError):
+    """A saved state the cache cannot load: corrupt or truncated, another format version, a
+    mode, ``batch_size`` or ``capacity_samples`` other than the cache's, too large for its
+    arena, or a cache that is not empty (raised by the native core)."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
 * :class:`DistributedStalePipeline`: one stage per rank over torch.distributed point-to-point
   (Gloo on CPU, NCCL on GPU), launched with torchrun; optional data parallelism across
   pipeline replicas.
-* :func:`partition_balance`: choose a balance by profiling each layer.
+* :func:`balance_by_time`, :func:`balance_by_cost`: a balance (a list of ints) from timing
+  each layer or from a FLOPs-and-bytes model; :func:`partition_balance` is ``balance="auto"``.
 * :class:`HybridSchedule`: pipelined for the first steps, synchronous afterwards.
 
 See ``docs/pipeline.md`` for the schedule, the staleness of each stage and the weight rules.
@@ -12,19 +13,21 @@ See ``docs/pipeline.md`` for the schedule, the staleness of each stage and the w
 
 from __future__ import annotations
 
-from .dist_setup import check_gpus_per_rank, init_distributed
-from .distributed import DistributedStalePipeline
-from .engine import PipelineError, StageGradHook, StalePipeline
-from .partition import (
+from .balance import (
     LayerProfile,
-    parse_devices,
+    balance_by_cost,
+    balance_by_time,
     partition_balance,
     profile_layers,
-    split_sequential,
-    validate_balance,
 )
+from .build import StageGradHook
+from .dist_setup import check_gpus_per_rank, init_distributed
+from .distributed import DistributedStalePipeline
+from .engine import StalePipeline
+from .partition import parse_devices, split_sequential, stale_share, validate_balance
 from .results import EpochResult, LossRecord, StepResult, unpack_batch
 from .schedule import HybridSchedule, stage_staleness
+from .worker import PipelineError
 
 __all__ = [
     "DistributedStalePipeline",
@@ -36,6 +39,8 @@ __all__ = [
     "StageGradHook",
     "StalePipeline",
     "StepResult",
+    "balance_by_cost",
+    "balance_by_time",
     "check_gpus_per_rank",
     "init_distributed",
     "parse_devices",
@@ -43,6 +48,7 @@ __all__ = [
     "profile_layers",
     "split_sequential",
     "stage_staleness",
+    "stale_share",
     "unpack_batch",
     "validate_balance",
 ]

@@ -12,7 +12,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .partition import DeviceLike, check_stale_share, partition_balance
+from .balance import partition_balance
+from .partition import DeviceLike, check_stale_share
 from .schedule import HybridSchedule
 from .stage import StageCore
 

@@ -1,20 +1,17 @@
 """One pipeline stage per rank, over torch.distributed point-to-point (Gloo on CPU, NCCL on GPU).
 
 Launch with ``torchrun --nproc_per_node=P``. With ``P = K * R`` ranks and ``K`` stages, rank
-``r`` runs stage ``r % K`` of pipeline replica ``r // K``. Activations and targets go forward
-with ``isend``/``recv``, gradients go backward; each message is a small header (rank count,
-dtype, shape) followed by the data, so shapes may change between minibatches (a short last
-batch). With ``R > 1`` replicas, each stage all-reduces (averages) its gradients within its
-data-parallel group of ``R`` ranks right before its optimizer step.
+``r`` runs stage ``r % K`` of pipeline replica ``r // K`` (``ranks.py``). Activations and
+targets go forward, gradients go backward, as tensors of any shape (``p2p.py``); with ``R > 1``
+replicas each stage averages its gradients over its replicas before its optimizer step.
 
 Every rank executes the same fixed operation order as :class:`~echopipe.pipeline.StalePipeline`
 (see ``schedule.py``), so results equal the single-process engine's. All ranks call
 :meth:`DistributedStalePipeline.train_step` once per minibatch; only stage 0 of each replica
 reads ``x`` and ``target`` (others may pass ``None``); stage 0 sends the target to the last
-stage. Sends are asynchronous and reaped lazily; receives block. With ``timeout_s`` set, a
-receive or a send that does not complete in time raises :class:`TimeoutError` naming the peer
-rank and the message (on CPU tensors, i.e. Gloo; NCCL bounds its waits with the process group's
-own ``timeout``, given to ``init_process_group``). A rank that raises exits non-zero and
+stage. With ``timeout_s`` set, a message that does not arrive in time raises
+:class:`TimeoutError` naming the peer rank (on Gloo; NCCL bounds its waits with the process
+group's own ``timeout``, given to ``init_process_group``). A rank that raises exits non-zero and
 torchrun then stops the others. :func:`~echopipe.pipeline.init_distributed` joins the group with
 a backend that works on the node (Gloo where GPUs are fewer than local ranks, NCCL with
 ``device_id`` otherwise).
@@ -23,56 +20,31 @@ a backend that works on the node (Gloo where GPUs are fewer than local ranks, NC
 from __future__ import annotations
 
 import contextlib
-import datetime
-import math
 import os
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .build import LossFn, OptimizerFactory, SchedulerFactory, stage_optimizer
 from .checkpoint import atomic_save, load_file
-from .dist_setup import check_gpus_per_rank
-from .distributed_epoch import DistributedEpochApi, agreed_auto_balance
-from .engine import CHECKPOINT_FORMAT, LossFn, OptimizerFactory, SchedulerFactory, stage_optimizer
-from .partition import DeviceLike, parse_devices, split_sequential
-from .results import LossRecord, StepResult
+from .distributed_epoch import agree_steps, agreed_auto_balance, feed_steps, pipeline_accuracy
+from .p2p import TAG_ACT, TAG_EVAL, TAG_GRAD, TAG_TARGET, PeerLink, link_timeout
+from .partition import DeviceLike, split_sequential
+from .ranks import ReplicaAverage, StageTopology, data_parallel_group, rank_device
+from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult
 from .schedule import HybridSchedule, stage_staleness
 from .stage import StageCore
+from .state import Progress, check_rank_state, rank_state, restore_rank
 
 __all__ = ["DistributedStalePipeline"]
 
-# Message kinds, for error messages only. Every message goes with tag 0: NCCL ignores tags, so
-# each pair of ranks must post its receives in the order the peer posts the sends, and using no
-# tags on Gloo either makes the tests over Gloo check that order too.
-_TAG_ACT = 1
-_TAG_GRAD = 2
-TAG_TARGET = 3
-TAG_EVAL = 4
-_P2P_TAG = 0
-_TAG_NAMES = {
-    _TAG_ACT: "activations",
-    _TAG_GRAD: "gradients",
-    TAG_TARGET: "targets",
-    TAG_EVAL: "evaluation activations",
-}
-_MAX_DIMS = 8
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.uint8,
-    torch.bool,
-]
 
-
-class DistributedStalePipeline(DistributedEpochApi):
+class DistributedStalePipeline:
     """Stale-weight pipeline with one stage per rank (see the module docstring).
 
     ``torch.distributed`` must be initialised. Every rank builds the same full model (same
@@ -119,14 +91,7 @@ class DistributedStalePipeline(DistributedEpochApi):
         balance_cost: Literal["time", "model"] = "time",
         balance_cache: str | os.PathLike[str] | None = None,
     ) -> None:
-        if timeout_s is not None and (
-            isinstance(timeout_s, bool)
-            or not isinstance(timeout_s, int | float)
-            or not math.isfinite(timeout_s)
-            or timeout_s <= 0
-        ):
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
-        self._timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        timeout = link_timeout(timeout_s)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedStalePipeline needs torch.distributed initialised "
@@ -147,16 +112,11 @@ class DistributedStalePipeline(DistributedEpochApi):
                 f"world size {self.world_size} is not a multiple of the {self.num_stages} stages "
                 f"in balance {list(balance)!r}"
             )
-        self.num_replicas = self.world_size // self.num_stages
-        self.stage_index = self.rank % self.num_stages
-        self.replica = self.rank // self.num_stages
-        backend = str(dist.get_backend())
-        if device is None:
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            device = f"cuda:{local}" if backend == "nccl" else "cpu"
-        (self.device,) = parse_devices([device], 1)
-        if self.device.type == "cuda" and "nccl" in backend:
-            check_gpus_per_rank()  # two ranks on one GPU: one clear line, not an NCCL error
+        self.topology = StageTopology.of(self.rank, self.world_size, self.num_stages)
+        self.num_replicas = self.topology.num_replicas
+        self.stage_index = self.topology.stage_index
+        self.replica = self.topology.replica
+        self.device = rank_device(device)
         self.balance = [len(s) for s in stages]
         self.stage = stages[self.stage_index].to(self.device)
         self.stage.train()
@@ -165,33 +125,18 @@ class DistributedStalePipeline(DistributedEpochApi):
             hybrid is not None and hybrid.pipelined_steps == 0
         )
         self.recompute = bool(recompute)
-
-        # Every rank must create every group, in the same order.
-        self._dp_group: Any = None
-        if self.num_replicas > 1:
-            for k in range(self.num_stages):
-                ranks = [rep * self.num_stages + k for rep in range(self.num_replicas)]
-                group = dist.new_group(ranks)
-                if k == self.stage_index:
-                    self._dp_group = group
-
+        dp_group = data_parallel_group(self.topology)
         params = [p for p in self.stage.parameters() if p.requires_grad]
         opt = stage_optimizer(optimizer, params)
         sched = scheduler(opt) if (scheduler is not None and opt is not None) else None
-        last = self.stage_index == self.num_stages - 1
+        averager = ReplicaAverage(params, dp_group, self.num_replicas)
         self._core = StageCore(
             self.stage_index, self.num_stages, self.stage, self.device, opt, sched,
-            scheduler_interval, loss_fn if last else None, self.recompute,
-            grad_hook=self._all_reduce if self.num_replicas > 1 else None,
+            scheduler_interval, loss_fn if self.is_last else None, self.recompute,
+            grad_hook=averager if self.num_replicas > 1 else None,
         )  # fmt: skip
         self._core.staleness = stage_staleness(self.num_stages, self._pipelined)[self.stage_index]
-        self._base = self.replica * self.num_stages
-        self._prev = self.rank - 1 if self.stage_index > 0 else None
-        self._next = self.rank + 1 if not last else None
-        self._last_rank = self._base + self.num_stages - 1
-        self._pending_sends: deque[tuple[Any, tuple[torch.Tensor, torch.Tensor, int, int]]] = (
-            deque()
-        )
+        self._link = PeerLink(self.topology, self.device, timeout)
         self._inputs: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
         self._losses: list[LossRecord] = []
         self.steps_fed = 0
@@ -222,12 +167,12 @@ class DistributedStalePipeline(DistributedEpochApi):
     @property
     def is_first(self) -> bool:
         """Whether this rank runs stage 0 (the one that reads the data)."""
-        return self.stage_index == 0
+        return self.topology.is_first
 
     @property
     def is_last(self) -> bool:
         """Whether this rank runs the last stage (the one that computes losses)."""
-        return self.stage_index == self.num_stages - 1
+        return self.topology.is_last
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer | None]:
@@ -243,80 +188,6 @@ class DistributedStalePipeline(DistributedEpochApi):
     def _per_stage(self, mine: Any) -> list[Any]:
         return [mine if k == self.stage_index else None for k in range(self.num_stages)]
 
-    # Messaging -----------------------------------------------------------------------------
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        tensor = tensor.detach().contiguous()
-        if self.device.type == "cuda" and not tensor.is_cuda:
-            tensor = tensor.to(self.device)
-        if tensor.dim() > _MAX_DIMS:
-            raise ValueError(f"cannot send a tensor with {tensor.dim()} > {_MAX_DIMS} dims")
-        if tensor.dtype not in _DTYPES:
-            raise TypeError(f"cannot send dtype {tensor.dtype}")
-        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-        header[0] = tensor.dim()
-        header[1] = _DTYPES.index(tensor.dtype)
-        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        header = header.to(tensor.device)
-        works = [dist.isend(header, dst, tag=_P2P_TAG), dist.isend(tensor, dst, tag=_P2P_TAG)]
-        for work in works:
-            # The tensors stay referenced until the send completes.
-            self._pending_sends.append((work, (header, tensor, dst, tag)))
-        self._reap_sends()
-
-    def _recv(self, src: int, tag: int) -> torch.Tensor:
-        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(header, src, tag=_P2P_TAG), "receive", src, tag)
-        values = header.tolist()
-        ndim, dtype = int(values[0]), _DTYPES[int(values[1])]
-        shape = [int(v) for v in values[2 : 2 + ndim]]
-        tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        self._wait(dist.irecv(tensor, src, tag=_P2P_TAG), "receive", src, tag)
-        return tensor
-
-    def _wait(self, work: Any, what: str, peer: int, tag: int) -> None:
-        """Waits for one point-to-point operation, bounded by ``timeout_s`` on CPU (Gloo)."""
-        if self._timeout is None or self.device.type != "cpu":
-            work.wait()
-            return
-        try:
-            work.wait(timeout=self._timeout)
-        except RuntimeError as exc:
-            if "timed out" not in str(exc).lower():
-                raise
-            message = _TAG_NAMES.get(tag, f"tag {tag}")
-            role = f"stage {(peer - self._base) % self.num_stages}"
-            raise TimeoutError(
-                f"rank {self.rank} (stage {self.stage_index}) waited more than "
-                f"{self._timeout.total_seconds():g} s to {what} {message} "
-                f"{'from' if what == 'receive' else 'to'} rank {peer} ({role}); is that rank "
-                "alive and calling the same methods in the same order?"
-            ) from exc
-
-    def _reap_sends(self, wait_all: bool = False) -> None:
-        while self._pending_sends:
-            work, (_, _, dst, tag) = self._pending_sends[0]
-            if wait_all:
-                self._wait(work, "send", dst, tag)
-            elif not work.is_completed():
-                return
-            self._pending_sends.popleft()
-
-    def _all_reduce(self, grads: list[torch.Tensor | None]) -> None:
-        filled = [
-            g if g is not None else torch.zeros_like(p)
-            for g, p in zip(grads, self._core.params, strict=True)
-        ]
-        if not filled:
-            return
-        flat = torch.cat([g.reshape(-1) for g in filled])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._dp_group)
-        flat.div_(self.num_replicas)
-        offset = 0
-        for i, g in enumerate(filled):
-            n = g.numel()
-            grads[i] = flat[offset : offset + n].view_as(g)
-            offset += n
-
     # Schedule ------------------------------------------------------------------------------
     def _forward_one(self) -> None:
         core = self._core
@@ -328,33 +199,33 @@ class DistributedStalePipeline(DistributedEpochApi):
             if self.is_last:
                 target = tgt.to(self.device)
             else:
-                self._send(tgt, self._last_rank, TAG_TARGET)
+                self._link.send(tgt, self.topology.last_rank, TAG_TARGET)
         else:
-            assert self._prev is not None
+            assert self.topology.prev is not None
             if self.is_last:
                 # Stage 0 sends the target before its activations; with two stages both go to
                 # this rank, and without tags the receives must come in the same order.
-                target = self._recv(self._base, TAG_TARGET)
-            x = self._recv(self._prev, _TAG_ACT)
+                target = self._link.recv(self.topology.base, TAG_TARGET)
+            x = self._link.recv(self.topology.prev, TAG_ACT)
         out, loss = core.forward(index, x, target)
         if self.is_last:
             assert loss is not None
             self._losses.append(LossRecord(index, loss.detach()))
         else:
-            assert self._next is not None
-            self._send(out, self._next, _TAG_ACT)
+            assert self.topology.next is not None
+            self._link.send(out, self.topology.next, TAG_ACT)
 
     def _backward_one(self) -> None:
         core = self._core
         index = core.in_flight[0].index
         grad = None
         if not self.is_last:
-            assert self._next is not None
-            grad = self._recv(self._next, _TAG_GRAD)
+            assert self.topology.next is not None
+            grad = self._link.recv(self.topology.next, TAG_GRAD)
         grad_in = core.backward(index, grad)
         if not self.is_first:
-            assert self._prev is not None and grad_in is not None
-            self._send(grad_in, self._prev, _TAG_GRAD)
+            assert self.topology.prev is not None and grad_in is not None
+            self._link.send(grad_in, self.topology.prev, TAG_GRAD)
 
     def _advance(self, drain: bool) -> None:
         core = self._core
@@ -397,7 +268,7 @@ class DistributedStalePipeline(DistributedEpochApi):
     def drain(self) -> list[LossRecord]:
         """Finish all in-flight minibatches on this rank (collective); returns finished losses."""
         self._advance(drain=True)
-        self._reap_sends(wait_all=True)
+        self._link.reap_sends(wait_all=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         finished, self._losses = self._losses, []
@@ -433,58 +304,71 @@ class DistributedStalePipeline(DistributedEpochApi):
                         raise ValueError("stage 0 needs x in evaluate")
                     h = x.to(self.device)
                 else:
-                    assert self._prev is not None
-                    h = self._recv(self._prev, TAG_EVAL)
+                    assert self.topology.prev is not None
+                    h = self._link.recv(self.topology.prev, TAG_EVAL)
                 h = self.stage(h)
                 if not self.is_last:
-                    assert self._next is not None
-                    self._send(h, self._next, TAG_EVAL)
-                    self._reap_sends(wait_all=True)
+                    assert self.topology.next is not None
+                    self._link.send(h, self.topology.next, TAG_EVAL)
+                    self._link.reap_sends(wait_all=True)
                     return None
                 return h.cpu()
         finally:
             self.stage.train(was)
 
+    def run_epoch(
+        self,
+        loader: Iterable[Any] | None = None,
+        *,
+        steps: int | None = None,
+        drain: bool = False,
+        step_schedulers: bool = True,
+        output_map: Sequence[str] = DEFAULT_OUTPUT_MAP,
+    ) -> EpochResult:
+        """Feed one epoch (collective), as :meth:`StalePipeline.run_epoch` does.
+
+        Stage-0 ranks pass their loader (``(x, target)`` pairs or DALI-style dicts, see
+        :func:`~echopipe.pipeline.results.unpack_batch`); the other ranks may pass ``None``.
+        The epoch has ``steps`` minibatches, by default the smallest ``len(loader)`` over the
+        stage-0 ranks (one ``all_reduce``). ``losses`` are non-empty on the last stage only.
+        """
+        start = time.perf_counter()
+        count = agree_steps(loader, steps, self.is_first, self.device)
+        batches = loader if self.is_first else None
+        samples, losses = feed_steps(self.train_step, batches, count, output_map, self.rank)
+        if step_schedulers and self._core.scheduler_interval == "epoch":
+            self.step_schedulers()
+        if drain:
+            losses.extend(r.value for r in self.drain())
+        return EpochResult(count, samples, losses, time.perf_counter() - start)
+
+    def accuracy(
+        self, x: torch.Tensor | None, target: torch.Tensor | None, batch_size: int = 512
+    ) -> float:
+        """Top-1 accuracy of an eval-mode forward (collective; drains first).
+
+        Stage 0 passes ``x`` and ``target`` (others ``None``); every rank of the replica gets
+        the same fraction in [0, 1], as :meth:`StalePipeline.accuracy` returns it.
+        """
+        self.drain()
+        return pipeline_accuracy(self.topology, self._link, self.evaluate, x, target, batch_size)
+
+    # Checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's stage state (drains first)."""
         self.drain()
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "balance": list(self.balance),
-            "stage_index": self.stage_index,
-            "stage": self.stage.state_dict(),
-            "optimizer": opt.state_dict() if (opt := self._core.optimizer) is not None else None,
-            "scheduler": sch.state_dict() if (sch := self._core.scheduler) is not None else None,
-            "updates_applied": self._core.updates_applied,
-            "scheduler_steps": self._core.scheduler_steps,
-            "steps_fed": self.steps_fed,
-            "samples_seen": self.samples_seen,
-            "pipelined": self._pipelined,
-        }
+        progress = Progress(self.steps_fed, self.samples_seen, self._pipelined)
+        return rank_state(self.balance, self.stage_index, self.stage, self._core, progress)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's stage from :meth:`state_dict` output."""
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError("not an echopipe pipeline checkpoint (missing or unknown 'format')")
-        if list(state["balance"]) != self.balance or state["stage_index"] != self.stage_index:
-            raise ValueError(
-                f"checkpoint is stage {state['stage_index']} of balance {state['balance']!r}; "
-                f"this rank runs stage {self.stage_index} of {self.balance!r}"
-            )
+        check_rank_state(state, self.balance, self.stage_index)
         self.drain()
-        self.stage.load_state_dict(state["stage"])
-        if self._core.optimizer is not None and state["optimizer"] is not None:
-            self._core.optimizer.load_state_dict(state["optimizer"])
-        if self._core.scheduler is not None and state["scheduler"] is not None:
-            self._core.scheduler.load_state_dict(state["scheduler"])
-        core = self._core
-        core.updates_applied = int(state["updates_applied"])
-        core.scheduler_steps = int(state["scheduler_steps"])
-        self.steps_fed = int(state["steps_fed"])
-        self.samples_seen = int(state["samples_seen"])
-        core.last_forward_index = core.last_backward_index = self.steps_fed - 1
-        self._pipelined = bool(state["pipelined"])
-        core.staleness = stage_staleness(self.num_stages, self._pipelined)[self.stage_index]
+        progress = restore_rank(state, self.stage, self._core)
+        self.steps_fed = progress.steps_fed
+        self.samples_seen = progress.samples_seen
+        self._pipelined = progress.pipelined
+        self._core.staleness = stage_staleness(self.num_stages, self._pipelined)[self.stage_index]
 
     def checkpoint_path(self, path: str | os.PathLike[str]) -> str:
         """The file this rank's stage uses for checkpoint ``path``: ``<path>.stage<k>``."""
@@ -504,7 +388,7 @@ class DistributedStalePipeline(DistributedEpochApi):
     def close(self) -> None:
         """Wait for outstanding sends. The process group stays up (the caller owns it)."""
         with contextlib.suppress(Exception):
-            self._reap_sends(wait_all=True)
+            self._link.reap_sends(wait_all=True)
 
     def __enter__(self) -> DistributedStalePipeline:
         return self

@@ -1,48 +1,44 @@
 """Thread-per-stage engine for stale-weight pipelined backprop (PPL-SGD) in one process.
 
 :class:`StalePipeline` is the caller's side: it builds the stages (``build.py``), feeds them
-minibatches, drains, switches mode and evaluates. Its stage worker threads and their schedule
-loop are in ``worker.py``, its checkpoints in ``state.py``.
+minibatches, drains, switches mode and evaluates. It holds its parts and passes them what they
+need: a :class:`~echopipe.pipeline.worker.StageWorkers` runs the stage threads and their
+schedule loop, ``state.py`` turns stages, cores and counters into checkpoints and back, and
+the balance is a list of ints (``balance.py`` chooses one for ``balance="auto"``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-# Re-exported: callers import these from here (distributed.py, echopipe.pipeline).
-from .build import LossFn as LossFn
-from .build import OptimizerFactory as OptimizerFactory
-from .build import SchedulerFactory as SchedulerFactory
-from .build import StageGradHook as StageGradHook
-from .build import build_cores, check_arguments, resolve_balance
-from .build import stage_optimizer as stage_optimizer
+from .build import (
+    LossFn,
+    OptimizerFactory,
+    SchedulerFactory,
+    StageGradHook,
+    build_cores,
+    check_arguments,
+    resolve_balance,
+)
+from .checkpoint import atomic_save, load_file
 from .partition import DeviceLike, parse_devices, split_sequential
 from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult, unpack_batch
 from .schedule import HybridSchedule, stage_staleness
-from .state import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
-from .state import PipelineState
-from .stream import BusyTimer, caller_event, synchronize_devices
-from .worker import POLL_S, Batch, Drain, PipelineError, SchedulerStep, StageWorkers
+from .state import Progress, check_pipeline_state, pipeline_state, restore_pipeline
+from .stream import caller_event, synchronize_devices
+from .worker import Batch, SchedulerStep, StageWorkers, divide_threads
 
-__all__ = [
-    "EpochResult",
-    "LossRecord",
-    "PipelineError",
-    "StalePipeline",
-    "StepResult",
-]
+__all__ = ["StalePipeline"]
 
 
-class StalePipeline(StageWorkers, PipelineState):
+class StalePipeline:
     """Stale-weight pipelined training (PPL-SGD) of an ``nn.Sequential`` over several devices.
 
     All stages work at once on different minibatches. With ``K`` stages, stage ``k`` runs the
@@ -72,8 +68,11 @@ class StalePipeline(StageWorkers, PipelineState):
     Args:
         module: the model, an ``nn.Sequential`` whose children are whole blocks. Its children
             are moved to the stage devices and shared (not copied) by the stages.
-        balance: children per stage (torchgpipe convention), ``"auto"`` to profile with
-            ``sample_input``, or ``None`` for a single stage.
+        balance: children per stage (torchgpipe convention), for instance from
+            :func:`~echopipe.pipeline.balance_by_time` or
+            :func:`~echopipe.pipeline.balance_by_cost`; ``"auto"`` to have
+            :func:`~echopipe.pipeline.partition_balance` choose with ``sample_input``; or
+            ``None`` for a single stage.
         devices: one device per stage (``"cpu"``, ``"cuda:1"``, ``1``); CPU when omitted.
         optimizer: factory ``params -> Optimizer``, called once per stage with its parameters.
         scheduler: optional factory ``optimizer -> LRScheduler``, one per stage.
@@ -102,6 +101,8 @@ class StalePipeline(StageWorkers, PipelineState):
         balance_cost, balance_cache: make ``balance="auto"`` repeatable: ``"model"`` estimates
             each layer from FLOPs and bytes instead of timing it; a cache path stores the
             choice and reuses it (``partition_balance``'s ``cost`` and ``cache``).
+        clock: host seconds for :meth:`step_seconds` on CPU stages (``time.perf_counter``);
+            CUDA stages are timed by events on their streams.
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class StalePipeline(StageWorkers, PipelineState):
         max_stale_share: float | None = None,
         balance_cost: Literal["time", "model"] = "time",
         balance_cache: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         check_arguments(module, optimizer, loss_fn, grad_hook, scheduler_interval, hybrid)
         balance = resolve_balance(
@@ -151,29 +153,20 @@ class StalePipeline(StageWorkers, PipelineState):
             self.stages, self.devices, optimizer, scheduler, scheduler_interval, loss_fn,
             self.recompute, grad_hook, stage_staleness(self.num_stages, self._pipelined),
         )  # fmt: skip
-        self._threads_per_stage = self._divide_threads(intra_op_threads)
-        # Per stage: timers of its forwards and backwards (set by its thread), and the latest
-        # mean seconds of each (None until one completed).
-        self._busy: list[tuple[BusyTimer, BusyTimer] | None] = [None] * self.num_stages
-        self._busy_means: list[list[float | None]] = [[None, None] for _ in self._cores]
         self.steps_fed = 0
         self.samples_seen = 0
-        self._closed = False
         self._idle = True  # no minibatch in flight (after construction or a drain)
-        self._start_workers(max_prefetch)
+        self._workers = StageWorkers(
+            self._cores, self.devices, divide_threads(self.devices, intra_op_threads),
+            max_prefetch, clock,
+        )  # fmt: skip
 
     def step_seconds(self) -> float | None:
         """Busy seconds per minibatch of the slowest stage (forward plus backward and update),
         from the work completed since the previous call; ``None`` until every stage has done
         both once. This is the pipeline's pace with an instant input (``t_down``): queue waits
         are not counted, and on CUDA it is the streams' time, not the kernel launches'."""
-        for timers, means in zip(self._busy, self._busy_means, strict=True):
-            for j, timer in enumerate(timers or ()):
-                seconds, spans = timer.take()
-                if spans:
-                    means[j] = seconds / spans
-        totals = [None if None in m else m[0] + m[1] for m in self._busy_means]  # type: ignore[operator]
-        return None if None in totals else max(totals)  # type: ignore[type-var]
+        return self._workers.step_seconds()
 
     def staleness(self) -> list[int]:
         """Per stage: how many of the newest updates its forward misses in steady state.
@@ -208,37 +201,13 @@ class StalePipeline(StageWorkers, PipelineState):
         return [core.scheduler for core in self._cores]
 
     # Caller side ----------------------------------------------------------------------------
-    def _check(self) -> None:
-        if self._error is not None:
-            self.shutdown()
-            raise self._error
-        if self._closed:
-            raise RuntimeError("the pipeline is closed")
-
-    def _put(self, q: queue.Queue[Any], item: Any) -> None:
-        while True:
-            self._check()
-            try:
-                q.put(item, timeout=POLL_S)
-                return
-            except queue.Full:
-                continue
-
-    def _collect(self) -> list[LossRecord]:
-        out: list[LossRecord] = []
-        while True:
-            try:
-                out.append(self._losses.get_nowait())
-            except queue.Empty:
-                return out
-
     def train_step(self, x: torch.Tensor, target: torch.Tensor) -> StepResult:
         """Feed one minibatch; returns the losses of minibatches that finished meanwhile.
 
         Blocks only while the pipeline is full (``max_prefetch`` minibatches queued). Raises
         :class:`PipelineError` if any stage failed.
         """
-        self._check()
+        self._workers.check()
         if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor):
             raise TypeError(
                 f"train_step needs tensors (x, target), got {type(x).__name__}, "
@@ -248,11 +217,11 @@ class StalePipeline(StageWorkers, PipelineState):
         if self.hybrid is not None and self._pipelined and not self.hybrid.pipelined_at(index):
             self.set_pipelined(False)
         batch = Batch(index, x, target, caller_event(x), caller_event(target))
-        self._put(self._fwd_queues[0], batch)
+        self._workers.put(batch)
         self._idle = False
         self.steps_fed += 1
         self.samples_seen += int(x.shape[0]) if x.dim() > 0 else 1
-        return StepResult(index, self._collect())
+        return StepResult(index, self._workers.collect())
 
     def step_schedulers(self) -> None:
         """Step every stage's LR scheduler once, right after its update of the newest minibatch.
@@ -260,8 +229,8 @@ class StalePipeline(StageWorkers, PipelineState):
         The request travels through the pipeline in order, so each stage applies it at the
         same point of its own operation sequence regardless of thread timing.
         """
-        self._check()
-        self._put(self._fwd_queues[0], SchedulerStep())
+        self._workers.check()
+        self._workers.put(SchedulerStep())
 
     def run_epoch(
         self,
@@ -302,19 +271,10 @@ class StalePipeline(StageWorkers, PipelineState):
         weights are those after ``steps_fed`` updates. Returns the losses finished meanwhile.
         """
         self._drain_to(self.staleness())
-        return self._collect()
+        return self._workers.collect()
 
     def _drain_to(self, staleness: list[int]) -> None:
-        self._check()
-        self._put(self._fwd_queues[0], Drain(list(staleness)))
-        done = 0
-        while done < self.num_stages:
-            self._check()
-            try:
-                self._drained.get(timeout=POLL_S)
-                done += 1
-            except queue.Empty:
-                continue
+        self._workers.drain_to(staleness)
         self._idle = True
 
     def set_pipelined(self, pipelined: bool) -> None:
@@ -340,7 +300,7 @@ class StalePipeline(StageWorkers, PipelineState):
         """
         if not self._idle:
             self.drain()
-        self._check()
+        self._workers.check()
         outputs: list[torch.Tensor] = []
         chunks = [x] if batch_size is None else list(torch.split(x, batch_size))
         with torch.no_grad(), self._eval_mode():
@@ -356,20 +316,45 @@ class StalePipeline(StageWorkers, PipelineState):
         logits = self.evaluate(x, batch_size)
         return float((logits.argmax(dim=1) == target.cpu()).double().mean().item())
 
-    # Lifetime -------------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        self._stop.set()
-        current = threading.current_thread()
-        for t in self._threads:
-            if t is not current:
-                t.join(timeout=10)
-        self._closed = True
+    # Checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: weights, optimizers, schedulers, counters, mode.
 
+        Drains first (the checkpoint policy): no minibatch is in flight in a checkpoint, so
+        resuming continues exactly as an uninterrupted run that drained at the same step.
+        """
+        if not self._idle:
+            self.drain()
+        self._workers.check()
+        progress = Progress(self.steps_fed, self.samples_seen, self._pipelined)
+        return pipeline_state(self.balance, self.stages, self._cores, progress, self.recompute)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the balance must match this pipeline's."""
+        check_pipeline_state(state, self.balance)
+        if not self._idle:
+            self.drain()
+        self._workers.check()
+        progress = restore_pipeline(state, self.stages, self._cores, self.devices)
+        self.steps_fed = progress.steps_fed
+        self.samples_seen = progress.samples_seen
+        if progress.pipelined != self._pipelined:
+            self.set_pipelined(progress.pipelined)
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Drain, then write :meth:`state_dict` to ``path`` atomically (tmp file + os.replace)."""
+        atomic_save(self.state_dict(), path)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Load a file written by :meth:`save_checkpoint` (``FileNotFoundError`` names it)."""
+        self.load_state_dict(load_file(path))
+
+    # Lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop and join all workers; in-flight minibatches are dropped (drain first to keep
         them). Idempotent."""
-        if not self._closed:
-            self.shutdown()
+        if not self._workers.closed:
+            self._workers.shutdown()
 
     def __enter__(self) -> StalePipeline:
         return self

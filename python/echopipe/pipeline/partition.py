@@ -1,36 +1,26 @@
-"""Splitting an ``nn.Sequential`` into pipeline stages and placing them on devices.
+"""Splitting an ``nn.Sequential`` into pipeline stages: devices, balances and their limits.
 
 A stage is a contiguous run of the sequential's children. ``balance`` follows the torchgpipe
-convention: ``balance[k]`` is the number of children in stage ``k``. :func:`partition_balance`
-chooses a balance automatically by timing each child's forward and backward on a sample input
-and minimising the slowest stage (the pipeline's throughput is set by its slowest stage), with
-optional per-stage memory caps.
+convention: ``balance[k]`` is the number of children in stage ``k``. This module checks and
+applies a balance, finds the contiguous split of given per-layer costs that minimises the
+slowest stage (:func:`min_max_partition`), and bounds how much of the model may run stale.
+Where the costs come from (timing, a cost model) is in ``balance.py``.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
-from .cost_model import (
-    balance_key,
-    estimate_layer_seconds,
-    load_cached_balance,
-    store_cached_balance,
-)
-
 __all__ = [
-    "LayerProfile",
+    "DeviceLike",
+    "StageFits",
     "check_stale_share",
+    "min_max_partition",
     "parse_devices",
-    "partition_balance",
-    "profile_layers",
     "split_sequential",
     "stale_share",
     "stale_share_fits",
@@ -39,6 +29,8 @@ __all__ = [
 
 DeviceLike = str | int | torch.device
 StaleShareBy = Literal["params", "layers"]
+StageFits = Callable[[int, int, int], bool]
+"""``stage_fits(stage, start, stop)``: whether layers ``start:stop`` may form stage ``stage``."""
 
 
 def parse_devices(devices: Sequence[DeviceLike] | None, num_stages: int) -> list[torch.device]:
@@ -118,85 +110,10 @@ def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.S
     return stages
 
 
-@dataclass(frozen=True)
-class LayerProfile:
-    """Measured cost of one child of the sequential.
-
-    Attributes:
-        seconds: median forward + backward wall time.
-        param_bytes: bytes of parameters and buffers.
-        activation_bytes: bytes of the child's output for the sample batch (a stage keeps one
-            such output per in-flight minibatch).
-    """
-
-    seconds: float
-    param_bytes: int
-    activation_bytes: int
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def profile_layers(
-    module: nn.Sequential, sample_input: torch.Tensor, device: DeviceLike = "cpu", repeats: int = 3
-) -> list[LayerProfile]:
-    """Time each child's forward and backward on ``sample_input`` (a representative batch).
-
-    The module is moved to ``device`` for the measurement and moved back afterwards. Running
-    statistics of normalisation layers are saved and restored so profiling leaves no trace.
-    """
-    if not isinstance(module, nn.Sequential):
-        raise TypeError(f"profile_layers needs an nn.Sequential, got {type(module).__name__}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    (target,) = parse_devices([device], 1)
-    original_device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    saved_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    was_training = module.training
-    module.to(target).train()
-    profiles: list[LayerProfile] = []
-    try:
-        x = sample_input.to(target)
-        for layer in module:
-            times: list[float] = []
-            out = None
-            for _ in range(repeats):
-                inp = x.detach().requires_grad_(x.is_floating_point())
-                _sync(target)
-                start = time.perf_counter()
-                out = layer(inp.clone() if inp.requires_grad else inp)
-                if out.requires_grad:
-                    out.backward(torch.ones_like(out))
-                _sync(target)
-                times.append(time.perf_counter() - start)
-            layer.zero_grad(set_to_none=True)
-            assert out is not None
-            times.sort()
-            param_bytes = sum(
-                t.numel() * t.element_size()
-                for t in list(layer.parameters()) + list(layer.buffers())
-            )
-            profiles.append(
-                LayerProfile(
-                    seconds=times[len(times) // 2],
-                    param_bytes=param_bytes,
-                    activation_bytes=out.numel() * out.element_size(),
-                )
-            )
-            x = out.detach()
-    finally:
-        module.to(original_device)
-        module.load_state_dict(saved_state)
-        module.train(was_training)
-    return profiles
-
-
-def _min_max_partition(
+def min_max_partition(
     costs: Sequence[float],
     num_stages: int,
-    stage_fits: Callable[[int, int, int], bool] | None = None,
+    stage_fits: StageFits | None = None,
 ) -> list[int]:
     """Contiguous split of ``costs`` into ``num_stages`` non-empty parts minimising the max sum.
 
@@ -235,189 +152,6 @@ def _min_max_partition(
     return balance[::-1]
 
 
-def partition_balance(
-    module: nn.Sequential,
-    sample_input: torch.Tensor,
-    num_stages: int,
-    devices: Sequence[DeviceLike] | None = None,
-    *,
-    memory_caps: Sequence[int] | None = None,
-    repeats: int = 3,
-    max_stale_share: float | None = None,
-    stale_share_by: StaleShareBy = "params",
-    cost: Literal["time", "model"] = "time",
-    cache: str | os.PathLike[str] | None = None,
-) -> list[int]:
-    """Choose a balance for ``num_stages`` stages by profiling each layer.
-
-    Repeatable choices (see :mod:`echopipe.pipeline.cost_model`): ``cost="model"`` replaces
-    the timings by a FLOPs-and-bytes estimate from the shapes (no timing at all, so the same
-    model and sample give the same split under any load); ``cache=path`` stores the chosen
-    balance in a JSON file under a key of the model structure, sample and options, and reuses
-    it in later runs instead of timing again.
-
-    Each child is timed (forward + backward, median of ``repeats``) on the first device of
-    ``devices`` (CPU when ``None``); the split minimises the slowest stage's time. That split
-    and the ones moving a single stage boundary by one layer are then timed stage by stage
-    (best of ``repeats``), and the one with the fastest slowest stage wins. When
-    ``memory_caps`` (bytes per stage) is given, a stage's parameters plus the activations it
-    keeps in flight must fit: stage ``k`` of ``K`` holds up to ``2(K-1-k)+1`` outputs in flight
-    under the stale-weight schedule. When ``max_stale_share`` is given, only splits whose
-    stale stages (all but the last) hold at most that share of the trainable parameters
-    (``stale_share_by="params"``) or of the layers with parameters (``"layers"``) are
-    considered: staleness costs accuracy mostly when it reaches deep layers
-    (``bench/staleness_remedies.py``), at the price of a less even split.
-
-    Returns:
-        ``balance``, a list of ``num_stages`` positive ints summing to ``len(module)``.
-    """
-    if not isinstance(module, nn.Sequential):
-        raise TypeError(f"partition_balance needs an nn.Sequential, got {type(module).__name__}")
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
-    if num_stages > len(module):
-        raise ValueError(f"cannot split {len(module)} layers into {num_stages} non-empty stages")
-    if memory_caps is not None and len(memory_caps) != num_stages:
-        raise ValueError(f"memory_caps needs {num_stages} entries, got {list(memory_caps)!r}")
-    if cost not in ("time", "model"):
-        raise ValueError(f"cost must be 'time' or 'model', got {cost!r}")
-    device = parse_devices(devices, num_stages)[0] if devices is not None else "cpu"
-    key = ""
-    if cache is not None:
-        key = balance_key(
-            module, sample_input, num_stages=num_stages, device=str(device), cost=cost,
-            memory_caps=memory_caps, max_stale_share=max_stale_share, by=stale_share_by,
-        )  # fmt: skip
-        cached = load_cached_balance(cache, key)
-        if cached is not None:
-            return validate_balance(module, cached)
-    if cost == "model":
-        costs = estimate_layer_seconds(module, sample_input)
-    else:
-        profiles = profile_layers(module, sample_input, device, repeats=repeats)
-        costs = [p.seconds for p in profiles]
-    stage_fits: Callable[[int, int, int], bool] | None = None
-    if memory_caps is not None:
-        if cost == "model":  # only the bytes are used here, and those do not vary
-            profiles = profile_layers(module, sample_input, device, repeats=1)
-        caps = list(memory_caps)
-        params = [p.param_bytes for p in profiles]
-        activations = [p.activation_bytes for p in profiles]
-
-        def fits(stage: int, start: int, stop: int) -> bool:
-            in_flight = 2 * (num_stages - 1 - stage) + 1
-            need = sum(params[start:stop]) + in_flight * sum(activations[start:stop])
-            return need <= caps[stage]
-
-        stage_fits = fits
-    if max_stale_share is not None:
-        stale_fits = stale_share_fits(module, num_stages, max_stale_share, stale_share_by)
-        stage_fits = _both(stage_fits, stale_fits)
-    balance = _min_max_partition(costs, num_stages, stage_fits)
-    if cost == "time":
-        balance = _refine_by_stage_time(
-            module, sample_input, device, balance, stage_fits, max(repeats, 5)
-        )
-    if cache is not None:
-        store_cached_balance(cache, key, balance)
-    return balance
-
-
-def _both(
-    first: Callable[[int, int, int], bool] | None, second: Callable[[int, int, int], bool]
-) -> Callable[[int, int, int], bool]:
-    if first is None:
-        return second
-    return lambda stage, start, stop: first(stage, start, stop) and second(stage, start, stop)
-
-
-def _neighbour_balances(
-    balance: list[int], stage_fits: Callable[[int, int, int], bool] | None
-) -> list[list[int]]:
-    """``balance`` and every split that moves one stage boundary by one layer."""
-    found = [balance]
-    for cut in range(len(balance) - 1):
-        for shift in (-1, 1):
-            candidate = list(balance)
-            candidate[cut] += shift
-            candidate[cut + 1] -= shift
-            if min(candidate) < 1 or candidate in found:
-                continue
-            bounds = [sum(candidate[:k]) for k in range(len(candidate) + 1)]
-            if stage_fits is not None and not all(
-                stage_fits(k, bounds[k], bounds[k + 1]) for k in range(len(candidate))
-            ):
-                continue
-            found.append(candidate)
-    return found
-
-
-def _refine_by_stage_time(
-    module: nn.Sequential,
-    sample_input: torch.Tensor,
-    device: DeviceLike,
-    balance: list[int],
-    stage_fits: Callable[[int, int, int], bool] | None,
-    repeats: int,
-) -> list[int]:
-    """Among ``balance`` and its one-layer neighbours, the split whose slowest stage is fastest.
-
-    Per-layer times do not add up to a stage's time: a stage's first layer computes no input
-    gradient on stage 0 only, small layers share caches, and allocator effects differ with the
-    amount of memory a stage touches. Timing each candidate stage whole (forward, backward to
-    its input, as the engine runs it; best of ``repeats`` after one warm-up) removes those
-    errors where they decide between neighbouring splits.
-    """
-    candidates = _neighbour_balances(balance, stage_fits)
-    if len(candidates) == 1:
-        return balance
-    (target,) = parse_devices([device], 1)
-    original_device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    saved_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    was_training = module.training
-    module.to(target).train()
-    layers = list(module)
-    stage_seconds: dict[tuple[int, int], float] = {}
-    try:
-        inputs = [sample_input.to(target)]
-        with torch.no_grad():
-            for layer in layers[:-1]:
-                inputs.append(layer(inputs[-1]))
-
-        def time_stage(start: int, stop: int) -> float:
-            stage = nn.Sequential(*layers[start:stop])
-            x = inputs[start]
-            grad_in = start > 0 and x.is_floating_point()
-            best = float("inf")
-            for _ in range(repeats + 1):  # the first run warms up kernels and caches
-                inp = x.detach().requires_grad_(grad_in)
-                _sync(target)
-                begin = time.perf_counter()
-                out = stage(inp.clone() if grad_in else inp)
-                if out.requires_grad:
-                    out.backward(torch.ones_like(out))
-                _sync(target)
-                best = min(best, time.perf_counter() - begin)
-            stage.zero_grad(set_to_none=True)
-            return best
-
-        def slowest(candidate: list[int]) -> float:
-            bounds = [sum(candidate[:k]) for k in range(len(candidate) + 1)]
-            worst = 0.0
-            for k in range(len(candidate)):
-                key = (bounds[k], bounds[k + 1])
-                if key not in stage_seconds:
-                    stage_seconds[key] = time_stage(*key)
-                worst = max(worst, stage_seconds[key])
-            return worst
-
-        return min(candidates, key=slowest)  # ties keep the per-layer optimum (listed first)
-    finally:
-        module.to(original_device)
-        module.load_state_dict(saved_state)
-        module.train(was_training)
-
-
 # Accuracy-aware bound: how much of the model may run stale ------------------------------------
 
 
@@ -450,7 +184,7 @@ def stale_share_fits(
     num_stages: int,
     max_stale_share: float,
     by: StaleShareBy = "params",
-) -> Callable[[int, int, int], bool]:
+) -> StageFits:
     """A ``stage_fits(stage, start, stop)`` rule keeping the stale share <= ``max_stale_share``.
 
     The stale share depends only on where the last stage starts, so the rule limits that

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,10 +120,11 @@ class DeviceStream:
         event.record(self._stream)
         return StreamEvent(event)
 
-    def timing_mark(self) -> Any:
-        """A point to time work from: host seconds on CPU, a timing event on CUDA."""
+    def timing_mark(self, clock: Callable[[], float] = time.perf_counter) -> Any:
+        """A point to time work from: host seconds from ``clock`` on CPU, a timing event on
+        CUDA."""
         if self._stream is None:
-            return time.perf_counter()
+            return clock()
         event = torch.cuda.Event(enable_timing=True)
         event.record(self._stream)
         return event
@@ -149,24 +150,28 @@ class BusyTimer:
 
     A stage's busy time per minibatch is the pace its pipeline keeps once the input is instant:
     the training loop cannot see it, because ``train_step`` returns as soon as a minibatch is
-    queued and the stages run in their own threads. On CPU a span is host time (the work is
-    synchronous in the stage's thread); on CUDA it is the time between two timing events on the
-    stream, read only once they have completed, so neither side ever blocks. Spans are
-    appended by the stage's thread and read by another (deque appends and pops are atomic).
+    queued and the stages run in their own threads. On CPU a span is host time read from
+    ``clock`` (the work is synchronous in the stage's thread); on CUDA it is the time between
+    two timing events on the stream, read only once they have completed, so neither side ever
+    blocks. Spans are appended by the stage's thread and read by another (deque appends and
+    pops are atomic).
     """
 
-    def __init__(self, stream: DeviceStream) -> None:
+    def __init__(
+        self, stream: DeviceStream, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self._stream = stream
+        self._clock = clock
         self._spans: collections.deque[tuple[Any, Any]] = collections.deque()
 
     @contextlib.contextmanager
     def span(self) -> Iterator[None]:
         """Time the work queued on the stream inside the block."""
-        start = self._stream.timing_mark()
+        start = self._stream.timing_mark(self._clock)
         try:
             yield
         finally:
-            self._spans.append((start, self._stream.timing_mark()))
+            self._spans.append((start, self._stream.timing_mark(self._clock)))
 
     def take(self) -> tuple[float, int]:
         """``(seconds, spans)`` of the spans completed since the last call."""

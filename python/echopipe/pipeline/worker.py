@@ -1,5 +1,8 @@
 """The stage worker threads of :class:`~echopipe.pipeline.engine.StalePipeline`.
 
+:class:`StageWorkers` is given everything it runs (the stage cores, their devices, thread
+counts, a clock) and owns only the threads, the queues between them and the first error.
+
 Each stage runs in its own worker thread with its own compute stream and copy stream (CUDA),
 or as a plain thread with its share of the intra-op CPU threads. Stages talk through queues:
 activations flow forward with the targets, gradients flow backward. Every blocking wait has a
@@ -12,8 +15,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +27,7 @@ from .results import LossRecord
 from .stage import StageCore
 from .stream import BusyTimer, DeviceStream, KeepAlive, StreamEvent, transfer
 
-__all__ = ["PipelineError", "StageWorkers"]
+__all__ = ["Batch", "Drain", "PipelineError", "SchedulerStep", "StageWorkers", "divide_threads"]
 
 POLL_S = 0.02
 
@@ -66,18 +70,61 @@ class _Stopped(Exception):
     pass
 
 
+def divide_threads(
+    devices: Sequence[torch.device], intra_op_threads: int | Sequence[int] | None
+) -> list[int]:
+    """Intra-op CPU threads of each stage worker (``intra_op_threads`` checked): by default the
+    caller's ``torch.get_num_threads()`` divided among the CPU stages."""
+    num_stages = len(devices)
+    if intra_op_threads is None:
+        cpu_stages = sum(1 for d in devices if d.type == "cpu")
+        share = max(1, torch.get_num_threads() // max(1, cpu_stages))
+        return [share if d.type == "cpu" else 1 for d in devices]
+    if isinstance(intra_op_threads, int):
+        values = [intra_op_threads] * num_stages
+    else:
+        values = list(intra_op_threads)
+        if len(values) != num_stages:
+            raise ValueError(f"intra_op_threads needs {num_stages} entries, got {values!r}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"intra_op_threads entries must be ints >= 1, got {values!r}")
+    return values
+
+
 class StageWorkers:
-    """Mixin: the worker threads of :class:`StalePipeline` and their schedule loop."""
+    """One worker thread per stage, the queues between them, and the first error any raised.
 
-    # Provided by StalePipeline.
-    devices: list[torch.device]
-    num_stages: int
-    _cores: list[StageCore]
-    _threads_per_stage: list[int]
-    _busy: list[tuple[BusyTimer, BusyTimer] | None]
+    Args:
+        cores: one :class:`StageCore` per stage (its module, optimizer and schedule state).
+        devices: the device of each stage.
+        threads_per_stage: intra-op CPU threads of each worker (see :func:`divide_threads`).
+        max_prefetch: minibatches the caller may queue ahead of stage 0.
+        clock: host seconds for the busy time of CPU stages (:meth:`step_seconds`); CUDA
+            stages are timed by events on their compute stream.
 
-    def _start_workers(self, max_prefetch: int) -> None:
-        """Create the queues between the stages and start one worker thread per stage."""
+    The threads start in the constructor. The caller feeds stage 0 with :meth:`put`, reads
+    finished losses with :meth:`collect` and waits for a drain with :meth:`drain_to`; each of
+    these raises the first stage's :class:`PipelineError` once one has failed.
+    """
+
+    def __init__(
+        self,
+        cores: Sequence[StageCore],
+        devices: Sequence[torch.device],
+        threads_per_stage: Sequence[int],
+        max_prefetch: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.num_stages = len(cores)
+        self._cores = list(cores)
+        self._devices = list(devices)
+        self._threads_per_stage = list(threads_per_stage)
+        self._clock = clock
+        # Per stage: timers of its forwards and backwards (set by its thread), and the latest
+        # mean seconds of each (None until one completed).
+        self._busy: list[tuple[BusyTimer, BusyTimer] | None] = [None] * self.num_stages
+        self._busy_means: list[list[float | None]] = [[None, None] for _ in self._cores]
         self._fwd_queues: list[queue.Queue[Any]] = [
             queue.Queue(maxsize=max(1, max_prefetch)) if k == 0 else queue.Queue()
             for k in range(self.num_stages)
@@ -88,9 +135,10 @@ class StageWorkers:
         self._stop = threading.Event()
         self._error: PipelineError | None = None
         self._error_lock = threading.Lock()
+        self.closed = False
         started = threading.Barrier(self.num_stages + 1)
         caller_threads = torch.get_num_threads()
-        self._threads = [
+        self.threads = [
             threading.Thread(
                 target=self._worker,
                 args=(k, started),
@@ -99,32 +147,75 @@ class StageWorkers:
             )
             for k in range(self.num_stages)
         ]
-        for t in self._threads:
+        for t in self.threads:
             t.start()
         started.wait(timeout=60)
         # torch.set_num_threads acts per OS thread for OpenMP/MKL, but the value that
         # torch.get_num_threads() reports is global; restore the caller's view.
         torch.set_num_threads(caller_threads)
 
-    def _divide_threads(self, intra_op_threads: int | Sequence[int] | None) -> list[int]:
-        """Intra-op CPU threads of each stage worker (``intra_op_threads`` checked)."""
-        if intra_op_threads is None:
-            cpu_stages = sum(1 for d in self.devices if d.type == "cpu")
-            share = max(1, torch.get_num_threads() // max(1, cpu_stages))
-            return [share if d.type == "cpu" else 1 for d in self.devices]
-        if isinstance(intra_op_threads, int):
-            values = [intra_op_threads] * self.num_stages
-        else:
-            values = list(intra_op_threads)
-            if len(values) != self.num_stages:
-                raise ValueError(
-                    f"intra_op_threads needs {self.num_stages} entries, got {values!r}"
-                )
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"intra_op_threads entries must be ints >= 1, got {values!r}")
-        return values
+    # Caller side ----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise the first stage failure (stopping every worker), or if closed."""
+        if self._error is not None:
+            self.shutdown()
+            raise self._error
+        if self.closed:
+            raise RuntimeError("the pipeline is closed")
 
+    def put(self, item: Batch | Drain | SchedulerStep) -> None:
+        """Queue ``item`` for stage 0, waiting while the queue is full."""
+        while True:
+            self.check()
+            try:
+                self._fwd_queues[0].put(item, timeout=POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def collect(self) -> list[LossRecord]:
+        """The losses the last stage finished since the previous call."""
+        out: list[LossRecord] = []
+        while True:
+            try:
+                out.append(self._losses.get_nowait())
+            except queue.Empty:
+                return out
+
+    def drain_to(self, staleness: list[int]) -> None:
+        """Finish every in-flight minibatch, then give each stage its new staleness."""
+        self.check()
+        self.put(Drain(list(staleness)))
+        done = 0
+        while done < self.num_stages:
+            self.check()
+            try:
+                self._drained.get(timeout=POLL_S)
+                done += 1
+            except queue.Empty:
+                continue
+
+    def step_seconds(self) -> float | None:
+        """Busy seconds per minibatch of the slowest stage, from the work completed since the
+        previous call; ``None`` until every stage has done a forward and a backward."""
+        for timers, means in zip(self._busy, self._busy_means, strict=True):
+            for j, timer in enumerate(timers or ()):
+                seconds, spans = timer.take()
+                if spans:
+                    means[j] = seconds / spans
+        totals = [None if None in m else m[0] + m[1] for m in self._busy_means]  # type: ignore[operator]
+        return None if None in totals else max(totals)  # type: ignore[type-var]
+
+    def shutdown(self) -> None:
+        """Stop and join every worker (in-flight minibatches are dropped)."""
+        self._stop.set()
+        current = threading.current_thread()
+        for t in self.threads:
+            if t is not current:
+                t.join(timeout=10)
+        self.closed = True
+
+    # Worker side ----------------------------------------------------------------------------
     def _get(self, q: queue.Queue[Any]) -> Any:
         while True:
             if self._stop.is_set():
@@ -136,7 +227,7 @@ class StageWorkers:
 
     def _worker(self, k: int, started: threading.Barrier) -> None:
         core = self._cores[k]
-        device = self.devices[k]
+        device = self._devices[k]
         try:
             if device.type == "cpu":
                 # ATen initialises a thread's OpenMP pool from the process-wide count on the
@@ -145,7 +236,7 @@ class StageWorkers:
                 torch.set_num_threads(self._threads_per_stage[k])
             compute = DeviceStream(device)
             copy = DeviceStream(device)
-            self._busy[k] = (BusyTimer(compute), BusyTimer(compute))
+            self._busy[k] = (BusyTimer(compute, self._clock), BusyTimer(compute, self._clock))
         except BaseException as exc:  # pragma: no cover - stream creation failure
             self._fail(k, exc)
             started.abort()

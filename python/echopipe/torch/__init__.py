@@ -6,6 +6,6 @@ finds PyTorch, not this module.
 
 from __future__ import annotations
 
-from .loader import EchoLoader, EchoLoaderStats, LayoutError, LoaderError
+from .loader import EchoLoader, EchoLoaderStats, LayoutError, LoaderError, UnshardedLoaderError
 
-__all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError"]
+__all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "UnshardedLoaderError"]

@@ -30,8 +30,16 @@ from ..echo import CacheClosedError, EchoCache, EchoStats
 from ..echo.controller import EchoController
 from . import batch_layout as bl
 from .reader import POLL_S, LoaderError, Producer, Shared, shutdown
+from .wrapped import (
+    PassThrough,
+    UnshardedLoaderError,
+    check_sharded,
+    epoch_batches,
+    input_batch_size,
+    samples_per_epoch,
+)
 
-__all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError"]
+__all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "UnshardedLoaderError"]
 
 LayoutError = bl.LayoutError
 _STATE_VERSION = 1
@@ -125,8 +133,13 @@ class _EpochIterator:
         self._finish(abort=True)
 
 
-class EchoLoader:
+class EchoLoader(PassThrough):
     """Example echoing in front of any iterable of batches, through the native echo cache.
+
+    A stand-in for the wrapped ``DataLoader`` in training programs: ``len()`` is the exact
+    number of batches the next epoch yields (see :meth:`__len__`), and every public attribute
+    this class does not define (``dataset``, ``sampler``, ``batch_sampler``, ``num_workers``,
+    ``drop_last``, a wrapper's ``mixup_enabled``...) reads and writes the wrapped loader's.
 
     Args:
         loader: Any iterable of batches: a ``DataLoader`` (worker processes welcome), a
@@ -138,7 +151,8 @@ class EchoLoader:
             ``echopipe train --echo auto`` uses (:class:`echopipe.echo.controller.EchoController`).
         shuffle_buffer: Samples the cache holds (default 4 batches; at least 2 batches). Copies
             of a sample are drawn at random among them.
-        batch_size: Samples per output batch (default: the first input batch's).
+        batch_size: Samples per output batch (default: the wrapped loader's ``batch_size``,
+            else the first input batch's).
         pin_memory: Copy output tensors to pinned memory (default: when ``device`` is CUDA).
         device: Move output tensors there (``non_blocking`` from pinned memory).
         seed: Seeds the tickets and draws of the cache.
@@ -152,7 +166,8 @@ class EchoLoader:
 
     Iterating yields about ``e`` times as many batches per epoch as the wrapped loader. A
     failure of the wrapped loader raises :class:`LoaderError` naming the batch; a batch that
-    cannot be split into samples raises :class:`LayoutError`.
+    cannot be split into samples raises :class:`LayoutError`; several torch.distributed
+    processes reading the whole dataset each raise :class:`UnshardedLoaderError`.
     """
 
     def __init__(
@@ -181,6 +196,9 @@ class EchoLoader:
         self._shuffle_buffer = _check_count("shuffle_buffer", shuffle_buffer)
         self._batch_size = _check_count("batch_size", batch_size)
         self._explicit_batch = self._batch_size is not None
+        if self._batch_size is None:
+            self._batch_size = input_batch_size(loader)
+        self._epoch_samples: int | None = None  # the wrapped loader's, when it tells
         self._seed = _check_count("seed", seed, minimum=0) or 0
         self._capacity_bytes = _check_count("capacity_bytes", capacity_bytes)
         self._interval = _check_count("echo_interval", echo_interval) or 1
@@ -209,6 +227,7 @@ class EchoLoader:
         self._history: list[tuple[int, float]] = [(0, self._factor)]
         self._serial = 0  # numbers the passes; the running one's iterator carries it
         self._current: int | None = None
+        self._started = False  # whether the current iterator's epoch began (its first next())
         self._resume: dict[str, Any] | None = None
         self._closed = False
         self._last_yield: float | None = None
@@ -273,6 +292,7 @@ class EchoLoader:
             "capacity_samples": buffer,
             "min_fill": buffer // 2,
             "seed": self._seed,
+            "epoch_size": self._epoch_samples or 0,
         }
 
     def _new_cache(self) -> EchoCache:
@@ -281,16 +301,26 @@ class EchoLoader:
 
     # ---- iteration ----
     def __iter__(self) -> Iterator[Any]:
-        """Starts an epoch (or continues the one restored by :meth:`load_state_dict`).
+        """An epoch (or the rest of the one restored by :meth:`load_state_dict`).
 
-        A previous iterator still in its epoch is ended first, as with a ``DataLoader``.
+        A previous iterator still in its epoch is ended first, as with a ``DataLoader``. The
+        epoch starts at the first ``next()``: an iterator dropped before it (Lightning makes one
+        to check that the loader is iterable) reads nothing and is no epoch.
         """
         if self._closed:
             raise RuntimeError("EchoLoader is closed")
+        check_sharded(self._loader)
         if self._current is not None:  # an iterator still in its epoch (as DataLoader does)
             self._end_epoch(self._current, abort=True)
+        self._serial += 1
+        self._current = self._serial
+        self._started = False
+        return _EpochIterator(self, self._serial)
+
+    def _start_epoch(self) -> None:
         resume, self._resume = self._resume, None
         skip_batches = skip_rows = 0
+        self._epoch_samples = samples_per_epoch(self._loader)
         if resume is not None:
             skip_batches, skip_rows = resume["batches_done"], resume["rows_in_flight"]
             self._fresh_base = resume["fresh_samples_epoch"]
@@ -299,22 +329,47 @@ class EchoLoader:
         else:
             self._fresh_base = 0
             self._delivered_epoch = [0, 0]
+            self._new_epoch_size()
             if self._shared.cache is not None:
                 self._shared.cache.reset_input()
         producer = Producer(self, self._epoch, skip_batches, skip_rows)
         self._shared.producer = producer
         self._last_yield = None
         self._observed = (0.0, 0)
-        self._serial += 1
-        self._current = self._serial
+        self._started = True
         producer.start()
-        return _EpochIterator(self, self._serial)
+
+    def __len__(self) -> int:
+        """Batches the next epoch yields, exactly (:func:`.wrapped.epoch_batches`).
+
+        ``TypeError`` with ``echo_factor="auto"`` (``e`` changes within an epoch) or a wrapped
+        loader that does not tell its samples per epoch, as ``len()`` of an unsized iterable.
+        """
+        auto = self._controller is not None
+        return epoch_batches(self._loader, None if auto else self._factor, self._batch_size)
+
+    @property
+    def batch_size(self) -> int | None:
+        """Samples per output batch (the last of an epoch can be short); EchoLoader's own: set
+        it with ``EchoLoader(batch_size=...)`` (a DataLoader's cannot be set after it is made
+        either)."""
+        return self._batch_size
+
+    def _new_epoch_size(self) -> None:
+        """Exact totals need the cache's blocks to be the wrapped loader's epoch: a cache made
+        for another size (the sampler or dataset changed between epochs) is replaced."""
+        config = self._cache_config
+        if config is not None and config.get("epoch_size", 0) != (self._epoch_samples or 0):
+            config["epoch_size"] = self._epoch_samples or 0
+            shutdown(self._shared, self._close_timeout)  # between epochs: the cache is drained
 
     def _next(self, token: int) -> Any:
         if self._closed:
             raise RuntimeError("EchoLoader is closed")
         if token != self._current:
             raise RuntimeError("this EchoLoader iterator was replaced by a newer one")
+        if not self._started:
+            self._start_epoch()
         producer = self._shared.producer
         assert producer is not None
         if self._last_yield is not None:
@@ -406,6 +461,8 @@ class EchoLoader:
         if token != self._current:
             return
         self._current = None
+        if not self._started:
+            return  # never read: not an epoch
         producer = self._shared.producer
         if abort:
             shutdown(self._shared, self._close_timeout)  # the cache goes; a new epoch makes one
@@ -416,6 +473,11 @@ class EchoLoader:
         for key, value in zip(_COUNTS, self._last_epoch, strict=True):
             self._totals[key] += value
         self._epoch += 1
+        expected = self._epoch_samples
+        if not abort and expected is not None and self._last_epoch[1] != expected:
+            warnings.warn(f"EchoLoader: the wrapped loader yielded {self._last_epoch[1]} samples "
+                          f"in epoch {self._epoch - 1}, not the {expected} its length said: "
+                          "len() was off", RuntimeWarning, stacklevel=3)  # fmt: skip
 
     def _epoch_counts(self, producer: Producer | None) -> tuple[int, int, int, int]:
         if producer is None:

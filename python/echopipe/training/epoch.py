@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,6 @@ from .schedule import EpochClock, hybrid_switch_epoch, lr_factor
 from .state import RunState
 
 __all__ = ["EpochLoop"]
-
-_CACHE_FULL = re.compile(r"sample of (\d+) bytes.*larger than the cache arena", re.S)
 
 
 class EpochLoop:
@@ -147,9 +144,11 @@ class EpochLoop:
             )
 
     def _input_error(self, exc: RuntimeError) -> Exception:
-        match = _CACHE_FULL.search(str(exc))
-        if match:
-            need = int(match.group(1)) / 2**20
+        # DALI passes the sink's SampleTooLargeError on as text; the cache keeps the typed one.
+        cache = getattr(self.data.pipe, "cache", None)
+        too_large = cache.refused_sample if cache is not None else None
+        if too_large is not None:
+            need = too_large.sample_bytes / 2**20
             files = getattr(getattr(self.data.pipe, "folder_index", None), "files", [])
             found = _image_larger_than(files, self.cfg.cache_mb << 20)
             which = f" ({found})" if found else ""

@@ -1,0 +1,159 @@
+"""Point-to-point messages between the ranks of a distributed pipeline.
+
+:class:`PeerLink` sends and receives tensors of any shape: each message is a small header
+(rank count, dtype, shape) followed by the data, so shapes may change between minibatches (a
+short last batch). Sends are asynchronous and reaped lazily; receives block. With a timeout, a
+receive or a send that does not complete in time raises :class:`TimeoutError` naming the peer
+rank and the message (on CPU tensors, i.e. Gloo; NCCL bounds its waits with the process
+group's own ``timeout``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .ranks import StageTopology
+
+__all__ = [
+    "TAG_ACT",
+    "TAG_EVAL",
+    "TAG_GRAD",
+    "TAG_TARGET",
+    "PeerLink",
+    "link_timeout",
+]
+
+# Message kinds, for error messages only. Every message goes with tag 0: NCCL ignores tags, so
+# each pair of ranks must post its receives in the order the peer posts the sends, and using no
+# tags on Gloo either makes the tests over Gloo check that order too.
+TAG_ACT = 1
+TAG_GRAD = 2
+TAG_TARGET = 3
+TAG_EVAL = 4
+_P2P_TAG = 0
+_TAG_NAMES = {
+    TAG_ACT: "activations",
+    TAG_GRAD: "gradients",
+    TAG_TARGET: "targets",
+    TAG_EVAL: "evaluation activations",
+}
+_MAX_DIMS = 8
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
+
+
+def link_timeout(timeout_s: float | None) -> datetime.timedelta | None:
+    """``timeout_s`` checked (a finite number of seconds > 0, or ``None``) as a timedelta."""
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+    return None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+
+
+class PeerLink:
+    """Sends and receives of one rank's stage (see the module docstring).
+
+    Args:
+        topology: where this rank sits (for the names in timeout errors).
+        device: this rank's device; received tensors land there, and on CUDA sent CPU tensors
+            are moved there first (NCCL sends device memory).
+        timeout: longest wait for one message on CPU (Gloo), or ``None``.
+    """
+
+    def __init__(
+        self,
+        topology: StageTopology,
+        device: torch.device,
+        timeout: datetime.timedelta | None,
+    ) -> None:
+        self.device = device
+        self.rank = topology.rank
+        self.stage_index = topology.stage_index
+        self.num_stages = topology.num_stages
+        self._base = topology.base
+        self._timeout = timeout
+        self._pending_sends: deque[tuple[Any, tuple[torch.Tensor, torch.Tensor, int, int]]] = (
+            deque()
+        )
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Post an asynchronous send of ``tensor`` (header, then data) to rank ``dst``."""
+        tensor = tensor.detach().contiguous()
+        if self.device.type == "cuda" and not tensor.is_cuda:
+            tensor = tensor.to(self.device)
+        if tensor.dim() > _MAX_DIMS:
+            raise ValueError(f"cannot send a tensor with {tensor.dim()} > {_MAX_DIMS} dims")
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"cannot send dtype {tensor.dtype}")
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        header[0] = tensor.dim()
+        header[1] = _DTYPES.index(tensor.dtype)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        header = header.to(tensor.device)
+        works = [dist.isend(header, dst, tag=_P2P_TAG), dist.isend(tensor, dst, tag=_P2P_TAG)]
+        for work in works:
+            # The tensors stay referenced until the send completes.
+            self._pending_sends.append((work, (header, tensor, dst, tag)))
+        self.reap_sends()
+
+    def recv(self, src: int, tag: int) -> torch.Tensor:
+        """Receive one tensor (header, then data) from rank ``src``; blocks."""
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+        self.wait(dist.irecv(header, src, tag=_P2P_TAG), "receive", src, tag)
+        values = header.tolist()
+        ndim, dtype = int(values[0]), _DTYPES[int(values[1])]
+        shape = [int(v) for v in values[2 : 2 + ndim]]
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        self.wait(dist.irecv(tensor, src, tag=_P2P_TAG), "receive", src, tag)
+        return tensor
+
+    def wait(self, work: Any, what: str, peer: int, tag: int) -> None:
+        """Waits for one point-to-point operation, bounded by ``timeout_s`` on CPU (Gloo)."""
+        if self._timeout is None or self.device.type != "cpu":
+            work.wait()
+            return
+        # Gloo raises a plain RuntimeError for a timeout as for any other failure; a wait that
+        # failed only after its whole timeout had passed is taken as the timeout.
+        started = time.monotonic()
+        try:
+            work.wait(timeout=self._timeout)
+        except RuntimeError as exc:
+            if time.monotonic() - started < self._timeout.total_seconds():
+                raise
+            message = _TAG_NAMES.get(tag, f"tag {tag}")
+            role = f"stage {(peer - self._base) % self.num_stages}"
+            raise TimeoutError(
+                f"rank {self.rank} (stage {self.stage_index}) waited more than "
+                f"{self._timeout.total_seconds():g} s to {what} {message} "
+                f"{'from' if what == 'receive' else 'to'} rank {peer} ({role}); is that rank "
+                "alive and calling the same methods in the same order?"
+            ) from exc
+
+    def reap_sends(self, wait_all: bool = False) -> None:
+        """Drop completed sends (in order); with ``wait_all``, wait for every one first."""
+        while self._pending_sends:
+            work, (_, _, dst, tag) = self._pending_sends[0]
+            if wait_all:
+                self.wait(work, "send", dst, tag)
+            elif not work.is_completed():
+                return
+            self._pending_sends.popleft()

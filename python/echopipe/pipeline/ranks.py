@@ -1,0 +1,133 @@
+"""Where a rank sits in a distributed pipeline, and what it shares with the other replicas.
+
+With ``P = K * R`` ranks and ``K`` stages, rank ``r`` runs stage ``r % K`` of pipeline replica
+``r // K`` (:class:`StageTopology`). With ``R > 1`` replicas, each stage averages its gradients
+within its data-parallel group of ``R`` ranks right before its optimizer step
+(:class:`ReplicaAverage`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .dist_setup import check_gpus_per_rank
+from .partition import DeviceLike, parse_devices
+
+__all__ = ["ReplicaAverage", "StageTopology", "data_parallel_group", "rank_device"]
+
+
+@dataclass(frozen=True)
+class StageTopology:
+    """Where one rank sits: its stage, its replica and its neighbours.
+
+    ``prev``/``next`` are the ranks of the neighbouring stages in the same replica (``None`` at
+    the ends); ``base`` is the replica's stage-0 rank and ``last_rank`` its last stage's.
+    """
+
+    rank: int
+    num_stages: int
+    num_replicas: int
+    stage_index: int
+    replica: int
+    base: int
+    prev: int | None
+    next: int | None
+    last_rank: int
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, num_stages: int) -> StageTopology:
+        """Rank ``rank`` of ``world_size`` in a pipeline of ``num_stages`` stages (which must
+        divide the world size)."""
+        if world_size % num_stages != 0:
+            raise ValueError(
+                f"world size {world_size} is not a multiple of the {num_stages} stages"
+            )
+        stage_index = rank % num_stages
+        base = (rank // num_stages) * num_stages
+        return cls(
+            rank=rank,
+            num_stages=num_stages,
+            num_replicas=world_size // num_stages,
+            stage_index=stage_index,
+            replica=rank // num_stages,
+            base=base,
+            prev=rank - 1 if stage_index > 0 else None,
+            next=rank + 1 if stage_index < num_stages - 1 else None,
+            last_rank=base + num_stages - 1,
+        )
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs stage 0 (the one that reads the data)."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage (the one that computes losses)."""
+        return self.stage_index == self.num_stages - 1
+
+
+def data_parallel_group(topology: StageTopology) -> Any:
+    """The process group of this rank's stage across the replicas (``None`` with one replica).
+
+    Every rank must create every group, in the same order, so every rank calls this.
+    """
+    mine: Any = None
+    if topology.num_replicas > 1:
+        for k in range(topology.num_stages):
+            ranks = [rep * topology.num_stages + k for rep in range(topology.num_replicas)]
+            group = dist.new_group(ranks)
+            if k == topology.stage_index:
+                mine = group
+    return mine
+
+
+def rank_device(device: DeviceLike | None) -> torch.device:
+    """This rank's device: ``device``, else ``cuda:LOCAL_RANK`` on NCCL and CPU otherwise."""
+    backend = str(dist.get_backend())
+    if device is None:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = f"cuda:{local}" if backend == "nccl" else "cpu"
+    (parsed,) = parse_devices([device], 1)
+    if parsed.type == "cuda" and "nccl" in backend:
+        check_gpus_per_rank()  # two ranks on one GPU: one clear line, not an NCCL error
+    return parsed
+
+
+class ReplicaAverage:
+    """A stage's gradient hook averaging its gradients over the data-parallel replicas.
+
+    Args:
+        params: the stage's trainable parameters (a missing gradient counts as zeros).
+        group: the process group of this stage's ranks across the replicas.
+        num_replicas: the size of ``group``.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], group: Any, num_replicas: int) -> None:
+        self.params = list(params)
+        self.group = group
+        self.num_replicas = num_replicas
+
+    def __call__(self, grads: list[torch.Tensor | None]) -> None:
+        """Replace ``grads`` in place by their averages over the replicas (one all-reduce)."""
+        filled = [
+            g if g is not None else torch.zeros_like(p)
+            for g, p in zip(grads, self.params, strict=True)
+        ]
+        if not filled:
+            return
+        flat = torch.cat([g.reshape(-1) for g in filled])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        flat.div_(self.num_replicas)
+        offset = 0
+        for i, g in enumerate(filled):
+            n = g.numel()
+            grads[i] = flat[offset : offset + n].view_as(g)
+            offset += n

@@ -1,0 +1,201 @@
+"""What :class:`echopipe.torch.EchoLoader` reads from the loader it wraps: samples per epoch,
+batch size, the sharding check, and the attributes training programs read and write through it.
+
+Training programs treat their train loader as a ``DataLoader``: ``len(loader)`` for progress
+totals and step-counting schedulers, ``loader.sampler.set_epoch(epoch)``, ``loader.dataset``,
+wrapper attributes such as timm's ``mixup_enabled``. :class:`PassThrough` forwards every public
+attribute :class:`EchoLoader` does not define itself to the wrapped loader, reads and writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from ..echo import copies_per_epoch
+
+__all__ = [
+    "PassThrough",
+    "UnshardedLoaderError",
+    "check_sharded",
+    "epoch_batches",
+    "input_batch_size",
+    "samples_per_epoch",
+]
+
+# Wrappers nest (timm's PrefetchLoader around a DataLoader, a user's wrapper around that).
+_MAX_DEPTH = 8
+
+
+class UnshardedLoaderError(RuntimeError):
+    """Several torch.distributed processes, but the wrapped loader reads the whole dataset in
+    each (its sampler is a plain ``RandomSampler``/``SequentialSampler``)."""
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except (TypeError, NotImplementedError, AttributeError):
+        return None
+
+
+def _dataloaders(loader: Any) -> Iterator[Any]:
+    """The wrapped object, then each loader it wraps through ``.loader`` with the same length
+    (timm's ``PrefetchLoader`` yields its DataLoader's batches one for one)."""
+    obj = loader
+    for _ in range(_MAX_DEPTH):
+        yield obj
+        if isinstance(obj, DataLoader):
+            return
+        inner = getattr(obj, "loader", None)
+        if inner is None or not hasattr(inner, "__iter__"):
+            return
+        if _length(obj) is None or _length(obj) != _length(inner):
+            return  # a wrapper that changes the batch count: its samples are not its loader's
+        obj = inner
+
+
+def _innermost_dataloader(loader: Any) -> DataLoader | None:
+    for obj in _dataloaders(loader):
+        if isinstance(obj, DataLoader):
+            return obj
+    return None
+
+
+def samples_per_epoch(loader: Any) -> int | None:
+    """Samples the wrapped loader yields per epoch, or ``None`` when it cannot be known ahead.
+
+    Known for a ``DataLoader`` (and wrappers around one, through ``.loader``) over a map-style
+    dataset with its own batching or a plain ``BatchSampler`` (``len(sampler)``, so a
+    ``DistributedSampler`` gives this process's share; ``drop_last`` drops the short batch), and
+    over an iterable dataset with ``len()``.
+    """
+    dl = _innermost_dataloader(loader)
+    if dl is None:
+        return None
+    if isinstance(dl.dataset, IterableDataset):
+        n = _length(dl.dataset)
+        size, drop = dl.batch_size, dl.drop_last
+    elif dl.batch_size is not None:  # the DataLoader made its BatchSampler from these
+        n, size, drop = _length(dl.sampler), dl.batch_size, dl.drop_last
+    elif type(dl.batch_sampler) is BatchSampler:
+        bs = dl.batch_sampler
+        n, size, drop = _length(bs.sampler), bs.batch_size, bs.drop_last
+    else:
+        return None  # a custom batch sampler: its batch sizes are its own
+    if n is None or size is None:
+        return None
+    return n - n % size if drop else n
+
+
+def input_batch_size(loader: Any) -> int | None:
+    """The wrapped loader's batch size, where it says so (``batch_size`` of it or its
+    ``BatchSampler``, through wrappers)."""
+    for obj in _dataloaders(loader):
+        size = getattr(obj, "batch_size", None)
+        if size is None:
+            size = getattr(getattr(obj, "batch_sampler", None), "batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    return None
+
+
+def check_sharded(loader: Any) -> None:
+    """Raises :class:`UnshardedLoaderError` when several torch.distributed processes would
+    each read the whole dataset through a plain sampler.
+
+    Lightning replaces the sampler of ``DataLoader`` objects only (``use_distributed_sampler``):
+    it leaves an ``EchoLoader`` alone, so the ``DistributedSampler`` has to be in the wrapped
+    ``DataLoader`` already. Custom samplers and batch samplers (timm's distributed samplers,
+    accelerate's sharding batch sampler) are trusted.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    dl = _innermost_dataloader(loader)
+    if dl is None or isinstance(dl.dataset, IterableDataset):
+        return
+    if dl.batch_size is not None:
+        sampler = dl.sampler
+    elif type(dl.batch_sampler) is BatchSampler:
+        sampler = dl.batch_sampler.sampler
+    else:
+        return  # a batch sampler of its own (accelerate's shards one) is trusted like a sampler
+    if type(sampler) in (RandomSampler, SequentialSampler):
+        raise UnshardedLoaderError(
+            f"EchoLoader: {dist.get_world_size()} torch.distributed processes, but the wrapped "
+            f"DataLoader samples with a {type(sampler).__name__}, so each process would read the "
+            "whole dataset: build it with sampler=DistributedSampler(dataset) (Lightning's "
+            "use_distributed_sampler replaces samplers of DataLoaders only, not inside an "
+            "EchoLoader; build the DistributedSampler in train_dataloader())"
+        )
+
+
+def epoch_batches(loader: Any, echo_factor: float | None, batch_size: int | None) -> int:
+    """Batches an epoch of ``EchoLoader`` yields: ``ceil(copies / batch_size)``, exactly.
+
+    ``copies`` is :func:`~echopipe.echo.copies_per_epoch` of ``e`` and :func:`samples_per_epoch`
+    (the cache's ``epoch_size`` makes that total exact; only the last batch is short).
+    ``TypeError`` when it is not known ahead: ``echo_factor=None`` (``"auto"``: ``e`` changes
+    within an epoch), or a loader that does not tell its samples per epoch or batch size.
+    """
+    if echo_factor is None:
+        raise TypeError("EchoLoader(echo_factor='auto') has no fixed epoch length (e follows "
+                        "the measured R within an epoch); give a number for a len()")  # fmt: skip
+    check_sharded(loader)
+    samples = samples_per_epoch(loader)
+    if samples is None or batch_size is None:
+        raise TypeError(
+            f"EchoLoader: len() needs the samples per epoch and the batch size of the wrapped "
+            f"{type(loader).__name__}, which it does not tell (a DataLoader over a sized dataset "
+            "with a batch_size, or a wrapper with .loader around one, does)"
+        )
+    return -(-copies_per_epoch(echo_factor, samples) // batch_size)
+
+
+class PassThrough:
+    """Forwards public attributes the class does not define to ``self._loader``, both ways.
+
+    The subclass's own names (methods, properties) stay its own; names starting with ``_`` are
+    never forwarded: they are implementation details of either side.
+    """
+
+    _loader: Any
+
+    def __getattr__(self, name: str) -> Any:  # only called when normal lookup failed
+        if name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            return getattr(self.__dict__["_loader"], name)
+        except KeyError:
+            raise AttributeError(name) from None
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object and the loader it wraps "
+                f"({type(self.__dict__['_loader']).__name__}) have no attribute {name!r}"
+            ) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or hasattr(type(self), name):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._loader, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name.startswith("_") or hasattr(type(self), name):
+            object.__delattr__(self, name)
+        else:
+            delattr(self._loader, name)
+
+    def __dir__(self) -> list[str]:
+        inner = (n for n in dir(self.__dict__.get("_loader")) if not n.startswith("_"))
+        return sorted(set(super().__dir__()) | set(inner))

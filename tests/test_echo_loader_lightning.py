@@ -1,0 +1,141 @@
+"""A real Lightning ``Trainer.fit`` (CPU, tiny model) with an EchoLoader train dataloader knows
+the epoch length and runs exactly that many steps per epoch, each sample e times."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+
+import lightning  # in the test extra: a missing Lightning fails here rather than skipping
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from echopipe.torch import EchoLoader
+
+# Lightning 2.6 uses torch's pytree LeafSpec, which torch 2.13 deprecates: theirs, not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.* is deprecated:FutureWarning")
+
+
+class Ids(Dataset):
+    def __len__(self) -> int:
+        return 45
+
+    def __getitem__(self, i: int):
+        return torch.full((4,), float(i)), i % 3
+
+
+class Module(lightning.LightningModule):
+    """Counts its steps and the images of each epoch; builds its EchoLoader itself."""
+
+    def __init__(self, echo_factor: float, workers: int, shard: bool) -> None:
+        super().__init__()
+        self.echo_factor, self.workers = echo_factor, workers
+        # half of the data, as process 0 of 2 would read it; Lightning calls its set_epoch
+        self.sampler = DistributedSampler(Ids(), num_replicas=2, rank=0, seed=3) if shard else None
+        self.layer = nn.Linear(4, 3)
+        self.steps: collections.Counter = collections.Counter()
+        self.seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.lengths: list[float] = []
+        self.loader: EchoLoader | None = None
+
+    def train_dataloader(self) -> EchoLoader:
+        data = DataLoader(Ids(), batch_size=6, shuffle=self.sampler is None,
+                          sampler=self.sampler, num_workers=self.workers)  # fmt: skip
+        self.loader = EchoLoader(data, echo_factor=self.echo_factor)
+        return self.loader
+
+    def on_train_epoch_start(self) -> None:
+        self.lengths.append(self.trainer.num_training_batches)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        assert torch.equal(y, x[:, 0].long() % 3)  # labels travel with their images
+        self.steps[self.current_epoch] += 1
+        self.seen[self.current_epoch].update(int(v) for v in x[:, 0])
+        return nn.functional.cross_entropy(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("echo_factor", "workers", "shard"), [(1.5, 0, False), (2.0, 2, False), (1.0, 0, False),
+                                          (2.5, 0, True)]
+)  # fmt: skip
+def test_trainer_fit_knows_the_epoch_length_and_runs_it_exactly(echo_factor, workers, shard):
+    module = Module(echo_factor, workers, shard)
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(module)
+    n = 23 if shard else 45
+    copies = math.floor(echo_factor) * n + math.floor((echo_factor % 1) * n + 0.5)
+    length = math.ceil(copies / 6)
+    assert module.lengths == [length, length]  # an int: Lightning knew it (inf when unknown)
+    assert module.steps == {0: length, 1: length}
+    assert trainer.global_step == 2 * length == trainer.estimated_stepping_batches
+    for epoch in range(2):
+        got = module.seen[epoch]
+        if shard:  # the epoch's share: Lightning reached the sampler through the EchoLoader
+            share = DistributedSampler(Ids(), num_replicas=2, rank=0, seed=3)
+            share.set_epoch(epoch)
+            assert sorted(got) == sorted(share) and module.sampler.epoch == 1
+        else:
+            assert sorted(got) == list(range(45))
+        assert sum(got.values()) == copies
+        assert set(got.values()) <= {math.floor(echo_factor), math.ceil(echo_factor)}
+    assert module.loader is not None
+    stats = module.loader.stats()
+    assert stats.epoch == 2 and stats.delivered_batches == 2 * length  # both epochs ran out
+    module.loader.close()
+
+
+class Sharded(Module):
+    """Under DDP: the DistributedSampler built in train_dataloader (or not), counts to a file."""
+
+    def __init__(self, out: str, build_sampler: bool) -> None:
+        super().__init__(2.0, 0, False)
+        self.out, self.build_sampler = out, build_sampler
+
+    def train_dataloader(self) -> EchoLoader:
+        if self.build_sampler:  # what UnshardedLoaderError asks for
+            self.sampler = DistributedSampler(Ids(), seed=3)
+        return super().train_dataloader()
+
+    def on_train_end(self) -> None:
+        with open(f"{self.out}.{self.global_rank}", "w") as f:
+            json.dump([self.lengths, [self.steps[e] for e in (0, 1)],
+                       [sorted(self.seen[e]) for e in (0, 1)],
+                       [sum(self.seen[e].values()) for e in (0, 1)]], f)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("build_sampler", [False, True])
+def test_ddp_needs_the_sampler_in_the_wrapped_loader_and_says_so(tmp_path, build_sampler):
+    out = str(tmp_path / "seen")
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=1,
+    )  # fmt: skip
+    if not build_sampler:  # Lightning's use_distributed_sampler (on) leaves EchoLoader alone
+        with pytest.raises(Exception, match="UnshardedLoaderError") as info:
+            trainer.fit(Sharded(out, build_sampler))
+        assert "sampler=DistributedSampler(dataset)" in str(info.value)
+        return
+    trainer.fit(Sharded(out, build_sampler))
+    shares = []
+    for rank in range(2):
+        with open(f"{out}.{rank}") as f:
+            lengths, steps, seen, totals = json.load(f)
+        # 45 samples: 23 per process (DistributedSampler pads one), 46 copies, batches of 6
+        assert lengths == [8, 8] and steps == [8, 8] and totals == [46, 46]
+        shares.append(seen)
+    for epoch in range(2):  # the two processes read disjoint shares (but the padded sample)
+        first, second = set(shares[0][epoch]), set(shares[1][epoch])
+        assert first | second == set(range(45)) and len(first & second) <= 1

@@ -1,0 +1,295 @@
+"""EchoLoader's DataLoader surface: exact len(), attributes read and written through, sharding.
+
+Real DataLoaders, samplers and datasets; samples are identified by value.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+)
+
+from echopipe.torch import EchoLoader, UnshardedLoaderError
+
+
+class Ids(Dataset):
+    """Sample i is (x = i, i); its length can change between epochs (``n`` is public)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.full((2,), float(i)), i
+
+
+def epoch(el: EchoLoader) -> tuple[int, collections.Counter]:
+    """Runs one epoch: (batches, copies per sample id), checking each row's data."""
+    got: collections.Counter = collections.Counter()
+    batches = 0
+    for x, y in el:
+        assert torch.equal(x, y.view(-1, 1).float().expand_as(x))
+        got.update(y.tolist())
+        batches += 1
+    return batches, got
+
+
+@pytest.mark.parametrize(
+    ("n", "batch", "e", "drop_last"),
+    [(103, 10, 1.0, False), (103, 10, 2.0, True), (103, 10, 1.37, False), (96, 16, 2.5, True),
+     (7, 16, 3.0, False), (50, 8, 1.01, False)],
+)  # fmt: skip
+def test_len_is_the_exact_batch_count_of_every_epoch(n, batch, e, drop_last) -> None:
+    data = DataLoader(Ids(n), batch_size=batch, shuffle=True, drop_last=drop_last)
+    read = n - n % batch if drop_last else n
+    with EchoLoader(data, e, seed=5) as el:
+        for _ in range(2):
+            length = len(el)
+            batches, got = epoch(el)
+            total = math.floor(e) * read + math.floor((e - math.floor(e)) * read + 0.5)
+            assert batches == length == math.ceil(total / batch)
+            assert sum(got.values()) == total and len(got) == read
+            assert set(got.values()) <= {math.floor(e), math.ceil(e)}
+            assert el.stats().delivered_batches_epoch == batches
+
+
+def test_len_follows_the_distributed_sampler_share_and_set_epoch() -> None:
+    data = Ids(45)
+    sampler = DistributedSampler(data, num_replicas=4, rank=2, shuffle=True, seed=9)
+    el = EchoLoader(DataLoader(data, batch_size=4, sampler=sampler, num_workers=2), 1.5)
+    with el:
+        assert el.sampler is sampler and el.dataset is data and el.num_workers == 2
+        for ep in range(2):
+            el.sampler.set_epoch(ep)  # through EchoLoader, as training programs call it
+            share = list(sampler)
+            assert len(el) == math.ceil(round(1.5 * len(share)) / 4) == 5  # 12 samples -> 18
+            batches, got = epoch(el)
+            assert batches == 5 and set(got) == set(share) and sum(got.values()) == 18
+    other = DistributedSampler(data, num_replicas=4, rank=2, shuffle=True, seed=9)
+    other.set_epoch(0)
+    assert list(other) != share  # the two epochs' shares differed: set_epoch reached it
+
+
+def test_len_through_batch_samplers_wrappers_and_iterable_datasets() -> None:
+    data = Ids(30)
+    batched = DataLoader(data, batch_sampler=BatchSampler(range(30), 8, drop_last=True))
+    assert len(EchoLoader(batched, 2.0)) == 6 and EchoLoader(batched).batch_size == 8
+
+    class Stream(IterableDataset):
+        def __len__(self) -> int:
+            return 21
+
+        def __iter__(self):
+            return (Ids(21)[i] for i in range(21))
+
+    with EchoLoader(DataLoader(Stream(), batch_size=4), 2.0) as el:
+        assert len(el) == 11 and epoch(el)[0] == 11
+
+    class Wrapper:  # like timm's PrefetchLoader: same batches as .loader
+        def __init__(self, loader: DataLoader) -> None:
+            self.loader = loader
+
+        def __len__(self) -> int:
+            return len(self.loader)
+
+        def __iter__(self):
+            return iter(self.loader)
+
+    with EchoLoader(Wrapper(DataLoader(data, batch_size=8)), 1.5) as el:
+        assert el.batch_size == 8 and len(el) == 6 and epoch(el)[0] == 6
+
+
+class Halves(Sampler):
+    """A batch sampler of its own: batch sizes the DataLoader cannot know."""
+
+    def __iter__(self):
+        return iter([[0, 1, 2], [3]])
+
+    def __len__(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda: EchoLoader(DataLoader(Ids(8), batch_size=4), "auto"), "no fixed epoch length"),
+        (lambda: EchoLoader(DataLoader(Ids(8), batch_sampler=Halves())), "samples per epoch"),
+        (lambda: EchoLoader([(torch.zeros(4, 2), torch.zeros(4))]), "samples per epoch"),
+    ],
+)
+def test_len_unknown_ahead_is_a_type_error_as_for_unsized_iterables(make, why) -> None:
+    el = make()
+    with pytest.raises(TypeError, match=why):
+        len(el)
+    el.close()
+
+
+def test_a_changed_epoch_size_gets_a_new_exact_block_and_a_wrong_length_warns() -> None:
+    data = Ids(40)
+    with EchoLoader(DataLoader(data, batch_size=8, shuffle=True), 1.5) as el:
+        assert (len(el), sum(epoch(el)[1].values())) == (8, 60)
+        data.n = 56
+        assert (len(el), sum(epoch(el)[1].values())) == (11, 84)
+
+    class Liar(IterableDataset):  # says 20, yields 12
+        def __len__(self) -> int:
+            return 20
+
+        def __iter__(self):
+            return (Ids(12)[i] for i in range(12))
+
+    with EchoLoader(DataLoader(Liar(), batch_size=4), 2.0) as el:
+        assert len(el) == 10
+        with pytest.warns(RuntimeWarning, match="yielded 12 samples in epoch 0, not the 20"):
+            assert epoch(el)[0] == 6
+
+
+class Prefetcher:
+    """A wrapper with attributes of its own, some of them properties (timm's PrefetchLoader)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        self.flag = True
+        self._private = "wrapper's"
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    @property
+    def dataset(self) -> Dataset:
+        return self.loader.dataset
+
+    @property
+    def mixup_enabled(self) -> bool:
+        return self.flag
+
+    @mixup_enabled.setter
+    def mixup_enabled(self, value: bool) -> None:
+        self.flag = value
+
+    def state_dict(self) -> str:
+        return "the wrapper's state"
+
+
+def test_public_attributes_read_and_write_through_but_own_names_stay() -> None:
+    inner = DataLoader(Ids(16), batch_size=4, drop_last=True)
+    wrapped = Prefetcher(inner)
+    el = EchoLoader(wrapped, 2.0)
+    assert el.loader is inner and el.dataset is inner.dataset and el.mixup_enabled is True
+    el.mixup_enabled = False  # timm's train loop does this
+    assert wrapped.flag is False and el.mixup_enabled is False
+    el.note = "set through"
+    assert wrapped.note == "set through" and "note" not in vars(el)
+    del el.note
+    assert not hasattr(wrapped, "note")
+    assert "mixup_enabled" in dir(el) and "loader" in dir(el)
+    # EchoLoader's own names are never the wrapped loader's
+    assert isinstance(el.state_dict(), dict) and el.echo_factor == 2.0
+    with pytest.raises(AttributeError):
+        el._private  # noqa: B018
+    with pytest.raises(AttributeError, match="have no attribute 'nothing'"):
+        el.nothing  # noqa: B018
+    with pytest.raises(AttributeError):
+        el.batch_size = 8  # the output batch size is EchoLoader's own
+    el.close()
+    plain = EchoLoader(inner)
+    assert (plain.drop_last, plain.num_workers, plain.batch_sampler) == (
+        True, 0, inner.batch_sampler)  # fmt: skip
+    with pytest.raises(ValueError, match="batch_sampler attribute should not be set"):
+        plain.batch_sampler = None  # the DataLoader's own refusal, as without EchoLoader
+    plain.close()
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", world_size=2, rank=rank)
+    try:
+        data = Ids(30)
+        results = []
+        plain = EchoLoader(DataLoader(data, batch_size=4, shuffle=True), 2.0)
+        for call in (len, iter):
+            try:
+                call(plain)
+                results.append("no error")
+            except UnshardedLoaderError as exc:
+                results.append(str(exc))
+        plain.close()
+        sampler = DistributedSampler(data, shuffle=True)
+        with EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), 2.0) as el:
+            length = len(el)
+            batches, got = epoch(el)
+        results.append(f"{length} {batches} {dict(got) == dict.fromkeys(sampler, 2)}")
+        with open(out, "w") as f:
+            f.write("\n".join(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_several_processes_reading_the_whole_dataset_each_get_one_clear_error() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        outs = [os.path.join(tmp, f"rank{r}") for r in range(2)]
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_rank, args=(r, store, outs[r])) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+            assert p.exitcode == 0
+        for out in outs:
+            with open(out) as f:
+                len_error, iter_error, sharded = f.read().split("\n")
+            assert len_error == iter_error
+            assert "2 torch.distributed processes" in len_error and "RandomSampler" in len_error
+            assert "DistributedSampler" in len_error
+            assert sharded == "8 8 True"  # 15 samples per process, 30 copies, batches of 4
+
+
+def test_an_iterator_dropped_before_its_first_batch_reads_nothing() -> None:
+    class Counted(DataLoader):
+        passes = 0
+
+        def __iter__(self):
+            Counted.passes += 1
+            return super().__iter__()
+
+    with EchoLoader(Counted(Ids(12), batch_size=4), 2.0) as el:
+        iter(el)  # Lightning's "is it iterable?" check makes such an iterator
+        assert (Counted.passes, el.stats().epoch) == (0, 0)
+        assert epoch(el) == (6, dict.fromkeys(range(12), 2))
+        assert (Counted.passes, el.stats().epoch) == (1, 1)
+
+
+def test_a_dropped_iterator_keeps_a_restored_position_for_the_real_epoch() -> None:
+    def make() -> EchoLoader:
+        return EchoLoader(DataLoader(Ids(40), batch_size=8), 1.5, shuffle_buffer=16)
+
+    with make() as el:
+        it = iter(el)
+        first = [next(it) for _ in range(3)]
+        state = el.state_dict()
+    with make() as el:
+        el.load_state_dict(state)
+        iter(el)  # e.g. Lightning's check: must not use up the restored position
+        rest = list(el)
+    got = collections.Counter(i for _, y in first + rest for i in y.tolist())
+    assert sorted(got) == list(range(40)) and sum(got.values()) == 60  # 40 x 1.5, exactly
+    assert len(first) + len(rest) == 8 == len(el)
