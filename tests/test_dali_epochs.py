@@ -241,7 +241,9 @@ def test_shards_of_unequal_size_that_move_are_refused_in_one_line(files: list[st
         with pytest.raises(ValueError, match=expected):
             DALIClassificationIterator(pipe, reader_name="Reader")
         # EchoIterator's epochs end with the data: each holds the reader epoch's files twice.
-        it = edali.EchoIterator(pipe, ["data", "label"], last_batch_policy=LBP.PARTIAL)
+        it = edali.EchoIterator(
+            pipe, ["data", "label"], reader_name="Reader", last_batch_policy=LBP.PARTIAL
+        )
         sizes = []
         for _ in range(3):
             labels = [x for b in it for x in b[0]["label"].reshape(-1).tolist()]

@@ -176,7 +176,10 @@ class EchoIterator:
         self.last_batch_policy = last_batch_policy
         self.auto_reset = auto_reset in (True, "yes")
         if reader_name is not None:
-            pipeline.reader_meta(reader_name)  # names an unknown reader
+            # Names an unknown reader. The upstream's own metadata: what the pipeline reports to
+            # DALI's iterators (and the cases it refuses them) is for their epoch counting.
+            pipeline.build()
+            pipeline.upstream.reader_meta(reader_name)
         if prepare_first_batch:
             pipeline.start()
         self.stats = EchoIteratorStats()
