@@ -28,7 +28,7 @@ class EchoConfig:
     cache_samples: int | None = None
     cache_bytes: int = 256 << 20
     upstream_batch_size: int | None = None
-    epochs: int | str | None = None
+    epochs: int | str | None = "auto"
     deterministic: bool = False
     seed: int = 0
     memory: str = "auto"
