@@ -318,3 +318,28 @@ def test_one_iterator_over_all_shards(files: list[str]) -> None:
         assert Counter(labels) == {i: 2 for i in range(18)}
     for pipe in pipes:
         pipe.close()
+
+
+def test_a_free_running_upstream_checkpoint_resumes_the_epoch_exactly(files: list[str]) -> None:
+    """Not deterministic (the upstream runs on its thread): the resumed epoch holds the rest of
+    the epoch's copies, so both parts together hold each file twice; the next epoch is whole."""
+
+    def loader(**kw):
+        pipe = echo_pipe(files, batch_size=BATCH, echo_factor=2, enable_checkpointing=True,
+                         reader_kw={"random_shuffle": True}, **kw)  # fmt: skip
+        it = DALIClassificationIterator(
+            pipe, reader_name="Reader", last_batch_policy=LBP.PARTIAL, auto_reset=True
+        )
+        return pipe, it
+
+    pipe, it = loader()
+    before = [x for _, b in zip(range(3), it, strict=False) for x in b[0]["label"].reshape(-1)]
+    (checkpoint,) = it.checkpoints()
+    pipe.close()
+    pipe, it = loader(checkpoint=checkpoint)
+    with pipe:
+        rest = [x for b in it for x in b[0]["label"].reshape(-1).tolist()]
+        assert Counter([int(x) for x in before] + rest) == {i: 2 for i in range(N)}
+        assert Counter(x for b in it for x in b[0]["label"].reshape(-1).tolist()) == {
+            i: 2 for i in range(N)
+        }
