@@ -41,8 +41,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 @edali.echo_pipeline_def(echo_factor=2)
 def train_pipe(files, flip=True):
     jpegs, labels = fn.readers.file(
-        files=files, labels=list(range(len(files))), random_shuffle=True, name="Reader"
-    )
+        files=files, labels=list(range(len(files))), random_shuffle=True, pad_last_batch=True,
+        name="Reader",
+    )  # fmt: skip
     images = fn.decoders.image(jpegs, device="cpu")
     images, labels = edali.echo(images, labels)
     images = fn.resize(images, size=(8, 8))
@@ -58,7 +59,7 @@ def _make(files, **kwargs):
 def test_decorator_takes_dali_arguments_at_call_time(files: list[str]) -> None:
     @edali.echo_pipeline_def
     def bare(files):
-        jpegs, labels = fn.readers.file(files=files, name="Reader")
+        jpegs, labels = fn.readers.file(files=files, pad_last_batch=True, name="Reader")
         return edali.echo(fn.decoders.image(jpegs), labels)
 
     with bare(files, batch_size=3, num_threads=1, device_id=None, seed=1, echo_factor=1.5) as p:
@@ -85,9 +86,8 @@ def test_dali_classification_iterator_with_reader_name(
             pipe, reader_name="Reader", last_batch_policy=policy, auto_reset=True
         )
         assert len(it) == steps  # the epoch is e * 24 = 48 samples, batches of 5
-        labels: list[int] = []
         for epoch in range(2):
-            sizes = []
+            sizes, labels = [], []
             for batch in it:
                 x, y = batch[0]["data"], batch[0]["label"]
                 assert x.dtype == torch.uint8 and x.shape[1:] == (8, 8, 3)
@@ -95,11 +95,15 @@ def test_dali_classification_iterator_with_reader_name(
                 sizes.append(len(y))
                 labels += y.reshape(-1).tolist()
             assert len(sizes) == steps and sizes[-1] == last, (epoch, sizes)
-    counts = Counter(labels)
-    assert set(counts) <= set(range(N)) and len(labels) == 2 * sum(sizes)
-    # Each reader epoch yields every file once and each fresh copy is emitted e = 2 times.
-    reader_epochs = math.ceil(pipe.stats()["fresh_in"] / N)
-    assert max(counts.values()) <= 2 * reader_epochs
+            # Each epoch holds the reader epoch's copies: every file twice; FILL repeats
+            # samples of its last batch (2 slots), DROP drops that batch's 3 copies.
+            counts = Counter(labels)
+            if policy == LastBatchPolicy.PARTIAL:
+                assert counts == {i: 2 for i in range(N)}
+            elif policy == LastBatchPolicy.FILL:
+                assert set(counts) == set(range(N)) and min(counts.values()) == 2
+            else:
+                assert set(counts.values()) <= {1, 2} and sum(counts.values()) == 45
 
 
 def test_dali_generic_iterator_lazy_and_auto_reset(files: list[str]) -> None:
@@ -113,7 +117,7 @@ def test_dali_generic_iterator_lazy_and_auto_reset(files: list[str]) -> None:
         second = [len(b[0]["label"]) for b in it]
         assert first == second == [5] * 10
         emitted = pipe.stats()["emitted"]
-        assert emitted >= 100  # 20 batches taken (plus DALI's prefetch)
+        assert emitted >= 96  # two epochs of 48 real copies (plus DALI's prefetch)
 
 
 def test_finite_stream_ends_dali_iterator(files: list[str]) -> None:
@@ -145,18 +149,31 @@ def test_dali_checkpoints_resume_the_same_stream(files: list[str]) -> None:
             out.append((b["label"].reshape(-1).tolist(), b["data"].numpy().copy()))
         return out
 
+    def iterator(pipe):
+        return DALIGenericIterator(
+            pipe, ["data", "label"], reader_name="Reader", auto_reset=True,
+            last_batch_policy=LastBatchPolicy.PARTIAL,
+        )  # fmt: skip
+
     with make() as pipe:
-        it = DALIGenericIterator(pipe, ["data", "label"], reader_name="Reader")
+        it = iterator(pipe)
         take(it, 3)
         (checkpoint,) = it.checkpoints()
         assert isinstance(checkpoint, bytes)
-        expected = take(it, 6)
+        expected = take(it, 7)  # to the end of the epoch (10 batches of 48 copies)
+        with pytest.raises(StopIteration):
+            next(it)
+        expected += take(it, 4)  # and into the next one
     with make(checkpoint=checkpoint) as pipe:
         assert pipe.is_restored_from_checkpoint
-        it = DALIGenericIterator(pipe, ["data", "label"], reader_name="Reader")
-        got = take(it, 6)
+        it = iterator(pipe)
+        got = take(it, 7)
+        with pytest.raises(StopIteration):
+            next(it)
+        got += take(it, 4)
     assert [g[0] for g in got] == [e[0] for e in expected]
     assert all(np.array_equal(g[1], e[1]) for g, e in zip(got, expected, strict=True))
+    assert len(got[6][0]) == 3  # 48 = 9 * 5 + 3
     with pytest.raises(ValueError, match="not an echopipe"):
         make(checkpoint=b"plain DALI bytes")
 
@@ -172,7 +189,7 @@ def test_echo_iterator_takes_dali_iterator_arguments(files: list[str]) -> None:
         assert sum(len(b[0]["label"]) for b in it) == 2 * N
         with pytest.raises(RuntimeError, match="Nope"):
             edali.EchoIterator(pipe, ["data", "label"], reader_name="Nope")
-    with _make(files) as pipe:
+    with _make(files, epochs=None) as pipe:  # size= counts an epoch of a free-running stream
         it = edali.EchoIterator(
             [pipe], ["data", "label"], size=12, fill_last_batch=False, dynamic_shape=True,
         )  # fmt: skip
@@ -183,28 +200,33 @@ def test_echo_iterator_takes_dali_iterator_arguments(files: list[str]) -> None:
 
 
 def test_migration_guide_runs(tiny_imagenet) -> None:
-    """docs/dali.md's migrated ResNet-50 loader, run as written with device_id=None (no GPU)."""
+    """docs/dali.md's migrated ResNet-50 loaders, run as written with device_id=None (no GPU)."""
     import re
     from pathlib import Path
+
+    from nvidia.dali import Pipeline
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "dali.md").read_text()
     section = doc[doc.index("## Migrating DALI's ResNet-50") :]
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:1]
-    assert code.count("# echopipe") == 3  # the lines that differ from DALI's example
+    assert code.count("# echopipe") == 4  # the lines that differ from DALI's example
     assert "device_id=local_rank" in code
     code = code.replace("device_id=local_rank", "device_id=None")
     scope = dict(
-        batch_size=4, workers=1, local_rank=0, world_size=1, crop_size=16,
-        traindir=str(tiny_imagenet / "train"),
+        batch_size=4, workers=1, local_rank=0, world_size=1, crop_size=16, val_size=20,
+        dali_cpu=True, traindir=str(tiny_imagenet / "train"), valdir=str(tiny_imagenet / "val"),
     )  # fmt: skip
     exec(compile(code, "docs/dali.md", "exec"), scope)
     loader, images, target = scope["train_loader"], scope["images"], scope["target"]
-    assert len(loader) == math.ceil(2 * 32 / 4)  # 32 training images, e = 2
+    assert len(loader) == scope["train_loader_len"] == math.ceil(2 * 32 / 4)  # 32 images, e=2
     assert images.shape == (4, 3, 16, 16) and images.dtype == torch.float32
     assert target.shape == (4,) and target.dtype == torch.int64
     seen = sum(len(d[0]["label"]) for d in loader)  # auto_reset: a second full epoch
     assert seen == 2 * 32
-    scope["pipe"].close()
+    val = scope["val_loader"]
+    assert type(val._pipes[0]) is Pipeline  # no echo point: plain DALI
+    assert sum(len(d[0]["label"]) for d in val) == 8  # 8 validation images, each once
+    loader._pipes[0].close()
 
 
 def _float_pipe(files, **kwargs):
@@ -213,8 +235,9 @@ def _float_pipe(files, **kwargs):
     @edali.echo_pipeline_def(echo_factor=2)
     def chw(files):
         jpegs, labels = fn.readers.file(
-            files=files, labels=[i % 3 for i in range(len(files))], name="Reader"
-        )
+            files=files, labels=[i % 3 for i in range(len(files))], pad_last_batch=True,
+            name="Reader",
+        )  # fmt: skip
         images = fn.resize(fn.decoders.image(jpegs), size=(8, 8))
         images, labels = edali.echo(images, labels)
         images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW")

@@ -37,7 +37,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 def _pipe(files: list[str], **opts):
-    @edali.echo_pipeline_def(echo_factor=2.0, batch_size=B, num_threads=1, device_id=None)
+    # The free-running stream (150 batches without epoch ends); tests/test_dali_epochs.py measures
+    # the epoch-aligned default.
+    @edali.echo_pipeline_def(
+        echo_factor=2.0, batch_size=B, num_threads=1, device_id=None, epochs=None
+    )
     def pipe():
         jpegs, labels = fn.readers.file(files=files, labels=list(range(N)), random_shuffle=True)
         return edali.echo(fn.decoders.image(jpegs), labels)

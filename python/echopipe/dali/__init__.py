@@ -49,7 +49,7 @@ from .builders import (
 from .definition import echo_pipeline_def
 from .iterator import EchoIterator, EchoIteratorStats, to_torch
 from .peer import PythonEchoBuffer, PythonEchoPipeline, python_echo_train_pipeline
-from .pipeline import EchoConfig, EchoPipeline, current_stage, echo
+from .pipeline import EchoConfig, EchoPipeline
 from .plugin import (
     DaliPluginMissingError,
     DaliVersionMismatchError,
@@ -58,6 +58,7 @@ from .plugin import (
     plugin_path,
 )
 from .specs import AugmentSpec, EchoSpec, ReaderSpec
+from .tracing import current_stage, echo
 
 
 def load_plugin() -> None:

@@ -39,8 +39,7 @@ from .imagenet_graph import (
     graph_read,
     graph_train_augment,
 )
-from .pipeline import EchoConfig, EchoPipeline, current_stage
-from .pipeline import echo as echo_point
+from .pipeline import EchoConfig, EchoPipeline
 from .plain_builders import (
     imagenet_decode_pipeline,
     imagenet_plain_train_pipeline,
@@ -48,6 +47,8 @@ from .plain_builders import (
 )
 from .source_tap import UpstreamTap, explain_decode_failure
 from .specs import AugmentSpec, EchoSpec, ReaderSpec, resolve_specs
+from .tracing import current_stage
+from .tracing import echo as echo_point
 
 DEFAULT_ECHO = EchoSpec()
 

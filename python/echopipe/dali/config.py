@@ -28,7 +28,7 @@ class EchoConfig:
     cache_samples: int | None = None
     cache_bytes: int = 256 << 20
     upstream_batch_size: int | None = None
-    epochs: int | None = None
+    epochs: int | str | None = "auto"
     deterministic: bool = False
     seed: int = 0
     memory: str = "auto"
@@ -66,8 +66,13 @@ class EchoConfig:
             )
         if not isinstance(self.cache_bytes, int) or self.cache_bytes < 64:
             raise ValueError(f"cache_bytes must be an int >= 64, got {self.cache_bytes!r}")
-        if self.epochs is not None and (not isinstance(self.epochs, int) or self.epochs < 1):
-            raise ValueError(f"epochs must be None (endless) or an int >= 1, got {self.epochs!r}")
+        if self.epochs not in (None, "auto") and (
+            not isinstance(self.epochs, int) or self.epochs < 1
+        ):
+            raise ValueError(
+                "epochs must be an int >= 1, 'auto' (1 with a padded reader, else endless) or "
+                f"None (endless), got {self.epochs!r}"
+            )
         check_memory(self.memory)
         return EchoConfig(
             batch_size=self.batch_size,
@@ -84,19 +89,22 @@ class EchoConfig:
         )
 
 
-def make_cache(config: EchoConfig, name: str, device_id: int | None = None) -> Any:
-    """The pipeline's echo cache; a device arena is allocated on the pipeline's ``device_id``."""
+def make_cache(
+    config: EchoConfig, name: str, device_id: int | None = None, epoch_size: int = 0
+) -> Any:
+    """The pipeline's echo cache; a device arena is allocated on the pipeline's ``device_id``.
+    ``epoch_size`` > 0 makes the copy totals exact per epoch of that many units."""
     from ..echo import EchoCache
 
     if config.memory == "device" and device_id is not None:
         import torch
 
         with torch.cuda.device(device_id):  # the current device is where cudaMalloc allocates
-            return _new_cache(EchoCache, config, name)
-    return _new_cache(EchoCache, config, name)
+            return _new_cache(EchoCache, config, name, epoch_size)
+    return _new_cache(EchoCache, config, name, epoch_size)
 
 
-def _new_cache(cls: Any, config: EchoConfig, name: str) -> Any:
+def _new_cache(cls: Any, config: EchoConfig, name: str, epoch_size: int) -> Any:
     return cls(
         capacity_bytes=config.cache_bytes,
         capacity_samples=config.cache_samples,
@@ -107,4 +115,5 @@ def _new_cache(cls: Any, config: EchoConfig, name: str) -> Any:
         batch_size=config.upstream_batch_size if config.mode == "batch" else None,
         memory=config.memory,
         name=name,
+        epoch_size=epoch_size,
     )

@@ -33,6 +33,7 @@ class DaliPipelineApi:
     _prefetch: int
     _scheduled: int
     _stash: list[Any]
+    _handed: int
     _exhausted: bool
     _dali_prefetched: bool
     _started: bool
@@ -105,6 +106,41 @@ class DaliPipelineApi:
         return {k: int(m["epoch_size_padded"]) for k, m in self.reader_meta().items()}
 
     def _scaled_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
+        unaligned = self.unaligned_reader  # type: ignore[attr-defined]
+        if unaligned is not None:
+            raise ValueError(
+                f"reader {unaligned!r} has no pad_last_batch=True, so its epochs cannot be "
+                "aligned with echoing, and DALI's iterator would count epochs over a "
+                "free-running stream whose copies cross epochs; create the reader with "
+                "pad_last_batch=True, or pass epochs=None to the pipeline to accept that"
+            )
+        if self.finite:  # type: ignore[attr-defined]
+            # This pipeline's own epoch, exactly: DALI's iterators split a reported data set
+            # over the shards themselves (floor(k * size / shards)), which for e copies of
+            # shards of unequal size gives the wrong lengths (20 files, 3 shards, e = 2: 13, 13,
+            # 14 instead of 12, 14, 14). So each pipeline reports its own shard as a whole data
+            # set; an epoch then ends exactly where its copies end, and the padding after them
+            # is never counted.
+            reader = self.reader_epochs  # type: ignore[attr-defined]
+            if not reader.fixed_size:
+                raise ValueError(
+                    f"reader {reader.name!r}: {reader.size} samples over {reader.shards} shards "
+                    "give shards of unequal size, and without stick_to_shard=True the reader "
+                    "moves to the next shard every epoch, so the epoch length changes while "
+                    "DALI's iterators keep the first one; pass stick_to_shard=True to the reader, "
+                    "or iterate with echopipe.dali.EchoIterator (its epochs end with the data)"
+                )
+            self.counted_epochs = True
+            copies = self.epoch_copies()  # type: ignore[attr-defined]
+            return {
+                **meta,
+                "epoch_size": copies,
+                "epoch_size_padded": copies,
+                "number_of_shards": 1,
+                "shard_id": 0,
+                "stick_to_shard": 1,
+                "pad_last_batch": 1,
+            }
         e = float(self.config.echo_factor)
         out = dict(meta)
         for key in ("epoch_size", "epoch_size_padded"):
@@ -122,17 +158,24 @@ class DaliPipelineApi:
             return  # batches restored from a checkpoint took the places of scheduled ones
         if self.config.deterministic:
             self._fill_for_next_run()  # type: ignore[attr-defined]
-        # DALI's first schedule_run prefetches its whole queue, later ones run one iteration.
-        self._scheduled += 1 if self._dali_prefetched else self._prefetch
-        self._dali_prefetched = True
-        self.downstream.schedule_run()
+        if not self._dali_prefetched:
+            # DALI's first schedule_run prefetches its whole queue, later ones run one iteration.
+            self._dali_prefetched = True
+            self.downstream.schedule_run()
+            self._scheduled += self._prefetch
+            return
+        # An empty queue (after an epoch's reset drained it) is refilled to the full depth.
+        for _ in range(self._prefetch if self._scheduled == 0 else 1):
+            self.downstream.schedule_run()
+            self._scheduled += 1
 
     def share_outputs(self) -> tuple[Any, ...]:
         """The next batch's outputs (without echopipe's ``info``); StopIteration at the end of
         a finite stream. Batches restored from a checkpoint come first."""
         self.start()  # type: ignore[attr-defined]
         if self._stash:
-            arrays, _info = self._stash.pop(0)
+            arrays, info = self._stash.pop(0)
+            self._handed += int(info[:, 0].sum())
             return tuple(_as_tensor_list(a) for a in arrays)
         if self._exhausted:
             raise StopIteration
@@ -145,9 +188,11 @@ class DaliPipelineApi:
             self._raise_runner_error()  # type: ignore[attr-defined]
             raise
         self._scheduled -= 1
-        if self._end_of_stream(outputs[-1]) is None:  # type: ignore[attr-defined]
+        info = self._end_of_stream(outputs[-1])  # type: ignore[attr-defined]
+        if info is None:
             self.downstream.release_outputs()
             raise StopIteration
+        self._handed += int(info[:, 0].sum())
         self._shared = True
         return tuple(outputs[:-1])
 

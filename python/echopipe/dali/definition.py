@@ -1,5 +1,9 @@
 """``@echo_pipeline_def``: DALI's ``@pipeline_def``, with one :func:`echo` point.
 
+A call that builds no echo point (``echo()`` under a condition that is false, e.g. the
+validation call of a function with ``if is_training:``) returns the plain DALI pipeline that
+``@pipeline_def`` would return.
+
 It is used the way ``@pipeline_def`` is: bare or with arguments, and every argument of the
 decorator, every ``nvidia.dali.Pipeline`` argument (``batch_size``, ``num_threads``,
 ``device_id``, ``seed``, ``prefetch_queue_depth``, ``enable_checkpointing``, ``checkpoint``,
@@ -16,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .pipeline import EchoConfig, EchoPipeline
+from .tracing import trace_counting_echo
 
 #: Echo options and their defaults (see :func:`echo_pipeline_def`).
 ECHO_DEFAULTS: dict[str, Any] = dict(
@@ -29,7 +34,7 @@ ECHO_DEFAULTS: dict[str, Any] = dict(
     cache_bytes=256 << 20,
     upstream_batch_size=None,
     upstream_num_threads=None,
-    epochs=None,
+    epochs="auto",
     deterministic=False,
     seed=0,
     memory="auto",
@@ -47,9 +52,36 @@ def _dali_pipeline_params() -> frozenset[str]:
     return frozenset(inspect.signature(Pipeline.__init__).parameters) - {"self"}
 
 
+def _plain_pipeline(
+    func: Callable[..., Any], decorator_kwargs: dict[str, Any], args: Any, kwargs: dict[str, Any]
+) -> Any:
+    """The DALI pipeline ``@pipeline_def`` gives for this call when the function calls no
+    :func:`echo` (e.g. ``if is_training:`` around it and ``is_training=False``), else None.
+
+    The function is traced with DALI's own ``pipeline_def`` and only the DALI arguments given
+    (DALI's defaults otherwise), so outputs, reader metadata and epoch size are plain DALI's.
+    """
+    from nvidia.dali import pipeline_def
+
+    own = set(inspect.signature(func).parameters)
+    echo_only = set(ECHO_DEFAULTS) - _dali_pipeline_params()
+    dali_decorator = {k: v for k, v in decorator_kwargs.items() if k not in echo_only}
+    call = {k: v for k, v in kwargs.items() if k in own or k not in echo_only}
+    checkpoint = call.pop("checkpoint", None) if "checkpoint" not in own else None
+    pipe, calls = trace_counting_echo(lambda: pipeline_def(func, **dali_decorator)(*args, **call))
+    if calls:
+        return None
+    if checkpoint is not None:  # not given to the probe: it may be an echo checkpoint
+        pipe = pipeline_def(func, **dali_decorator)(*args, checkpoint=checkpoint, **call)
+    return pipe
+
+
 def _create(
     func: Callable[..., Any], decorator_kwargs: dict[str, Any], args: Any, kwargs: dict[str, Any]
-) -> EchoPipeline:
+) -> Any:
+    plain = _plain_pipeline(func, decorator_kwargs, args, kwargs)
+    if plain is not None:
+        return plain
     own = set(inspect.signature(func).parameters)
     opts = {**ECHO_DEFAULTS}
     extra: dict[str, Any] = {}
@@ -95,7 +127,9 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
     ``@echo_pipeline_def(echo_factor=2, ...)``, then ``pipe = train_pipe(batch_size=64,
     num_threads=4, device_id=0, seed=12)``. Calling the decorated function returns an
     :class:`EchoPipeline` (nothing runs until the first batch); it works with
-    :class:`EchoIterator` and with DALI's own framework iterators.
+    :class:`EchoIterator` and with DALI's own framework iterators. A call in which the function
+    calls no :func:`echo` (it may call it under a Python condition) returns the plain
+    ``nvidia.dali.Pipeline`` that DALI's ``pipeline_def`` builds from the DALI arguments given.
 
     Keyword arguments (decorator or call; the call wins):
         batch_size: downstream batch size (what the training loop sees). Required.
@@ -109,8 +143,14 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
         cache_samples, cache_bytes: capacity of the cache, in samples and bytes.
         upstream_batch_size: batch size of the reader part (default ``batch_size``).
         upstream_num_threads: DALI threads of the upstream pipeline (default ``num_threads``).
-        epochs: None for an endless stream; N to read N epochs of the reader and then end the
-            stream (the reader needs ``pad_last_batch=True``).
+        epochs: ``"auto"`` (default): epoch-aligned (1) with a reader that pads its last batch,
+            free-running otherwise (DALI's iterators then refuse ``reader_name=`` for an
+            unpadded reader).
+            N: each pass of the stream is N reader epochs of this shard, each sample e times per
+            epoch (an exact total for a fractional e), never padding, then the stream ends until
+            ``reset()`` (DALI's iterators reset it themselves); the reader needs
+            ``pad_last_batch=True``. None: one endless, free-running stream (copies cross epoch
+            boundaries; iterator epochs are sample counts). See docs/dali.md, "Epochs".
         deterministic: run the upstream in lock-step with the consumer, so the output is a pure
             function of ``seed`` and the input order (also what makes checkpoints replay exactly).
         seed: seeds the cache's tickets and draws, and both DALI pipelines.
@@ -128,9 +168,9 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
         other ``nvidia.dali.Pipeline`` arguments: passed to both DALI pipelines.
     """
 
-    def decorate(func: Callable[..., Any]) -> Callable[..., EchoPipeline]:
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(func)
-        def create(*args: Any, **kwargs: Any) -> EchoPipeline:
+        def create(*args: Any, **kwargs: Any) -> Any:
             return _create(func, decorator_kwargs, args, kwargs)
 
         return create

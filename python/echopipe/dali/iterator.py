@@ -176,7 +176,10 @@ class EchoIterator:
         self.last_batch_policy = last_batch_policy
         self.auto_reset = auto_reset in (True, "yes")
         if reader_name is not None:
-            pipeline.reader_meta(reader_name)  # names an unknown reader
+            # Names an unknown reader. The upstream's own metadata: what the pipeline reports to
+            # DALI's iterators (and the cases it refuses them) is for their epoch counting.
+            pipeline.build()
+            pipeline.upstream.reader_meta(reader_name)
         if prepare_first_batch:
             pipeline.start()
         self.stats = EchoIteratorStats()
@@ -191,7 +194,7 @@ class EchoIterator:
     @property
     def finite(self) -> bool:
         """True for a finite stream (``epochs=N``), whose epochs end where the data ends."""
-        return self.pipeline.config.epochs is not None
+        return self.pipeline.finite
 
     @property
     def shard_size(self) -> int:
@@ -246,6 +249,8 @@ class EchoIterator:
             return self._steps_per_epoch * cfg.batch_size
         if self._size is not None:
             return self._size
+        if self._epoch_size is None and self.finite:
+            return self.pipeline.epoch_copies()  # exact, for a fractional e too
         fresh = self._epoch_size or self.pipeline.shard_size
         if not fresh:
             raise ValueError(
@@ -255,7 +260,9 @@ class EchoIterator:
         return max(1, round(fresh * cfg.echo_factor))
 
     def __len__(self) -> int:
-        """Steps per epoch of an endless stream (a finite one ends where its data ends)."""
+        """Steps per epoch: of an endless stream, and of an epoch-aligned one the steps of its
+        first epoch (exact; the epochs end where the data ends, which differs only when the
+        reader's shard moves to one of another size)."""
         b = self.pipeline.config.batch_size
         samples = self._epoch_samples()
         if self.last_batch_policy == LastBatchPolicy.DROP:

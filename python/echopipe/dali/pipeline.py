@@ -1,7 +1,7 @@
 """Echoing DALI pipelines: write the pipeline once, mark the echo point, get two pipelines.
 
-``@echo_pipeline_def`` turns a DALI-style pipeline function into an :class:`EchoPipeline`. The
-function is traced twice:
+``@echo_pipeline_def`` turns a DALI-style pipeline function into an :class:`EchoPipeline` when the
+call builds an echo point (:mod:`.tracing`). The function is traced once for each part:
 
 * **upstream** (reader, decode, and whatever precedes :func:`echo`): ``echo(*fields)`` becomes an
   ``echopipe_echo_sink`` that stores each sample in a native echo cache. The upstream pipeline
@@ -14,6 +14,9 @@ function is traced twice:
   ``[valid, sample_id, emission]``), tells the consumer which samples are fresh and where a finite
   stream ends (padded samples have ``valid == 0``).
 
+Epochs (:mod:`.epochs`), checkpoints (:mod:`.checkpointing`) and the upstream's reports
+(:mod:`.upstream`) are mixins of the class here.
+
 Everything that waits (the sink on a full cache, the source on an empty one, the runner thread)
 polls for close at least every 100 ms, and every pipeline is closed by ``close()``, by the context
 manager, or at interpreter exit (``weakref.finalize``), so nothing hangs.
@@ -23,108 +26,26 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..echo.memory import resolve_memory
 from . import plugin
+from .checkpointing import EchoCheckpointing
 from .config import EchoConfig, make_cache
 from .dali_api import DaliPipelineApi
-from .host_copy import host_dense, to_numpy
-from .upstream import UpstreamRunner
+from .epochs import EpochPasses, ReaderEpochs
+from .host_copy import host_dense
+from .tracing import Trace, trace
+from .upstream import UpstreamReports, UpstreamRunner
 
-_STATE_VERSION = 1
 _name_counter = itertools.count()
-
-
-# ---- tracing -------------------------------------------------------------------------------
-
-
-@dataclass
-class _Trace:
-    stage: str  # "upstream" | "downstream"
-    cache_name: str
-    calls: int = 0
-    num_fields: int = 0
-    devices: list[str] = field(default_factory=list)
-    sink: Any = None
-    info: Any = None
-    source_device: str | None = None
-
-
-_trace = threading.local()
-
-
-def current_stage() -> str | None:
-    """Which part of an echoing pipeline is being traced in this thread.
-
-    ``"upstream"`` or ``"downstream"`` while :class:`EchoPipeline` traces a pipeline function
-    (it traces it once for each part), ``None`` otherwise. A pipeline function can use it to put
-    operators into one part only, e.g. a ``fn.python_function`` (DALI never prunes those) that
-    should run on the reader side::
-
-        if edali.current_stage() != "downstream":
-            jpegs = fn.python_function(jpegs, function=tap)
-    """
-    state: _Trace | None = getattr(_trace, "state", None)
-    return None if state is None else state.stage
-
-
-def echo(*fields: Any, device: str | None = None) -> tuple[Any, ...]:
-    """Marks the echo point inside an ``@echo_pipeline_def`` function.
-
-    Args:
-        *fields: 1 to 4 DALI data nodes that make up one sample (e.g. images, labels, metadata).
-            Each may be CPU or GPU; they travel together and come back in the same order, with
-            dtype, shape and layout preserved.
-        device: where the fields come out downstream: ``"cpu"`` or ``"gpu"``. Default: ``"gpu"``
-            if any input is on the GPU (after a ``"mixed"`` decoder), else ``"cpu"``.
-
-    Returns:
-        A tuple with one node per input field (call it as ``images, labels = echo(images,
-        labels)``). In the upstream trace these are the inputs themselves; in the downstream trace
-        they are the echo source's outputs.
-    """
-    state: _Trace | None = getattr(_trace, "state", None)
-    if state is None:
-        raise RuntimeError(
-            "echopipe.dali.echo() can only be called inside a function decorated with "
-            "@echopipe.dali.echo_pipeline_def (while echopipe traces it)"
-        )
-    if not 1 <= len(fields) <= 4:
-        raise ValueError(f"echo() takes 1 to 4 fields per sample, got {len(fields)}")
-    if device not in (None, "cpu", "gpu"):
-        raise ValueError(f"echo(device=...) must be 'cpu', 'gpu' or None, got {device!r}")
-    plugin.load()  # the operators below exist only once the plugin is loaded
-    state.calls += 1
-    if state.calls > 1:
-        raise RuntimeError("echo() was called more than once; a pipeline has one echo point")
-    from nvidia.dali import fn
-
-    devices = [getattr(node, "device", "cpu") for node in fields]
-    state.num_fields = len(fields)
-    state.devices = devices
-    upstream_gpu = any(d == "gpu" for d in devices)
-    if state.stage == "upstream":
-        state.sink = fn.echopipe_echo_sink(
-            *fields, cache_name=state.cache_name, device="gpu" if upstream_gpu else "cpu"
-        )
-        return tuple(fields)
-    source_device = device or ("gpu" if upstream_gpu else "cpu")
-    state.source_device = source_device
-    outputs = fn.echopipe_echo_source(
-        cache_name=state.cache_name, num_fields=len(fields), device=source_device
-    )
-    state.info = outputs[-1]
-    return tuple(outputs[:-1])
 
 
 # ---- the pipeline pair ---------------------------------------------------------------------
@@ -137,7 +58,7 @@ def _close_resources(cache: Any, runner: UpstreamRunner) -> None:
     runner.stop()
 
 
-class EchoPipeline(DaliPipelineApi):
+class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamReports):
     """An upstream and a downstream DALI pipeline joined by a native echo cache.
 
     Create it with :func:`echo_pipeline_def`. Iterate it with :class:`~echopipe.dali.EchoIterator`
@@ -208,11 +129,19 @@ class EchoPipeline(DaliPipelineApi):
         self.num_outputs = 0
         self._shard_size = 0
         self.iterations_per_epoch = 0
+        self.reader_epochs: ReaderEpochs | None = None
+        # The reader's name when epochs="auto" fell back to free-running (no pad_last_batch).
+        self.unaligned_reader: str | None = None
+        self._cache_epoch_size = 0
+        # Set when DALI's iterators read the epoch size: they end an epoch by counting copies.
+        self.counted_epochs = False
         self._scheduled = 0
         self._dali_prefetched = False
         self._input_done = False
         self._exhausted = False
         self._stash: list[tuple[list[np.ndarray], np.ndarray]] = []
+        self._handed = 0  # real copies handed out in this pass
+        self.copies_discarded = 0  # real copies still queued when a reset ended the pass
         self._restore: dict[str, Any] | None = None
         self._started = False
         self._closed = False
@@ -222,14 +151,12 @@ class EchoPipeline(DaliPipelineApi):
 
     # -- building --
 
-    def _trace(self, stage: str, pipe: Any) -> tuple[_Trace, list[Any]]:
-        state = _Trace(stage=stage, cache_name=self.cache_name)
-        _trace.state = state
-        try:
+    def _trace(self, stage: str, pipe: Any) -> tuple[Trace, list[Any]]:
+        def build() -> Any:
             with pipe:
-                result = self._fn(*self._fn_args, **self._fn_kwargs)
-        finally:
-            _trace.state = None
+                return self._fn(*self._fn_args, **self._fn_kwargs)
+
+        state, result = trace(Trace(stage=stage, cache_name=self.cache_name), build)
         if state.calls == 0:
             raise RuntimeError(
                 f"{getattr(self._fn, '__name__', self._fn)} never called echopipe.dali.echo(); "
@@ -241,8 +168,6 @@ class EchoPipeline(DaliPipelineApi):
     def _build(self) -> None:
         if self.upstream is not None:
             return
-        from nvidia.dali import Pipeline
-
         cfg = self.config
         restore = self._restore or {}
         extra = dict(self._pipeline_kwargs)
@@ -253,16 +178,17 @@ class EchoPipeline(DaliPipelineApi):
         if self._enable_checkpointing:
             up_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_upstream"))
             down_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_downstream"))
-        # Depth 1 upstream: when run() returns, no later iteration has touched the cache yet.
-        upstream = Pipeline(
-            batch_size=cfg.upstream_batch_size,
-            num_threads=self._upstream_num_threads,
-            prefetch_queue_depth=1,
-            **up_kwargs,
-        )
-        up_state, _ = self._trace("upstream", upstream)
-        self._place_cache(up_state.devices)
-        upstream.set_outputs(up_state.sink)
+        upstream, up_state = self._build_upstream(up_kwargs)
+        self._shard_size, self.iterations_per_epoch = self._epoch_geometry(upstream)
+        blocks = self._epoch_units()
+        if blocks != self._cache_epoch_size:
+            # Exact copy totals per epoch need the cache to count the epoch's units, which only
+            # the built reader tells; its sink holds the old cache, so the upstream is built again.
+            self._cache_epoch_size = blocks
+            self._replace_cache(self.config)
+            upstream, up_state = self._build_upstream(up_kwargs)
+        from nvidia.dali import Pipeline
+
         downstream = Pipeline(
             batch_size=cfg.batch_size,
             num_threads=self._num_threads,
@@ -271,7 +197,6 @@ class EchoPipeline(DaliPipelineApi):
         )
         down_state, outputs = self._trace("downstream", downstream)
         downstream.set_outputs(*outputs, down_state.info)
-        upstream.build()
         downstream.build()
         # Only echopipe drives this pipeline; DALI's check against mixing its run APIs would
         # reject a checkpoint taken between a DALI iterator's steps.
@@ -279,7 +204,22 @@ class EchoPipeline(DaliPipelineApi):
         self.upstream, self.downstream = upstream, downstream
         self.num_fields = up_state.num_fields
         self.num_outputs = len(outputs)
-        self._shard_size, self.iterations_per_epoch = self._epoch_geometry(upstream)
+
+    def _build_upstream(self, up_kwargs: dict[str, Any]) -> tuple[Any, Trace]:
+        from nvidia.dali import Pipeline
+
+        # Depth 1 upstream: when run() returns, no later iteration has touched the cache yet.
+        upstream = Pipeline(
+            batch_size=self.config.upstream_batch_size,
+            num_threads=self._upstream_num_threads,
+            prefetch_queue_depth=1,
+            **up_kwargs,
+        )
+        up_state, _ = self._trace("upstream", upstream)
+        self._place_cache(up_state.devices)
+        upstream.set_outputs(up_state.sink)
+        upstream.build()
+        return upstream, up_state
 
     def _place_cache(self, devices: list[str]) -> None:
         """``memory="auto"`` with the echo input on the GPU: the cache moves to the device arena
@@ -296,11 +236,17 @@ class EchoPipeline(DaliPipelineApi):
         )
         if memory != "device":
             return
+        self._replace_cache(replace(self.config, memory=memory))
+
+    def _replace_cache(self, config: EchoConfig) -> None:
+        """A new, empty cache under the same name (before anything used the old one)."""
         quota = self.cache.quota
         self._finalizer.detach()
         self.cache.close()  # also frees its name in the registry
-        self.config = replace(self.config, memory=memory)
-        self.cache = make_cache(self.config, self.cache_name, self._device_id)
+        self.config = config
+        self.cache = make_cache(
+            self.config, self.cache_name, self._device_id, epoch_size=self._cache_epoch_size
+        )
         self.cache.quota = quota
         self._finalizer = weakref.finalize(self, _close_resources, self.cache, self._runner)
 
@@ -315,32 +261,6 @@ class EchoPipeline(DaliPipelineApi):
             raise RuntimeError("this EchoPipeline was closed")
         self._build()
         return self._shard_size
-
-    def _epoch_geometry(self, upstream: Any) -> tuple[int, int]:
-        """Fresh samples per epoch of this shard, and upstream iterations per epoch."""
-        meta = upstream.reader_meta()
-        if not meta:
-            if self.config.epochs is not None:
-                raise ValueError(
-                    "epochs= needs a DALI reader (fn.readers.*) before echo() to know the epoch "
-                    "size; without one, leave epochs=None for an endless stream"
-                )
-            return 0, 1 << 62
-        if len(meta) > 1:
-            raise ValueError(
-                f"the upstream part has {len(meta)} readers ({sorted(meta)}); echopipe needs "
-                "exactly one to count epochs"
-            )
-        ((name, m),) = meta.items()
-        size, shards, shard = int(m["epoch_size"]), int(m["number_of_shards"]), int(m["shard_id"])
-        shard_size = size * (shard + 1) // shards - size * shard // shards
-        if self.config.epochs is not None and not m.get("pad_last_batch"):
-            raise ValueError(
-                f"epochs={self.config.epochs} needs the reader {name!r} to be created with "
-                "pad_last_batch=True, so every epoch starts on a batch boundary and no sample of "
-                "the next epoch is pulled into the last batch"
-            )
-        return shard_size, max(1, math.ceil(shard_size / self.config.upstream_batch_size))
 
     def start(self) -> None:
         """Builds both DALI pipelines and starts the upstream runner (idempotent)."""
@@ -357,31 +277,6 @@ class EchoPipeline(DaliPipelineApi):
 
     # -- running --
 
-    def describe_upstream_error(self, error: BaseException) -> BaseException:
-        """The exception the consumer gets when the upstream DALI pipeline raised ``error``.
-
-        Returns what the ``on_upstream_error`` callback returned, if anything, else a
-        ``RuntimeError`` saying the upstream failed. Subclasses override it to name the cause
-        (the ImageNet builders name the file DALI's decoder rejected). The caller chains the
-        result to ``error``.
-        """
-        if self._on_upstream_error is not None:
-            described = self._on_upstream_error(error)
-            if described is not None:
-                return described
-        return RuntimeError(f"the upstream DALI pipeline failed: {error}")
-
-    def _upstream_failed(self, error: BaseException) -> BaseException:
-        described = self.describe_upstream_error(error)
-        if described is not error and described.__cause__ is None:
-            described.__cause__ = error
-        return described
-
-    def _raise_runner_error(self) -> None:
-        error = self._runner.error
-        if error is not None:
-            raise self._upstream_failed(error)
-
     def next_batch(self) -> tuple[list[Any], np.ndarray]:
         """Next downstream batch: (pipeline outputs, info ``int64[batch, 3]``).
 
@@ -392,6 +287,7 @@ class EchoPipeline(DaliPipelineApi):
         self.start()
         if self._stash:
             outputs, info = self._stash.pop(0)
+            self._handed += int(info[:, 0].sum())
             return outputs, info
         if self._exhausted:
             raise StopIteration
@@ -420,6 +316,7 @@ class EchoPipeline(DaliPipelineApi):
         if not self.config.deterministic:
             self.downstream.schedule_run()
             self._scheduled += 1
+        self._handed += int(info[:, 0].sum())
         return outputs[:-1], info
 
     def _schedule_free_running(self) -> None:
@@ -452,107 +349,6 @@ class EchoPipeline(DaliPipelineApi):
         self._exhausted = True
         return None
 
-    def reset(self) -> None:
-        """Starts the next pass of a finite stream (no-op for an endless one before its end)."""
-        if not self._input_done:
-            return
-        # Iterations scheduled after the end hold padding only; consume them before going on.
-        while self._scheduled > 0:
-            self.downstream.outputs()
-            self._scheduled -= 1
-        self._stash.clear()
-        self._input_done = False
-        self._exhausted = False
-        self._runner.ended = False
-        self.cache.reset_input()
-
-    # -- checkpointing --
-
-    def state_dict(self) -> dict[str, Any]:
-        """Echo state aligned with the batches handed out so far.
-
-        Holds the cache contents (samples with tickets left, RNG and counters), the upstream
-        position, batches DALI already prepared but nobody has consumed (kept as numpy arrays and
-        replayed first after a restore), and DALI's own checkpoints of both pipelines when
-        ``enable_checkpointing=True``. With ``deterministic=True`` a restored pipeline continues
-        with exactly the same stream; otherwise it continues with no sample lost or repeated.
-        """
-        self.start()
-        self._raise_runner_error()
-        self.release_outputs()
-        # Take DALI's prepared batches out first, while the upstream still feeds the cache.
-        while self._scheduled > 0:
-            outputs = list(self.downstream.outputs())
-            self._scheduled -= 1
-            info = host_dense(outputs[-1])
-            arrays = [to_numpy(o) for o in outputs[:-1]]
-            if int(info[:, 0].sum()) > 0:
-                self._stash.append((arrays, info))
-        self._runner.pause()
-        try:
-            state: dict[str, Any] = {
-                "version": _STATE_VERSION,
-                "config": asdict(self.config),
-                "num_fields": self.num_fields,
-                "cache": self.cache.state_dict(),
-                "layouts": self.cache.layouts,
-                "quota": self.cache.quota,
-                "runner": self._runner.state(),
-                "stash": [
-                    ([a.copy() for a in arrays], info.copy()) for arrays, info in self._stash
-                ],
-                "input_done": self._input_done,
-                "upstream_wait_s": self.upstream_wait_s,
-                "downstream_wait_s": self.downstream_wait_s,
-            }
-            if self._enable_checkpointing:
-                state["dali_upstream"] = self.upstream.checkpoint()
-                state["dali_downstream"] = self.downstream.checkpoint()
-        finally:
-            self._runner.resume()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict` output; must be called before the first batch."""
-        if self._started:
-            raise RuntimeError(
-                "load_state_dict() must be called before the first batch (the DALI pipelines are "
-                "built with the checkpoint)"
-            )
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported echo state version {state.get('version')!r}")
-        saved = state["config"]
-        mine = asdict(self.config)
-        # echo_factor is runtime state (set_echo_factor): the checkpoint's factor is adopted.
-        for key in ("mode", "batch_size", "upstream_batch_size", "epochs"):
-            if saved.get(key) != mine.get(key):
-                raise ValueError(
-                    f"checkpoint has {key}={saved.get(key)!r} but this pipeline has "
-                    f"{key}={mine.get(key)!r}"
-                )
-        if self._enable_checkpointing and "dali_upstream" not in state:
-            raise ValueError(
-                "this pipeline has enable_checkpointing=True but the checkpoint carries no DALI "
-                "state (it was saved with enable_checkpointing=False)"
-            )
-        if self._enable_checkpointing and self.upstream is not None:
-            # Built early (shard_size) without DALI's checkpoints; nothing ran, so rebuild.
-            self.upstream = self.downstream = None
-        self.set_echo_factor(float(saved["echo_factor"]))
-        self._restore = state
-
-    def _apply_restore(self, state: dict[str, Any]) -> None:
-        self.cache.load_state_dict(state["cache"])
-        self.cache.layouts = list(state["layouts"])
-        self.cache.quota = int(state["quota"])
-        self._runner.load(state["runner"])
-        self._stash = [(list(arrays), info) for arrays, info in state["stash"]]
-        self._input_done = bool(state["input_done"])
-        if self._runner.ended:
-            self.cache.end_of_input()
-        self.upstream_wait_s = float(state.get("upstream_wait_s", state.get("t_up", 0.0)))
-        self.downstream_wait_s = float(state.get("downstream_wait_s", state.get("t_down", 0.0)))
-
     # -- info and lifetime --
 
     def set_echo_factor(self, echo_factor: float) -> None:
@@ -569,58 +365,6 @@ class EchoPipeline(DaliPipelineApi):
         self.cache.echo_factor = echo_factor  # validates
         self.config = replace(self.config, echo_factor=self.cache.echo_factor)
 
-    def upstream_time(self) -> tuple[int, float]:
-        """``(upstream batches run, seconds they took)`` so far, in either mode.
-
-        Each upstream batch is one ``upstream.run()`` of ``upstream_batch_size`` reader samples,
-        timed by the thread that runs it (restored with a checkpoint).
-        """
-        batches, seconds, _ = self._runner.timing()
-        return batches, seconds
-
-    def upstream_step_seconds(self) -> float:
-        """``t_up``: upstream seconds per downstream batch of fresh samples (nan before any).
-
-        The mean time of one upstream iteration (``upstream.run()``: read, decode, whatever
-        precedes :func:`echo`; timed in both modes), scaled from ``upstream_batch_size`` to
-        ``batch_size`` samples. With ``t_down`` the consumer's time per step, ``R = t_up /
-        t_down`` is the echo factor that keeps both sides busy.
-        """
-        batches, seconds, _ = self._runner.timing()
-        return self._per_step(batches, seconds)
-
-    def _per_step(self, batches: int, seconds: float) -> float:
-        if batches == 0:
-            return math.nan
-        cfg = self.config
-        return seconds / batches * cfg.batch_size / cfg.upstream_batch_size
-
-    def stats(self) -> dict[str, Any]:
-        """Cache statistics plus upstream counters and timing.
-
-        Keys: ``fresh_in``, ``emitted``, ``resident``, ``tickets_left``, ``emit_histogram``
-        (cache); ``upstream_batches`` (upstream iterations run), ``upstream_time_s`` (seconds
-        in them), ``upstream_epochs``, ``upstream_fresh_stored``; ``t_up``
-        (:meth:`upstream_step_seconds`); ``upstream_wait_s`` and ``downstream_wait_s`` (see the
-        attributes).
-        """
-        s = self.cache.stats()
-        batches, seconds, stored = self._runner.timing()
-        return {
-            "fresh_in": int(s.fresh_in),
-            "emitted": int(s.emitted),
-            "resident": int(s.resident),
-            "tickets_left": int(s.tickets_left),
-            "upstream_batches": batches,
-            "upstream_time_s": seconds,
-            "upstream_epochs": self._runner.epoch_index,
-            "upstream_fresh_stored": stored,
-            "t_up": self._per_step(batches, seconds),
-            "upstream_wait_s": self.upstream_wait_s,
-            "downstream_wait_s": self.downstream_wait_s,
-            "emit_histogram": list(s.emit_histogram),
-        }
-
     @property
     def upstream_alive(self) -> bool:
         """True while the free-running upstream thread is alive."""
@@ -630,6 +374,17 @@ class EchoPipeline(DaliPipelineApi):
         """Closes the cache (waking every blocked operator) and joins the upstream thread."""
         self._closed = True
         self._finalizer()
+
+    def __repr__(self) -> str:
+        # DALI's proxy mode (DALIServer) names a pipeline it cannot take by its repr: this says
+        # why and what to do instead, in that one line.
+        return (
+            f"EchoPipeline({self.cache_name!r}, echo_factor={self.config.echo_factor:g}): a pair "
+            "of DALI pipelines joined by an echo cache, not one nvidia.dali.Pipeline; DALI's "
+            "proxy mode (DALIServer) maps each output batch to one input batch, which echoing "
+            "cannot keep; build the proxy pipeline without echo() and wrap the proxy's "
+            "DataLoader in echopipe.torch.EchoLoader to echo its batches"
+        )
 
     def __enter__(self) -> EchoPipeline:
         return self

@@ -51,7 +51,8 @@ class UpstreamRunner:
         if self.ended:
             return False
         if cfg.epochs is not None and self.iter_in_epoch == 0:
-            owner.cache.quota = owner._shard_size
+            # Only the reader epoch's own files: its padding (pad_last_batch) is never stored.
+            owner.cache.quota = owner.reader_epochs.fresh(self.epoch_index)
         bytes_before = owner.cache.stats().bytes_used if cfg.deterministic else 0
         t0 = time.perf_counter()
         outputs = owner.upstream.run()
@@ -188,3 +189,95 @@ class UpstreamRunner:
         self.epoch_index = int(state["epoch_index"])
         self.iter_in_epoch = int(state["iter_in_epoch"])
         self.ended = bool(state["ended"])
+
+
+class UpstreamReports:
+    """Mixin for :class:`EchoPipeline`: the upstream's timing, counters and errors."""
+
+    # Set by EchoPipeline; declared here for readers and type checkers.
+    config: Any
+    cache: Any
+    upstream_wait_s: float
+    downstream_wait_s: float
+    _runner: UpstreamRunner
+    copies_discarded: int
+    _on_upstream_error: Any
+
+    def describe_upstream_error(self, error: BaseException) -> BaseException:
+        """The exception the consumer gets when the upstream DALI pipeline raised ``error``.
+
+        Returns what the ``on_upstream_error`` callback returned, if anything, else a
+        ``RuntimeError`` saying the upstream failed. Subclasses override it to name the cause
+        (the ImageNet builders name the file DALI's decoder rejected). The caller chains the
+        result to ``error``.
+        """
+        if self._on_upstream_error is not None:
+            described = self._on_upstream_error(error)
+            if described is not None:
+                return described
+        return RuntimeError(f"the upstream DALI pipeline failed: {error}")
+
+    def _upstream_failed(self, error: BaseException) -> BaseException:
+        described = self.describe_upstream_error(error)
+        if described is not error and described.__cause__ is None:
+            described.__cause__ = error
+        return described
+
+    def _raise_runner_error(self) -> None:
+        error = self._runner.error
+        if error is not None:
+            raise self._upstream_failed(error)
+
+    def upstream_time(self) -> tuple[int, float]:
+        """``(upstream batches run, seconds they took)`` so far, in either mode.
+
+        Each upstream batch is one ``upstream.run()`` of ``upstream_batch_size`` reader samples,
+        timed by the thread that runs it (restored with a checkpoint).
+        """
+        batches, seconds, _ = self._runner.timing()
+        return batches, seconds
+
+    def upstream_step_seconds(self) -> float:
+        """``t_up``: upstream seconds per downstream batch of fresh samples (nan before any).
+
+        The mean time of one upstream iteration (``upstream.run()``: read, decode, whatever
+        precedes :func:`echo`; timed in both modes), scaled from ``upstream_batch_size`` to
+        ``batch_size`` samples. With ``t_down`` the consumer's time per step, ``R = t_up /
+        t_down`` is the echo factor that keeps both sides busy.
+        """
+        batches, seconds, _ = self._runner.timing()
+        return self._per_step(batches, seconds)
+
+    def _per_step(self, batches: int, seconds: float) -> float:
+        if batches == 0:
+            return math.nan
+        cfg = self.config
+        return seconds / batches * cfg.batch_size / cfg.upstream_batch_size
+
+    def stats(self) -> dict[str, Any]:
+        """Cache statistics plus upstream counters and timing.
+
+        Keys: ``fresh_in``, ``emitted``, ``resident``, ``tickets_left``, ``emit_histogram``
+        (cache); ``upstream_batches`` (upstream iterations run), ``upstream_time_s`` (seconds
+        in them), ``upstream_epochs``, ``upstream_fresh_stored``; ``t_up``
+        (:meth:`upstream_step_seconds`); ``upstream_wait_s`` and ``downstream_wait_s`` (see the
+        attributes); ``copies_discarded``: real copies a reset found still queued after DALI's
+        iterator had counted its epoch (0 unless the epoch length DALI was told is wrong).
+        """
+        s = self.cache.stats()
+        batches, seconds, stored = self._runner.timing()
+        return {
+            "fresh_in": int(s.fresh_in),
+            "emitted": int(s.emitted),
+            "resident": int(s.resident),
+            "tickets_left": int(s.tickets_left),
+            "upstream_batches": batches,
+            "upstream_time_s": seconds,
+            "upstream_epochs": self._runner.epoch_index,
+            "upstream_fresh_stored": stored,
+            "t_up": self._per_step(batches, seconds),
+            "upstream_wait_s": self.upstream_wait_s,
+            "downstream_wait_s": self.downstream_wait_s,
+            "copies_discarded": self.copies_discarded,
+            "emit_histogram": list(s.emit_histogram),
+        }

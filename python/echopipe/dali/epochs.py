@@ -1,0 +1,202 @@
+"""How the reader's epochs become the echo stream's epochs.
+
+An epoch-aligned echo pipeline (``epochs=N``, by default N = 1) stores exactly one reader epoch
+of its shard per epoch (the reader's padding is not stored), emits a fixed number of copies of
+it, and ends the stream; the next pass starts after ``reset()``. DALI's reader decides which
+files an epoch of a shard holds: with ``pad_last_batch=True`` every shard's epoch takes the same
+number of reader batches (the larger shards' size, padded with the last sample), and unless
+``stick_to_shard=True`` the reader moves to the next shard every epoch, so a shard's epoch can
+hold one file more or less than the first one (20 files over 3 shards: 6, 7, 7 files).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..echo import copies_per_epoch
+from .host_copy import host_dense
+
+
+@dataclass(frozen=True)
+class ReaderEpochs:
+    """The upstream reader's epoch geometry for one shard (from ``Pipeline.reader_meta``)."""
+
+    name: str
+    size: int  #: samples of the whole data set (all shards), padding excluded
+    shards: int
+    shard_id: int
+    stick_to_shard: bool
+    padded: bool  #: pad_last_batch
+    padded_shard: int  #: samples a shard's epoch takes from the reader, padding included
+
+    @classmethod
+    def from_meta(cls, name: str, meta: dict[str, Any]) -> ReaderEpochs:
+        shards = int(meta["number_of_shards"])
+        return cls(
+            name=name,
+            size=int(meta["epoch_size"]),
+            shards=shards,
+            shard_id=int(meta["shard_id"]),
+            stick_to_shard=bool(meta.get("stick_to_shard", False)),
+            padded=bool(meta.get("pad_last_batch", False)),
+            padded_shard=int(meta.get("epoch_size_padded", meta["epoch_size"])) // shards,
+        )
+
+    def shard_files(self, shard: int) -> int:
+        """DALI's size of shard ``shard`` (the same split as its reader and iterators)."""
+        return self.size * (shard + 1) // self.shards - self.size * shard // self.shards
+
+    def fresh(self, reader_epoch: int = 0) -> int:
+        """Files this shard reads in reader epoch ``reader_epoch`` (0 = the first)."""
+        shard = self.shard_id if self.stick_to_shard else self.shard_id + reader_epoch
+        return self.shard_files(shard % self.shards)
+
+    def iterations(self, upstream_batch_size: int) -> int:
+        """Upstream batches per reader epoch: with padding, every shard takes as many batches
+        as the largest one; without, the epoch simply ends inside a batch."""
+        per_epoch = self.padded_shard if self.padded else self.fresh(0)
+        return max(1, math.ceil(per_epoch / upstream_batch_size))
+
+    @property
+    def fixed_size(self) -> bool:
+        """True when every epoch of this shard holds as many files as the first: one shard,
+        ``stick_to_shard=True``, or shards of equal size."""
+        return self.shards == 1 or self.stick_to_shard or self.size % self.shards == 0
+
+    def copies(self, echo_factor: float, unit: int = 1) -> int:
+        """Copies per reader epoch of this shard when its size is fixed: e times DALI's shard
+        size, exact (the cache's ``epoch_size`` blocks). ``unit`` > 1 (batch mode: the cache
+        echoes upstream batches, the last one short) is exact for a whole e only."""
+        fresh = self.fresh(0)
+        if unit == 1 or echo_factor == math.floor(echo_factor):
+            return copies_per_epoch(echo_factor, fresh)
+        return round(echo_factor * fresh)
+
+
+class EpochPasses:
+    """Mixin for :class:`EchoPipeline`: the epoch-aligned stream (or the free-running one)."""
+
+    # Set by EchoPipeline; declared here for readers and type checkers.
+    config: Any
+    cache: Any
+    downstream: Any
+    reader_epochs: ReaderEpochs | None
+    unaligned_reader: str | None
+    counted_epochs: bool
+    copies_discarded: int
+    _runner: Any
+    _scheduled: int
+    _stash: list[Any]
+    _input_done: bool
+    _exhausted: bool
+    _handed: int
+    _started: bool
+    _closed: bool
+
+    def _epoch_units(self) -> int:
+        """The cache's ``epoch_size``: units of the first reader epoch of an epoch-aligned
+        stream (samples, or upstream batches in batch mode), 0 for a free-running one."""
+        if self.config.epochs is None or self.reader_epochs is None:
+            return 0
+        fresh = self.reader_epochs.fresh(0)
+        if self.config.mode == "batch":
+            return max(1, math.ceil(fresh / self.config.upstream_batch_size))
+        return fresh
+
+    def _epoch_geometry(self, upstream: Any) -> tuple[int, int]:
+        """Fresh samples per epoch of this shard, and upstream iterations per reader epoch;
+        resolves ``epochs="auto"`` (1 with a padded reader, endless otherwise)."""
+        meta = upstream.reader_meta()
+        epochs = self.config.epochs
+        if not meta:
+            if epochs not in (None, "auto"):
+                raise ValueError(
+                    f"epochs={epochs} needs a DALI reader (fn.readers.*) before echo() to know "
+                    "the epoch size; without one, leave epochs=None for an endless stream"
+                )
+            self.config = replace(self.config, epochs=None)
+            return 0, 1 << 62
+        if len(meta) > 1:
+            raise ValueError(
+                f"the upstream part has {len(meta)} readers ({sorted(meta)}); echopipe needs "
+                "exactly one to count epochs"
+            )
+        ((name, m),) = meta.items()
+        reader = ReaderEpochs.from_meta(name, m)
+        if epochs == "auto" and not reader.padded:
+            # Without padding a reader epoch ends inside a batch, so epochs cannot be aligned;
+            # the stream runs free, and DALI's iterators, which would count epochs, are refused.
+            epochs = None
+            self.config = replace(self.config, epochs=None)
+            self.unaligned_reader = name
+        if epochs is not None and not reader.padded:
+            raise ValueError(
+                f"epochs={epochs} needs the reader {name!r} to be created with "
+                "pad_last_batch=True, so every epoch starts on a batch boundary and no sample of "
+                "the next epoch is pulled into the last batch; or pass epochs=None for a "
+                "free-running stream"
+            )
+        if epochs == "auto":
+            self.config = replace(self.config, epochs=1)
+        self.reader_epochs = reader
+        return reader.fresh(0), reader.iterations(self.config.upstream_batch_size)
+
+    @property
+    def finite(self) -> bool:
+        """True when the stream ends after ``epochs`` reader epochs (epoch-aligned, the default
+        with a reader); False for the free-running stream (``epochs=None``). Builds the DALI
+        pipelines (nothing runs)."""
+        _ = self.shard_size  # type: ignore[attr-defined]  # builds: resolves epochs="auto"
+        return self.config.epochs is not None
+
+    def epoch_copies(self) -> int:
+        """Copies of samples in one pass of an epoch-aligned stream: ``epochs`` times e times
+        this shard's size (see :meth:`ReaderEpochs.copies`); 0 for a free-running stream."""
+        if not self.finite:
+            return 0
+        cfg = self.config
+        unit = cfg.upstream_batch_size if cfg.mode == "batch" else 1
+        return int(cfg.epochs) * self.reader_epochs.copies(cfg.echo_factor, unit)
+
+    def reset(self) -> None:
+        """Starts the next pass of an epoch-aligned stream once this one is over: its end was
+        drawn (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
+        iterators count the epoch and stop before the padding). A no-op otherwise, as DALI's
+        iterators ignore a reset inside an epoch."""
+        counted = self.counted_epochs and self._handed >= self.epoch_copies()
+        ended = self._input_done or counted
+        if not ended or not self._started:
+            return
+        self._await_pass_end()
+        self.release_outputs()  # type: ignore[attr-defined]
+        # Iterations scheduled after the end hold padding only; consume them before going on.
+        while self._scheduled > 0:
+            info = host_dense(self.downstream.outputs()[-1])
+            self.copies_discarded += int(info[:, 0].sum())
+            self._scheduled -= 1
+        self._stash.clear()
+        self._input_done = False
+        self._exhausted = False
+        self._handed = 0
+        self._runner.ended = False
+        self.cache.reset_input()
+
+    def _await_pass_end(self, timeout_s: float = 600.0) -> None:
+        """Lets the upstream finish the pass (its padding-only last batches included) before
+        the next one starts; every copy of the pass is out, so nothing waits for the consumer."""
+        deadline = time.monotonic() + timeout_s
+        while not self._runner.ended:
+            self._raise_runner_error()  # type: ignore[attr-defined]
+            if self._closed:
+                raise RuntimeError("this EchoPipeline was closed")
+            if self.config.deterministic:
+                self._fill_for_next_run()  # type: ignore[attr-defined]
+            elif time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the upstream pipeline did not finish its epoch within {timeout_s} s"
+                )
+            else:
+                time.sleep(0.005)
