@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <memory>
 #include <utility>
 
@@ -24,6 +23,7 @@
 #include "cuda/gather.h"
 #include "dali/echo_ops.h"
 #include "dali/pipeline/operator/checkpointing/stateless_operator.h"
+#include "dali/source_draw.h"
 
 namespace dali {
 namespace {
@@ -206,13 +206,16 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
-// Device copy of one sample, the padding template of the batches after the end of input. It is
-// copied from the arena (pinned or device) once, synchronously, so every output sample of a
-// padded batch is device-readable and the batch stays one launch.
+// Device copy of one sample, the padding template of the batches after the end of input, so
+// every output sample of a padded batch is device-readable and the batch stays one launch. Its
+// bytes are copied by the launch of the batch it was taken from (stream-ordered before any batch
+// that reads it; a synchronous cudaMemcpy on the legacy stream would not be ordered with DALI's
+// stream, and from a device arena it may return before the copy ends).
 struct DevicePadding {
   echopipe_dali::SampleCopy desc_only;  // desc for DescribeOutputs; no host field bytes
   void* fields[echopipe::kMaxFields] = {};
   size_t nbytes[echopipe::kMaxFields] = {};
+  bool filled = false;  // its copy is queued (in the plan of the batch it came from)
 
   DevicePadding() = default;
   DevicePadding(const DevicePadding&) = delete;
@@ -234,12 +237,14 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
 
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
-    // Before the (blocking) draw: leases whose copies have completed go back to the cache, so
-    // a small cache is not kept full by slots that only wait for the next RunImpl.
+    // Before the (blocking) draw and between its attempts: leases whose copies have completed go
+    // back to the cache, so a small cache is not kept full by slots that only wait for the next
+    // RunImpl (dali/source_draw.h says why that could hang).
     RetireFinished();
     int batch_size = ws.GetRequestedBatchSize(0);
     const echopipe_dali::SampleCopy* pad = padding_ ? &padding_->desc_only : nullptr;
-    batch_ = echopipe_dali::DrawBatch(*cache_, batch_size, pad, cache_name_);
+    batch_ = echopipe_dali::DrawBatch(*cache_, batch_size, pad, cache_name_,
+                                      [this] { RetireFinished(); });
     UpdatePadding();
     pad = padding_ ? &padding_->desc_only : nullptr;
     echopipe_dali::DescribeOutputs(batch_, pad, num_fields_, out, cache_name_);
@@ -260,6 +265,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
       out.SetLayout(echopipe_dali::RecordedLayout(*cache_, f));
       for (int i = 0; i < n; ++i) AddSample(i, f, out.raw_mutable_tensor(i));
     }
+    AddPaddingFill();
     plan_.add(flight.info->device(), flight.info->host(),
               ws.Output<GPUBackend>(num_fields_).raw_mutable_tensor(0),
               static_cast<int64_t>(3 * n * sizeof(int64_t)));
@@ -274,7 +280,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     // The leases and the info buffer live until the copies that read them have completed.
     flight.batch = std::move(batch_);
     batch_ = {};
-    in_flight_.push_back(std::move(flight));
+    in_flight_.push(std::move(flight));
   }
 
  private:
@@ -320,7 +326,9 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     }
   }
 
-  // A device copy of the first drawn sample (once): the template of padded batches.
+  // Room for a device copy of the first drawn sample (once): the template of padded batches.
+  // Padding is only read by batches that drew nothing, never by the batch it comes from, so its
+  // copy can join that batch's launch (AddPaddingFill).
   void UpdatePadding() {
     if (padding_ || batch_.valid == 0) return;
     const auto& lease = batch_.leases[0];
@@ -330,11 +338,23 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
       const size_t nbytes = lease.nbytes(f);
       pad->nbytes[f] = nbytes;
       CudaCheck(cudaMalloc(&pad->fields[f], nbytes > 0 ? nbytes : 1), "cudaMalloc (padding)");
-      // Synchronous and once per source: the arena may be pinned host or device memory.
-      CudaCheck(cudaMemcpy(pad->fields[f], lease.data(f), nbytes, cudaMemcpyDefault),
-                "cudaMemcpy (padding)");
     }
     padding_ = std::move(pad);
+  }
+
+  // Queues the padding's copy from lease 0 of this batch; the flight keeps that lease until the
+  // copy has ended, like the samples' own.
+  void AddPaddingFill() {
+    if (!padding_ || padding_->filled || batch_.valid == 0) return;
+    const auto& lease = batch_.leases[0];
+    // The template's sizes came from this lease unless the run that drew it failed.
+    for (int f = 0; f < lease.desc().num_fields; ++f)
+      if (lease.nbytes(f) != padding_->nbytes[f]) return;
+    for (int f = 0; f < lease.desc().num_fields; ++f) {
+      plan_.add(lease.device_data(f), lease.data(f), padding_->fields[f],
+                static_cast<int64_t>(padding_->nbytes[f]));
+    }
+    padding_->filled = true;
   }
 
   std::unique_ptr<PinnedBuffer> TakeInfoBuffer(size_t bytes) {
@@ -348,18 +368,13 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     return std::make_unique<PinnedBuffer>(std::max<size_t>(bytes, 64));
   }
 
+  // Gives back the leases and info buffers of batches whose copies have ended; at most two
+  // batches stay pending (bounding the slots held), older ones are waited for.
   void RetireFinished() {
-    while (!in_flight_.empty()) {
-      auto& front = in_flight_.front();
-      // Bound the lag so leased slots are returned to the cache promptly.
-      if (in_flight_.size() > 2) {
-        CudaCheck(cudaEventSynchronize(front.event.get()), "cudaEventSynchronize");
-      } else if (cudaEventQuery(front.event.get()) != cudaSuccess) {
-        break;
-      }
-      free_info_.push_back(std::move(front.info));
-      in_flight_.pop_front();
-    }
+    in_flight_.retire(
+        2, [](InFlight& f) { return cudaEventQuery(f.event.get()) == cudaSuccess; },
+        [](InFlight& f) { CudaCheck(cudaEventSynchronize(f.event.get()), "cudaEventSynchronize"); },
+        [this](InFlight& f) { free_info_.push_back(std::move(f.info)); });
   }
 
   std::string cache_name_;
@@ -373,7 +388,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   std::vector<std::unique_ptr<PinnedBuffer>> free_info_;
   // Last, so it is destroyed first: each flight's event waits for the copies that read the
   // leases, the info buffers and the padding.
-  std::deque<InFlight> in_flight_;
+  echopipe_dali::FlightQueue<InFlight> in_flight_;
 };
 
 DALI_REGISTER_OPERATOR(EchopipeEchoSink, EchoSinkGPU, GPU);
