@@ -168,7 +168,24 @@ void launch_normalize(const void* const* src, int64_t n, int64_t hw, const Norm&
   }
 }
 
+__device__ inline uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void spin_kernel(int64_t ns) {
+  const uint64_t start = global_ns();
+  while (global_ns() - start < static_cast<uint64_t>(ns)) __nanosleep(1000);
+}
+
 }  // namespace
+
+void spin(int64_t ns, void* stream_handle) {
+  if (ns <= 0) return;
+  spin_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream_handle)>>>(ns);
+  check(cudaGetLastError(), "spin_kernel launch");
+}
 
 void gather_bytes(const void* const* src, const int64_t* sizes, int64_t n, void* dst,
                   void* stream_handle) {

@@ -82,6 +82,15 @@ void CheckArenaDevice(const echopipe::EchoCache& cache, const std::string& name,
                   "for device_id), or use memory='pinned'"));
 }
 
+// A test hook's spin (copy_mode.h), parsed when the operator is built.
+int64_t SpinFromEnv(const char* variable, const char* op) {
+  try {
+    return echopipe::cuda::spin_ns_from_env(variable, std::getenv(variable));
+  } catch (const std::invalid_argument& e) {
+    DALI_FAIL(make_string(op, ": ", e.what()));
+  }
+}
+
 }  // namespace
 
 class EchoSinkGPU : public StatelessOperator<GPUBackend> {
@@ -90,7 +99,8 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
       : StatelessOperator<GPUBackend>(spec),
         cache_name_(spec.GetArgument<std::string>("cache_name")),
         cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo sink (gpu)")),
-        device_arena_(cache_->memory_kind() == echopipe::MemoryKind::kDevice) {}
+        device_arena_(cache_->memory_kind() == echopipe::MemoryKind::kDevice),
+        spin_ns_(SpinFromEnv(echopipe::cuda::kSinkSpinEnv, "echopipe echo sink (gpu)")) {}
 
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
@@ -104,6 +114,7 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
     int n = ws.GetInputBatchSize(0);
     echopipe_dali::RecordInputLayouts(*cache_, ws);
     std::vector<int32_t> stored(n, 0);
+    echopipe::cuda::spin(spin_ns_, ws.stream());
     for (int i = 0; i < n; ++i) {
       if (!cache_->take_quota()) continue;
       echopipe::SampleDesc desc = echopipe_dali::DescribeInputSample(ws, i);
@@ -169,6 +180,7 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
   std::string cache_name_;
   std::shared_ptr<echopipe::EchoCache> cache_;
   bool device_arena_;
+  int64_t spin_ns_;
   bool device_checked_ = false;
   std::vector<std::pair<int, echopipe::PutReservation>> pending_;
 };
@@ -233,7 +245,8 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
         cache_name_(spec.GetArgument<std::string>("cache_name")),
         num_fields_(spec.GetArgument<int>("num_fields")),
         cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo source (gpu)")),
-        mode_(ParseMode()) {}
+        mode_(ParseMode()),
+        spin_ns_(SpinFromEnv(echopipe::cuda::kSourceSpinEnv, "echopipe echo source (gpu)")) {}
 
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
@@ -270,6 +283,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
               ws.Output<GPUBackend>(num_fields_).raw_mutable_tensor(0),
               static_cast<int64_t>(3 * n * sizeof(int64_t)));
     try {
+      echopipe::cuda::spin(spin_ns_, stream);
       Copy(plan_, stream);
     } catch (...) {
       // Some copies may be queued: the event must mark them before the leases can go.
@@ -381,6 +395,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   int num_fields_;
   std::shared_ptr<echopipe::EchoCache> cache_;
   echopipe::cuda::CopyMode mode_;
+  int64_t spin_ns_;
   bool device_checked_ = false;
   echopipe_dali::DrawnBatch batch_;
   std::unique_ptr<DevicePadding> padding_;
