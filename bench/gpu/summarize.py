@@ -109,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         paths = bw.get("copy_paths", [])
         if paths:
             head = f"{'scatter':>8}{'each':>8}{'peer':>8}{'ratio':>7}{'aim':>8}"
-            print(f"\n{'source copy (GB/s)':<24}{head}")
+            print(f"\n{'source copy (GB/s)':<32}{head}")
         for r in paths:
+            label = f"{r['arena']} {r.get('destinations', 'aligned')} {r['image']}"
             print(
-                f"{r['arena'] + ' ' + r['image']:<24}{r['scatter_GBps']:8.1f}"
+                f"{label:<32}{r['scatter_GBps']:8.1f}"
                 f"{r['memcpy_each_GBps']:8.1f}{r['peer_GBps']:8.1f}{r['scatter_vs_peer']:7.2f}"
                 f"{'  met' if r['scatter_vs_peer'] >= r['aim'] else ' not met'}"
             )
@@ -141,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             vs = r.get("vs_plain")
             vs_text = f"x{vs:.2f} vs plain" if vs else "no plain rate"
+            if r.get("vs_ideal"):
+                vs_text += f", x{r['vs_ideal']:.2f} the ideal {r['ideal']:.0f}"
             print(f"  {r['row']:<20}{r['images_per_s']:10.0f}  ({vs_text})")
+        if not dg.get("complete", True):
+            print("  (cut short: the rows above are all that were measured)")
     runs = {k: v for k, v in results["train"].items() if v}
     if runs:
         print("\nechopipe train, 1 epoch on the synthetic set:")
