@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from echopipe.echo.inflight import InFlight
@@ -280,8 +281,11 @@ def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 RUN_SH = REPO / "bench" / "gpu" / "run.sh"
-PASS1 = ["environment", "build", "test_gpu", "bench_gather_bw", "train_mixed"]
-PASS2 = ["test_echo_pinned", "train_mixed_amp", "bench_pipeline", "bench_dali_gpu"]
+HEADLINE = ["environment", "unpack_dali", "build", "bench_dali_gpu", "bench_gather_bw",
+            "test_overlap"]  # fmt: skip
+TESTS = ["test_gpu_kernels", "test_gpu_streams", "test_gpu_dali", "test_gpu_races"]
+EXTRAS = ["test_echo_pinned", "bench_pipeline", "train_mixed", "train_mixed_amp"]
+BUDGETS = {"headline": 240, "tests": 150, "extras": 270}
 
 
 def _plan(steps: str | None, **env: str) -> subprocess.CompletedProcess[str]:
@@ -294,19 +298,59 @@ def _plan(steps: str | None, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _plan_lines(got: subprocess.CompletedProcess[str]) -> tuple[dict[str, str], list[str], str]:
+    """(pass -> its line, the steps, the budget line) of a --plan output."""
+    lines = got.stdout.splitlines()
+    passes = {ln.split(":")[0].split()[1]: ln for ln in lines if ln.startswith("pass ")}
+    (steps,) = [ln for ln in lines if ln.startswith("steps: ")]
+    (budget,) = [ln for ln in lines if ln.startswith("budget: ")]
+    return passes, steps.split()[1:], budget
+
+
+def test_plan_puts_the_headline_first_and_each_pass_within_its_budget() -> None:
+    """The default run is ONE command: the headline pass (DALI echo vs plain DALI first, then
+    gather vs memcpy and the stream overlap) before the tests, every pass's step timeouts
+    adding up to at most its budget, and the whole under 7 minutes."""
+    got = _plan(None)
+    assert got.returncode == 0, got.stderr
+    passes, steps, budget = _plan_lines(got)
+    assert steps == HEADLINE + TESTS
+    measuring = [s for s in steps if s not in ("environment", "unpack_dali", "build")]
+    assert measuring[:3] == ["bench_dali_gpu", "bench_gather_bw", "test_overlap"]
+    assert list(passes) == ["headline", "tests"]
+    for name, line in passes.items():
+        timeouts = [int(t) for t in re.findall(r" (\d+)s,?", line.split("=")[0])]
+        total = int(re.search(r"= (\d+)s", line).group(1))
+        assert sum(timeouts) == total <= BUDGETS[name], line
+        assert line.endswith(f"within its budget of {BUDGETS[name]}s")
+    # Per-test timeouts of 20 s fit in every pytest step.
+    assert all(t >= 25 for t in (int(x) for x in re.findall(r"test_\w+ (\d+)s", got.stdout)))
+    assert budget == "budget: 390s"
+
+
+def test_plan_refuses_a_pass_whose_timeouts_exceed_its_budget(tmp_path: Path) -> None:
+    script = tmp_path / "run.sh"
+    script.write_text(RUN_SH.read_text().replace("[tests]=150", "[tests]=100"))
+    got = subprocess.run(["bash", str(script), "--plan"], capture_output=True, text=True,
+                         timeout=30, env={k: v for k, v in os.environ.items()
+                                          if not k.startswith("ECHOPIPE_GPU_")})  # fmt: skip
+    assert got.returncode == 3
+    assert "pass tests:" in got.stdout and "= 150s, OVER its budget of 100s" in got.stdout
+
+
 @pytest.mark.parametrize(
     ("steps", "expected", "budget"),
     [
-        (None, PASS1, 210),
-        ("pass1", PASS1, 210),
-        ("pass2", ["environment", "build", *PASS2], 210),
-        ("all", PASS1 + PASS2, 440),
-        ("pass2,pass1", PASS1 + PASS2, 440),  # run order, not the order named
-        ("build,test_gpu", ["environment", "build", "test_gpu"], 210),
+        (None, HEADLINE + TESTS, 390),
+        ("headline", HEADLINE, 240),
+        ("tests", ["environment", "unpack_dali", "build", *TESTS], 390),
+        ("all", HEADLINE + TESTS + EXTRAS, 660),
+        ("extras,headline", HEADLINE + EXTRAS, 510),  # run order, not the order named
+        ("test_gpu_races", ["environment", "unpack_dali", "build", "test_gpu_races"], 390),
         # A step that needs the installed package brings the build (skipped there if current).
-        (" bench_dali_gpu ", ["environment", "build", "bench_dali_gpu"], 210),
-        ("environment", ["environment"], 210),
-        ("test_gpu,test_gpu", ["environment", "build", "test_gpu"], 210),
+        (" bench_gather_bw ", ["environment", "unpack_dali", "build", "bench_gather_bw"], 240),
+        ("environment", ["environment"], 240),
+        ("test_gpu_dali,test_gpu_dali", [*HEADLINE[:3], "test_gpu_dali"], 390),
     ],
 )
 def test_step_filter_selects_steps_in_run_order(
@@ -314,18 +358,20 @@ def test_step_filter_selects_steps_in_run_order(
 ) -> None:
     got = _plan(steps)
     assert got.returncode == 0, got.stderr
-    assert got.stdout.splitlines() == [f"steps: {' '.join(expected)}", f"budget: {budget}s"]
+    _, selected, budget_line = _plan_lines(got)
+    assert selected == expected
+    assert budget_line == f"budget: {budget}s"
 
 
-def test_step_filter_budget_can_be_set() -> None:
-    got = _plan("test_gpu", ECHOPIPE_GPU_BUDGET_S="100")
-    assert got.returncode == 0 and got.stdout.splitlines()[1] == "budget: 100s"
+def test_step_filter_budget_can_be_capped() -> None:
+    got = _plan("test_gpu_races", ECHOPIPE_GPU_BUDGET_S="100")
+    assert got.returncode == 0 and _plan_lines(got)[2] == "budget: 100s"
 
 
 @pytest.mark.parametrize(
     ("steps", "message"),
     [
-        ("test_gpu,tset_echo", "unknown step 'tset_echo'"),
+        ("test_gpu,tset_echo", "unknown step 'test_gpu'"),
         ("pass3", "unknown step 'pass3'"),
         (",,", "names no step"),
     ],
@@ -334,6 +380,29 @@ def test_step_filter_rejects_a_bad_name_in_one_line(steps: str, message: str) ->
     got = _plan(steps)
     assert got.returncode == 2 and got.stdout == ""
     assert message in got.stderr and len(got.stderr.strip().splitlines()) == 1
+
+
+def test_the_gpu_test_groups_cover_test_gpu_exactly_once() -> None:
+    """run.sh runs tests/test_gpu.py in four processes (-k groups); every test is in one."""
+    text = RUN_SH.read_text()
+    streams = re.search(r'GPU_STREAM_TESTS="([^"]+)"', text).group(1)
+    groups = [
+        f"not dali and not ({streams}) and not stage_streams_overlap",
+        streams,
+        "dali",
+        "stage_streams_overlap",
+    ]
+    assert "-k dali" in text and "::test_stage_streams_overlap_on_one_gpu" in text
+
+    def collect(k: str | None) -> list[str]:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+               str(REPO / "tests" / "test_gpu.py")] + (["-k", k] if k else [])  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO).stdout
+        return [ln for ln in out.splitlines() if "::" in ln]
+
+    everything = collect(None)
+    parts = [collect(k) for k in groups]
+    assert all(parts) and sorted(t for part in parts for t in part) == sorted(everything)
 
 
 _SLOW_TESTS = textwrap.dedent(
@@ -485,10 +554,8 @@ def test_cuda_only_pipeline_bench_says_in_one_line_that_it_needs_a_device(tmp_pa
 
 
 def test_the_script_runs_its_steps_in_the_order_the_plan_prints() -> None:
-    import re
-
     ran = re.findall(r"^step (\w+) ", RUN_SH.read_text(), re.MULTILINE)
-    assert ran == PASS1 + PASS2
+    assert ran == HEADLINE + TESTS + EXTRAS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -705,3 +772,28 @@ def test_gpu_source_draw_on_a_minimum_cache_does_not_hang(tmp_path: Path) -> Non
     got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr
     assert got.stdout.strip() == "gpu source draw tests passed"
+
+
+def test_recut_dali_joins_to_the_same_bytes_in_fewer_parts_that_fit_one_transfer(
+    tmp_path: Path,
+) -> None:
+    """Four 0.75 MiB parts (as pack-dali cuts them, scaled down) under a 2 MiB transfer limit:
+    two parts, each with the tree under the limit, the same bytes joined, sums that check."""
+    repo = tmp_path / "repo"
+    gpu = repo / ".gpu"
+    gpu.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "tracked.txt").write_text("x" * 10_000)
+    data = np.random.default_rng(0).bytes(3 * 1024 * 1024)
+    for i in range(4):
+        (gpu / f"dali.tar.xz.part-{i}").write_bytes(data[i * 786432 : (i + 1) * 786432])
+    subprocess.run("sha256sum dali.tar.xz.part-* > SHA256SUMS", shell=True, cwd=gpu, check=True)
+    (repo / ".git" / "info" / "exclude").write_text("/.gpu/\n")
+    got = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "recut-dali"), "2"], cwd=repo,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    parts = sorted(gpu.glob("dali.tar.xz.part-*"))
+    assert len(parts) == 2 and "DALI in 2 parts" in got.stdout
+    assert all(p.stat().st_size + 10_000 <= 2 * 1024 * 1024 for p in parts)
+    assert b"".join(p.read_bytes() for p in parts) == data
+    subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=gpu, check=True)
