@@ -162,6 +162,16 @@ _SCATTER_CHECK = textwrap.dedent(
         std::printf("error %s\n", e.what());
       }
       std::printf("entries %d\n", kScatterEntries);
+      for (const char* v : {(const char*)nullptr, "", "0", "50000", "10000000"})
+        std::printf("spin %lld\n", (long long)spin_ns_from_env(kSourceSpinEnv, v));
+      for (const char* v : {"-1", "5ms", "10000001", "99999999999999999999"}) {
+        try {
+          spin_ns_from_env(kSinkSpinEnv, v);
+          std::printf("accepted %s\n", v);
+        } catch (const std::invalid_argument& e) {
+          std::printf("error %s\n", e.what());
+        }
+      }
       return 0;
     }
     """
@@ -184,6 +194,14 @@ def test_source_batch_is_one_scatter_table_per_chunk_with_its_own_destinations(
     assert lines[11] == (
         "error ECHOPIPE_GPU_SOURCE_COPY must be 'gather', 'batch' or 'each', got 'memcpy'"
     )
+    # The race tests' spin hooks: whole microseconds up to 10 s, else one line naming both.
+    assert lines[13:18] == ["spin 0", "spin 0", "spin 0", "spin 50000000", "spin 10000000000"]
+    bad = ["-1", "5ms", "10000001", "99999999999999999999"]
+    for line, value in zip(lines[18:22], bad, strict=True):
+        assert line == (
+            "error ECHOPIPE_GPU_TEST_SINK_SPIN_US must be whole microseconds in "
+            f"[0, 10000000], got '{value}'"
+        )
 
 
 @pytest.mark.parametrize(
