@@ -815,3 +815,12 @@ def test_recut_dali_joins_to_the_same_bytes_in_fewer_parts_that_fit_one_transfer
     assert all(p.stat().st_size + 10_000 <= 2 * 1024 * 1024 for p in parts)
     assert b"".join(p.read_bytes() for p in parts) == data
     subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=gpu, check=True)
+
+
+@pytest.mark.parametrize("scale", ["0", "x", "1.5", "100"])
+def test_a_bad_timeout_scale_is_one_line(scale: str) -> None:
+    got = _plan(None, ECHOPIPE_GPU_TIMEOUT_SCALE=scale)
+    assert got.returncode == 2 and got.stdout == ""
+    assert got.stderr.strip() == (
+        f"ECHOPIPE_GPU_TIMEOUT_SCALE must be a whole number from 1 to 99, got '{scale}'"
+    )

@@ -15,7 +15,9 @@
 # ECHOPIPE_GPU_STEPS is a comma list of step names and passes (headline, tests, extras, all);
 # `environment` always runs, and a step that needs the installed package brings `build` (and
 # `unpack_dali` before it). `build` skips the install when the same sources were already built
-# on this machine. Steps run in the order above. ECHOPIPE_GPU_BUDGET_S caps the whole run.
+# on this machine. Steps run in the order above. ECHOPIPE_GPU_BUDGET_S caps the whole run;
+# ECHOPIPE_GPU_TIMEOUT_SCALE (a whole number, default 1) multiplies every timeout and budget at
+# run time, for rehearsals on a machine slower than the GPU machine (--plan shows them unscaled).
 #
 # Every step has its own timeout, cut to what is left of its pass's budget, and its own log;
 # pytest steps have a per-test timeout (ECHOPIPE_TEST_TIMEOUT_S, 20 s here) too. A failed step
@@ -149,6 +151,11 @@ print_plan() {
   return $((over ? 3 : 0))
 }
 
+SCALE=${ECHOPIPE_GPU_TIMEOUT_SCALE:-1}
+if [[ ! $SCALE =~ ^[1-9][0-9]?$ ]]; then
+  echo "ECHOPIPE_GPU_TIMEOUT_SCALE must be a whole number from 1 to 99, got '$SCALE'" >&2
+  exit 2
+fi
 if [[ ${1:-} == --plan ]]; then
   print_plan
   exit $?
@@ -167,6 +174,7 @@ OUT="$(cd "$OUT" && pwd)"
 cd "$REPO" || exit 2
 : > "$OUT/steps.tsv"
 print_plan
+((SCALE > 1)) && echo "every timeout and budget x $SCALE (ECHOPIPE_GPU_TIMEOUT_SCALE)"
 echo "work folder: $OUT; results go to $DEST"
 START_S=$SECONDS
 # The CUDA image's torch lives in its python3; a bare `python` may be absent or another one.
@@ -203,10 +211,10 @@ step() {
   local name=$1
   shift
   selected "$name" || return 0
-  local pass=${PASS_OF[$name]} limit=${TIMEOUT[$name]}
+  local pass=${PASS_OF[$name]} limit=$((TIMEOUT[$name] * SCALE))
   [[ -z ${PASS_START[$pass]:-} ]] && PASS_START[$pass]=$SECONDS
-  local left=$((PASS_BUDGET[$pass] - (SECONDS - PASS_START[$pass])))
-  local run_left=$((BUDGET_S - (SECONDS - START_S)))
+  local left=$((PASS_BUDGET[$pass] * SCALE - (SECONDS - PASS_START[$pass])))
+  local run_left=$((BUDGET_S * SCALE - (SECONDS - START_S)))
   ((run_left < left)) && left=$run_left
   if ((left < 5)); then
     echo "== $name: no time left in the $pass pass's budget" | tee "$OUT/logs/$name.log"
