@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from echopipe.echo.inflight import InFlight
@@ -161,6 +162,16 @@ _SCATTER_CHECK = textwrap.dedent(
         std::printf("error %s\n", e.what());
       }
       std::printf("entries %d\n", kScatterEntries);
+      for (const char* v : {(const char*)nullptr, "", "0", "50000", "10000000"})
+        std::printf("spin %lld\n", (long long)spin_ns_from_env(kSourceSpinEnv, v));
+      for (const char* v : {"-1", "5ms", "10000001", "99999999999999999999"}) {
+        try {
+          spin_ns_from_env(kSinkSpinEnv, v);
+          std::printf("accepted %s\n", v);
+        } catch (const std::invalid_argument& e) {
+          std::printf("error %s\n", e.what());
+        }
+      }
       return 0;
     }
     """
@@ -183,6 +194,14 @@ def test_source_batch_is_one_scatter_table_per_chunk_with_its_own_destinations(
     assert lines[11] == (
         "error ECHOPIPE_GPU_SOURCE_COPY must be 'gather', 'batch' or 'each', got 'memcpy'"
     )
+    # The race tests' spin hooks: whole microseconds up to 10 s, else one line naming both.
+    assert lines[13:18] == ["spin 0", "spin 0", "spin 0", "spin 50000000", "spin 10000000000"]
+    bad = ["-1", "5ms", "10000001", "99999999999999999999"]
+    for line, value in zip(lines[18:22], bad, strict=True):
+        assert line == (
+            "error ECHOPIPE_GPU_TEST_SINK_SPIN_US must be whole microseconds in "
+            f"[0, 10000000], got '{value}'"
+        )
 
 
 @pytest.mark.parametrize(
@@ -280,8 +299,11 @@ def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 RUN_SH = REPO / "bench" / "gpu" / "run.sh"
-PASS1 = ["environment", "build", "test_gpu", "bench_gather_bw", "train_mixed"]
-PASS2 = ["test_echo_pinned", "train_mixed_amp", "bench_pipeline", "bench_dali_gpu"]
+HEADLINE = ["environment", "unpack_dali", "build", "bench_dali_gpu", "bench_gather_bw",
+            "test_overlap"]  # fmt: skip
+TESTS = ["test_gpu_kernels", "test_gpu_streams", "test_gpu_dali", "test_gpu_races"]
+EXTRAS = ["test_echo_pinned", "bench_pipeline", "train_mixed", "train_mixed_amp"]
+BUDGETS = {"headline": 240, "tests": 150, "extras": 270}
 
 
 def _plan(steps: str | None, **env: str) -> subprocess.CompletedProcess[str]:
@@ -294,19 +316,59 @@ def _plan(steps: str | None, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _plan_lines(got: subprocess.CompletedProcess[str]) -> tuple[dict[str, str], list[str], str]:
+    """(pass -> its line, the steps, the budget line) of a --plan output."""
+    lines = got.stdout.splitlines()
+    passes = {ln.split(":")[0].split()[1]: ln for ln in lines if ln.startswith("pass ")}
+    (steps,) = [ln for ln in lines if ln.startswith("steps: ")]
+    (budget,) = [ln for ln in lines if ln.startswith("budget: ")]
+    return passes, steps.split()[1:], budget
+
+
+def test_plan_puts_the_headline_first_and_each_pass_within_its_budget() -> None:
+    """The default run is ONE command: the headline pass (DALI echo vs plain DALI first, then
+    gather vs memcpy and the stream overlap) before the tests, every pass's step timeouts
+    adding up to at most its budget, and the whole under 7 minutes."""
+    got = _plan(None)
+    assert got.returncode == 0, got.stderr
+    passes, steps, budget = _plan_lines(got)
+    assert steps == HEADLINE + TESTS
+    measuring = [s for s in steps if s not in ("environment", "unpack_dali", "build")]
+    assert measuring[:3] == ["bench_dali_gpu", "bench_gather_bw", "test_overlap"]
+    assert list(passes) == ["headline", "tests"]
+    for name, line in passes.items():
+        timeouts = [int(t) for t in re.findall(r" (\d+)s,?", line.split("=")[0])]
+        total = int(re.search(r"= (\d+)s", line).group(1))
+        assert sum(timeouts) == total <= BUDGETS[name], line
+        assert line.endswith(f"within its budget of {BUDGETS[name]}s")
+    # Per-test timeouts of 20 s fit in every pytest step.
+    assert all(t >= 25 for t in (int(x) for x in re.findall(r"test_\w+ (\d+)s", got.stdout)))
+    assert budget == "budget: 390s"
+
+
+def test_plan_refuses_a_pass_whose_timeouts_exceed_its_budget(tmp_path: Path) -> None:
+    script = tmp_path / "run.sh"
+    script.write_text(RUN_SH.read_text().replace("[tests]=150", "[tests]=100"))
+    got = subprocess.run(["bash", str(script), "--plan"], capture_output=True, text=True,
+                         timeout=30, env={k: v for k, v in os.environ.items()
+                                          if not k.startswith("ECHOPIPE_GPU_")})  # fmt: skip
+    assert got.returncode == 3
+    assert "pass tests:" in got.stdout and "= 150s, OVER its budget of 100s" in got.stdout
+
+
 @pytest.mark.parametrize(
     ("steps", "expected", "budget"),
     [
-        (None, PASS1, 210),
-        ("pass1", PASS1, 210),
-        ("pass2", ["environment", "build", *PASS2], 210),
-        ("all", PASS1 + PASS2, 440),
-        ("pass2,pass1", PASS1 + PASS2, 440),  # run order, not the order named
-        ("build,test_gpu", ["environment", "build", "test_gpu"], 210),
+        (None, HEADLINE + TESTS, 390),
+        ("headline", HEADLINE, 240),
+        ("tests", ["environment", "unpack_dali", "build", *TESTS], 390),
+        ("all", HEADLINE + TESTS + EXTRAS, 660),
+        ("extras,headline", HEADLINE + EXTRAS, 510),  # run order, not the order named
+        ("test_gpu_races", ["environment", "unpack_dali", "build", "test_gpu_races"], 390),
         # A step that needs the installed package brings the build (skipped there if current).
-        (" bench_dali_gpu ", ["environment", "build", "bench_dali_gpu"], 210),
-        ("environment", ["environment"], 210),
-        ("test_gpu,test_gpu", ["environment", "build", "test_gpu"], 210),
+        (" bench_gather_bw ", ["environment", "unpack_dali", "build", "bench_gather_bw"], 240),
+        ("environment", ["environment"], 240),
+        ("test_gpu_dali,test_gpu_dali", [*HEADLINE[:3], "test_gpu_dali"], 390),
     ],
 )
 def test_step_filter_selects_steps_in_run_order(
@@ -314,18 +376,20 @@ def test_step_filter_selects_steps_in_run_order(
 ) -> None:
     got = _plan(steps)
     assert got.returncode == 0, got.stderr
-    assert got.stdout.splitlines() == [f"steps: {' '.join(expected)}", f"budget: {budget}s"]
+    _, selected, budget_line = _plan_lines(got)
+    assert selected == expected
+    assert budget_line == f"budget: {budget}s"
 
 
-def test_step_filter_budget_can_be_set() -> None:
-    got = _plan("test_gpu", ECHOPIPE_GPU_BUDGET_S="100")
-    assert got.returncode == 0 and got.stdout.splitlines()[1] == "budget: 100s"
+def test_step_filter_budget_can_be_capped() -> None:
+    got = _plan("test_gpu_races", ECHOPIPE_GPU_BUDGET_S="100")
+    assert got.returncode == 0 and _plan_lines(got)[2] == "budget: 100s"
 
 
 @pytest.mark.parametrize(
     ("steps", "message"),
     [
-        ("test_gpu,tset_echo", "unknown step 'tset_echo'"),
+        ("test_gpu,tset_echo", "unknown step 'test_gpu'"),
         ("pass3", "unknown step 'pass3'"),
         (",,", "names no step"),
     ],
@@ -334,6 +398,29 @@ def test_step_filter_rejects_a_bad_name_in_one_line(steps: str, message: str) ->
     got = _plan(steps)
     assert got.returncode == 2 and got.stdout == ""
     assert message in got.stderr and len(got.stderr.strip().splitlines()) == 1
+
+
+def test_the_gpu_test_groups_cover_test_gpu_exactly_once() -> None:
+    """run.sh runs tests/test_gpu.py in four processes (-k groups); every test is in one."""
+    text = RUN_SH.read_text()
+    streams = re.search(r'GPU_STREAM_TESTS="([^"]+)"', text).group(1)
+    groups = [
+        f"not dali and not ({streams}) and not stage_streams_overlap",
+        streams,
+        "dali",
+        "stage_streams_overlap",
+    ]
+    assert "-k dali" in text and "::test_stage_streams_overlap_on_one_gpu" in text
+
+    def collect(k: str | None) -> list[str]:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+               str(REPO / "tests" / "test_gpu.py")] + (["-k", k] if k else [])  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO).stdout
+        return [ln for ln in out.splitlines() if "::" in ln]
+
+    everything = collect(None)
+    parts = [collect(k) for k in groups]
+    assert all(parts) and sorted(t for part in parts for t in part) == sorted(everything)
 
 
 _SLOW_TESTS = textwrap.dedent(
@@ -485,10 +572,8 @@ def test_cuda_only_pipeline_bench_says_in_one_line_that_it_needs_a_device(tmp_pa
 
 
 def test_the_script_runs_its_steps_in_the_order_the_plan_prints() -> None:
-    import re
-
     ran = re.findall(r"^step (\w+) ", RUN_SH.read_text(), re.MULTILINE)
-    assert ran == PASS1 + PASS2
+    assert ran == HEADLINE + TESTS + EXTRAS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,3 +692,136 @@ def test_copy_ranges_names_a_bad_mode_or_mismatched_lists() -> None:
     # No ranges: nothing is launched, so a CUDA build holds this on a machine without a GPU too.
     if _C.built_with_cuda():
         _C.copy_ranges("gather", [], [], [], 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The gather kernels' byte copy (csrc/cuda/copy_range.h) run on the CPU, thread by thread
+# ---------------------------------------------------------------------------------------------
+
+_COPY_RANGE_CHECK = textwrap.dedent(
+    r"""
+    #include <sys/mman.h>
+    #include <unistd.h>
+    #include <cstdio>
+    #include <cstring>
+    #include <vector>
+    #include "cuda/copy_range.h"
+    using namespace echopipe::cuda;
+
+    // Every "thread" of a grid of `threads` copies its share, in a scrambled order.
+    static void run_grid(const uint8_t* in, uint8_t* out, int64_t size, int threads) {
+      for (int t = 0; t < threads; ++t) copy_range(in, out, size, (t * 5) % threads, threads);
+    }
+
+    int main() {
+      const long page = sysconf(_SC_PAGESIZE);
+      // Source pages: [guard][data][guard]. A read outside the 16-byte blocks the range
+      // touches faults when the range starts at the data page's start or ends at its end.
+      auto* map = static_cast<uint8_t*>(mmap(nullptr, 3 * page, PROT_READ | PROT_WRITE,
+                                             MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+      uint8_t* data = map + page;
+      for (long i = 0; i < page; ++i) data[i] = static_cast<uint8_t>(i * 131 + 7);
+      mprotect(map, page, PROT_NONE);
+      mprotect(data + page, page, PROT_NONE);
+      std::vector<int64_t> sizes;
+      for (int64_t s = 0; s <= 48; ++s) sizes.push_back(s);
+      for (int64_t s : {63, 64, 65, 100, 255, 256, 257, 1000, 3001}) sizes.push_back(s);
+      alignas(64) static uint8_t dst_buf[4096 + 128];
+      long checks = 0, bad = 0;
+      for (int threads : {1, 3, 8, 256}) {
+        for (int src_off = 0; src_off < 16; ++src_off) {
+          for (int dst_off = 0; dst_off < 16; ++dst_off) {
+            for (int64_t size : sizes) {
+              const int64_t span = (src_off + size + 15) / 16 * 16;
+              for (int at_end = 0; at_end < 2; ++at_end) {
+                const uint8_t* src = at_end ? data + page - span + src_off : data + src_off;
+                std::memset(dst_buf, 0xA5, sizeof(dst_buf));
+                uint8_t* dst = dst_buf + 32 + dst_off;
+                run_grid(src, dst, size, threads);
+                bool ok = std::memcmp(dst, src, size) == 0;
+                for (uint8_t* p = dst_buf; p < dst; ++p) ok = ok && *p == 0xA5;
+                for (uint8_t* p = dst + size; p < dst_buf + sizeof(dst_buf); ++p)
+                  ok = ok && *p == 0xA5;
+                ++checks;
+                if (!ok && bad++ < 5)
+                  std::printf("bad threads=%d src_off=%d dst_off=%d size=%lld end=%d\n",
+                              threads, src_off, dst_off, (long long)size, at_end);
+              }
+            }
+          }
+        }
+      }
+      std::printf("checks %ld bad %ld\n", checks, bad);
+      return 0;
+    }
+    """
+)
+
+
+def test_byte_copy_is_exact_at_every_alignment_and_reads_only_the_blocks_it_needs(
+    tmp_path: Path,
+) -> None:
+    """DALI packs ragged samples back to back, so the gather's destinations are mostly
+    unaligned: the copy must be byte-exact for all 16 x 16 source and destination
+    misalignments, many sizes (below, at and above one vector) and grids of 1-256 threads, write
+    nothing outside the range, and read no 16-byte block outside it (guard pages fault)."""
+    lines = _run_plan(tmp_path, "-fno-strict-aliasing", program=_COPY_RANGE_CHECK)
+    assert lines[-2] == f"checks {4 * 16 * 16 * 58 * 2} bad 0", lines[:6]
+
+
+# ---------------------------------------------------------------------------------------------
+# The DALI GPU source's draw gives back finished batches while it waits (csrc/dali/source_draw.h)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gpu_source_draw_on_a_minimum_cache_does_not_hang(tmp_path: Path) -> None:
+    """tests/cpp/test_gpu_source_draw.cc (also run by ctest) against the built core: a cache of
+    the smallest size echopipe.dali allows, two batches held whose copies end only once the next
+    draw has started, e = 1 so their slots hold no tickets. Without the retire between draw
+    attempts it hangs after 2 draws; its watchdog then closes the cache and it exits 1."""
+    core = REPO / "python" / "echopipe" / "libechopipe_core.so"
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None or not core.exists():
+        pytest.skip("needs a host C++ compiler and the built core (run the native build first)")
+    exe = tmp_path / "draw"
+    cmd = [cxx, "-std=c++20", "-O1", f"-I{REPO / 'csrc'}",
+           str(REPO / "tests" / "cpp" / "test_gpu_source_draw.cc"), str(core),
+           f"-Wl,-rpath,{core.parent}", "-pthread", "-o", str(exe)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "gpu source draw tests passed"
+
+
+def test_recut_dali_joins_to_the_same_bytes_in_fewer_parts_that_fit_one_transfer(
+    tmp_path: Path,
+) -> None:
+    """Four 0.75 MiB parts (as pack-dali cuts them, scaled down) under a 2 MiB transfer limit:
+    two parts, each with the tree under the limit, the same bytes joined, sums that check."""
+    repo = tmp_path / "repo"
+    gpu = repo / ".gpu"
+    gpu.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "tracked.txt").write_text("x" * 10_000)
+    data = np.random.default_rng(0).bytes(3 * 1024 * 1024)
+    for i in range(4):
+        (gpu / f"dali.tar.xz.part-{i}").write_bytes(data[i * 786432 : (i + 1) * 786432])
+    subprocess.run("sha256sum dali.tar.xz.part-* > SHA256SUMS", shell=True, cwd=gpu, check=True)
+    (repo / ".git" / "info" / "exclude").write_text("/.gpu/\n")
+    got = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "recut-dali"), "2"], cwd=repo,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    parts = sorted(gpu.glob("dali.tar.xz.part-*"))
+    assert len(parts) == 2 and "DALI in 2 parts" in got.stdout
+    assert all(p.stat().st_size + 10_000 <= 2 * 1024 * 1024 for p in parts)
+    assert b"".join(p.read_bytes() for p in parts) == data
+    subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=gpu, check=True)
+
+
+@pytest.mark.parametrize("scale", ["0", "x", "1.5", "100"])
+def test_a_bad_timeout_scale_is_one_line(scale: str) -> None:
+    got = _plan(None, ECHOPIPE_GPU_TIMEOUT_SCALE=scale)
+    assert got.returncode == 2 and got.stdout == ""
+    assert got.stderr.strip() == (
+        f"ECHOPIPE_GPU_TIMEOUT_SCALE must be a whole number from 1 to 99, got '{scale}'"
+    )

@@ -22,14 +22,20 @@ written to its own place in the device batch as DALI's output holds it:
   from pinned memory (aim: scatter >= 0.85x); for the device arena (``memory="device"``), one
   device-to-device copy of the same bytes (aim: scatter >= 0.8x).
 
-Prints a table and writes ``<out>/gather_bw.json``. Usage:
+Each copy-path row is measured with destinations as a plain batch holds them (``aligned``: every
+sample at a multiple of its size) and as DALI packs a ragged batch (``packed``: samples of
+slightly different sizes back to back, so most start at an odd byte), the common case of the
+DALI GPU source, whose kernel then stores through the shifted path of csrc/cuda/copy_range.h.
+The 32 px rows use a batch of 4096 (12 MB) so that a launch's fixed cost does not dominate.
+
+``<out>/gather_bw.json`` is rewritten after every row (bench/gpu/rowlog.py), the 224 px rows
+first, so a run cut short keeps what it measured. Usage:
 ``python bench/gpu/gather_bw.py --out DIR [--quick]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -38,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from rowlog import RowLog
 
 
 def _events_ms(fn: Any, iters: int, stream: torch.cuda.Stream) -> float:
@@ -135,8 +142,16 @@ def measure(side: int, batch: int, iters: int) -> dict[str, Any]:
     }
 
 
-def measure_paths(memory: str, side: int, batch: int, iters: int) -> dict[str, Any]:
-    """GB/s of the source's three copy paths from a ``memory`` arena, and of the peer copy."""
+def packed_sizes(sample_bytes: int, batch: int) -> list[int]:
+    """Ragged sizes, as random crops give them: up to 45 bytes short of the full sample."""
+    return [sample_bytes - 3 * (i % 16) for i in range(batch)]
+
+
+def measure_paths(
+    memory: str, side: int, batch: int, iters: int, packed: bool = False
+) -> dict[str, Any]:
+    """GB/s of the source's three copy paths from a ``memory`` arena, and of the peer copy;
+    ``packed``: ragged samples written back to back (DALI's layout), else one per aligned slot."""
     from echopipe.echo import EchoCache
     from echopipe.native import _C
 
@@ -154,14 +169,20 @@ def measure_paths(memory: str, side: int, batch: int, iters: int) -> dict[str, A
         images = rng.integers(0, 256, size=(resident, side, side, 3), dtype=np.uint8)
         cache.put_batch(images)
         stream = torch.cuda.Stream()
-        nbytes = batch * sample_bytes
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        sizes = packed_sizes(sample_bytes, batch) if packed else [sample_bytes] * batch
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if packed else None
+        nbytes = int(sum(sizes))
+        dst = torch.empty(batch * sample_bytes, dtype=torch.uint8, device="cuda")
         samples = cache.take(batch, timeout=10)
         src = [s._lease.device_ptr(0) for s in samples]
-        dsts = [dst.data_ptr() + i * sample_bytes for i in range(batch)]
-        sizes = [sample_bytes] * batch
+        if offsets is None:
+            dsts = [dst.data_ptr() + i * sample_bytes for i in range(batch)]
+        else:
+            dsts = [dst.data_ptr() + int(o) for o in offsets]
         handle = stream.cuda_stream
-        expected = np.concatenate([images[s.sample_id].reshape(-1) for s in samples])
+        expected = np.concatenate(
+            [images[s.sample_id].reshape(-1)[:n] for s, n in zip(samples, sizes, strict=True)]
+        )
 
         def path(mode: str) -> tuple[float | None, bool]:
             if mode == "batch" and not _C.copy_batch_supported():
@@ -170,7 +191,8 @@ def measure_paths(memory: str, side: int, batch: int, iters: int) -> dict[str, A
             torch.cuda.synchronize()
             ms = _events_ms(lambda: _C.copy_ranges(mode, src, dsts, sizes, handle), iters, stream)
             stream.synchronize()
-            return nbytes / (ms * 1e-3) / 1e9, bool(np.array_equal(dst.cpu().numpy(), expected))
+            got = dst[:nbytes].cpu().numpy() if packed else dst.cpu().numpy()
+            return nbytes / (ms * 1e-3) / 1e9, bool(np.array_equal(got, expected))
 
         if memory == "device":
             peer_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -179,7 +201,7 @@ def measure_paths(memory: str, side: int, batch: int, iters: int) -> dict[str, A
 
         def peer() -> None:
             with torch.cuda.stream(stream):
-                dst.copy_(peer_src, non_blocking=True)
+                dst[:nbytes].copy_(peer_src[:nbytes], non_blocking=True)
 
         results = {mode: path(mode) for mode in ("gather", "batch", "each")}
         peer_gbps = nbytes / (_events_ms(peer, iters, stream) * 1e-3) / 1e9
@@ -189,6 +211,8 @@ def measure_paths(memory: str, side: int, batch: int, iters: int) -> dict[str, A
     scatter = results["gather"][0]
     return {
         "arena": memory,
+        "destinations": "packed" if packed else "aligned",
+        "unaligned_destinations": sum(1 for d in dsts if d % 16) if packed else 0,
         "image": f"{side}x{side}x3 uint8",
         "batch": batch,
         "batch_bytes": nbytes,
@@ -212,52 +236,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("gather_bw: no CUDA device", file=sys.stderr)
         raise SystemExit(2)
     iters = 10 if args.quick else 50
-    rows = [measure(side, batch, iters) for side, batch in ((32, 1024), (128, 256), (224, 256))]
-    header = (
+    log = RowLog(
+        args.out / "gather_bw.json",
+        {
+            "benchmark": "gpu_gather_bandwidth",
+            "command": "python bench/gpu/gather_bw.py " + " ".join(argv or sys.argv[1:]),
+            "machine": {
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+                "gpu": torch.cuda.get_device_name(0),
+                "cuda_runtime": torch.version.cuda,
+            },
+            "units": "GB/s (1e9 bytes/s) of host bytes moved to the device",
+            "limit": "memcpy_pinned_GBps: cudaMemcpyAsync of the same bytes from pinned memory",
+            "copy_paths": [],
+        },
+    )
+    ok = True
+    print(
         f"{'image':>16} {'batch MB':>9} {'gather':>8} {'+norm':>8} {'memcpy':>8} "
         f"{'take+g':>8} {'g/memcpy':>9} ok"
     )
-    print(header)
-    for r in rows:
+    for side, batch in ((224, 256), (128, 256), (32, 4096)):
+        r = measure(side, batch, iters)
+        log.add(r)
+        ok = ok and r["gather_matches_cpu"]
         print(
             f"{r['image']:>16} {r['batch_bytes'] / 1e6:9.1f} {r['gather_GBps']:8.1f} "
             f"{r['gather_normalize_GBps']:8.1f} {r['memcpy_pinned_GBps']:8.1f} "
             f"{r['take_plus_gather_GBps']:8.1f} {r['gather_vs_memcpy']:9.2f} "
-            f"{r['gather_matches_cpu']}"
+            f"{r['gather_matches_cpu']}",
+            flush=True,
         )
-    paths = [
-        measure_paths(memory, side, batch, iters)
-        for memory in ("pinned", "device")
-        for side, batch in ((32, 1024), (224, 256))
-    ]
     print(
-        f"\n{'arena':>7} {'image':>16} {'scatter':>8} {'batch':>8} {'each':>8} {'peer':>8} "
-        f"{'s/peer':>7} {'aim':>5} ok"
+        f"\n{'arena':>7} {'dst':>8} {'image':>16} {'scatter':>8} {'batch':>8} {'each':>8} "
+        f"{'peer':>8} {'s/peer':>7} {'aim':>5} ok"
     )
     fmt = lambda v: f"{v:8.1f}" if v is not None else f"{'-':>8}"  # noqa: E731
-    for r in paths:
-        print(
-            f"{r['arena']:>7} {r['image']:>16} {fmt(r['scatter_GBps'])} "
-            f"{fmt(r['memcpy_batch_GBps'])} {fmt(r['memcpy_each_GBps'])} {fmt(r['peer_GBps'])} "
-            f"{r['scatter_vs_peer']:7.2f} {r['aim']:5.2f} {r['matches_cpu']}"
-        )
-    payload = {
-        "benchmark": "gpu_gather_bandwidth",
-        "command": "python bench/gpu/gather_bw.py " + " ".join(argv or sys.argv[1:]),
-        "machine": {
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(0),
-            "cuda_runtime": torch.version.cuda,
-        },
-        "units": "GB/s (1e9 bytes/s) of host bytes moved to the device",
-        "limit": "memcpy_pinned_GBps: cudaMemcpyAsync of the same bytes from pinned memory",
-        "rows": rows,
-        "copy_paths": paths,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gather_bw.json").write_text(json.dumps(payload, indent=1))
-    if not all(r["gather_matches_cpu"] for r in rows) or not all(r["matches_cpu"] for r in paths):
+    for side, batch in ((224, 256), (32, 4096)):
+        for memory in ("pinned", "device"):
+            for packed in (True, False):
+                r = measure_paths(memory, side, batch, iters, packed=packed)
+                log.add(r, key="copy_paths")
+                ok = ok and r["matches_cpu"]
+                print(
+                    f"{r['arena']:>7} {r['destinations']:>8} {r['image']:>16} "
+                    f"{fmt(r['scatter_GBps'])} {fmt(r['memcpy_batch_GBps'])} "
+                    f"{fmt(r['memcpy_each_GBps'])} {fmt(r['peer_GBps'])} "
+                    f"{r['scatter_vs_peer']:7.2f} {r['aim']:5.2f} {r['matches_cpu']}",
+                    flush=True,
+                )
+    payload = log.finish()
+    if not ok:
         print("gather_bw: device batch differs from the CPU samples", file=sys.stderr)
         raise SystemExit(1)
     return payload

@@ -43,6 +43,27 @@ def load(path: Path) -> Any:
         return None
 
 
+def test_results(out: Path) -> dict[str, list[dict[str, Any]]]:
+    """Per pytest step, each test's outcome and seconds from its progress file (written as each
+    test ends, so a step cut short still lists the tests it finished; a test that started and
+    never ended is listed as "did not finish")."""
+    steps: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(out.glob("*.progress.tsv")):
+        rows: dict[str, dict[str, Any]] = {}
+        for line in path.read_text().splitlines():
+            parts = line.split("\t")
+            if parts[0] == "start" and len(parts) >= 2:
+                rows.setdefault(parts[1], {"test": parts[1], "outcome": "did not finish"})
+            elif len(parts) >= 4:
+                when, outcome, nodeid, secs = parts[:4]
+                row = rows.setdefault(nodeid, {"test": nodeid})
+                if when == "call" or outcome != "passed":
+                    row["outcome"] = outcome if when == "call" else f"{outcome} in {when}"
+                    row["seconds"] = float(secs)
+        steps[path.name.removesuffix(".progress.tsv")] = list(rows.values())
+    return steps
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -63,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         "source": load(out / "source.json"),
         "build_info": load(out / "build_info.json"),
         "steps": steps,
+        "tests": test_results(out),
         "gather_bw": load(out / "gather_bw.json"),
         "stream_overlap": load(out / "stream_overlap.json"),
         "pipeline": load(out / "pipeline.json"),
@@ -98,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     for s in steps:
         status = "ok" if s["rc"] == 0 else ("skipped" if s["rc"] == 77 else f"FAIL {s['rc']}")
         print(f"{s['step']:<24}{status:>8}{s['seconds']:>9.1f}")
+    for name, tests in results["tests"].items():
+        counts: dict[str, int] = {}
+        for t in tests:
+            counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+        print(f"{name}: " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items())))
     bw = results["gather_bw"]
     if bw:
         print(f"\n{'H2D gather (GB/s)':<24}{'gather':>8}{'+norm':>8}{'memcpy':>8}{'ratio':>7}")
@@ -109,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         paths = bw.get("copy_paths", [])
         if paths:
             head = f"{'scatter':>8}{'each':>8}{'peer':>8}{'ratio':>7}{'aim':>8}"
-            print(f"\n{'source copy (GB/s)':<24}{head}")
+            print(f"\n{'source copy (GB/s)':<32}{head}")
         for r in paths:
+            label = f"{r['arena']} {r.get('destinations', 'aligned')} {r['image']}"
             print(
-                f"{r['arena'] + ' ' + r['image']:<24}{r['scatter_GBps']:8.1f}"
+                f"{label:<32}{r['scatter_GBps']:8.1f}"
                 f"{r['memcpy_each_GBps']:8.1f}{r['peer_GBps']:8.1f}{r['scatter_vs_peer']:7.2f}"
                 f"{'  met' if r['scatter_vs_peer'] >= r['aim'] else ' not met'}"
             )
@@ -141,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             vs = r.get("vs_plain")
             vs_text = f"x{vs:.2f} vs plain" if vs else "no plain rate"
+            if r.get("vs_ideal"):
+                vs_text += f", x{r['vs_ideal']:.2f} the ideal {r['ideal']:.0f}"
             print(f"  {r['row']:<20}{r['images_per_s']:10.0f}  ({vs_text})")
+        if not dg.get("complete", True):
+            print("  (cut short: the rows above are all that were measured)")
     runs = {k: v for k, v in results["train"].items() if v}
     if runs:
         print("\nechopipe train, 1 epoch on the synthetic set:")

@@ -42,6 +42,33 @@ inline const char* copy_mode_name(CopyMode mode) {
   return "unknown";
 }
 
+/// Test hooks: microseconds of a spin kernel queued on DALI's stream before the GPU sink's
+/// copies into the cache, or before the GPU source's copies out of it, so that a missing wait
+/// or hold shows as wrong bytes (tests/test_gpu_races.py). Unset or 0: no spin.
+inline constexpr const char* kSinkSpinEnv = "ECHOPIPE_GPU_TEST_SINK_SPIN_US";
+inline constexpr const char* kSourceSpinEnv = "ECHOPIPE_GPU_TEST_SOURCE_SPIN_US";
+
+/// Nanoseconds from the value of `variable` (microseconds, an integer in [0, 10^7]; nullptr or
+/// "" = 0); std::invalid_argument naming the variable and the value otherwise.
+inline int64_t spin_ns_from_env(const char* variable, const char* value) {
+  const std::string_view v = value == nullptr ? std::string_view() : std::string_view(value);
+  if (v.empty()) return 0;
+  int64_t us = 0;
+  for (char c : v) {
+    if (c < '0' || c > '9' || us > 10'000'000) {
+      us = -1;
+      break;
+    }
+    us = us * 10 + (c - '0');
+  }
+  if (us < 0 || us > 10'000'000) {
+    throw std::invalid_argument(std::string(variable) +
+                                " must be whole microseconds in [0, 10000000], got '" +
+                                std::string(v) + "'");
+  }
+  return us * 1000;
+}
+
 /// The copies of one output batch: entry i moves size[i] bytes from src[i] to dst[i]. Sources a
 /// kernel cannot read (host pageable memory) make the whole batch take the per-copy path.
 struct CopyPlan {

@@ -4,7 +4,8 @@
 // (gather_plan.h): a call allocates nothing and makes no host->device copy, so it stays
 // asynchronous, and a batch is one launch (more only past a table's size). Reads from the mapped
 // arena are 16-byte vectors, issued so that neighbouring threads read neighbouring bytes: the bus
-// then carries each byte once. Host wrappers are declared in gather.h.
+// then carries each byte once; byte copies store 16-byte vectors too, at any destination
+// alignment (copy_range.h). Host wrappers are declared in gather.h.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/copy_range.h"
 #include "cuda/gather.h"
 #include "cuda/gather_plan.h"
 
@@ -33,31 +35,6 @@ void check(cudaError_t err, const char* what) {
 
 __host__ __device__ inline bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
-// One block-strided copy of `size` bytes. Slots are 64-byte aligned, so reads are 16-byte
-// vectors; back-to-back ragged outputs are often unaligned, and then each vector is written byte
-// by byte (device memory, not the bus).
-__device__ void copy_range(const uint8_t* __restrict__ in, uint8_t* __restrict__ out, int64_t size,
-                           int64_t first, int64_t stride) {
-  int64_t done = 0;
-  if (aligned16(in)) {
-    const int64_t n16 = size / 16;
-    const auto* in4 = reinterpret_cast<const uint4*>(in);
-    if (aligned16(out)) {
-      auto* out4 = reinterpret_cast<uint4*>(out);
-      for (int64_t i = first; i < n16; i += stride) out4[i] = in4[i];
-    } else {
-      for (int64_t i = first; i < n16; i += stride) {
-        const uint4 v = in4[i];
-        const auto* b = reinterpret_cast<const uint8_t*>(&v);
-#pragma unroll
-        for (int k = 0; k < 16; ++k) out[16 * i + k] = b[k];
-      }
-    }
-    done = n16 * 16;
-  }
-  for (int64_t i = done + first; i < size; i += stride) out[i] = in[i];
 }
 
 // Grid: x = blocks sharing one sample, y = sample of the chunk.
@@ -191,7 +168,24 @@ void launch_normalize(const void* const* src, int64_t n, int64_t hw, const Norm&
   }
 }
 
+__device__ inline uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void spin_kernel(int64_t ns) {
+  const uint64_t start = global_ns();
+  while (global_ns() - start < static_cast<uint64_t>(ns)) __nanosleep(1000);
+}
+
 }  // namespace
+
+void spin(int64_t ns, void* stream_handle) {
+  if (ns <= 0) return;
+  spin_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream_handle)>>>(ns);
+  check(cudaGetLastError(), "spin_kernel launch");
+}
 
 void gather_bytes(const void* const* src, const int64_t* sizes, int64_t n, void* dst,
                   void* stream_handle) {

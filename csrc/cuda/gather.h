@@ -51,4 +51,9 @@ ECHOPIPE_API void gather_normalize_u8(const void* const* src, int64_t n, int64_t
                                       int64_t width, int64_t channels, const float* mean,
                                       const float* std, bool to_chw, float* dst, void* stream);
 
+/// Queues a kernel on `stream` that does nothing for `ns` nanoseconds: tests put it before a
+/// copy to widen a race window (ECHOPIPE_GPU_TEST_SINK_SPIN_US / _SOURCE_SPIN_US, copy_mode.h).
+/// Defined in CUDA builds only; its one caller, the DALI GPU plugin, exists only there too.
+ECHOPIPE_API void spin(int64_t ns, void* stream);
+
 }  // namespace echopipe::cuda

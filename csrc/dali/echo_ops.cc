@@ -12,9 +12,11 @@
 #include "dali/echo_ops.h"
 
 #include <cstring>
+#include <functional>
 #include <utility>
 
 #include "dali/pipeline/operator/checkpointing/stateless_operator.h"
+#include "dali/source_draw.h"
 
 #ifndef ECHOPIPE_DALI_BUILT_VERSION
 #error "ECHOPIPE_DALI_BUILT_VERSION must name the DALI version the plugin is compiled against"
@@ -143,27 +145,14 @@ dali::TensorLayout RecordedLayout(const echopipe::EchoCache& cache, int field) {
 }
 
 DrawnBatch DrawBatch(echopipe::EchoCache& cache, int batch_size, const SampleCopy* padding,
-                     const std::string& cache_name) {
+                     const std::string& cache_name, const std::function<void()>& between_attempts) {
   DrawnBatch batch;
   batch.leases.reserve(batch_size);
-  bool ended = false;
-  // Batch mode hands out whole units, and only the input's last unit may be short; once it is
-  // in, the free slots may not fit another unit, so the batch leaves short (padded, not ended).
-  const auto& config = cache.config();
-  const size_t unit = config.mode == echopipe::EchoMode::kBatch ? config.batch_size : 1;
-  while (static_cast<int>(batch.leases.size()) < batch_size) {
-    size_t want = batch_size - batch.leases.size();
-    want -= want % unit;
-    if (want == 0) break;
-    // Bounded waits: close() from Python (interpreter exit included) ends this loop in <= 100 ms.
-    auto status = cache.take(want, batch.leases, 0.1);
-    if (status == echopipe::TakeStatus::kOk || status == echopipe::TakeStatus::kTimeout) continue;
-    if (status == echopipe::TakeStatus::kClosed)
-      DALI_FAIL(dali::make_string("echopipe echo source: echo cache '", cache_name,
-                                  "' was closed while the pipeline was drawing from it"));
-    ended = true;  // kEnd: every ticket was emitted
-    break;
-  }
+  const DrawEnd end = take_batch(cache, batch_size, batch.leases, between_attempts);
+  if (end == DrawEnd::kClosed)
+    DALI_FAIL(dali::make_string("echopipe echo source: echo cache '", cache_name,
+                                "' was closed while the pipeline was drawing from it"));
+  const bool ended = end == DrawEnd::kEnded;  // every ticket was emitted
   batch.valid = static_cast<int>(batch.leases.size());
   batch.source_index.resize(batch_size);
   for (int i = 0; i < batch_size; ++i) {

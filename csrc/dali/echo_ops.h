@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,10 +51,12 @@ struct DrawnBatch {
   int valid = 0;                  ///< the first `valid` output samples are real draws
 };
 
-/// Draws `batch_size` samples (blocking, polling close every 100 ms). After the end of input
+/// Draws `batch_size` samples (blocking, polling close every 100 ms; `between_attempts`, when
+/// set, runs after each poll that took nothing: see dali/source_draw.h). After the end of input
 /// the batch is padded by repeating its own samples, or `padding` when it drew nothing.
 DrawnBatch DrawBatch(echopipe::EchoCache& cache, int batch_size, const SampleCopy* padding,
-                     const std::string& cache_name);
+                     const std::string& cache_name,
+                     const std::function<void()>& between_attempts = {});
 
 /// Fills `out` (num_fields + 1 descriptors) from a drawn batch; checks the fields agree.
 void DescribeOutputs(const DrawnBatch& batch, const SampleCopy* padding, int num_fields,

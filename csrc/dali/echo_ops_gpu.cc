@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <memory>
 #include <utility>
 
@@ -24,6 +23,7 @@
 #include "cuda/gather.h"
 #include "dali/echo_ops.h"
 #include "dali/pipeline/operator/checkpointing/stateless_operator.h"
+#include "dali/source_draw.h"
 
 namespace dali {
 namespace {
@@ -82,6 +82,15 @@ void CheckArenaDevice(const echopipe::EchoCache& cache, const std::string& name,
                   "for device_id), or use memory='pinned'"));
 }
 
+// A test hook's spin (copy_mode.h), parsed when the operator is built.
+int64_t SpinFromEnv(const char* variable, const char* op) {
+  try {
+    return echopipe::cuda::spin_ns_from_env(variable, std::getenv(variable));
+  } catch (const std::invalid_argument& e) {
+    DALI_FAIL(make_string(op, ": ", e.what()));
+  }
+}
+
 }  // namespace
 
 class EchoSinkGPU : public StatelessOperator<GPUBackend> {
@@ -90,7 +99,8 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
       : StatelessOperator<GPUBackend>(spec),
         cache_name_(spec.GetArgument<std::string>("cache_name")),
         cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo sink (gpu)")),
-        device_arena_(cache_->memory_kind() == echopipe::MemoryKind::kDevice) {}
+        device_arena_(cache_->memory_kind() == echopipe::MemoryKind::kDevice),
+        spin_ns_(SpinFromEnv(echopipe::cuda::kSinkSpinEnv, "echopipe echo sink (gpu)")) {}
 
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
@@ -104,6 +114,7 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
     int n = ws.GetInputBatchSize(0);
     echopipe_dali::RecordInputLayouts(*cache_, ws);
     std::vector<int32_t> stored(n, 0);
+    echopipe::cuda::spin(spin_ns_, ws.stream());
     for (int i = 0; i < n; ++i) {
       if (!cache_->take_quota()) continue;
       echopipe::SampleDesc desc = echopipe_dali::DescribeInputSample(ws, i);
@@ -169,6 +180,7 @@ class EchoSinkGPU : public StatelessOperator<GPUBackend> {
   std::string cache_name_;
   std::shared_ptr<echopipe::EchoCache> cache_;
   bool device_arena_;
+  int64_t spin_ns_;
   bool device_checked_ = false;
   std::vector<std::pair<int, echopipe::PutReservation>> pending_;
 };
@@ -206,13 +218,16 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
-// Device copy of one sample, the padding template of the batches after the end of input. It is
-// copied from the arena (pinned or device) once, synchronously, so every output sample of a
-// padded batch is device-readable and the batch stays one launch.
+// Device copy of one sample, the padding template of the batches after the end of input, so
+// every output sample of a padded batch is device-readable and the batch stays one launch. Its
+// bytes are copied by the launch of the batch it was taken from (stream-ordered before any batch
+// that reads it; a synchronous cudaMemcpy on the legacy stream would not be ordered with DALI's
+// stream, and from a device arena it may return before the copy ends).
 struct DevicePadding {
   echopipe_dali::SampleCopy desc_only;  // desc for DescribeOutputs; no host field bytes
   void* fields[echopipe::kMaxFields] = {};
   size_t nbytes[echopipe::kMaxFields] = {};
+  bool filled = false;  // its copy is queued (in the plan of the batch it came from)
 
   DevicePadding() = default;
   DevicePadding(const DevicePadding&) = delete;
@@ -230,16 +245,19 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
         cache_name_(spec.GetArgument<std::string>("cache_name")),
         num_fields_(spec.GetArgument<int>("num_fields")),
         cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo source (gpu)")),
-        mode_(ParseMode()) {}
+        mode_(ParseMode()),
+        spin_ns_(SpinFromEnv(echopipe::cuda::kSourceSpinEnv, "echopipe echo source (gpu)")) {}
 
  protected:
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
-    // Before the (blocking) draw: leases whose copies have completed go back to the cache, so
-    // a small cache is not kept full by slots that only wait for the next RunImpl.
+    // Before the (blocking) draw and between its attempts: leases whose copies have completed go
+    // back to the cache, so a small cache is not kept full by slots that only wait for the next
+    // RunImpl (dali/source_draw.h says why that could hang).
     RetireFinished();
     int batch_size = ws.GetRequestedBatchSize(0);
     const echopipe_dali::SampleCopy* pad = padding_ ? &padding_->desc_only : nullptr;
-    batch_ = echopipe_dali::DrawBatch(*cache_, batch_size, pad, cache_name_);
+    batch_ = echopipe_dali::DrawBatch(*cache_, batch_size, pad, cache_name_,
+                                      [this] { RetireFinished(); });
     UpdatePadding();
     pad = padding_ ? &padding_->desc_only : nullptr;
     echopipe_dali::DescribeOutputs(batch_, pad, num_fields_, out, cache_name_);
@@ -260,10 +278,12 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
       out.SetLayout(echopipe_dali::RecordedLayout(*cache_, f));
       for (int i = 0; i < n; ++i) AddSample(i, f, out.raw_mutable_tensor(i));
     }
+    AddPaddingFill();
     plan_.add(flight.info->device(), flight.info->host(),
               ws.Output<GPUBackend>(num_fields_).raw_mutable_tensor(0),
               static_cast<int64_t>(3 * n * sizeof(int64_t)));
     try {
+      echopipe::cuda::spin(spin_ns_, stream);
       Copy(plan_, stream);
     } catch (...) {
       // Some copies may be queued: the event must mark them before the leases can go.
@@ -274,7 +294,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     // The leases and the info buffer live until the copies that read them have completed.
     flight.batch = std::move(batch_);
     batch_ = {};
-    in_flight_.push_back(std::move(flight));
+    in_flight_.push(std::move(flight));
   }
 
  private:
@@ -320,7 +340,9 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     }
   }
 
-  // A device copy of the first drawn sample (once): the template of padded batches.
+  // Room for a device copy of the first drawn sample (once): the template of padded batches.
+  // Padding is only read by batches that drew nothing, never by the batch it comes from, so its
+  // copy can join that batch's launch (AddPaddingFill).
   void UpdatePadding() {
     if (padding_ || batch_.valid == 0) return;
     const auto& lease = batch_.leases[0];
@@ -330,11 +352,23 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
       const size_t nbytes = lease.nbytes(f);
       pad->nbytes[f] = nbytes;
       CudaCheck(cudaMalloc(&pad->fields[f], nbytes > 0 ? nbytes : 1), "cudaMalloc (padding)");
-      // Synchronous and once per source: the arena may be pinned host or device memory.
-      CudaCheck(cudaMemcpy(pad->fields[f], lease.data(f), nbytes, cudaMemcpyDefault),
-                "cudaMemcpy (padding)");
     }
     padding_ = std::move(pad);
+  }
+
+  // Queues the padding's copy from lease 0 of this batch; the flight keeps that lease until the
+  // copy has ended, like the samples' own.
+  void AddPaddingFill() {
+    if (!padding_ || padding_->filled || batch_.valid == 0) return;
+    const auto& lease = batch_.leases[0];
+    // The template's sizes came from this lease unless the run that drew it failed.
+    for (int f = 0; f < lease.desc().num_fields; ++f)
+      if (lease.nbytes(f) != padding_->nbytes[f]) return;
+    for (int f = 0; f < lease.desc().num_fields; ++f) {
+      plan_.add(lease.device_data(f), lease.data(f), padding_->fields[f],
+                static_cast<int64_t>(padding_->nbytes[f]));
+    }
+    padding_->filled = true;
   }
 
   std::unique_ptr<PinnedBuffer> TakeInfoBuffer(size_t bytes) {
@@ -348,24 +382,20 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     return std::make_unique<PinnedBuffer>(std::max<size_t>(bytes, 64));
   }
 
+  // Gives back the leases and info buffers of batches whose copies have ended; at most two
+  // batches stay pending (bounding the slots held), older ones are waited for.
   void RetireFinished() {
-    while (!in_flight_.empty()) {
-      auto& front = in_flight_.front();
-      // Bound the lag so leased slots are returned to the cache promptly.
-      if (in_flight_.size() > 2) {
-        CudaCheck(cudaEventSynchronize(front.event.get()), "cudaEventSynchronize");
-      } else if (cudaEventQuery(front.event.get()) != cudaSuccess) {
-        break;
-      }
-      free_info_.push_back(std::move(front.info));
-      in_flight_.pop_front();
-    }
+    in_flight_.retire(
+        2, [](InFlight& f) { return cudaEventQuery(f.event.get()) == cudaSuccess; },
+        [](InFlight& f) { CudaCheck(cudaEventSynchronize(f.event.get()), "cudaEventSynchronize"); },
+        [this](InFlight& f) { free_info_.push_back(std::move(f.info)); });
   }
 
   std::string cache_name_;
   int num_fields_;
   std::shared_ptr<echopipe::EchoCache> cache_;
   echopipe::cuda::CopyMode mode_;
+  int64_t spin_ns_;
   bool device_checked_ = false;
   echopipe_dali::DrawnBatch batch_;
   std::unique_ptr<DevicePadding> padding_;
@@ -373,7 +403,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   std::vector<std::unique_ptr<PinnedBuffer>> free_info_;
   // Last, so it is destroyed first: each flight's event waits for the copies that read the
   // leases, the info buffers and the padding.
-  std::deque<InFlight> in_flight_;
+  echopipe_dali::FlightQueue<InFlight> in_flight_;
 };
 
 DALI_REGISTER_OPERATOR(EchopipeEchoSink, EchoSinkGPU, GPU);

@@ -75,7 +75,12 @@ Arena device_allocate(size_t bytes) {
 
 void device_copy(void* dst, const void* src, size_t n) {
 #ifdef ECHOPIPE_WITH_CUDA
-  cudaError_t err = cudaMemcpy(dst, src, n, cudaMemcpyDefault);
+  // Not cudaMemcpy: from pageable memory it may return once the bytes are staged, before they
+  // land in the arena, and it runs on the legacy default stream, which non-blocking streams
+  // (DALI's, torch's) are not ordered after. The copy runs on this thread's stream and the host
+  // waits for it, so a reader queued on any stream after this returns sees the bytes.
+  cudaError_t err = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, cudaStreamPerThread);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(cudaStreamPerThread);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     throw std::runtime_error(std::string("cudaMemcpy to or from the device echo cache arena "

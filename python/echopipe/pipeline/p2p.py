@@ -33,6 +33,15 @@ __all__ = [
 # Message kinds, for error messages only. Every message goes with tag 0: NCCL ignores tags, so
 # each pair of ranks must post its receives in the order the peer posts the sends, and using no
 # tags on Gloo either makes the tests over Gloo check that order too.
+#
+# Messages down the pipeline (activations, targets, evaluation) and up it (gradients, results)
+# travel in two process groups. NCCL runs a pair's sends and receives of one group in posting
+# order on one stream, and a send of a large tensor waits for its receive: stage k sending
+# activations down while stage k + 1 sends gradients up, each then receiving, would wait on each
+# other (NCCL asks for such a send and receive to be grouped, but here the receive's size comes
+# from a header the receiver must read first, so it cannot join the group). With one group per
+# direction, each pair's stream carries one direction only: every send meets a receive posted
+# in the same order, and no wait crosses another.
 TAG_ACT = 1
 TAG_GRAD = 2
 TAG_TARGET = 3
@@ -94,6 +103,10 @@ class PeerLink:
         self._pending_sends: deque[tuple[Any, tuple[torch.Tensor, torch.Tensor, int, int]]] = (
             deque()
         )
+        # Every rank creates both groups, in the same order, when it builds its link.
+        everyone = list(range(dist.get_world_size()))
+        self._down_group: Any = dist.new_group(everyone)
+        self._up_group: Any = dist.new_group(everyone)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         """Post an asynchronous send of ``tensor`` (header, then data) to rank ``dst``."""
@@ -109,7 +122,11 @@ class PeerLink:
         header[1] = _DTYPES.index(tensor.dtype)
         header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         header = header.to(tensor.device)
-        works = [dist.isend(header, dst, tag=_P2P_TAG), dist.isend(tensor, dst, tag=_P2P_TAG)]
+        group = self._group_of(self.rank, dst)
+        works = [
+            dist.isend(header, dst, group=group, tag=_P2P_TAG),
+            dist.isend(tensor, dst, group=group, tag=_P2P_TAG),
+        ]
         for work in works:
             # The tensors stay referenced until the send completes.
             self._pending_sends.append((work, (header, tensor, dst, tag)))
@@ -118,13 +135,19 @@ class PeerLink:
     def recv(self, src: int, tag: int) -> torch.Tensor:
         """Receive one tensor (header, then data) from rank ``src``; blocks."""
         header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        self.wait(dist.irecv(header, src, tag=_P2P_TAG), "receive", src, tag)
+        group = self._group_of(src, self.rank)
+        self.wait(dist.irecv(header, src, group=group, tag=_P2P_TAG), "receive", src, tag)
         values = header.tolist()
         ndim, dtype = int(values[0]), _DTYPES[int(values[1])]
         shape = [int(v) for v in values[2 : 2 + ndim]]
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        self.wait(dist.irecv(tensor, src, tag=_P2P_TAG), "receive", src, tag)
+        self.wait(dist.irecv(tensor, src, group=group, tag=_P2P_TAG), "receive", src, tag)
         return tensor
+
+    def _group_of(self, sender: int, receiver: int) -> Any:
+        """The group a message from ``sender`` to ``receiver`` travels in: down the pipeline
+        (to a later stage) or up it."""
+        return self._down_group if sender < receiver else self._up_group
 
     def wait(self, work: Any, what: str, peer: int, tag: int) -> None:
         """Waits for one point-to-point operation, bounded by ``timeout_s`` on CPU (Gloo)."""
