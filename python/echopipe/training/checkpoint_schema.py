@@ -370,7 +370,8 @@ def check_train_state(state: Any) -> None:
         state["kind"] == "echopipe-train", "the checkpoint", "is not an echopipe train checkpoint"
     )
     config = _check_config(state["config"])
-    check_model(state["model"])
+    name, _ = check_model(state["model"])
+    _need(config.get("model", name) == name, "model 'name'", f"{name!r} is not config's model")
     _check_pipeline(state["pipeline"], state["model"])
     run = _check_run(state["run"])
     _check_rng(state["rng"])

@@ -46,6 +46,7 @@ __all__ = [
     "encode_state",
     "export_state_dict",
     "read_checkpoint",
+    "read_state_file",
     "write_checkpoint",
 ]
 
@@ -175,16 +176,16 @@ def write_checkpoint(
     return Path(path)
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load and check a checkpoint written by :func:`write_checkpoint`, onto the CPU.
+def read_state_file(path: str | os.PathLike[str]) -> Any:
+    """The decoded payload of a file written by :func:`write_checkpoint`, read with bounded
+    memory, without checking what it holds (:func:`read_checkpoint` does).
 
-    Read with bounded memory, in this order: the file must be a regular, non-sparse file; the
-    magic line; the header's length compared with the file's size (nothing more is read on a
-    mismatch); the payload's SHA-256; the payload's zip members stored uncompressed and inside
-    it; ``torch.load(weights_only=True)``; the decoded tree no larger than a small multiple of
-    the payload (:func:`~echopipe.filecheck.check_tree`); then every entry a resume, ``export``
-    or ``--evaluate`` reads, for type, range, shape and dtype
-    (:func:`~.checkpoint_schema.check_train_state`).
+    In this order: the file must be a regular, non-sparse file; the magic line; the header's
+    length compared with the file's size (nothing more is read on a mismatch); the payload's
+    SHA-256; the payload's zip members stored uncompressed and inside it;
+    ``torch.load(weights_only=True)``; the decoded tree no larger than a small multiple of the
+    payload (:func:`~echopipe.filecheck.check_tree`: no shared references repeated without
+    bound, no tensor view larger than its data).
 
     Raises:
         FileNotFoundError: ``path`` is missing (named).
@@ -204,9 +205,25 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {name!r} cannot be read: {exc}") from None
     try:
         check_tree(state, budget=2 * len(payload) + (1 << 16))
-        state = decode_state(state)
+        return decode_state(state)
     except (FileCheckError, ValueError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {name!r} {exc}; it is not loaded") from None
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load a train checkpoint written by :func:`write_checkpoint` onto the CPU, checked.
+
+    The file is read as :func:`read_state_file` reads it, then every entry a resume,
+    ``export`` or ``--evaluate`` reads is checked for type, range, shape and dtype
+    (:func:`~.checkpoint_schema.check_train_state`), so a file that passes its SHA-256 but was
+    crafted is refused here, in one line, rather than failing later inside the run.
+
+    Raises:
+        FileNotFoundError: ``path`` is missing (named).
+        CheckpointError: anything else wrong with the file (named, with the reason).
+    """
+    state = read_state_file(path)
+    name = str(path)
     if not isinstance(state, dict) or state.get("kind") != "echopipe-train":
         raise CheckpointError(f"{name!r} is not an echopipe train checkpoint")
     try:
@@ -260,14 +277,40 @@ class RunCheckpoints:
     """A run folder's ``checkpoints/``: ``last.pt`` (newest) and ``best.pt`` (best top-1).
 
     Only these two names are ever written or replaced, so nothing else in the folder, nor any
-    other run's files, is touched.
+    other run's files, is touched. With ``root`` (the run folder), no folder between ``root``
+    and ``folder``, nor ``last.pt`` or ``best.pt``, may be a symbolic link: a planted link
+    would make the run read or write outside its folder.
     """
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, folder: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None
+    ) -> None:
         self.folder = Path(folder)
+        self.root = Path(root) if root is not None else None
         self.last = self.folder / "last.pt"
         self.best = self.folder / "best.pt"
         self.written = 0
+        self.check_inside()
+
+    def check_inside(self) -> None:
+        """Refuse (CheckpointError) a symbolic link on the way from the run folder to the
+        checkpoint files."""
+        if self.root is None:
+            return
+        try:
+            parts = self.folder.relative_to(self.root).parts
+        except ValueError:
+            raise CheckpointError(
+                f"checkpoint folder {str(self.folder)!r} is not inside {str(self.root)!r}"
+            ) from None
+        here = self.root
+        for part in (*parts, "last.pt", "best.pt"):
+            here = here / part
+            if here.is_symlink():
+                raise CheckpointError(
+                    f"{str(here)!r} is a symbolic link (to {os.readlink(here)!r}); a run reads "
+                    "and writes only inside its own folder, so it is not followed"
+                )
 
     def existing(self) -> list[Path]:
         """Checkpoint files already in the folder (an earlier run's, when starting)."""
@@ -277,6 +320,7 @@ class RunCheckpoints:
 
     def save(self, state: dict[str, Any], *, best: bool) -> Path:
         """Write ``state`` as ``last.pt``, and as ``best.pt`` too when ``best``."""
+        self.check_inside()
         self.written += 1
         return write_checkpoint(state, self.last, *((self.best,) if best else ()))
 

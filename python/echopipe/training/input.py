@@ -85,7 +85,14 @@ class TrainInput:
         )
         self.iterator = EchoIterator(self.pipe, ["data", "label"], steps_per_epoch=steps_per_epoch)
         if state is not None:
-            self.iterator.load_state_dict(state)
+            try:
+                self.iterator.load_state_dict(state)
+            except ValueError as exc:  # a state of another pipeline (its fields are checked)
+                from .checkpoints import CheckpointError
+
+                raise CheckpointError(
+                    f"--resume: the checkpoint's input state does not fit this run: {exc}"
+                ) from None
         self.factor = factor
         self.builds += 1
 
