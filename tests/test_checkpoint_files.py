@@ -73,7 +73,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=120,
         preexec_fn=_limit,
     )
 
@@ -240,7 +240,7 @@ def _craft(base: Path, tmp_path: Path, case: str) -> Path:
         path.write_bytes(_with_header(_saved({"kind": "echopipe-train", "x": tree})))
     else:
         state = _state(base)
-        _EDITS[case](state)
+        {**_EDITS, **_LATE}[case](state)
         write_checkpoint(state, path)
     return path
 
@@ -302,6 +302,9 @@ _EDITS = {
     "dali-pipeline-data": _set("input", "pipeline", "dali_downstream", value=b"\x12\x00"),
     "cache-as-list": _set("input", "pipeline", "cache", value=[1, 2]),
 }
+_LATE = {"cache-truncated": lambda s: s["input"]["pipeline"].update(cache=b"\x00" * 64)}
+"""Cases only the running pipeline can refuse: the cache's own format (checked at resume, on a
+scratch cache, before training)."""
 _CONTAINER = [
     "huge-declared-size", "sparse-file", "compression-bomb", "stride-0-view", "shared-references",
 ]  # fmt: skip
@@ -337,7 +340,7 @@ def test_dali_reader_state_check_passes_the_real_state_and_names_the_bad_one(
 _CLI_CASES = [
     "huge-declared-size", "sparse-file", "compression-bomb", "dali-reader-rng-0",
     "dali-reader-rng-empty", "missing-config", "weight-wrong-shape", "huge-class-count",
-    "epoch-as-text", "step-past-the-epoch",
+    "epoch-as-text", "step-past-the-epoch", "cache-truncated",
 ]  # fmt: skip
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 __all__ = [
     "DaliStateError",
+    "check_cache_restores",
     "check_dali_checkpoint",
     "check_echo_state",
     "check_iterator_data",
@@ -296,3 +297,26 @@ def check_iterator_state(state: Any, where: str = "iterator state") -> None:
             _int(value, f"{where} stats {key!r}")
         elif not (type(value) in (int, float) and (math.isnan(value) or value >= 0)):
             raise _fail(f"{where} stats {key!r}", f"is {_show(value)}")
+
+
+def check_cache_restores(config: Any, blob: bytes) -> None:
+    """Restore the saved echo cache ``blob`` into a scratch pageable cache of the pipeline's
+    ``config`` (an :class:`EchoConfig`), so a blob the cache refuses is named before training
+    rather than at the first batch. The arena is mapped lazily: only the samples cost memory.
+
+    Raises:
+        DaliStateError: the cache refuses the blob (says why).
+    """
+    import dataclasses
+    import os
+
+    from .config import make_cache
+
+    scratch = dataclasses.replace(config, memory="pageable")
+    cache = make_cache(scratch, f"echopipe-state-check-{os.getpid()}-{id(blob)}")
+    try:
+        cache.load_state_dict(blob)
+    except (ValueError, TypeError) as exc:
+        raise DaliStateError(f"the saved echo cache does not restore: {exc}") from None
+    finally:
+        cache.close()
