@@ -209,9 +209,16 @@ def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
 
     if args.out.is_dir():
         parser.error(f"OUT {str(args.out)!r} is a folder; give the file to write")
+    above = args.out.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        parser.error(f"cannot write OUT {str(args.out)!r}: {str(above)!r} is not a folder")
+    if not args.checkpoint.exists():
+        parser.error(f"CKPT {str(args.checkpoint)!r} does not exist")
     try:
         weights, saved = export_state_dict(args.checkpoint)
-    except (CheckpointError, OSError) as exc:
+    except (CheckpointError, OSError) as exc:  # a malformed or unreadable file: status 1
         return _fail(parser.prog, exc, debug=False)
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -271,7 +271,7 @@ def _check_run(run: Any) -> RunState:
     for f in dataclasses.fields(RunState):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kinds[f.name] = type(default)
-    _dict(run, "run", set(), set(kinds))
+    _dict(run, "run", set(kinds), set())
     for key, value in run.items():
         where = f"run {key!r}"
         if kinds[key] is int:
