@@ -494,6 +494,8 @@ def _mutations(state: dict[str, Any], rng: random.Random):
         elif isinstance(inner, list) and inner:
             inner[rng.randrange(len(inner))] = rng.choice(_JUNK)
         yield bad
+    if state["mid_epoch"]:
+        yield dict(state, batches_done=7)  # past the wrapped loader's 6 batches
     if state["cache"]:
         for cut in (0, 1, len(state["cache"]) // 2, len(state["cache"]) - 1):
             bad = dict(state, cache=state["cache"][:cut])

@@ -30,7 +30,7 @@ from ..echo import CacheClosedError, EchoCache, EchoStats
 from ..echo.controller import EchoController
 from ..filecheck import memory_bytes
 from . import batch_layout as bl
-from .loader_state import LoaderStateError, check_loader_state
+from .loader_state import LoaderStateError, check_loader_state, check_position
 from .reader import POLL_S, LoaderError, Producer, Shared, shutdown
 
 __all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError"]
@@ -490,6 +490,7 @@ class EchoLoader:
             auto=self._controller is not None,
             memory_bytes=memory_bytes(),
         )
+        check_position(clean, self._loader)
         cache = None
         try:
             if self._controller is not None:  # on a scratch one first: all or nothing

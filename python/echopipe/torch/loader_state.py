@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["LoaderStateError", "check_loader_state"]
+__all__ = ["LoaderStateError", "check_loader_state", "check_position"]
 
 _BIG = 1 << 62
 _POSITION = (
@@ -143,3 +143,16 @@ def _cache_config(config: Any, memory_bytes: int) -> dict[str, int] | None:
     }
     out["min_fill"] = _int(config["min_fill"], "cache min_fill", 0, out["capacity_samples"])
     return out
+
+
+def check_position(clean: dict[str, Any], loader: Any) -> None:
+    """A mid-epoch state's position must lie inside the wrapped loader's epoch, when the loader
+    has a length: past its end, the resumed epoch would silently deliver nothing."""
+    try:
+        length = len(loader)
+    except TypeError:  # an iterable without a length: checked as it is read
+        return
+    _need(
+        not clean["mid_epoch"] or clean["batches_done"] <= length,
+        f"'batches_done' is {clean['batches_done']}, past the wrapped loader's {length} batches",
+    )
