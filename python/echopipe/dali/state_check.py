@@ -5,12 +5,12 @@ every field is checked for type and range here, and DALI's own checkpoints are p
 checked before DALI sees them: DALI trusts its checkpoints, and a reader whose random-number
 state is ``"0"`` or empty makes its restore spin forever without an error.
 
-DALI's checkpoint (DALI 1.3x-2.x) is a protobuf ``PipelineCheckpoint``: repeated operator
+DALI's checkpoint (as DALI 2.4 writes it) is a protobuf ``PipelineCheckpoint``: repeated operator
 checkpoints (field 1: name, data) and an external context (field 2: pipeline data as JSON,
 iterator data). An operator's data is empty, a Philox state string (random operators), or a
 reader's list of ``LoaderStateSnapshot`` messages (field 1 each; in one, field 1 is the
 ``std::minstd_rand0`` engine as decimal text, 2 the epoch, 3 the age). Anything else is
-refused.
+refused: a DALI release that writes another format needs this module taught it first.
 """
 
 from __future__ import annotations
