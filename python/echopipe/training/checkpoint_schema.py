@@ -363,8 +363,6 @@ def check_train_state(state: Any) -> None:
     Raises:
         SchemaError: names the first entry of the wrong type, range, shape or dtype.
     """
-    from ..dali.state_check import DaliStateError, check_iterator_state
-
     _dict(state, "the checkpoint", _TOP)
     _need(
         state["kind"] == "echopipe-train", "the checkpoint", "is not an echopipe train checkpoint"
@@ -376,6 +374,12 @@ def check_train_state(state: Any) -> None:
     run = _check_run(state["run"])
     _check_rng(state["rng"])
     _check_small_parts(state, config)
+    try:
+        from ..dali.state_check import DaliStateError, check_iterator_state
+    except ModuleNotFoundError:
+        # Without DALI (``export`` needs none) nothing can use the input state; a resume, which
+        # restores it, runs with DALI and so checks it here.
+        return
     try:
         check_iterator_state(state["input"], "input")
     except DaliStateError as exc:
