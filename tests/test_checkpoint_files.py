@@ -411,6 +411,19 @@ def test_npy_header_declaring_more_than_its_member_is_refused() -> None:
         read_npz(out.getvalue())
 
 
+def test_export_check_refuses_a_state_dict_the_model_does_not_load(tmp_path: Path) -> None:
+    from echopipe.models import build_model
+    from echopipe.training.checkpoints import check_export
+
+    model = {"name": "lenet5", "num_classes": 3}
+    good = build_model("lenet5", num_classes=3).state_dict()
+    torch.save(good, tmp_path / "good.pt")
+    check_export(tmp_path / "good.pt", model)
+    torch.save({k: v[:1] for k, v in good.items()}, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match="does not load into lenet5"):
+        check_export(tmp_path / "bad.pt", model)
+
+
 def test_tree_budget_counts_repeated_references() -> None:
     leaf = list(range(100))
     check_tree([leaf] * 10, budget=10_000)
@@ -444,6 +457,13 @@ def test_planted_checkpoints_link_is_refused(tiny_imagenet: Path, tmp_path: Path
     (run / "checkpoints").symlink_to(outside, target_is_directory=True)
     with pytest.raises(CheckpointError, match="symbolic link"):
         RunCheckpoints(run / "checkpoints", root=run)
+    # A planted last.pt link inside a real checkpoints/ folder is not followed either.
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "last.pt").symlink_to(outside / "elsewhere.pt")
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        RunCheckpoints(other / "checkpoints", root=other)
+    RunCheckpoints(tmp_path / "fine" / "checkpoints", root=tmp_path / "fine")  # nothing there yet
     done = _cli("train", "--data", str(tiny_imagenet), *RUN, "--max-steps", "1",
                 "--output", str(run))  # fmt: skip
     _one_line_failure(done, "symbolic link")
