@@ -13,6 +13,12 @@ or altered file is refused with one line naming it. The payload itself is loaded
 encoded as tagged dicts of tensors and plain values by :func:`encode_state` and decoded back by
 :func:`decode_state`, so no file can make the loader run code.
 
+A file that passes its digest may still be crafted, so it is also read with bounded memory
+(:mod:`echopipe.filecheck`: its size compared with the header before the payload is read, no
+compressed member, no decoded tree larger than a small multiple of the file) and every entry is
+checked before use (:mod:`.checkpoint_schema`): :func:`read_checkpoint` returns only a
+checkpoint a resume, ``export`` and ``--evaluate`` can use as it is.
+
 Every file is written to a unique temporary file in the target folder (``tempfile.mkstemp``),
 fsynced and moved over its final name with ``os.replace``: a process killed at any point leaves
 the previous file or the complete new one, and a planted file or symlink at a predictable name
