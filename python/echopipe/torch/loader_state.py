@@ -138,7 +138,9 @@ def _cache_config(config: Any, memory_bytes: int) -> dict[str, int] | None:
           f"'cache_config' is not a dict of {', '.join(_CACHE_CONFIG)}")  # fmt: skip
     out = {
         "capacity_bytes": _int(config["capacity_bytes"], "cache capacity_bytes", 1, memory_bytes),
-        "capacity_samples": _int(config["capacity_samples"], "cache capacity_samples", 1, 1 << 26),
+        # The cache allocates its per-sample table (about 32 bytes a sample) when created,
+        # before the saved contents are checked: a state may not ask for more than 128 MiB of it.
+        "capacity_samples": _int(config["capacity_samples"], "cache capacity_samples", 1, 1 << 22),
         "seed": _int(config["seed"], "cache seed", 0, (1 << 63) - 1),
     }
     out["min_fill"] = _int(config["min_fill"], "cache min_fill", 0, out["capacity_samples"])
