@@ -356,6 +356,22 @@ def test_crafted_checkpoint_through_train_resume_is_one_line(
     assert not (out / "checkpoints").exists()
 
 
+def test_resume_on_data_with_another_class_count_is_one_line(base: Path, tmp_path: Path) -> None:
+    """A checkpoint of a 4-class model whose options name a folder of 3 classes: named before
+    the model is built (it was a shape-mismatch traceback from load_state_dict)."""
+    from echopipe.data import make_synthetic_imagenet
+
+    data = make_synthetic_imagenet(
+        tmp_path / "data3", classes=3, per_class=4, size=(32, 48), seed=1, val_per_class=1
+    )
+    state = _state(base)
+    state["config"]["data"] = str(data)
+    path = write_checkpoint(state, tmp_path / "three.pt")
+    done = _cli("train", "--data", str(data), *RUN, "--resume", str(path),
+                "--output", str(tmp_path / "resumed"))  # fmt: skip
+    _one_line_failure(done, "4 classes", "3")
+
+
 @pytest.mark.parametrize("case", ["sparse-file", "compression-bomb", "weight-wrong-dtype",
                                   "huge-class-count", "missing-config"])  # fmt: skip
 def test_crafted_checkpoint_through_export_is_one_line(base: Path, tmp_path: Path, case: str):
