@@ -14,13 +14,14 @@ import pytest
 from echopipe.cli import BENCH_DEFAULT, BENCH_STUDIES, BENCH_SUITES, build_parser, main
 
 
-def _bad(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """The one line of a bad argument (exit status 2), from the parser or the run."""
+def _bad(argv: list[str], capsys: pytest.CaptureFixture[str], status: int = 2) -> str:
+    """The one line of a bad argument (exit status 2), from the parser or the run; a malformed
+    file is status 1."""
     try:
         code = main(argv)
     except SystemExit as exc:
         code = exc.code  # type: ignore[assignment]
-    assert code == 2
+    assert code == status
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -312,14 +313,14 @@ def test_resume_refuses_planted_foreign_and_damaged_files_without_running_them(
     assert "no checkpoint" in _bad([*base, "--resume"], capsys)
     # Planted under the run folder's own name, or given by path: refused before unpickling.
     (run / "checkpoints" / "last.pt").write_bytes((tmp_path / "evil.pt").read_bytes())
-    assert "not an echopipe checkpoint" in _bad([*base, "--resume"], capsys)
-    assert "evil.pt" in _bad([*base, "--resume", str(tmp_path / "evil.pt")], capsys)
+    assert "not an echopipe checkpoint" in _bad([*base, "--resume"], capsys, 1)
+    assert "evil.pt" in _bad([*base, "--resume", str(tmp_path / "evil.pt")], capsys, 1)
     (run / "checkpoints" / "last.pt").unlink()
     from echopipe.training import write_checkpoint
 
     good = write_checkpoint({"kind": "echopipe-train"}, tmp_path / "good.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(good[:-100])
-    assert "truncated" in _bad([*base, "--resume", str(tmp_path / "cut.pt")], capsys)
+    assert "truncated" in _bad([*base, "--resume", str(tmp_path / "cut.pt")], capsys, 1)
     assert not marker.exists()
 
 
@@ -327,7 +328,7 @@ def test_export_refuses_a_foreign_file(tmp_path: Path, capsys: pytest.CaptureFix
     import torch
 
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    line = _bad(["export", str(tmp_path / "other.pt"), str(tmp_path / "out.pt")], capsys)
+    line = _bad(["export", str(tmp_path / "other.pt"), str(tmp_path / "out.pt")], capsys, 1)
     assert "other.pt" in line and "not an echopipe checkpoint" in line
     assert "gone.pt" in _bad(["export", str(tmp_path / "gone.pt"), str(tmp_path / "o.pt")], capsys)
     assert not (tmp_path / "out.pt").exists()

@@ -27,6 +27,7 @@ from echopipe.training.checkpoints import (
     CheckpointError,
     RunCheckpoints,
     read_checkpoint,
+    read_state_file,
     write_checkpoint,
 )
 from echopipe.training.report import write_csv, write_json, write_plot
@@ -80,11 +81,11 @@ def test_run_checkpoints_keep_last_and_best_and_ignore_partial_writes(tmp_path: 
     ck.save({"kind": "echopipe-train", "step": 7}, best=False)
     assert ck.written == 2
     assert [p.name for p in ck.existing()] == ["best.pt", "last.pt"]
-    assert read_checkpoint(ck.last)["step"] == 7
-    assert torch.equal(read_checkpoint(ck.best)["w"], torch.arange(3))
+    assert read_state_file(ck.last)["step"] == 7
+    assert torch.equal(read_state_file(ck.best)["w"], torch.arange(3))
     # A write killed mid-way leaves only a temporary file under another name.
     (tmp_path / "ck" / ".last.pt.abc.tmp").write_bytes(b"\x80half a pickle")
-    assert read_checkpoint(ck.last)["step"] == 7
+    assert read_state_file(ck.last)["step"] == 7
 
 
 def test_checkpoint_load_errors_name_the_file(tmp_path: Path) -> None:
@@ -159,7 +160,7 @@ def test_checkpoint_round_trip_and_integrity(tmp_path: Path) -> None:
     }
     path = write_checkpoint(state, tmp_path / "c.pt")
     assert path.read_bytes().startswith(CHECKPOINT_MAGIC)
-    back = read_checkpoint(path)
+    back = read_state_file(path)
     assert back["blob"] == b"\x00\x01dali" and back["empty"] == b""
     assert back["arr"].dtype == np.uint32 and back["arr"].tolist() == [[0, 1, 2], [3, 4, 5]]
     assert back["pair"] == (1, (2.5, None)) and back["n"] == 1.5

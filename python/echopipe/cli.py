@@ -137,17 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _fail(prog: str, exc: BaseException, debug: bool) -> int:
     """One line naming the problem (the traceback with ``--debug``); the exit status."""
-    from .data import CorruptImageError
-    from .training.checkpoints import CheckpointError
     from .training.config import TrainError
 
     if debug:
         traceback.print_exception(exc)
     else:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
-    if isinstance(exc, TrainError):
-        return exc.exit_code
-    return 1 if isinstance(exc, CorruptImageError) else 2 if isinstance(exc, CheckpointError) else 1
+    # A malformed file (a checkpoint, an image) is bad input, not a bad argument: status 1.
+    return exc.exit_code if isinstance(exc, TrainError) else 1
 
 
 def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -208,20 +205,32 @@ def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     import torch
 
     from .pipeline.checkpoint import atomic_write
-    from .training.checkpoints import CheckpointError, export_state_dict
+    from .training.checkpoints import CheckpointError, check_export, export_state_dict
 
     if args.out.is_dir():
         parser.error(f"OUT {str(args.out)!r} is a folder; give the file to write")
+    above = args.out.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        parser.error(f"cannot write OUT {str(args.out)!r}: {str(above)!r} is not a folder")
+    if not args.checkpoint.exists():
+        parser.error(f"CKPT {str(args.checkpoint)!r} does not exist")
     try:
         weights, saved = export_state_dict(args.checkpoint)
-    except (CheckpointError, OSError) as exc:
-        parser.error(str(exc))
+    except (CheckpointError, OSError) as exc:  # a malformed or unreadable file: status 1
+        return _fail(parser.prog, exc, debug=False)
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(args.out, lambda f: torch.save(weights, f))
     except OSError as exc:
         parser.error(f"cannot write OUT {str(args.out)!r}: {exc}")
     model = saved["model"]
+    try:
+        check_export(args.out, model)  # what was written loads into the model it names
+    except CheckpointError as exc:
+        args.out.unlink(missing_ok=True)
+        return _fail(parser.prog, exc, debug=False)
     print(
         f"echopipe export: {len(weights)} tensors of {model['name']} ({model['num_classes']} "
         f"classes) -> {args.out}",

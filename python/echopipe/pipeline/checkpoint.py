@@ -8,6 +8,7 @@ checkpoint intact and no half-written file under the final name.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import tempfile
 from collections.abc import Callable
@@ -16,7 +17,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["atomic_save", "atomic_write", "load_file"]
+from ..filecheck import FileCheckError, check_stored_zip, check_tree, open_regular, read_exactly
+
+__all__ = ["CheckpointFileError", "atomic_save", "atomic_write", "load_file"]
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -60,9 +63,40 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     return atomic_write(path, lambda f: torch.save(obj, f))
 
 
+class CheckpointFileError(ValueError):
+    """A pipeline checkpoint file that cannot be used; the message names it and says why."""
+
+
 def load_file(path: str | os.PathLike[str]) -> Any:
-    """Load a checkpoint written by :func:`atomic_save` onto the CPU."""
+    """Load a checkpoint written by :func:`atomic_save` onto the CPU, with bounded memory.
+
+    The file must be a regular, non-sparse file; its zip members must be stored uncompressed
+    and lie inside it; it is unpickled with ``torch.load(weights_only=True)``; and the result
+    may not decode to more than a small multiple of the file's size (no tensor view larger
+    than its data).
+
+    Raises:
+        FileNotFoundError: ``path`` is missing (named).
+        CheckpointFileError: anything else wrong with the file (named, with the reason).
+    """
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"checkpoint not found: {p}")
-    return torch.load(p, map_location="cpu", weights_only=True)
+    try:
+        f, size = open_regular(p)
+        with f:
+            data = read_exactly(f, size)
+        check_stored_zip(data)
+    except FileCheckError as exc:
+        raise CheckpointFileError(f"checkpoint {str(p)!r} {exc}; it is not loaded") from None
+    except OSError as exc:
+        raise CheckpointFileError(f"checkpoint {str(p)!r} cannot be read: {exc}") from None
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle errors come in many types
+        raise CheckpointFileError(f"checkpoint {str(p)!r} cannot be read: {exc}") from None
+    try:
+        check_tree(state, budget=2 * len(data) + (1 << 16))
+    except FileCheckError as exc:
+        raise CheckpointFileError(f"checkpoint {str(p)!r} {exc}; it is not loaded") from None
+    return state

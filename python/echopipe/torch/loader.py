@@ -28,7 +28,9 @@ import torch
 
 from ..echo import CacheClosedError, EchoCache, EchoStats
 from ..echo.controller import EchoController
+from ..filecheck import memory_bytes
 from . import batch_layout as bl
+from .loader_state import LoaderStateError, check_loader_state, check_position
 from .reader import POLL_S, LoaderError, Producer, Shared, shutdown
 from .wrapped import (
     PassThrough,
@@ -536,31 +538,51 @@ class EchoLoader(PassThrough):
 
         A mid-epoch state re-reads the wrapped loader's epoch from its start and skips the
         batches already read, so the wrapped loader must yield the same batches again (no
-        shuffling, or a seeded one). ValueError names a state that does not fit.
+        shuffling, or a seeded one). All or nothing: every field is checked, and the cache and
+        the controller are restored into new objects, before the loader changes; a state that
+        does not fit raises :class:`~.loader_state.LoaderStateError` (a ValueError naming the
+        field) and leaves the loader as it was.
         """
         if self._current is not None:
             raise RuntimeError("load_state_dict() during an epoch; call it before iter()")
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not an EchoLoader state of version {_STATE_VERSION}: {got!r}")
-        if (self._controller is None) != (state["controller"] is None):
-            raise ValueError("the state was saved with a different echo_factor mode (auto/fixed)")
+        clean = check_loader_state(
+            state,
+            version=_STATE_VERSION,
+            counts=_COUNTS,
+            auto=self._controller is not None,
+            memory_bytes=memory_bytes(),
+        )
+        check_position(clean, self._loader)
+        cache = None
+        try:
+            if self._controller is not None:  # on a scratch one first: all or nothing
+                EchoController(1.0, e_max=self._controller.e_max).load_state_dict(
+                    clean["controller"]
+                )
+            if clean["cache"] is not None:
+                cache = EchoCache(
+                    echo_factor=clean["echo_factor"], memory="pageable", **clean["cache_config"]
+                )
+                cache.load_state_dict(clean["cache"])
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+                RuntimeError) as exc:  # fmt: skip
+            if cache is not None:
+                cache.close()
+            raise LoaderStateError(f"EchoLoader state does not restore: {exc}") from None
         shutdown(self._shared, self._close_timeout)
-        self._epoch = int(state["epoch"])
-        self._totals = {k: int(state["totals"][k]) for k in _COUNTS}
-        self._factor = float(state["echo_factor"])
-        self._history = [(int(s), float(e)) for s, e in state["echo_history"]]
+        self._epoch = clean["epoch"]
+        self._totals = dict(clean["totals"])
+        self._factor = clean["echo_factor"]
+        self._history = list(clean["echo_history"])
         if self._controller is not None:
-            self._controller.load_state_dict(state["controller"])
-        if state["batch_size"] is not None and not self._explicit_batch:
-            self._batch_size = int(state["batch_size"])
-        self._cache_config = dict(state["cache_config"]) if state["cache_config"] else None
-        self._layout, self._decode, self._saved_layout = None, None, state["layout"]
-        if state["cache"] is not None:
-            cache = self._new_cache()
-            cache.load_state_dict(state["cache"])
+            self._controller.load_state_dict(clean["controller"])  # passed on the scratch one
+        if clean["batch_size"] is not None and not self._explicit_batch:
+            self._batch_size = clean["batch_size"]
+        self._cache_config = clean["cache_config"]
+        self._layout, self._decode, self._saved_layout = None, None, clean["layout"]
+        if cache is not None:
             self._shared.cache = cache
-        self._resume = dict(state) if state["mid_epoch"] else None
+        self._resume = clean if clean["mid_epoch"] else None
 
     # ---- lifecycle ----
     def close(self) -> None:

@@ -13,6 +13,12 @@ or altered file is refused with one line naming it. The payload itself is loaded
 encoded as tagged dicts of tensors and plain values by :func:`encode_state` and decoded back by
 :func:`decode_state`, so no file can make the loader run code.
 
+A file that passes its digest may still be crafted, so it is also read with bounded memory
+(:mod:`echopipe.filecheck`: its size compared with the header before the payload is read, no
+compressed member, no decoded tree larger than a small multiple of the file) and every entry is
+checked before use (:mod:`.checkpoint_schema`): :func:`read_checkpoint` returns only a
+checkpoint a resume, ``export`` and ``--evaluate`` can use as it is.
+
 Every file is written to a unique temporary file in the target folder (``tempfile.mkstemp``),
 fsynced and moved over its final name with ``os.replace``: a process killed at any point leaves
 the previous file or the complete new one, and a planted file or symlink at a predictable name
@@ -31,17 +37,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..filecheck import FileCheckError, check_stored_zip, check_tree, open_regular, read_exactly
+from ..models import build_model
 from ..pipeline.checkpoint import atomic_write
+from .checkpoint_schema import SchemaError, check_train_state, flat_weights
 
 __all__ = [
     "CHECKPOINT_MAGIC",
     "CheckpointError",
     "RunCheckpoints",
     "atomic_write_bytes",
+    "check_export",
     "decode_state",
     "encode_state",
     "export_state_dict",
     "read_checkpoint",
+    "read_state_file",
     "write_checkpoint",
 ]
 
@@ -103,20 +114,46 @@ def encode_state(obj: Any) -> Any:
 
 
 def decode_state(obj: Any) -> Any:
-    """The inverse of :func:`encode_state`."""
+    """The inverse of :func:`encode_state`.
+
+    Raises:
+        ValueError: a tagged entry is malformed (a file's damage, or a crafted one).
+    """
     if isinstance(obj, list):
         return [decode_state(v) for v in obj]
     if not isinstance(obj, dict):
         return obj
     tag = obj.get(_TAG)
+    if tag is None:
+        return {k: decode_state(v) for k, v in obj.items()}
     if tag == "bytes":
-        return obj["data"].numpy().tobytes()
+        return _byte_tensor(obj.get("data")).numpy().tobytes()
     if tag == "ndarray":
-        flat = np.frombuffer(obj["data"].numpy().tobytes(), dtype=np.dtype(obj["dtype"]))
-        return flat.reshape(obj["shape"]).copy()
+        dtype, shape = obj.get("dtype"), obj.get("shape")
+        kind = np.dtype(dtype).kind if isinstance(dtype, str) and len(dtype) <= 8 else ""
+        if kind not in _ARRAY_KINDS or np.dtype(dtype).subdtype is not None:
+            raise ValueError(f"an array entry has the dtype {str(dtype)[:20]!r}")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError("an array entry has a damaged shape")
+        raw = _byte_tensor(obj.get("data")).numpy()
+        if raw.size != np.dtype(dtype).itemsize * int(np.prod(shape, dtype=object)):
+            raise ValueError(f"an array entry of shape {shape} holds {raw.size} bytes")
+        return np.frombuffer(raw.tobytes(), dtype=np.dtype(dtype)).reshape(shape).copy()
     if tag == "tuple":
-        return tuple(decode_state(v) for v in obj["items"])
-    return {k: decode_state(v) for k, v in obj.items()}
+        items = obj.get("items")
+        if not isinstance(items, list):
+            raise ValueError("a tuple entry has no items")
+        return tuple(decode_state(v) for v in items)
+    raise ValueError(f"an entry has the unknown tag {str(tag)[:20]!r}")
+
+
+_ARRAY_KINDS = "biufc"
+
+
+def _byte_tensor(data: Any) -> torch.Tensor:
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
+        raise ValueError("an encoded entry is not a 1-D uint8 tensor")
+    return data.contiguous()
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,65 +182,141 @@ def write_checkpoint(
     return Path(path)
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`write_checkpoint` onto the CPU.
+def read_state_file(path: str | os.PathLike[str]) -> Any:
+    """The decoded payload of a file written by :func:`write_checkpoint`, read with bounded
+    memory, without checking what it holds (:func:`read_checkpoint` does).
 
-    The magic line, the length and the SHA-256 digest are checked before the payload is
-    unpickled, and it is unpickled with ``weights_only=True``.
+    In this order: the file must be a regular, non-sparse file; the magic line; the header's
+    length compared with the file's size (nothing more is read on a mismatch); the payload's
+    SHA-256; the payload's zip members stored uncompressed and inside it;
+    ``torch.load(weights_only=True)``; the decoded tree no larger than a small multiple of the
+    payload (:func:`~echopipe.filecheck.check_tree`: no shared references repeated without
+    bound, no tensor view larger than its data).
 
     Raises:
         FileNotFoundError: ``path`` is missing (named).
-        CheckpointError: the file is not an echopipe checkpoint, is truncated, or its digest
-            does not match (named, with the reason).
+        CheckpointError: anything else wrong with the file (named, with the reason).
     """
     p = Path(path)
-    if not p.is_file():
-        what = "is not a file" if p.exists() else "does not exist"
-        raise FileNotFoundError(f"checkpoint {str(p)!r} {what}")
-    with open(p, "rb") as f:
+    name = str(p)
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint {name!r} does not exist")
+    payload = _read_payload(p)
+    try:
+        check_stored_zip(payload)
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except FileCheckError as exc:
+        raise CheckpointError(f"checkpoint {name!r} {exc}; it is not loaded") from None
+    except Exception as exc:  # pickle errors come in many types
+        raise CheckpointError(f"checkpoint {name!r} cannot be read: {exc}") from None
+    try:
+        check_tree(state, budget=2 * len(payload) + (1 << 16))
+        return decode_state(state)
+    except (FileCheckError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {name!r} {exc}; it is not loaded") from None
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load a train checkpoint written by :func:`write_checkpoint` onto the CPU, checked.
+
+    The file is read as :func:`read_state_file` reads it, then every entry a resume,
+    ``export`` or ``--evaluate`` reads is checked for type, range, shape and dtype
+    (:func:`~.checkpoint_schema.check_train_state`), so a file that passes its SHA-256 but was
+    crafted is refused here, in one line, rather than failing later inside the run.
+
+    Raises:
+        FileNotFoundError: ``path`` is missing (named).
+        CheckpointError: anything else wrong with the file (named, with the reason).
+    """
+    state = read_state_file(path)
+    name = str(path)
+    if not isinstance(state, dict) or state.get("kind") != "echopipe-train":
+        raise CheckpointError(f"{name!r} is not an echopipe train checkpoint")
+    try:
+        check_train_state(state)
+    except SchemaError as exc:
+        raise CheckpointError(f"checkpoint {name!r}: {exc}; it is not loaded") from None
+    return state
+
+
+def _read_payload(p: Path) -> bytes:
+    """The payload of checkpoint ``p``, its length and digest checked against the header; the
+    length is compared with the file's size before the payload is read."""
+    name = str(p)
+    try:
+        f, size = open_regular(p)
+    except FileCheckError as exc:
+        raise CheckpointError(f"checkpoint {name!r} {exc}; it is not loaded") from None
+    except OSError as exc:
+        raise CheckpointError(
+            f"checkpoint {name!r} cannot be opened ({exc.strerror or exc})"
+        ) from None
+    with f:
         magic = f.read(len(CHECKPOINT_MAGIC))
         if magic != CHECKPOINT_MAGIC:
             raise CheckpointError(
-                f"{str(p)!r} is not an echopipe checkpoint (its first line is not "
+                f"{name!r} is not an echopipe checkpoint (its first line is not "
                 f"{CHECKPOINT_MAGIC.decode().strip()!r}); it is not loaded"
             )
         match = _DIGEST_RE.match(f.readline(100))
         if match is None:
-            raise CheckpointError(f"checkpoint {str(p)!r} has a damaged header; it is not loaded")
-        payload = f.read()
-    digest, length = match.group(1).decode(), int(match.group(2))
-    if len(payload) != length:
-        raise CheckpointError(
-            f"checkpoint {str(p)!r} is truncated or padded ({len(payload)} payload bytes, the "
-            f"header says {length}); it is not loaded"
-        )
+            raise CheckpointError(f"checkpoint {name!r} has a damaged header; it is not loaded")
+        digest, length = match.group(1).decode(), int(match.group(2))
+        if size - f.tell() != length:
+            raise CheckpointError(
+                f"checkpoint {name!r} is truncated or padded ({size - f.tell()} payload bytes, "
+                f"the header says {length}); it is not loaded"
+            )
+        try:
+            payload = read_exactly(f, length)
+        except FileCheckError as exc:
+            raise CheckpointError(f"checkpoint {name!r} {exc}; it is not loaded") from None
     if hashlib.sha256(payload).hexdigest() != digest:
         raise CheckpointError(
-            f"checkpoint {str(p)!r} fails its SHA-256 check (the file was altered or damaged); "
+            f"checkpoint {name!r} fails its SHA-256 check (the file was altered or damaged); "
             "it is not loaded"
         )
-    try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle errors come in many types
-        raise CheckpointError(f"checkpoint {str(p)!r} cannot be read: {exc}") from None
-    state = decode_state(state)
-    if not isinstance(state, dict) or state.get("kind") != "echopipe-train":
-        raise CheckpointError(f"{str(p)!r} is not an echopipe train checkpoint")
-    return state
+    return payload
 
 
 class RunCheckpoints:
     """A run folder's ``checkpoints/``: ``last.pt`` (newest) and ``best.pt`` (best top-1).
 
     Only these two names are ever written or replaced, so nothing else in the folder, nor any
-    other run's files, is touched.
+    other run's files, is touched. With ``root`` (the run folder), no folder between ``root``
+    and ``folder``, nor ``last.pt`` or ``best.pt``, may be a symbolic link: a planted link
+    would make the run read or write outside its folder.
     """
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, folder: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None
+    ) -> None:
         self.folder = Path(folder)
+        self.root = Path(root) if root is not None else None
         self.last = self.folder / "last.pt"
         self.best = self.folder / "best.pt"
         self.written = 0
+        self.check_inside()
+
+    def check_inside(self) -> None:
+        """Refuse (CheckpointError) a symbolic link on the way from the run folder to the
+        checkpoint files."""
+        if self.root is None:
+            return
+        try:
+            parts = self.folder.relative_to(self.root).parts
+        except ValueError:
+            raise CheckpointError(
+                f"checkpoint folder {str(self.folder)!r} is not inside {str(self.root)!r}"
+            ) from None
+        here = self.root
+        for part in (*parts, "last.pt", "best.pt"):
+            here = here / part
+            if here.is_symlink():
+                raise CheckpointError(
+                    f"{str(here)!r} is a symbolic link (to {os.readlink(here)!r}); a run reads "
+                    "and writes only inside its own folder, so it is not followed"
+                )
 
     def existing(self) -> list[Path]:
         """Checkpoint files already in the folder (an earlier run's, when starting)."""
@@ -213,27 +326,48 @@ class RunCheckpoints:
 
     def save(self, state: dict[str, Any], *, best: bool) -> Path:
         """Write ``state`` as ``last.pt``, and as ``best.pt`` too when ``best``."""
+        self.check_inside()
         self.written += 1
         return write_checkpoint(state, self.last, *((self.best,) if best else ()))
 
 
 def export_state_dict(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], Any]:
-    """The model's plain ``state_dict`` from a training checkpoint, and its config.
+    """The model's plain ``state_dict`` from a training checkpoint, and the checkpoint.
 
     The pipeline stores each stage's weights under the stage's own child numbers; they are
     renamed back to the flat model's (``<block>.<name>``), and the ``--amp`` wrapper's
     ``block.`` level is removed, so the result loads into
-    ``build_model(config["model"], num_classes)`` with ``strict=True``.
+    ``build_model(state["model"]["name"], state["model"]["num_classes"])`` with
+    ``strict=True`` (checked here: the names, shapes and dtypes are the model's).
+
+    Raises:
+        FileNotFoundError, CheckpointError: as :func:`read_checkpoint`.
     """
     state = read_checkpoint(checkpoint)
-    pipe = state["pipeline"]
-    out: dict[str, torch.Tensor] = {}
-    offset = 0
-    for count, stage in zip(pipe["balance"], pipe["stages"], strict=True):
-        for key, value in stage.items():
-            child, _, rest = key.partition(".")
-            if rest.startswith("block."):  # the autocast wrapper of --amp
-                rest = rest[len("block.") :]
-            out[f"{offset + int(child)}.{rest}"] = value
-        offset += count
-    return out, state
+    weights = flat_weights(state["pipeline"])
+    try:
+        model = build_model(state["model"]["name"], num_classes=state["model"]["num_classes"])
+        model.load_state_dict(weights, strict=True)
+    except (RuntimeError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint {str(checkpoint)!r}: its weights do not load into "
+            f"{state['model']['name']}: {str(exc).splitlines()[0]}"
+        ) from None
+    return weights, state
+
+
+def check_export(path: str | os.PathLike[str], model: dict[str, Any]) -> None:
+    """Check that the state_dict written to ``path`` by ``echopipe export`` loads into
+    ``build_model(model["name"], model["num_classes"])`` with ``strict=True``.
+
+    Raises:
+        CheckpointError: it does not (named, with the first reason).
+    """
+    try:
+        weights = torch.load(path, map_location="cpu", weights_only=True)
+        build_model(model["name"], num_classes=model["num_classes"]).load_state_dict(weights)
+    except Exception as exc:  # a torch.load or load_state_dict failure, whatever its type
+        raise CheckpointError(
+            f"the exported {str(path)!r} does not load into {model['name']}: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None

@@ -85,7 +85,20 @@ class TrainInput:
         )
         self.iterator = EchoIterator(self.pipe, ["data", "label"], steps_per_epoch=steps_per_epoch)
         if state is not None:
-            self.iterator.load_state_dict(state)
+            from ..dali.state_check import check_cache_restores
+
+            try:
+                self.iterator.load_state_dict(state)
+                # The cache itself is restored at the first batch; a blob it refuses is
+                # named now, before any training.
+                check_cache_restores(self.pipe.config, state["pipeline"]["cache"])
+            except ValueError as exc:  # a state of another pipeline (its fields are checked)
+                from .checkpoints import CheckpointError
+
+                named = f" {str(cfg.resume)!r}" if isinstance(cfg.resume, Path) else ""
+                raise CheckpointError(
+                    f"--resume{named}: the checkpoint's input state does not fit this run: {exc}"
+                ) from None
         self.factor = factor
         self.builds += 1
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .config import TrainConfig
 
-__all__ = ["EpochClock", "hybrid_switch_epoch", "lr_factor", "sgd_factory"]
+__all__ = ["EpochClock", "decay_groups", "hybrid_switch_epoch", "lr_factor", "sgd_factory"]
 
 
 class EpochClock:
@@ -82,13 +83,20 @@ def lr_factor(
     return 0.02 + 0.98 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def decay_groups(params: list[Any]) -> list[list[Any]]:
+    """The optimizer's parameter groups, in order: weight-decayed (matrices and kernels), then
+    the rest (biases, norms) when there are any. A checkpoint numbers parameters in this order.
+    """
+    decay = [p for p in params if p.ndim > 1]
+    no_decay = [p for p in params if p.ndim <= 1]
+    return [decay, no_decay] if no_decay else [decay]
+
+
 def sgd_factory(cfg: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        decay = [p for p in params if p.ndim > 1]
-        no_decay = [p for p in params if p.ndim <= 1]
+        decay, *rest = decay_groups(params)
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
-        if no_decay:
-            groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups += [{"params": no_decay, "weight_decay": 0.0} for no_decay in rest]
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
 
     return make

@@ -23,7 +23,7 @@ from torch import nn
 from ..echo.controller import EchoController
 from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks
 from .checkpoints import RunCheckpoints
-from .config import TrainConfig, UsageError
+from .config import DataError, TrainConfig, UsageError
 from .decide import choose_split
 from .distributed import DistContext, all_reduce_grads, default_devices
 from .epoch import EpochLoop
@@ -100,7 +100,9 @@ class Trainer(EpochLoop):
         if self.ctx.is_main:
             self.lock = lock_run_folder(self.out)
         folder = self.out / "checkpoints"
-        self.ckpts = RunCheckpoints(folder / f"rank{self.ctx.rank}" if self.ctx.enabled else folder)
+        self.ckpts = RunCheckpoints(
+            folder / f"rank{self.ctx.rank}" if self.ctx.enabled else folder, root=self.out
+        )
         earlier = self.ckpts.existing()
         if not cfg.resume and earlier:
             raise UsageError(
@@ -111,6 +113,11 @@ class Trainer(EpochLoop):
             self.resume_path = cfg.resume if isinstance(cfg.resume, Path) else self.ckpts.last
             self.saved = load_resume(cfg, self.resume_path, self.ctx.world_size)
         self.data_dir, self.classes = check_data(cfg, self.say)
+        if self.saved and self.saved["model"]["num_classes"] != len(self.classes):
+            raise DataError(
+                f"--resume {str(self.resume_path)!r}: the model has "
+                f"{self.saved['model']['num_classes']} classes, --data has {len(self.classes)}"
+            )
 
     def setup(self) -> None:
         """Seeds, devices, input, model, the ``auto`` decisions, the pipeline, the state."""

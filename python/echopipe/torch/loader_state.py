@@ -1,0 +1,160 @@
+"""The checks of a saved :class:`~echopipe.torch.EchoLoader` state, before it is restored.
+
+A state usually comes back from a file (``torch.load`` of a training checkpoint), so every
+field is checked for type, range and agreement with the others here, and
+``EchoLoader.load_state_dict`` restores nothing unless all of it passes: a refused state leaves
+the loader as it was, and every refusal is one exception type, :class:`LoaderStateError`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["LoaderStateError", "check_loader_state", "check_position"]
+
+_BIG = 1 << 62
+_POSITION = (
+    "batches_done",
+    "rows_in_flight",
+    "fresh_samples_epoch",
+    "delivered_batches_epoch",
+    "delivered_samples_epoch",
+)
+_CACHE_CONFIG = ("capacity_bytes", "capacity_samples", "min_fill", "seed")
+_REQUIRED = {
+    "version", "epoch", "mid_epoch", *_POSITION, "totals", "echo_factor", "echo_history",
+    "controller", "cache", "cache_config", "layout", "batch_size",
+}  # fmt: skip
+
+
+class LoaderStateError(ValueError):
+    """An ``EchoLoader`` state that cannot be restored (names the field); nothing was changed."""
+
+
+def _int(value: Any, where: str, low: int = 0, high: int = _BIG) -> int:
+    if type(value) is not int or not low <= value <= high:
+        shown = repr(value)[:40] if isinstance(value, int | float | bool | type(None)) else None
+        raise LoaderStateError(
+            f"EchoLoader state {where} is {shown or 'a ' + type(value).__name__}, not an "
+            f"integer in [{low}, {high}]"
+        )
+    return value
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise LoaderStateError(f"EchoLoader state {what}")
+
+
+def _factor(value: Any, where: str) -> float:
+    ok = type(value) in (int, float) and math.isfinite(value) and 1 <= value <= 65535
+    _need(ok, f"{where} is not an echo factor in [1, 65535]")
+    return float(value)
+
+
+def check_loader_state(
+    state: Any, *, version: int, counts: tuple[str, ...], auto: bool, memory_bytes: int
+) -> dict[str, Any]:
+    """The fields of ``state`` checked and normalised (plain ints, floats, lists); nothing is
+    restored here.
+
+    Args:
+        state: what ``EchoLoader.state_dict`` returned (or a file's claim to be that).
+        version: the state version the loader writes.
+        counts: the names of the loader's running counters (``totals``).
+        auto: whether the loader restoring it has ``echo_factor="auto"`` (a controller).
+        memory_bytes: the most a restored cache may reserve.
+
+    Raises:
+        LoaderStateError: names the first field of the wrong type, out of range, or in
+            disagreement with another.
+    """
+    got = state.get("version") if isinstance(state, dict) else type(state).__name__
+    if not isinstance(state, dict) or type(got) is not int or got != version:
+        raise LoaderStateError(f"not an EchoLoader state of version {version}: {str(got)[:40]!r}")
+    missing = sorted(_REQUIRED - set(state))
+    _need(not missing, f"lacks {missing[0]!r}" if missing else "")
+    out: dict[str, Any] = {"epoch": _int(state["epoch"], "'epoch'")}
+    _need(isinstance(state["mid_epoch"], bool), "'mid_epoch' is not true/false")
+    out["mid_epoch"] = state["mid_epoch"]
+    for key in _POSITION:
+        out[key] = _int(state[key], repr(key))
+        _need(out["mid_epoch"] or out[key] == 0, f"{key!r} is not 0 between epochs")
+    totals = state["totals"]
+    _need(isinstance(totals, dict) and set(totals) == set(counts),
+          f"'totals' is not a dict of {', '.join(counts)}")  # fmt: skip
+    out["totals"] = {k: _int(totals[k], f"totals {k!r}") for k in counts}
+    for batches, samples in (("fresh_batches", "fresh_samples"),
+                             ("delivered_batches", "delivered_samples")):  # fmt: skip
+        if samples not in out["totals"] or batches not in out["totals"]:
+            continue
+        _need(out["totals"][samples] >= out["totals"][batches],
+              f"totals {samples!r} is fewer than {batches!r}")  # fmt: skip
+    _need(out["delivered_samples_epoch"] >= out["delivered_batches_epoch"],
+          "'delivered_samples_epoch' is fewer than 'delivered_batches_epoch'")  # fmt: skip
+    out["echo_factor"] = _factor(state["echo_factor"], "'echo_factor'")
+    out["echo_history"] = _history(state["echo_history"])
+    same_mode = (state["controller"] is not None) == auto
+    _need(same_mode, "was saved with a different echo_factor mode (auto/fixed)")
+    _need(state["controller"] is None or isinstance(state["controller"], dict),
+          "'controller' is not a dict")  # fmt: skip
+    out["controller"] = state["controller"]
+    batch = state["batch_size"]
+    out["batch_size"] = None if batch is None else _int(batch, "'batch_size'", 1, 1 << 24)
+    if batch is not None:
+        _need(out["rows_in_flight"] < max(batch, 1) * 65536, "'rows_in_flight' is out of range")
+        _need(out["delivered_samples_epoch"] <= out["delivered_batches_epoch"] * batch,
+              "'delivered_samples_epoch' exceeds its batches of 'batch_size'")  # fmt: skip
+    layout = state["layout"]
+    _need(layout is None or (isinstance(layout, str) and len(layout) < 1 << 16),
+          "'layout' is not a layout signature")  # fmt: skip
+    out["layout"] = layout
+    out["cache_config"] = _cache_config(state["cache_config"], memory_bytes)
+    cache = state["cache"]
+    _need(cache is None or isinstance(cache, bytes | bytearray), "'cache' is not bytes")
+    _need(cache is None or out["cache_config"] is not None, "has a cache without 'cache_config'")
+    out["cache"] = None if cache is None else bytes(cache)
+    return out
+
+
+def _history(history: Any) -> list[tuple[int, float]]:
+    _need(isinstance(history, list | tuple) and 0 < len(history) <= 1 << 20,
+          "'echo_history' is not a non-empty list")  # fmt: skip
+    out: list[tuple[int, float]] = []
+    for entry in history:
+        _need(isinstance(entry, list | tuple) and len(entry) == 2,
+              "'echo_history' holds an entry that is not (step, factor)")  # fmt: skip
+        step = _int(entry[0], "echo_history step")
+        _need(not out or step >= out[-1][0], "'echo_history' steps go backwards")
+        out.append((step, _factor(entry[1], "echo_history factor")))
+    return out
+
+
+def _cache_config(config: Any, memory_bytes: int) -> dict[str, int] | None:
+    if config is None:
+        return None
+    _need(isinstance(config, dict) and set(config) == set(_CACHE_CONFIG),
+          f"'cache_config' is not a dict of {', '.join(_CACHE_CONFIG)}")  # fmt: skip
+    out = {
+        "capacity_bytes": _int(config["capacity_bytes"], "cache capacity_bytes", 1, memory_bytes),
+        # The cache allocates its per-sample table (about 32 bytes a sample) when created,
+        # before the saved contents are checked: a state may not ask for more than 128 MiB of it.
+        "capacity_samples": _int(config["capacity_samples"], "cache capacity_samples", 1, 1 << 22),
+        "seed": _int(config["seed"], "cache seed", 0, (1 << 63) - 1),
+    }
+    out["min_fill"] = _int(config["min_fill"], "cache min_fill", 0, out["capacity_samples"])
+    return out
+
+
+def check_position(clean: dict[str, Any], loader: Any) -> None:
+    """A mid-epoch state's position must lie inside the wrapped loader's epoch, when the loader
+    has a length: past its end, the resumed epoch would silently deliver nothing."""
+    try:
+        length = len(loader)
+    except TypeError:  # an iterable without a length: checked as it is read
+        return
+    _need(
+        not clean["mid_epoch"] or clean["batches_done"] <= length,
+        f"'batches_done' is {clean['batches_done']}, past the wrapped loader's {length} batches",
+    )
