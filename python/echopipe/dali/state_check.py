@@ -216,7 +216,14 @@ _CONFIG_TYPES: dict[str, tuple[type, ...]] = {
 _RUNNER = {"fresh_in": int, "iterations": int, "epoch_index": int, "iter_in_epoch": int}
 _STATE_KEYS = {"version", "config", "num_fields", "cache", "layouts", "quota", "runner", "stash"}
 _STATE_OPTIONAL = frozenset(
-    {"input_done", "upstream_wait_s", "downstream_wait_s", "dali_upstream", "dali_downstream"}
+    {
+        "input_done",
+        "handed",
+        "upstream_wait_s",
+        "downstream_wait_s",
+        "dali_upstream",
+        "dali_downstream",
+    }
 )
 
 
@@ -254,6 +261,8 @@ def check_echo_state(state: Any, where: str = "echo state") -> None:
     _number(runner.get("seconds", 0.0), f"{where} runner 'seconds'")
     _check_stash(state["stash"], where)
     _of(state.get("input_done", False), bool, f"{where} 'input_done'")
+    if _of(state.get("handed", 0), int, f"{where} 'handed'") < 0:
+        raise _fail(f"{where} 'handed'", "is negative")
     for key in ("upstream_wait_s", "downstream_wait_s"):
         _number(state.get(key, 0.0), f"{where} {key!r}")
     for key in ("dali_upstream", "dali_downstream"):

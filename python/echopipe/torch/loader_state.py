@@ -21,7 +21,7 @@ _POSITION = (
     "delivered_batches_epoch",
     "delivered_samples_epoch",
 )
-_CACHE_CONFIG = ("capacity_bytes", "capacity_samples", "min_fill", "seed")
+_CACHE_CONFIG = ("capacity_bytes", "capacity_samples", "min_fill", "seed", "epoch_size")
 _REQUIRED = {
     "version", "epoch", "mid_epoch", *_POSITION, "totals", "echo_factor", "echo_history",
     "controller", "cache", "cache_config", "layout", "batch_size",
@@ -144,6 +144,7 @@ def _cache_config(config: Any, memory_bytes: int) -> dict[str, int] | None:
         "seed": _int(config["seed"], "cache seed", 0, (1 << 63) - 1),
     }
     out["min_fill"] = _int(config["min_fill"], "cache min_fill", 0, out["capacity_samples"])
+    out["epoch_size"] = _int(config["epoch_size"], "cache epoch_size", 0, 1 << 40)
     return out
 
 
