@@ -458,7 +458,13 @@ def test_cli_train_runs_with_amp_and_hybrid(tiny_imagenet: Path, tmp_path: Path)
     assert "echopipe train: summary" in done.stdout
     assert "staleness per stage [2, 0]" in done.stdout
     # Not a terminal: plain log lines every 3 steps and one per epoch, no progress bars.
-    assert "step 3: " in done.stderr and "epoch 1/2: val top-1" in done.stderr
+    assert "step 3: " in done.stderr
+    # The epoch line: train and val loss, top-1 and top-5, LR, epoch time, its rates, ETA.
+    epoch_line = (
+        r"epoch 1/2: train loss [0-9.]+, val loss [0-9.]+, top-1 [0-9.]+ %, top-5 [0-9.]+ %, "
+        r"lr [0-9.e-]+, \d+:\d\d \(\d+ img/s, \d+ fresh\), e=2; ETA \d+:\d\d"
+    )
+    assert re.search(epoch_line, done.stderr), done.stderr
     assert "\r" not in done.stderr
     run = tmp_path  # an --output naming metrics.json runs in its folder
     doc = json.loads((run / "metrics.json").read_text())

@@ -150,12 +150,12 @@ def _fail(prog: str, exc: BaseException, debug: bool) -> int:
     return 1 if isinstance(exc, CorruptImageError) else 2 if isinstance(exc, CheckpointError) else 1
 
 
-def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     from .data import CorruptImageError
     from .training.allocator import tune_host_allocator
-    from .training.arguments import from_namespace
+    from .training.arguments import from_namespace, given_options
     from .training.checkpoints import CheckpointError
     from .training.config import TrainError, UsageError
     from .training.input import evaluate_checkpoint
@@ -184,22 +184,12 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
                 flush=True,
             )
             return 0
-        summary = train(cfg)
+        summary = train(cfg, given=given_options(argv[argv.index("train") + 1 :]))
     except expected as exc:
         return _fail(parser.prog, exc, args.debug)
-    except KeyboardInterrupt:
-        if args.debug:
-            raise
-        print(
-            f"{parser.prog}: interrupted; --resume continues from the last checkpoint in "
-            f"{cfg.output}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 130
     import os
 
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0 and not summary.resumed_finished:
         print(format_summary(summary), flush=True)
     return 0
 
@@ -310,14 +300,50 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 1 if any(result.startswith("failed") for _, result, _ in outcomes) else 0
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (torchrun and job schedulers stop a run with it)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``echopipe`` console script; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "bench":
-        return _run_bench(args)
-    sub = args.command_parser
-    return _run_train(sub, args) if args.command == "train" else _run_export(sub, args)
+    """Entry point of the ``echopipe`` console script; returns the exit status.
+
+    Ctrl-C and SIGTERM end it with one line (status 130 and 143): where a run stopped and the
+    checkpoint ``--resume`` would continue from, or that there is none.
+    """
+    import os
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command == "bench":
+            return _run_bench(args)
+        sub = args.command_parser
+        if args.command == "train":
+            return _run_train(sub, args, argv)
+        return _run_export(sub, args)
+    except KeyboardInterrupt as exc:
+        if debug:
+            raise
+        line = getattr(exc, "line", None) or "interrupted during start-up; nothing was written"
+        if int(os.environ.get("RANK", "0")) == 0:
+            command = argv[0] if argv and not argv[0].startswith("-") else ""
+            print(f"echopipe {command}: {line}".replace("  ", " "), file=sys.stderr, flush=True)
+        return 143 if isinstance(exc, _Terminated) or _terminated(exc) else 130
+
+
+def _terminated(exc: BaseException) -> bool:
+    """Whether ``exc`` (an Interrupted from the trainer) came from a SIGTERM."""
+    return isinstance(exc.__context__, _Terminated) or isinstance(exc.__cause__, _Terminated)
 
 
 if __name__ == "__main__":

@@ -193,16 +193,19 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 class RunCheckpoints:
-    """A run folder's ``checkpoints/``: ``last.pt`` (newest) and ``best.pt`` (best top-1).
+    """A run folder's ``checkpoints/``: ``last.pt`` (newest), ``prev.pt`` (the one before it)
+    and ``best.pt`` (best top-1).
 
-    Only these two names are ever written or replaced, so nothing else in the folder, nor any
-    other run's files, is touched.
+    Only these names are ever written or replaced, so nothing else in the folder, nor any
+    other run's files, is touched. ``prev.pt`` is what ranks whose newest checkpoints differ
+    (one killed between two writes) fall back to.
     """
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.folder = Path(folder)
         self.last = self.folder / "last.pt"
         self.best = self.folder / "best.pt"
+        self.prev = self.folder / "prev.pt"
         self.written = 0
 
     def existing(self) -> list[Path]:
@@ -212,8 +215,16 @@ class RunCheckpoints:
         return sorted(p for p in self.folder.iterdir() if p.suffix == ".pt")
 
     def save(self, state: dict[str, Any], *, best: bool) -> Path:
-        """Write ``state`` as ``last.pt``, and as ``best.pt`` too when ``best``."""
+        """Write ``state`` as ``last.pt``, and as ``best.pt`` too when ``best``; the file it
+        replaces becomes ``prev.pt``."""
         self.written += 1
+        if self.last.is_file():
+            # A second name for the current file, moved into place atomically: a kill at any
+            # point leaves last.pt, and prev.pt older or equal.
+            link = self.folder / ".prev.pt.link.tmp"
+            link.unlink(missing_ok=True)
+            os.link(self.last, link)
+            os.replace(link, self.prev)
         return write_checkpoint(state, self.last, *((self.best,) if best else ()))
 
 

@@ -23,6 +23,7 @@ from .options import (
     MAX_IMAGE_SIZE,
     MAX_SHUFFLE_BUFFER,
     DataError,
+    Interrupted,
     TrainError,
     UsageError,
     check_balance,
@@ -46,13 +47,18 @@ from .options import (
 )
 
 __all__ = [
+    "DEFAULT_OUTPUT_BASE",
     "DataError",
+    "Interrupted",
     "TrainConfig",
     "TrainError",
     "UsageError",
     "flag",
     "free_on_resume",
 ]
+
+DEFAULT_OUTPUT_BASE = "echopipe-train"
+"""Where runs without ``--output`` get their own dated folder."""
 
 _D, _E, _P, RUN_FOLDER_GROUP = (
     "data and schedule",
@@ -97,7 +103,7 @@ class TrainConfig:
         "stop after this many training steps in all (the LR schedule still spans --epochs)",
         parse=parse_int,
         check=check_optional(int_at_least(1)),
-        on_resume="free",
+        on_resume="each",
     )
     stop_at_top1: float | None = opt(
         None,
@@ -105,7 +111,7 @@ class TrainConfig:
         "spans --epochs",
         parse=parse_float,
         check=check_optional(finite(maximum=1.0, positive=True)),
-        on_resume="free",
+        on_resume="each",
     )
     batch_size: int = opt(
         32,
@@ -274,14 +280,15 @@ class TrainConfig:
         on_resume="free",
         metavar="SECONDS",
     )
-    output: Path = opt(
-        Path("echopipe-train"),
-        "run folder: metrics.json/.csv, config.json, plot, checkpoints/",
+    output: Path | None = opt(
+        None,
+        "run folder: metrics.json/.csv, steps.csv, config.json, plot, checkpoints/ (default: a "
+        f"new folder {DEFAULT_OUTPUT_BASE}/<date>-<time>-<model> per run)",
         check=check_output,
         parse=Path,
         metavar="DIR",
         group=RUN_FOLDER_GROUP,
-        on_resume="free",
+        on_resume="each",
     )
     checkpoint_every: int = opt(
         0,
@@ -292,11 +299,12 @@ class TrainConfig:
         group=RUN_FOLDER_GROUP,
         on_resume="free",
     )
-    resume: bool | Path = opt(
+    resume: bool | str | Path = opt(
         False,
-        "continue the run in --output from its last checkpoint, or from CKPT",
+        "continue the run in --output from its last checkpoint (True), from CKPT (a path), or "
+        "'auto': from the last checkpoint when there is one, else start the run",
         group=RUN_FOLDER_GROUP,
-        on_resume="free",
+        on_resume="each",
         cli=False,
     )
     log_interval: int = opt(
@@ -309,7 +317,7 @@ class TrainConfig:
         on_resume="free",
     )
     progress: bool = opt(
-        True, "progress bars on a terminal", group=RUN_FOLDER_GROUP, on_resume="free", cli=False
+        True, "progress bars on a terminal", group=RUN_FOLDER_GROUP, on_resume="each", cli=False
     )
 
     def __post_init__(self) -> None:
@@ -326,6 +334,11 @@ class TrainConfig:
                     f"{flag(f.name)} {getattr(self, f.name)!r} is not one of "
                     f"{', '.join(map(str, choices))}"
                 )
+        if self.resume == "auto" and self.output is None:
+            raise UsageError(
+                "--resume auto continues the run in --output, so a restarted job finds the same "
+                "folder: give --output DIR"
+            )
         if isinstance(self.resume, Path) and not self.resume.is_file():
             what = "is not a file" if self.resume.exists() else "does not exist"
             raise UsageError(f"--resume checkpoint {str(self.resume)!r} {what}")
@@ -410,5 +423,5 @@ def free_on_resume() -> list[str]:
     return [
         flag(f.name)
         for f in dataclasses.fields(TrainConfig)
-        if f.metadata["on_resume"] == "free" and f.metadata["cli"]
+        if f.metadata["on_resume"] != "fixed" and f.metadata["cli"]
     ]

@@ -49,6 +49,7 @@ class DistContext:
     backend: str | None = None
     timeout_s: float = 600.0
     stage_groups: list[Any] = field(default_factory=list)
+    probe: Any = None  # a store client of the job, to find a rank that stopped answering
 
     @property
     def enabled(self) -> bool:
@@ -99,7 +100,9 @@ class DistContext:
                 )
             else:
                 dist.init_process_group(backend="gloo", timeout=timeout)
-        return cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
+        ctx = cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
+        ctx.probe = _probe_store(timeout_s)
+        return ctx
 
     def make_stage_groups(self, num_stages: int) -> None:
         """One process group per stage (every rank creates all of them, in the same order)."""
@@ -141,6 +144,40 @@ class DistContext:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (``[obj]`` when alone)."""
+        if not self.enabled:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def silent_ranks(self) -> list[int]:
+        """After a collective failed: the ranks that do not check in within the probe time.
+
+        Every rank that is still running checks in on the job's store and waits for the
+        others' keys; a rank that is stopped or stuck never writes its key. ``[]`` when unknown.
+        """
+        if not self.enabled or self.probe is None:
+            return []
+        from torch.distributed import DistError
+
+        store, wait = self.probe
+        try:
+            store.set(f"here/{self.rank}", "1")
+        except DistError:
+            return []
+        missing = []
+        for r in range(self.world_size):
+            if r != self.rank:
+                try:
+                    store.wait([f"here/{r}"], wait)
+                except DistError:  # the key never came
+                    missing.append(r)
+        return missing
+
     def close(self) -> None:
         """Leave the process group (only if this module joined it)."""
         if self.enabled:
@@ -148,6 +185,23 @@ class DistContext:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _probe_store(timeout_s: float) -> Any:
+    """``(store, wait)``: a client of the job's rendezvous store under a prefix of this attempt,
+    and how long to wait there for another rank; None where there is none."""
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    wait = datetime.timedelta(seconds=min(60.0, max(5.0, timeout_s)))
+    try:
+        client = dist.TCPStore(addr, int(port), is_master=False, timeout=wait)
+    except (dist.DistError, RuntimeError, ValueError):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"echopipe/probe/{attempt}/", client), wait
 
 
 def all_reduce_grads(

@@ -15,7 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["DataError", "TrainError", "UsageError", "add_field_arguments", "flag", "opt"]
+__all__ = [
+    "DataError",
+    "Interrupted",
+    "TrainError",
+    "UsageError",
+    "add_field_arguments",
+    "flag",
+    "opt",
+]
 
 MAX_ECHO = 100.0
 MAX_IMAGE_SIZE = 1024
@@ -26,6 +34,14 @@ class TrainError(Exception):
     """A run that cannot go on, told in one line; ``exit_code`` is the CLI's exit status."""
 
     exit_code = 1
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a run; ``line`` says where and what ``--resume`` would use."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
 
 
 class UsageError(TrainError, ValueError):
@@ -174,6 +190,8 @@ def check_path(must_be_dir: bool) -> Callable[[str, Any], None]:
 
 
 def check_output(name: str, value: Any) -> None:
+    if value is None:
+        return
     path = Path(value)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag(name)} {str(path)!r} is a file; give a run folder")
@@ -202,11 +220,16 @@ def opt(
     short: str | None = None,
     alias: str | None = None,
     group: str = "data and schedule",
-    on_resume: Literal["fixed", "free"] = "fixed",
+    on_resume: Literal["fixed", "free", "each"] = "fixed",
     cli: bool = True,
     const: Any = None,
 ) -> Any:
-    """A :class:`TrainConfig` field with everything the CLI and the checks need."""
+    """A :class:`TrainConfig` field with everything the CLI and the checks need.
+
+    ``on_resume``: ``"fixed"`` options are the checkpoint's and may not change; ``"free"`` ones
+    are the checkpoint's unless given again (a change is named and recorded); ``"each"`` ones
+    belong to one invocation (where to write, when to stop early) and are never inherited.
+    """
     meta = dict(
         help=help,
         check=check,
