@@ -49,7 +49,7 @@ class DistContext:
     backend: str | None = None
     timeout_s: float = 600.0
     stage_groups: list[Any] = field(default_factory=list)
-    probe: Any = None  # a store client of the job, to find a rank that stopped answering
+    probe_group: Any = None  # Gloo, short timeout: to find a rank that stopped answering
 
     @property
     def enabled(self) -> bool:
@@ -96,13 +96,12 @@ class DistContext:
                 # control messages (epoch lengths, counters, rank 0's echo factor: CPU tensors
                 # and objects) over Gloo, which a pure NCCL group would reject.
                 dist.init_process_group(
-                    backend="cpu:gloo,cuda:nccl", timeout=timeout, device_id=device
-                )
+                    backend="cpu:gloo,cuda:nccl", timeout=timeout, device_id=device,
+                    **_attempt_store(timeout),
+                )  # fmt: skip
             else:
-                dist.init_process_group(backend="gloo", timeout=timeout)
-        ctx = cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
-        ctx.probe = _probe_store(timeout_s)
-        return ctx
+                dist.init_process_group(backend="gloo", timeout=timeout, **_attempt_store(timeout))
+        return cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
 
     def make_stage_groups(self, num_stages: int) -> None:
         """One process group per stage (every rank creates all of them, in the same order)."""
@@ -113,6 +112,10 @@ class DistContext:
         ranks = list(range(self.world_size))
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self.stage_groups = [dist.new_group(ranks, timeout=timeout) for _ in range(num_stages)]
+        # The ranks still running reach the probe within moments of each other (each timed out
+        # on the same collective), so a short wait tells a silent rank from a late one.
+        probe = datetime.timedelta(seconds=min(10.0, self.timeout_s))
+        self.probe_group = dist.new_group(ranks, timeout=probe, backend="gloo")
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         """Sum of ``values`` over ranks (identity when alone)."""
@@ -155,28 +158,30 @@ class DistContext:
         return out
 
     def silent_ranks(self) -> list[int]:
-        """After a collective failed: the ranks that do not check in within the probe time.
-
-        Every rank that is still running checks in on the job's store and waits for the
-        others' keys; a rank that is stopped or stuck never writes its key. ``[]`` when unknown.
-        """
-        if not self.enabled or self.probe is None:
+        """After a collective failed: the ranks that do not answer a token within the probe
+        time (stopped, stuck or gone). Every rank still running sends one to each other rank
+        and waits for theirs; ``[]`` when unknown."""
+        if not self.enabled or self.probe_group is None:
             return []
-        from torch.distributed import DistError
+        import torch.distributed as dist
 
-        store, wait = self.probe
-        try:
-            store.set(f"here/{self.rank}", "1")
-        except DistError:
-            return []
-        missing = []
-        for r in range(self.world_size):
-            if r != self.rank:
-                try:
-                    store.wait([f"here/{r}"], wait)
-                except DistError:  # the key never came
-                    missing.append(r)
-        return missing
+        others = [r for r in range(self.world_size) if r != self.rank]
+        waits = {}
+        for r in others:
+            try:
+                dist.isend(torch.ones(1), dst=r, group=self.probe_group)
+                box = torch.zeros(1)
+                waits[r] = dist.irecv(box, src=r, group=self.probe_group)
+            except (dist.DistError, RuntimeError):
+                waits[r] = None
+        silent = []
+        for r, work in waits.items():
+            try:
+                if work is None or not work.wait():
+                    silent.append(r)
+            except (dist.DistError, RuntimeError):  # the wait timed out or the peer is gone
+                silent.append(r)
+        return silent
 
     def close(self) -> None:
         """Leave the process group (only if this module joined it)."""
@@ -187,21 +192,28 @@ class DistContext:
                 dist.destroy_process_group()
 
 
-def _probe_store(timeout_s: float) -> Any:
-    """``(store, wait)``: a client of the job's rendezvous store under a prefix of this attempt,
-    and how long to wait there for another rank; None where there is none."""
+def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """Under a restarted torchrun job: the job's store under a prefix of this attempt.
+
+    torchrun's agent keeps one store over restarts, and the process groups' keys (each rank's
+    address) are named alike in every attempt, so a rank of the restarted job could read the
+    address of a rank of the killed one and fail to connect. ``{}`` (the usual ``env://``
+    rendezvous) outside an agent-store torchrun job.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
     import torch.distributed as dist
 
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not addr or not port:
-        return None
-    wait = datetime.timedelta(seconds=min(60.0, max(5.0, timeout_s)))
-    try:
-        client = dist.TCPStore(addr, int(port), is_master=False, timeout=wait)
-    except (dist.DistError, RuntimeError, ValueError):
-        return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"echopipe/probe/{attempt}/", client), wait
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout,
+    )  # fmt: skip
+    return {
+        "store": dist.PrefixStore(f"echopipe/attempt{attempt}", client),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 def all_reduce_grads(
