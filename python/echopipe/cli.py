@@ -18,7 +18,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
-__all__ = ["BENCH_DEFAULT", "BENCH_STUDIES", "BENCH_SUITES", "build_parser", "main"]
+__all__ = [
+    "BENCH_DEFAULT",
+    "BENCH_STUDIES",
+    "BENCH_SUITES",
+    "bench_dir",
+    "bench_results_dir",
+    "build_parser",
+    "main",
+]
 
 BENCH_DEFAULT: tuple[str, ...] = ("echo_cache", "echo_loader", "dali_echo", "pipeline")
 """The microbenchmarks ``echopipe bench`` runs by default, in this order."""
@@ -86,7 +94,9 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
         description=(
             f"Run echopipe's benchmark suites in sequence ({', '.join(BENCH_DEFAULT)}; the "
             f"studies {', '.join(BENCH_STUDIES)} only with --only or --all) and print their "
-            "tables; each writes <results-dir>/<suite>.json. A suite that cannot run here "
+            "tables; each writes <results-dir>/<suite>.json, by default into a new folder "
+            "bench-results/<date>-<time> (--update-results: the checkout's committed "
+            "bench/results). A suite that cannot run here "
             "(e.g. DALI missing) is reported as skipped with the reason; a failing suite makes "
             "the exit status 1. Aims not met are results, not failures."
         ),
@@ -102,13 +112,19 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
         help=f"run only these suites, in the order given ({', '.join(BENCH_SUITES)})",
     )
     which.add_argument("--all", action="store_true", help="also run the studies")
-    p.add_argument(
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
         "--results-dir",
         type=Path,
         default=None,
         metavar="DIR",
-        help="where the suites write <suite>.json (default: bench/results in a source "
-        "checkout, else ./bench-results)",
+        help="where the suites write <suite>.json (default: a new folder "
+        "bench-results/<date>-<time>)",
+    )
+    where.add_argument(
+        "--update-results",
+        action="store_true",
+        help="write into the source checkout's bench/results, replacing the committed figures",
     )
     return p
 
@@ -271,7 +287,28 @@ def _run_suite(module: ModuleType, argv: list[str]) -> int:
     return result if isinstance(result, int) else 0
 
 
+def bench_results_dir(args: argparse.Namespace) -> Path:
+    """Where this ``echopipe bench`` writes: ``--results-dir``, the checkout's ``bench/results``
+    with ``--update-results``, else a new dated folder under ``./bench-results``."""
+    if args.results_dir is not None:
+        return Path(args.results_dir)
+    if args.update_results:
+        folder = bench_dir()
+        if folder is None:
+            args.command_parser.error(
+                "--update-results writes into a source checkout's bench/results; run it inside a "
+                "clone of echopipe"
+            )
+        return folder / "results"
+    base = Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+    out, n = base, 1
+    while out.exists():
+        out, n = Path(f"{base}-{n}"), n + 1
+    return out
+
+
 def _run_bench(args: argparse.Namespace) -> int:
+    results = bench_results_dir(args)
     if args.only:
         suites = list(dict.fromkeys(args.only))
     else:
@@ -285,8 +322,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             print(f"\n=== echopipe bench: {name}: skipped: {reason} ===", flush=True)
             continue
         argv: list[str] = ["--quick"] if args.quick else []
-        if args.results_dir is not None:
-            argv += ["--results-dir", str(args.results_dir)]
+        argv += ["--results-dir", str(results)]
         print(f"\n=== echopipe bench: {name} {' '.join(argv)} ===", flush=True)
         rc = _run_suite(module, argv)
         seconds = time.perf_counter() - t0
@@ -297,6 +333,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     print(f"{'suite':<{name_width}} {'result':<{width}} {'seconds':>8}")
     for name, result, seconds in outcomes:
         print(f"{name:<{name_width}} {result:<{width}} {seconds:8.1f}")
+    print(f"results: {results}")
     return 1 if any(result.startswith("failed") for _, result, _ in outcomes) else 0
 
 

@@ -29,6 +29,8 @@ from .options import (
     check_balance,
     check_devices,
     check_echo,
+    check_gpu_needs,
+    check_model_split,
     check_optional,
     check_output,
     check_path,
@@ -57,8 +59,7 @@ __all__ = [
     "free_on_resume",
 ]
 
-DEFAULT_OUTPUT_BASE = "echopipe-train"
-"""Where runs without ``--output`` get their own dated folder."""
+DEFAULT_OUTPUT_BASE = "echopipe-train"  # runs without --output get a dated folder in it
 
 _D, _E, _P, RUN_FOLDER_GROUP = (
     "data and schedule",
@@ -370,36 +371,8 @@ class TrainConfig:
                 f"--hybrid-switch {self.hybrid_switch} is after the last epoch (--epochs "
                 f"{self.epochs}): the run would never switch"
             )
-        self._validate_model_split()
-        self._validate_gpu_needs()
-
-    def _validate_model_split(self) -> None:
-        # The model's block count, from a build on the meta device (no memory, no init cost).
-        import torch
-
-        from ..models import build_model
-
-        with torch.device("meta"):
-            blocks = len(build_model(self.model, num_classes=2))
-        if isinstance(self.balance, list) and sum(self.balance) != blocks:
-            raise UsageError(
-                f"--balance {','.join(map(str, self.balance))} covers "
-                f"{sum(self.balance)} blocks; {self.model} has {blocks}"
-            )
-        if isinstance(self.stages, int) and self.stages > blocks:
-            raise UsageError(f"--stages {self.stages}: {self.model} has only {blocks} blocks")
-
-    def _validate_gpu_needs(self) -> None:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-        wants_gpu = self.devices is not None and any(d.startswith("cuda") for d in self.devices)
-        if self.decode == "mixed" and self.devices is not None and not wants_gpu:
-            raise UsageError(
-                f"--decode mixed decodes on a GPU, but --devices {','.join(self.devices)} has none"
-            )
-        if self.decode == "mixed" and not has_cuda:
-            raise UsageError("--decode mixed decodes on a GPU, but torch sees no CUDA device")
+        check_model_split(self.model, self.balance, self.stages)
+        check_gpu_needs(self.decode, self.devices)
 
     def fixed_on_resume(self) -> dict[str, Any]:
         """The options a resumed run must share with its checkpoint, as JSON values."""

@@ -7,16 +7,25 @@ of its own, so stage threads never share a communicator.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["DistContext", "all_reduce_grads", "average_buffers", "default_devices"]
+from .options import CollectiveError
+
+__all__ = [
+    "DistContext",
+    "all_reduce_grads",
+    "average_buffers",
+    "collective",
+    "default_devices",
+]
 
 
 def default_devices(stages: int | None) -> tuple[int, list[str]]:
@@ -124,7 +133,8 @@ class DistContext:
         import torch.distributed as dist
 
         t = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(t)
+        with collective("summing counters"):
+            dist.all_reduce(t)
         return t.tolist()
 
     def all_reduce_min(self, value: int) -> int:
@@ -134,7 +144,8 @@ class DistContext:
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        with collective("agreeing on a count"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -144,7 +155,8 @@ class DistContext:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        with collective("taking rank 0's choice"):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -154,7 +166,8 @@ class DistContext:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with collective("comparing the ranks' states"):
+            dist.all_gather_object(out, obj)
         return out
 
     def silent_ranks(self) -> list[int]:
@@ -190,6 +203,17 @@ class DistContext:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """A collective with the other ranks: its failure (Gloo and NCCL raise ``RuntimeError``,
+    ``DistError`` among them) becomes a :class:`~.options.CollectiveError` saying what it
+    was doing, so the trainer can tell it from any other error."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise CollectiveError(f"a collective with the other ranks failed ({what}): {exc}") from exc
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
@@ -239,7 +263,8 @@ def all_reduce_grads(
             g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)
         ]
         flat = torch.cat([g.reshape(-1) for g in filled])
-        dist.all_reduce(flat, group=ctx.stage_groups[stage])
+        with collective(f"averaging stage {stage}'s gradients"):
+            dist.all_reduce(flat, group=ctx.stage_groups[stage])
         flat.div_(world)
         offset = 0
         for i, g in enumerate(filled):
@@ -258,5 +283,6 @@ def average_buffers(model: nn.Module, ctx: DistContext) -> None:
 
     for buf in model.buffers():
         if buf.is_floating_point():
-            dist.all_reduce(buf)
+            with collective("averaging BatchNorm statistics"):
+                dist.all_reduce(buf)
             buf.div_(ctx.world_size)

@@ -16,11 +16,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
+    "CollectiveError",
     "DataError",
     "Interrupted",
     "TrainError",
     "UsageError",
     "add_field_arguments",
+    "check_gpu_needs",
+    "check_model_split",
     "flag",
     "opt",
 ]
@@ -32,6 +35,12 @@ MAX_SHUFFLE_BUFFER = 1 << 16
 
 class TrainError(Exception):
     """A run that cannot go on, told in one line; ``exit_code`` is the CLI's exit status."""
+
+    exit_code = 1
+
+
+class CollectiveError(TrainError):
+    """A collective with the other ranks failed: one timed out, stopped or died."""
 
     exit_code = 1
 
@@ -195,6 +204,38 @@ def check_output(name: str, value: Any) -> None:
     path = Path(value)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag(name)} {str(path)!r} is a file; give a run folder")
+
+
+def check_model_split(model: str, balance: Any, stages: Any) -> None:
+    """Refuse a ``--balance`` or ``--stages`` that does not fit ``model``'s blocks."""
+    # The model's block count, from a build on the meta device (no memory, no init cost).
+    import torch
+
+    from ..models import build_model
+
+    with torch.device("meta"):
+        blocks = len(build_model(model, num_classes=2))
+    if isinstance(balance, list) and sum(balance) != blocks:
+        raise UsageError(
+            f"--balance {','.join(map(str, balance))} covers "
+            f"{sum(balance)} blocks; {model} has {blocks}"
+        )
+    if isinstance(stages, int) and stages > blocks:
+        raise UsageError(f"--stages {stages}: {model} has only {blocks} blocks")
+
+
+def check_gpu_needs(decode: str, devices: list[str] | None) -> None:
+    """Refuse ``--decode mixed`` without a GPU to decode on."""
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    wants_gpu = devices is not None and any(d.startswith("cuda") for d in devices)
+    if decode == "mixed" and devices is not None and not wants_gpu:
+        raise UsageError(
+            f"--decode mixed decodes on a GPU, but --devices {','.join(devices)} has none"
+        )
+    if decode == "mixed" and not has_cuda:
+        raise UsageError("--decode mixed decodes on a GPU, but torch sees no CUDA device")
 
 
 def check_optional(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:

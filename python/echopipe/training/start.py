@@ -9,21 +9,25 @@ decisions, and one entry per restart after it.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .checkpoints import RunCheckpoints
-from .config import TrainConfig, UsageError
+from .config import DataError, TrainConfig, UsageError
 from .distributed import DistContext
+from .options import CollectiveError
 from .preflight import check_data, read_resume
 from .report import TrainSummary, summarize, write_config
 from .resume import agree_on_checkpoint, merge_options, restart_entry
 from .runfolder import RunFolder, ensure_same_run, read_run_config
+from .schedule import EpochClock, LrSchedule, stretch_schedule
 from .state import RunState
 
-__all__ = ["RunStart"]
+__all__ = ["RunStart", "say_through", "signals_deferred"]
 
 
 class RunStart:
@@ -40,6 +44,8 @@ class RunStart:
     changed: dict[str, list[Any]]
     finished: str | None = None
     last_saved: tuple[int, int, int] | None = None  # (epochs done, step in epoch, step)
+    clock: EpochClock
+    lr_schedule: LrSchedule
 
     def say(self, message: str) -> None:  # replaced per instance by the trainer
         raise NotImplementedError
@@ -146,6 +152,39 @@ class RunStart:
             extra["restarts"] = [restart_entry(self.resume_path, st, self.changed, notes)]
         write_config(self.out, self.cfg.as_json(), resolved, self.decisions, extra)
 
+    def _named_rank(self, exc: Exception) -> Exception:
+        """A collective that failed, told as the rank it waited for (when one is silent)."""
+        failed = exc if isinstance(exc, CollectiveError) else exc.__cause__
+        if not isinstance(failed, CollectiveError):
+            return exc
+        silent = self.ctx.silent_ranks()
+        if not silent:
+            return failed
+        ranks = ", ".join(map(str, silent))
+        return DataError(
+            f"rank {ranks} did not answer within --dist-timeout-s {self.cfg.dist_timeout_s:g} "
+            f"(stuck or stopped) at step {self.run_state.global_step}; the job stops here; "
+            "--resume auto continues from the last checkpoints"
+        )
+
+    def _continue_schedule(self) -> list[str]:
+        """On a resume with another ``--epochs``: the LR goes on from where it stood to its
+        floor at the new end (no jump); the note says so."""
+        st, cfg = self.run_state, self.cfg
+        if self.saved is None or "--epochs" not in self.changed:
+            return []
+        end = st.schedule_epochs or int(self.changed["--epochs"][0])
+        st.schedule_epochs = end
+        now = self.clock.epochs_at(st.global_step)
+        lr = cfg.lr * self.lr_schedule.factor(st.global_step)
+        st.schedule_warp.append(stretch_schedule(st.schedule_warp, now, end, cfg.epochs))
+        note = (
+            f"lr: the schedule goes on from {lr:.4g} at epoch {now:.2f} to its floor at epoch "
+            f"{cfg.epochs} (was {self.changed['--epochs'][0]})"
+        )
+        self.say(note)
+        return [note]
+
     def interrupted_line(self, step: int | None) -> str:
         """What Ctrl-C (or SIGTERM) says: where the run stopped and what ``--resume`` uses."""
         at = "during start-up" if step is None else f"at step {step}"
@@ -168,3 +207,25 @@ def say_through(progress: Any, log: Callable[[str], None]) -> Callable[[str], No
         progress.write(message, log)
 
     return say
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until a checkpoint write is complete (main thread only), so a
+    stop never leaves a half-written file."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in handlers:
+        signal.signal(sig, lambda number, frame: caught.append(number))
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])  # now, to the handler the write held back

@@ -8,14 +8,12 @@ Counters live in one :class:`~.state.RunState`; the epoch loop is :mod:`.epoch`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
-import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,7 +22,7 @@ from torch import nn
 
 from ..echo.controller import EchoController
 from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks
-from .config import DataError, Interrupted, TrainConfig
+from .config import Interrupted, TrainConfig
 from .decide import choose_split
 from .distributed import DistContext, all_reduce_grads, default_devices
 from .epoch import EpochLoop
@@ -32,8 +30,8 @@ from .input import TrainInput
 from .progress import Progress, StepLog
 from .report import TrainSummary, echo_verdict, summarize, write_run_files
 from .resume import given_by_value
-from .schedule import EpochClock, LrSchedule, hybrid_switch_epoch, sgd_factory, stretch_schedule
-from .start import RunStart, say_through
+from .schedule import EpochClock, LrSchedule, hybrid_switch_epoch, sgd_factory
+from .start import RunStart, say_through, signals_deferred
 from .state import RunState, get_rng_state, set_rng_state
 
 __all__ = ["Trainer", "train"]
@@ -122,22 +120,6 @@ class Trainer(RunStart, EpochLoop):
                 self.folder.release()
         return self.finish()
 
-    def _named_rank(self, exc: Exception) -> Exception:
-        """A collective that failed, told as the rank it waited for (when one is silent)."""
-        from torch.distributed import DistError
-
-        if not isinstance(exc, DistError) and not isinstance(exc.__cause__, DistError):
-            return exc
-        silent = self.ctx.silent_ranks()
-        if not silent:
-            return exc
-        ranks = ", ".join(map(str, silent))
-        return DataError(
-            f"rank {ranks} did not answer within --dist-timeout-s {self.cfg.dist_timeout_s:g} "
-            f"(stuck or stopped) at step {self.run_state.global_step}; the job stops here; "
-            "--resume auto continues from the last checkpoints"
-        )
-
     def setup(self) -> None:
         """Seeds, devices, input, model, the ``auto`` decisions, the pipeline, the state."""
         cfg, ctx, saved = self.cfg, self.ctx, self.saved
@@ -214,24 +196,6 @@ class Trainer(RunStart, EpochLoop):
             self.step_log = StepLog(self.out / "steps.csv", st.global_step if saved else None)
             self._open.append(self.step_log)
         self.configured = True
-
-    def _continue_schedule(self) -> list[str]:
-        """On a resume with another ``--epochs``: the LR goes on from where it stood to its
-        floor at the new end (no jump); the note says so."""
-        st, cfg = self.run_state, self.cfg
-        if self.saved is None or "--epochs" not in self.changed:
-            return []
-        end = st.schedule_epochs or int(self.changed["--epochs"][0])
-        st.schedule_epochs = end
-        now = self.clock.epochs_at(st.global_step)
-        lr = cfg.lr * self.lr_schedule.factor(st.global_step)
-        st.schedule_warp.append(stretch_schedule(st.schedule_warp, now, end, cfg.epochs))
-        note = (
-            f"lr: the schedule goes on from {lr:.4g} at epoch {now:.2f} to its floor at epoch "
-            f"{cfg.epochs} (was {self.changed['--epochs'][0]})"
-        )
-        self.say(note)
-        return [note]
 
     def _build_input(self, devices: list[str]) -> float:
         """The echo controller and the DALI input (restored on resume); the starting factor."""
@@ -363,7 +327,7 @@ class Trainer(RunStart, EpochLoop):
         st.wall_s = wall
         if self.step_log is not None:
             self.step_log.flush()  # every step the checkpoint holds is in steps.csv
-        with _signals_deferred():
+        with signals_deferred():
             self.ckpts.save(payload, best=best)
         self.last_saved = (st.epoch, st.step_in_epoch, st.global_step)
         self.paused_s += time.perf_counter() - t0
@@ -408,28 +372,6 @@ def _stale_list(cfg: TrainConfig, stages: int) -> list[int]:
     # The staleness of the pipelined phase, also after a hybrid switch ended it; a run that was
     # never pipelined (--hybrid-switch 0) had none.
     return stage_staleness(stages, hybrid_switch_epoch(cfg)[0] != 0)
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until a checkpoint write is complete (main thread only), so a
-    stop never leaves a half-written file."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in handlers:
-        signal.signal(sig, lambda number, frame: caught.append(number))
-    try:
-        yield
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        if caught:
-            signal.raise_signal(caught[0])  # now, to the handler the write held back
 
 
 class _Restore:
