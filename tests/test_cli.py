@@ -193,7 +193,9 @@ def test_bad_data_gives_one_line_and_exit_1(
     code, line = _fails(argv, capsys)
     assert code == status and needle in line, line
     if case != "image larger than the cache":  # refused before the input and model are built
-        assert not (tmp_path / "run" / "config.json").exists()
+        # A refused start leaves nothing behind: not even the run folder it made (a corrupt
+        # val/ image is found with the same header check as train/, before any training).
+        assert not (tmp_path / "run").exists()
 
 
 def test_debug_shows_the_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
