@@ -60,7 +60,15 @@ def test_first_hour_lines_folder_and_step_log(
     assert config["options"]["output"] is None and config["restarts"] == []
     # A second run the same way gets a folder of its own: nothing is refused or overwritten.
     assert main([*argv, "--max-steps", "1"]) == 0
-    assert len(list((tmp_path / "echopipe-train").iterdir())) == 2
+    runs = sorted((tmp_path / "echopipe-train").iterdir())
+    assert len(runs) == 2
+    capsys.readouterr()
+    # A bare --resume continues the newest run (the stopped one) with its own options.
+    assert main(["train", "--data", str(tiny_imagenet), "--no-progress", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"resume: the newest run, echopipe-train/{runs[-1].name}" in err
+    with open(runs[-1] / "steps.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 9))
 
 
 @pytest.mark.dali

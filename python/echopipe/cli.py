@@ -355,8 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
@@ -376,6 +376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = argv[0] if argv and not argv[0].startswith("-") else ""
             print(f"echopipe {command}: {line}".replace("  ", " "), file=sys.stderr, flush=True)
         return 143 if isinstance(exc, _Terminated) or _terminated(exc) else 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
 
 
 def _terminated(exc: BaseException) -> bool:
