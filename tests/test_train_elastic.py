@@ -109,3 +109,17 @@ def test_ranks_with_checkpoints_of_different_steps_agree_or_stop(
         "no step is held by every rank" in refused.stderr
     )
     assert (r0 / "last.pt").read_bytes() == before
+
+
+def test_a_stopped_rank_is_named_after_the_timeout(tiny_imagenet: Path, tmp_path: Path) -> None:
+    """Rank 1 stops itself (SIGSTOP) after step 3: rank 0's next collective fails after
+    --dist-timeout-s, and its one line names rank 1 instead of a Gloo timeout message."""
+    out = tmp_path / "run"
+    done = _torchrun(tiny_imagenet, out, "--epochs", "2", "--dist-timeout-s", "5",
+                     ECHOPIPE_FAULT_EXIT="1:3:stop")  # fmt: skip
+    assert done.returncode != 0
+    assert (
+        "echopipe train: error: rank 1 did not answer within --dist-timeout-s 5 (stuck or "
+        "stopped)" in done.stderr
+    ), done.stderr[-3000:]
+    assert "[rank0]: Traceback" not in done.stderr

@@ -290,14 +290,20 @@ class EpochLoop:
 
 def fault_exit(rank: int, step: int) -> None:
     """Fault injection for the restart tests: ``ECHOPIPE_FAULT_EXIT=RANK:STEP`` ends rank RANK
-    at once (``os._exit``, as a killed process would) after step STEP, on the first attempt of
-    a torchrun job only (``TORCHELASTIC_RESTART_COUNT`` 0), so the restarted job runs through."""
+    at once (``os._exit``, as a killed process would) after step STEP, and
+    ``RANK:STEP:stop`` stops it (SIGSTOP, a hung rank); on the first attempt of a torchrun job
+    only (``TORCHELASTIC_RESTART_COUNT`` 0), so a restarted job runs through."""
     spec = os.environ.get("ECHOPIPE_FAULT_EXIT")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    at_rank, _, at_step = spec.partition(":")
+    at_rank, at_step, *how = spec.split(":")
     if at_rank.isdigit() and at_step.isdigit() and (int(at_rank), int(at_step)) == (rank, step):
-        os._exit(17)
+        if how == ["stop"]:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os._exit(17)
 
 
 def _image_larger_than(files: list[str], capacity: int, budget_s: float = 5.0) -> str | None:
