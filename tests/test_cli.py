@@ -272,6 +272,12 @@ def test_output_folder_with_files_from_elsewhere_is_refused_and_kept(
     assert "project" in line and "'config.json'" in line
     assert (out / "config.json").read_text() == '{"lr": 0.1}'
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    # A start refused on its data in a folder that existed: the lock file it made goes too.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (data / "train" / "ant" / "bad.JPEG").write_bytes(b"")
+    assert main(["train", "--data", str(data), "--output", str(empty)]) == 1
+    assert list(empty.iterdir()) == []
 
 
 def test_output_folder_in_use_by_a_live_run_is_refused(

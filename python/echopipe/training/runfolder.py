@@ -88,6 +88,7 @@ class RunFolder:
         self.path = path
         self.created: list[Path] = []
         self.lock: Any = None
+        self.lock_file_made = False
 
     @staticmethod
     def choose(
@@ -146,6 +147,7 @@ class RunFolder:
                 "run and would be overwritten; choose a new or empty folder"
             )
         if lock:
+            self.lock_file_made = not (self.path / _LOCK_NAME).exists()
             self.lock = _lock(self.path)
 
     def remove_stale_tmp(self, *folders: Path) -> int:
@@ -171,7 +173,7 @@ class RunFolder:
         created go, when they hold nothing else."""
         lock_file = self.path / _LOCK_NAME
         self.release()
-        if self.created:
+        if self.lock_file_made:
             lock_file.unlink(missing_ok=True)
         for folder in self.created:  # the deepest first
             try:
