@@ -209,6 +209,10 @@ def test_metrics_json_and_csv_are_written_atomically(tmp_path: Path) -> None:
     assert json.loads(path.read_text()) == {"epochs": [{"R": None, "x": 1.5}]}
     rows = [{"epoch": 1, "R": float("nan")}, {"epoch": 2, "R": 0.5}]
     assert write_csv(tmp_path / "m.csv", rows).read_text() == "epoch,R\n1,\n2,0.5\n"
+    # Rows of a run resumed from an older checkpoint lack the newer columns.
+    rows.append({"epoch": 3, "R": 0.25, "val_top5": 1.0})
+    text = write_csv(tmp_path / "m.csv", rows).read_text()
+    assert text == "epoch,R,val_top5\n1,,\n2,0.5,\n3,0.25,1.0\n"
     assert [p.name for p in tmp_path.rglob(".*")] == []
 
 

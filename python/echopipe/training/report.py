@@ -57,10 +57,13 @@ def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
 
 
 def write_csv(path: str | os.PathLike[str], rows: Sequence[dict[str, Any]]) -> Path:
-    """Write the metric rows as CSV atomically (columns from the first row)."""
+    """Write the metric rows as CSV atomically (the columns of all rows, in order of first
+    appearance; a row without one leaves it empty)."""
     buf = io.StringIO()
     if rows:
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        # Every column of any row (a run resumed from an older checkpoint has rows with fewer).
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
         writer.writerows(_json_safe(list(rows)))
     return _write(path, buf.getvalue().encode())

@@ -105,14 +105,15 @@ class RunStart:
         self.cfg, self.changed = merge_options(cfg, saved, self.given, path)
         self.saved, self.resume_path = saved, path
         self.last_saved = (st.epoch, st.step_in_epoch, st.global_step)
-        for name, (was, now) in self.changed.items():
-            self.say(f"resume: {name} {was} -> {now} (given anew; recorded in config.json)")
         if st.epoch >= self.cfg.epochs:
             self.finished = (
                 f"resume: the run finished its {st.epoch} epoch(s) at step {st.global_step}; "
                 f"nothing to train (give --epochs above {st.epoch} to train it longer)"
             )
             self.say(self.finished)
+            return
+        for name, (was, now) in self.changed.items():
+            self.say(f"resume: {name} {was} -> {now} (given anew; recorded in config.json)")
 
     def finished_summary(self) -> TrainSummary:
         """The summary of a run that had finished before this resume (nothing was trained)."""
