@@ -173,3 +173,18 @@ def test_interrupt_names_the_checkpoint_resume_would_use(
     assert line.startswith("interrupted at step 4; --resume --output "), line
     assert f"{run / 'checkpoints' / 'last.pt'} (step 2, epoch 1)" in line
     assert read_checkpoint(run / "checkpoints" / "last.pt")["run"]["global_step"] == 2
+
+
+def test_a_stop_during_a_checkpoint_write_waits_for_the_write() -> None:
+    """Ctrl-C (and SIGTERM, handled alike) arriving while a checkpoint is written is held back
+    until the write is complete, then raised: no half-written file is left by a stop."""
+    import signal
+
+    from echopipe.training.start import signals_deferred
+
+    done: list[str] = []
+    with pytest.raises(KeyboardInterrupt), signals_deferred():
+        signal.raise_signal(signal.SIGINT)
+        done.append("the write went on")
+    assert done == ["the write went on"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
