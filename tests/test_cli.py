@@ -194,7 +194,9 @@ def test_bad_data_gives_one_line_and_exit_1(
     code, line = _fails(argv, capsys)
     assert code == status and needle in line, line
     if case != "image larger than the cache":  # refused before the input and model are built
-        assert not (tmp_path / "run" / "config.json").exists()
+        # A refused start leaves nothing behind: not even the run folder it made (a corrupt
+        # val/ image is found with the same header check as train/, before any training).
+        assert not (tmp_path / "run").exists()
 
 
 def test_debug_shows_the_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -271,6 +273,12 @@ def test_output_folder_with_files_from_elsewhere_is_refused_and_kept(
     assert "project" in line and "'config.json'" in line
     assert (out / "config.json").read_text() == '{"lr": 0.1}'
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    # A start refused on its data in a folder that existed: the lock file it made goes too.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (data / "train" / "ant" / "bad.JPEG").write_bytes(b"")
+    assert main(["train", "--data", str(data), "--output", str(empty)]) == 1
+    assert list(empty.iterdir()) == []
 
 
 def test_output_folder_in_use_by_a_live_run_is_refused(
@@ -459,7 +467,13 @@ def test_cli_train_runs_with_amp_and_hybrid(tiny_imagenet: Path, tmp_path: Path)
     assert "echopipe train: summary" in done.stdout
     assert "staleness per stage [2, 0]" in done.stdout
     # Not a terminal: plain log lines every 3 steps and one per epoch, no progress bars.
-    assert "step 3: " in done.stderr and "epoch 1/2: val top-1" in done.stderr
+    assert "step 3: " in done.stderr
+    # The epoch line: train and val loss, top-1 and top-5, LR, epoch time, its rates, ETA.
+    epoch_line = (
+        r"epoch 1/2: train loss [0-9.]+, val loss [0-9.]+, top-1 [0-9.]+ %, top-5 [0-9.]+ %, "
+        r"lr [0-9.e-]+, \d+:\d\d \(\d+ img/s, \d+ fresh\), e=2; ETA \d+:\d\d"
+    )
+    assert re.search(epoch_line, done.stderr), done.stderr
     assert "\r" not in done.stderr
     run = tmp_path  # an --output naming metrics.json runs in its folder
     doc = json.loads((run / "metrics.json").read_text())

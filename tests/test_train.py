@@ -80,8 +80,9 @@ def test_run_checkpoints_keep_last_and_best_and_ignore_partial_writes(tmp_path: 
     ck.save({"kind": "echopipe-train", "step": 3, "w": torch.arange(3)}, best=True)
     ck.save({"kind": "echopipe-train", "step": 7}, best=False)
     assert ck.written == 2
-    assert [p.name for p in ck.existing()] == ["best.pt", "last.pt"]
+    assert [p.name for p in ck.existing()] == ["best.pt", "last.pt", "prev.pt"]
     assert read_state_file(ck.last)["step"] == 7
+    assert read_state_file(ck.prev)["step"] == 3  # the file last.pt was before
     assert torch.equal(read_state_file(ck.best)["w"], torch.arange(3))
     # A write killed mid-way leaves only a temporary file under another name.
     (tmp_path / "ck" / ".last.pt.abc.tmp").write_bytes(b"\x80half a pickle")
@@ -209,6 +210,10 @@ def test_metrics_json_and_csv_are_written_atomically(tmp_path: Path) -> None:
     assert json.loads(path.read_text()) == {"epochs": [{"R": None, "x": 1.5}]}
     rows = [{"epoch": 1, "R": float("nan")}, {"epoch": 2, "R": 0.5}]
     assert write_csv(tmp_path / "m.csv", rows).read_text() == "epoch,R\n1,\n2,0.5\n"
+    # Rows of a run resumed from an older checkpoint lack the newer columns.
+    rows.append({"epoch": 3, "R": 0.25, "val_top5": 1.0})
+    text = write_csv(tmp_path / "m.csv", rows).read_text()
+    assert text == "epoch,R,val_top5\n1,,\n2,0.5,\n3,0.25,1.0\n"
     assert [p.name for p in tmp_path.rglob(".*")] == []
 
 
@@ -258,7 +263,9 @@ def test_train_end_to_end_writes_the_run_folder(tiny_imagenet: Path, tmp_path: P
     assert s.fresh_images_per_s == pytest.approx(s.fresh_samples / s.train_s, rel=1e-6)
     assert 0 < s.train_s < s.wall_s
     assert s.checkpoints_written == 24  # every step (the last of each epoch: at its end)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["best.pt", "last.pt", "prev.pt"]  # prev.pt: the one before last.pt
+    assert read_checkpoint(out / "checkpoints" / "prev.pt")["run"]["global_step"] == 23
     doc = json.loads((out / "metrics.json").read_text())
     assert [r["epoch"] for r in doc["epochs"]] == [1, 2, 3]
     assert [r["step"] for r in doc["epochs"]] == [8, 16, 24]
@@ -667,10 +674,10 @@ def test_log_line_rates_span_epoch_ends_without_the_pause() -> None:
     """A line's img/s covers the steps since the previous line, across an epoch end, with the
     time between epochs left out. (Restarting at each epoch start once reported the stale
     pipeline's fill-up, steps that only enqueue work, as 4508 img/s.)"""
-    from echopipe.training.report import Progress
+    from echopipe.training.progress import Progress
 
     lines: list[str] = []
-    p = Progress(True, False, 4, 2, lines.append, None)
+    p = Progress(True, False, 4, 2, lines.append, None, warmup_steps=0)
     p.start_epoch(0, 3, 0)
     for k in range(1, 4):  # 0.1 s per step of 8 images
         time.sleep(0.1)
@@ -752,7 +759,11 @@ def test_resume_after_sigkill_continues_and_steps_add_up(
     written = doc["summary"]["checkpoints_written"]
     assert written >= 1 + 3
     assert read_checkpoint(last)["run"]["checkpoints_written"] == written
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "best.pt",
+        "last.pt",
+        "prev.pt",
+    ]
 
 
 @pytest.mark.distributed

@@ -18,7 +18,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
-__all__ = ["BENCH_DEFAULT", "BENCH_STUDIES", "BENCH_SUITES", "build_parser", "main"]
+__all__ = [
+    "BENCH_DEFAULT",
+    "BENCH_STUDIES",
+    "BENCH_SUITES",
+    "bench_dir",
+    "bench_results_dir",
+    "build_parser",
+    "main",
+]
 
 BENCH_DEFAULT: tuple[str, ...] = ("echo_cache", "echo_loader", "dali_echo", "pipeline")
 """The microbenchmarks ``echopipe bench`` runs by default, in this order."""
@@ -86,7 +94,9 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
         description=(
             f"Run echopipe's benchmark suites in sequence ({', '.join(BENCH_DEFAULT)}; the "
             f"studies {', '.join(BENCH_STUDIES)} only with --only or --all) and print their "
-            "tables; each writes <results-dir>/<suite>.json. A suite that cannot run here "
+            "tables; each writes <results-dir>/<suite>.json, by default into a new folder "
+            "bench-results/<date>-<time> (--update-results: the checkout's committed "
+            "bench/results). A suite that cannot run here "
             "(e.g. DALI missing) is reported as skipped with the reason; a failing suite makes "
             "the exit status 1. Aims not met are results, not failures."
         ),
@@ -102,13 +112,19 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
         help=f"run only these suites, in the order given ({', '.join(BENCH_SUITES)})",
     )
     which.add_argument("--all", action="store_true", help="also run the studies")
-    p.add_argument(
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
         "--results-dir",
         type=Path,
         default=None,
         metavar="DIR",
-        help="where the suites write <suite>.json (default: bench/results in a source "
-        "checkout, else ./bench-results)",
+        help="where the suites write <suite>.json (default: a new folder "
+        "bench-results/<date>-<time>)",
+    )
+    where.add_argument(
+        "--update-results",
+        action="store_true",
+        help="write into the source checkout's bench/results, replacing the committed figures",
     )
     return p
 
@@ -147,12 +163,12 @@ def _fail(prog: str, exc: BaseException, debug: bool) -> int:
     return exc.exit_code if isinstance(exc, TrainError) else 1
 
 
-def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     from .data import CorruptImageError
     from .training.allocator import tune_host_allocator
-    from .training.arguments import from_namespace
+    from .training.arguments import from_namespace, given_options
     from .training.checkpoints import CheckpointError
     from .training.config import TrainError, UsageError
     from .training.input import evaluate_checkpoint
@@ -181,22 +197,12 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
                 flush=True,
             )
             return 0
-        summary = train(cfg)
+        summary = train(cfg, given=given_options(argv[argv.index("train") + 1 :]))
     except expected as exc:
         return _fail(parser.prog, exc, args.debug)
-    except KeyboardInterrupt:
-        if args.debug:
-            raise
-        print(
-            f"{parser.prog}: interrupted; --resume continues from the last checkpoint in "
-            f"{cfg.output}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 130
     import os
 
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0 and not summary.resumed_finished:
         print(format_summary(summary), flush=True)
     return 0
 
@@ -290,7 +296,28 @@ def _run_suite(module: ModuleType, argv: list[str]) -> int:
     return result if isinstance(result, int) else 0
 
 
+def bench_results_dir(args: argparse.Namespace) -> Path:
+    """Where this ``echopipe bench`` writes: ``--results-dir``, the checkout's ``bench/results``
+    with ``--update-results``, else a new dated folder under ``./bench-results``."""
+    if args.results_dir is not None:
+        return Path(args.results_dir)
+    if args.update_results:
+        folder = bench_dir()
+        if folder is None:
+            args.command_parser.error(
+                "--update-results writes into a source checkout's bench/results; run it inside a "
+                "clone of echopipe"
+            )
+        return folder / "results"
+    base = Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+    out, n = base, 1
+    while out.exists():
+        out, n = Path(f"{base}-{n}"), n + 1
+    return out
+
+
 def _run_bench(args: argparse.Namespace) -> int:
+    results = bench_results_dir(args)
     if args.only:
         suites = list(dict.fromkeys(args.only))
     else:
@@ -304,8 +331,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             print(f"\n=== echopipe bench: {name}: skipped: {reason} ===", flush=True)
             continue
         argv: list[str] = ["--quick"] if args.quick else []
-        if args.results_dir is not None:
-            argv += ["--results-dir", str(args.results_dir)]
+        argv += ["--results-dir", str(results)]
         print(f"\n=== echopipe bench: {name} {' '.join(argv)} ===", flush=True)
         rc = _run_suite(module, argv)
         seconds = time.perf_counter() - t0
@@ -316,17 +342,57 @@ def _run_bench(args: argparse.Namespace) -> int:
     print(f"{'suite':<{name_width}} {'result':<{width}} {'seconds':>8}")
     for name, result, seconds in outcomes:
         print(f"{name:<{name_width}} {result:<{width}} {seconds:8.1f}")
+    print(f"results: {results}")
     return 1 if any(result.startswith("failed") for _, result, _ in outcomes) else 0
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (torchrun and job schedulers stop a run with it)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``echopipe`` console script; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "bench":
-        return _run_bench(args)
-    sub = args.command_parser
-    return _run_train(sub, args) if args.command == "train" else _run_export(sub, args)
+    """Entry point of the ``echopipe`` console script; returns the exit status.
+
+    Ctrl-C and SIGTERM end it with one line (status 130 and 143): where a run stopped and the
+    checkpoint ``--resume`` would continue from, or that there is none.
+    """
+    import os
+    import signal
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command == "bench":
+            return _run_bench(args)
+        sub = args.command_parser
+        if args.command == "train":
+            return _run_train(sub, args, argv)
+        return _run_export(sub, args)
+    except KeyboardInterrupt as exc:
+        if debug:
+            raise
+        line = getattr(exc, "line", None) or "interrupted during start-up; nothing was written"
+        if int(os.environ.get("RANK", "0")) == 0:
+            command = argv[0] if argv and not argv[0].startswith("-") else ""
+            print(f"echopipe {command}: {line}".replace("  ", " "), file=sys.stderr, flush=True)
+        return 143 if isinstance(exc, _Terminated) or _terminated(exc) else 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _terminated(exc: BaseException) -> bool:
+    """Whether ``exc`` (an Interrupted from the trainer) came from a SIGTERM."""
+    return isinstance(exc.__context__, _Terminated) or isinstance(exc.__cause__, _Terminated)
 
 
 if __name__ == "__main__":

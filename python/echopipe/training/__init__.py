@@ -14,7 +14,12 @@ One run (``docs/train.md`` has the details):
    (:mod:`echopipe.training.distributed`).
 5. Every epoch ends with a drain, validation, a metrics row, the plot and a checkpoint
    (:mod:`echopipe.training.report`, :mod:`echopipe.training.checkpoints`); the counters live
-   in one :class:`echopipe.training.state.RunState`.
+   in one :class:`echopipe.training.state.RunState`; :mod:`echopipe.training.progress` has the
+   live lines and ``steps.csv``.
+6. A run has its own folder (:mod:`echopipe.training.runfolder`: dated by default, one run per
+   folder) and a resumed run is the same run (:mod:`echopipe.training.resume`: the checkpoint's
+   options, the LR schedule continued, the ranks agreeing on a step); :mod:`.start` runs both
+   before anything heavy.
 
 The options are defined once, in :class:`echopipe.training.config.TrainConfig`; the CLI is
 generated from it. Data flows one way: :mod:`.config` -> :mod:`.trainer` -> (:mod:`.input`, the
@@ -30,7 +35,7 @@ from .checkpoints import (
     read_checkpoint,
     write_checkpoint,
 )
-from .config import DataError, TrainConfig, TrainError, UsageError
+from .config import DataError, Interrupted, TrainConfig, TrainError, UsageError
 from .distributed import DistContext, default_devices
 from .input import evaluate_checkpoint
 from .report import TrainSummary, format_summary
@@ -41,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "DataError",
     "DistContext",
+    "Interrupted",
     "RunState",
     "TrainConfig",
     "TrainError",

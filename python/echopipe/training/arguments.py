@@ -27,8 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const=True,
         default=False,
         metavar="CKPT",
-        help="continue the run in --output from its last checkpoint, or from CKPT "
-        f"(these may change on resume: {', '.join(free_on_resume())})",
+        help="continue the run in --output from its last checkpoint, or from CKPT, or with "
+        "'auto' from the last checkpoint when there is one and from the start otherwise (for "
+        "torchrun --max-restarts). The run keeps its options; these may be given anew: "
+        f"{', '.join(free_on_resume())}",
     )
     g.add_argument(
         "--no-progress",
@@ -49,6 +51,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_namespace(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` of parsed ``echopipe train`` arguments."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    if values["resume"] not in (True, False):
+    if values["resume"] not in (True, False, "auto"):
         values["resume"] = Path(values["resume"])
     return TrainConfig(**values)
+
+
+def given_options(train_argv: list[str]) -> set[str]:
+    """Names of the :class:`TrainConfig` fields that ``train_argv`` (the arguments after
+    ``train``) sets, also to their default value: a resumed run takes the others from its
+    checkpoint."""
+    unset = object()
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    parser.set_defaults(**dict.fromkeys(names, unset))
+    args, _ = parser.parse_known_args(train_argv)
+    return {name for name in names if getattr(args, name, unset) is not unset}

@@ -278,6 +278,8 @@ def _check_run(run: Any) -> RunState:
             _int(value, where)
         elif kinds[key] is float:
             _num(value, where, -1.0)
+        elif kinds[key] is str:
+            _need(isinstance(value, str) and len(value) <= 64, where, f"is {_show(value)}")
         else:
             _list(value, where)
     st = RunState(**run)
@@ -291,6 +293,10 @@ def _check_run(run: Any) -> RunState:
         _int(seg[0], "run 'epoch_clock' step")
         _num(seg[1], "run 'epoch_clock' epoch", 0.0)
         _num(seg[2], "run 'epoch_clock' rate", 0.0)
+    for seg in st.schedule_warp:
+        _need(isinstance(seg, list | tuple) and len(seg) == 3, "run 'schedule_warp'", "is damaged")
+        for v in seg:
+            _num(v, "run 'schedule_warp' entry", 0.0)
     for factor in st.factors_used:
         _num(factor, "run 'factors_used' entry", 1.0, 65535.0)
     for row in st.rows:
@@ -340,13 +346,18 @@ def _check_config(config: Any) -> dict[str, Any]:
         f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("on_resume") == "fixed"
     }
     _dict(config, "config", fixed)
-    for key, value in config.items():
+    _check_option_values(config, "config")
+    return config
+
+
+def _check_option_values(options: dict[str, Any], where: str) -> None:
+    """Each entry is an option's name with a plain value (or a list of plain values)."""
+    for key, value in options.items():
         items = value if isinstance(value, list) else [value]
         ok = isinstance(key, str) and all(
             isinstance(v, bool | int | float | str | type(None)) for v in items
         )
-        _need(ok, f"config {str(key)[:40]!r}", f"is {_show(value)}, not an option value")
-    return config
+        _need(ok, f"{where} {str(key)[:40]!r}", f"is {_show(value)}, not an option value")
 
 
 def check_model(model: Any) -> tuple[str, int]:
@@ -368,6 +379,8 @@ def check_train_state(state: Any) -> None:
         state["kind"] == "echopipe-train", "the checkpoint", "is not an echopipe train checkpoint"
     )
     config = _check_config(state["config"])
+    if "options" in state:  # every option (the run's own, merged on a resume)
+        _check_option_values(_dict(state["options"], "options", set()), "options")
     name, _ = check_model(state["model"])
     _need(config.get("model", name) == name, "model 'name'", f"{name!r} is not config's model")
     _check_pipeline(state["pipeline"], state["model"])

@@ -280,12 +280,14 @@ def _read_payload(p: Path) -> bytes:
 
 
 class RunCheckpoints:
-    """A run folder's ``checkpoints/``: ``last.pt`` (newest) and ``best.pt`` (best top-1).
+    """A run folder's ``checkpoints/``: ``last.pt`` (newest), ``prev.pt`` (the one before it)
+    and ``best.pt`` (best top-1).
 
-    Only these two names are ever written or replaced, so nothing else in the folder, nor any
-    other run's files, is touched. With ``root`` (the run folder), no folder between ``root``
-    and ``folder``, nor ``last.pt`` or ``best.pt``, may be a symbolic link: a planted link
-    would make the run read or write outside its folder.
+    Only these names are ever written or replaced, so nothing else in the folder, nor any
+    other run's files, is touched. ``prev.pt`` is what ranks whose newest checkpoints differ
+    (one killed between two writes) fall back to. With ``root`` (the run folder), no folder
+    between ``root`` and ``folder``, nor ``last.pt``, ``prev.pt`` or ``best.pt``, may be a
+    symbolic link: a planted link would make the run read or write outside its folder.
     """
 
     def __init__(
@@ -295,6 +297,7 @@ class RunCheckpoints:
         self.root = Path(root) if root is not None else None
         self.last = self.folder / "last.pt"
         self.best = self.folder / "best.pt"
+        self.prev = self.folder / "prev.pt"
         self.written = 0
         self.check_inside()
 
@@ -310,7 +313,7 @@ class RunCheckpoints:
                 f"checkpoint folder {str(self.folder)!r} is not inside {str(self.root)!r}"
             ) from None
         here = self.root
-        for part in (*parts, "last.pt", "best.pt"):
+        for part in (*parts, "last.pt", "prev.pt", "best.pt"):
             here = here / part
             if here.is_symlink():
                 raise CheckpointError(
@@ -325,9 +328,17 @@ class RunCheckpoints:
         return sorted(p for p in self.folder.iterdir() if p.suffix == ".pt")
 
     def save(self, state: dict[str, Any], *, best: bool) -> Path:
-        """Write ``state`` as ``last.pt``, and as ``best.pt`` too when ``best``."""
+        """Write ``state`` as ``last.pt``, and as ``best.pt`` too when ``best``; the file it
+        replaces becomes ``prev.pt``."""
         self.check_inside()
         self.written += 1
+        if self.last.is_file():
+            # A second name for the current file, moved into place atomically: a kill at any
+            # point leaves last.pt, and prev.pt older or equal.
+            link = self.folder / ".prev.pt.link.tmp"
+            link.unlink(missing_ok=True)
+            os.link(self.last, link)
+            os.replace(link, self.prev)
         return write_checkpoint(state, self.last, *((self.best,) if best else ()))
 
 

@@ -23,11 +23,14 @@ from .options import (
     MAX_IMAGE_SIZE,
     MAX_SHUFFLE_BUFFER,
     DataError,
+    Interrupted,
     TrainError,
     UsageError,
     check_balance,
     check_devices,
     check_echo,
+    check_gpu_needs,
+    check_model_split,
     check_optional,
     check_output,
     check_path,
@@ -46,13 +49,17 @@ from .options import (
 )
 
 __all__ = [
+    "DEFAULT_OUTPUT_BASE",
     "DataError",
+    "Interrupted",
     "TrainConfig",
     "TrainError",
     "UsageError",
     "flag",
     "free_on_resume",
 ]
+
+DEFAULT_OUTPUT_BASE = "echopipe-train"  # runs without --output get a dated folder in it
 
 _D, _E, _P, RUN_FOLDER_GROUP = (
     "data and schedule",
@@ -97,7 +104,7 @@ class TrainConfig:
         "stop after this many training steps in all (the LR schedule still spans --epochs)",
         parse=parse_int,
         check=check_optional(int_at_least(1)),
-        on_resume="free",
+        on_resume="each",
     )
     stop_at_top1: float | None = opt(
         None,
@@ -105,7 +112,7 @@ class TrainConfig:
         "spans --epochs",
         parse=parse_float,
         check=check_optional(finite(maximum=1.0, positive=True)),
-        on_resume="free",
+        on_resume="each",
     )
     batch_size: int = opt(
         32,
@@ -274,14 +281,15 @@ class TrainConfig:
         on_resume="free",
         metavar="SECONDS",
     )
-    output: Path = opt(
-        Path("echopipe-train"),
-        "run folder: metrics.json/.csv, config.json, plot, checkpoints/",
+    output: Path | None = opt(
+        None,
+        "run folder: metrics.json/.csv, steps.csv, config.json, plot, checkpoints/ (default: a "
+        f"new folder {DEFAULT_OUTPUT_BASE}/<date>-<time>-<model> per run)",
         check=check_output,
         parse=Path,
         metavar="DIR",
         group=RUN_FOLDER_GROUP,
-        on_resume="free",
+        on_resume="each",
     )
     checkpoint_every: int = opt(
         0,
@@ -292,11 +300,12 @@ class TrainConfig:
         group=RUN_FOLDER_GROUP,
         on_resume="free",
     )
-    resume: bool | Path = opt(
+    resume: bool | str | Path = opt(
         False,
-        "continue the run in --output from its last checkpoint, or from CKPT",
+        "continue the run in --output from its last checkpoint (True), from CKPT (a path), or "
+        "'auto': from the last checkpoint when there is one, else start the run",
         group=RUN_FOLDER_GROUP,
-        on_resume="free",
+        on_resume="each",
         cli=False,
     )
     log_interval: int = opt(
@@ -309,7 +318,7 @@ class TrainConfig:
         on_resume="free",
     )
     progress: bool = opt(
-        True, "progress bars on a terminal", group=RUN_FOLDER_GROUP, on_resume="free", cli=False
+        True, "progress bars on a terminal", group=RUN_FOLDER_GROUP, on_resume="each", cli=False
     )
 
     def __post_init__(self) -> None:
@@ -326,6 +335,11 @@ class TrainConfig:
                     f"{flag(f.name)} {getattr(self, f.name)!r} is not one of "
                     f"{', '.join(map(str, choices))}"
                 )
+        if self.resume == "auto" and self.output is None:
+            raise UsageError(
+                "--resume auto continues the run in --output, so a restarted job finds the same "
+                "folder: give --output DIR"
+            )
         if isinstance(self.resume, Path) and not self.resume.is_file():
             what = "is not a file" if self.resume.exists() else "does not exist"
             raise UsageError(f"--resume checkpoint {str(self.resume)!r} {what}")
@@ -357,36 +371,8 @@ class TrainConfig:
                 f"--hybrid-switch {self.hybrid_switch} is after the last epoch (--epochs "
                 f"{self.epochs}): the run would never switch"
             )
-        self._validate_model_split()
-        self._validate_gpu_needs()
-
-    def _validate_model_split(self) -> None:
-        # The model's block count, from a build on the meta device (no memory, no init cost).
-        import torch
-
-        from ..models import build_model
-
-        with torch.device("meta"):
-            blocks = len(build_model(self.model, num_classes=2))
-        if isinstance(self.balance, list) and sum(self.balance) != blocks:
-            raise UsageError(
-                f"--balance {','.join(map(str, self.balance))} covers "
-                f"{sum(self.balance)} blocks; {self.model} has {blocks}"
-            )
-        if isinstance(self.stages, int) and self.stages > blocks:
-            raise UsageError(f"--stages {self.stages}: {self.model} has only {blocks} blocks")
-
-    def _validate_gpu_needs(self) -> None:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-        wants_gpu = self.devices is not None and any(d.startswith("cuda") for d in self.devices)
-        if self.decode == "mixed" and self.devices is not None and not wants_gpu:
-            raise UsageError(
-                f"--decode mixed decodes on a GPU, but --devices {','.join(self.devices)} has none"
-            )
-        if self.decode == "mixed" and not has_cuda:
-            raise UsageError("--decode mixed decodes on a GPU, but torch sees no CUDA device")
+        check_model_split(self.model, self.balance, self.stages)
+        check_gpu_needs(self.decode, self.devices)
 
     def fixed_on_resume(self) -> dict[str, Any]:
         """The options a resumed run must share with its checkpoint, as JSON values."""
@@ -410,5 +396,5 @@ def free_on_resume() -> list[str]:
     return [
         flag(f.name)
         for f in dataclasses.fields(TrainConfig)
-        if f.metadata["on_resume"] == "free" and f.metadata["cli"]
+        if f.metadata["on_resume"] != "fixed" and f.metadata["cli"]
     ]

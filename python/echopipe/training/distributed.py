@@ -7,16 +7,25 @@ of its own, so stage threads never share a communicator.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["DistContext", "all_reduce_grads", "average_buffers", "default_devices"]
+from .options import CollectiveError
+
+__all__ = [
+    "DistContext",
+    "all_reduce_grads",
+    "average_buffers",
+    "collective",
+    "default_devices",
+]
 
 
 def default_devices(stages: int | None) -> tuple[int, list[str]]:
@@ -49,6 +58,7 @@ class DistContext:
     backend: str | None = None
     timeout_s: float = 600.0
     stage_groups: list[Any] = field(default_factory=list)
+    probe_group: Any = None  # Gloo, short timeout: to find a rank that stopped answering
 
     @property
     def enabled(self) -> bool:
@@ -95,10 +105,11 @@ class DistContext:
                 # control messages (epoch lengths, counters, rank 0's echo factor: CPU tensors
                 # and objects) over Gloo, which a pure NCCL group would reject.
                 dist.init_process_group(
-                    backend="cpu:gloo,cuda:nccl", timeout=timeout, device_id=device
-                )
+                    backend="cpu:gloo,cuda:nccl", timeout=timeout, device_id=device,
+                    **_attempt_store(timeout),
+                )  # fmt: skip
             else:
-                dist.init_process_group(backend="gloo", timeout=timeout)
+                dist.init_process_group(backend="gloo", timeout=timeout, **_attempt_store(timeout))
         return cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
 
     def make_stage_groups(self, num_stages: int) -> None:
@@ -110,6 +121,10 @@ class DistContext:
         ranks = list(range(self.world_size))
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self.stage_groups = [dist.new_group(ranks, timeout=timeout) for _ in range(num_stages)]
+        # The ranks still running reach the probe within moments of each other (each timed out
+        # on the same collective), so a short wait tells a silent rank from a late one.
+        probe = datetime.timedelta(seconds=min(10.0, self.timeout_s))
+        self.probe_group = dist.new_group(ranks, timeout=probe, backend="gloo")
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         """Sum of ``values`` over ranks (identity when alone)."""
@@ -118,7 +133,8 @@ class DistContext:
         import torch.distributed as dist
 
         t = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(t)
+        with collective("summing counters"):
+            dist.all_reduce(t)
         return t.tolist()
 
     def all_reduce_min(self, value: int) -> int:
@@ -128,7 +144,8 @@ class DistContext:
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        with collective("agreeing on a count"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -138,8 +155,46 @@ class DistContext:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        with collective("taking rank 0's choice"):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (``[obj]`` when alone)."""
+        if not self.enabled:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        with collective("comparing the ranks' states"):
+            dist.all_gather_object(out, obj)
+        return out
+
+    def silent_ranks(self) -> list[int]:
+        """After a collective failed: the ranks that do not answer a token within the probe
+        time (stopped, stuck or gone). Every rank still running sends one to each other rank
+        and waits for theirs; ``[]`` when unknown."""
+        if not self.enabled or self.probe_group is None:
+            return []
+        import torch.distributed as dist
+
+        others = [r for r in range(self.world_size) if r != self.rank]
+        waits = {}
+        for r in others:
+            try:
+                dist.isend(torch.ones(1), dst=r, group=self.probe_group)
+                box = torch.zeros(1)
+                waits[r] = dist.irecv(box, src=r, group=self.probe_group)
+            except (dist.DistError, RuntimeError):
+                waits[r] = None
+        silent = []
+        for r, work in waits.items():
+            try:
+                if work is None or not work.wait():
+                    silent.append(r)
+            except (dist.DistError, RuntimeError):  # the wait timed out or the peer is gone
+                silent.append(r)
+        return silent
 
     def close(self) -> None:
         """Leave the process group (only if this module joined it)."""
@@ -148,6 +203,41 @@ class DistContext:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """A collective with the other ranks: its failure (Gloo and NCCL raise ``RuntimeError``,
+    ``DistError`` among them) becomes a :class:`~.options.CollectiveError` saying what it
+    was doing, so the trainer can tell it from any other error."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise CollectiveError(f"a collective with the other ranks failed ({what}): {exc}") from exc
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """Under a restarted torchrun job: the job's store under a prefix of this attempt.
+
+    torchrun's agent keeps one store over restarts, and the process groups' keys (each rank's
+    address) are named alike in every attempt, so a rank of the restarted job could read the
+    address of a rank of the killed one and fail to connect. ``{}`` (the usual ``env://``
+    rendezvous) outside an agent-store torchrun job.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout,
+    )  # fmt: skip
+    return {
+        "store": dist.PrefixStore(f"echopipe/attempt{attempt}", client),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 def all_reduce_grads(
@@ -173,7 +263,8 @@ def all_reduce_grads(
             g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)
         ]
         flat = torch.cat([g.reshape(-1) for g in filled])
-        dist.all_reduce(flat, group=ctx.stage_groups[stage])
+        with collective(f"averaging stage {stage}'s gradients"):
+            dist.all_reduce(flat, group=ctx.stage_groups[stage])
         flat.div_(world)
         offset = 0
         for i, g in enumerate(filled):
@@ -192,5 +283,6 @@ def average_buffers(model: nn.Module, ctx: DistContext) -> None:
 
     for buf in model.buffers():
         if buf.is_floating_point():
-            dist.all_reduce(buf)
+            with collective("averaging BatchNorm statistics"):
+                dist.all_reduce(buf)
             buf.div_(ctx.world_size)

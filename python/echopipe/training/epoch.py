@@ -20,8 +20,8 @@ from ..echo.controller import EchoController
 from .config import DataError, TrainConfig
 from .distributed import DistContext, average_buffers
 from .input import TrainInput, evaluate
-from .report import Progress
-from .schedule import EpochClock, hybrid_switch_epoch, lr_factor
+from .progress import Progress, StepLog
+from .schedule import EpochClock, LrSchedule, hybrid_switch_epoch
 from .state import RunState
 
 __all__ = ["EpochLoop"]
@@ -37,7 +37,11 @@ class EpochLoop:
     data: TrainInput
     data_dir: Path
     clock: EpochClock
+    lr_schedule: LrSchedule
     progress: Progress
+    step_log: StepLog | None
+    epoch_times: list[float]
+    wall0: float
     controller: EchoController | None
     model: Any
     stopped: str | None
@@ -57,8 +61,10 @@ class EpochLoop:
 
     def run_epoch(self) -> None:
         cfg, st = self.cfg, self.run_state
-        switch, restart = hybrid_switch_epoch(cfg)
-        if switch is not None and st.epoch >= switch and self.pipeline.pipelined:
+        self.epoch_t0 = time.perf_counter()
+        switch, restart = hybrid_switch_epoch(self.lr_schedule.span())
+        at = self.lr_schedule.at(float(st.epoch))
+        if switch is not None and at >= switch and self.pipeline.pipelined:
             self.pipeline.set_pipelined(False)
             again = ", learning rate restarted" if restart else ""
             self.say(f"hybrid: synchronous from epoch {st.epoch + 1} (staleness now 0{again})")
@@ -76,7 +82,10 @@ class EpochLoop:
             if cfg.max_steps is not None and st.global_step >= cfg.max_steps:
                 self.stopped = f"--max-steps {cfg.max_steps} reached"
                 break
+            reported = len(self.losses)
             self._step()
+            fault_exit(self.ctx.rank, st.global_step)
+            self._log_step(self.losses[reported:])
             if self._retune_due() and st.step_in_epoch < st.steps_per_epoch:
                 self._retune_echo(within_epoch=True)
             if (
@@ -94,8 +103,23 @@ class EpochLoop:
             )
         self._drain()
         average_buffers(self.model, self.ctx)
-        st.train_s += time.perf_counter() - t0 - self.paused_s
+        self.epoch_train_s = time.perf_counter() - t0 - self.paused_s
+        self.epoch_fresh = self.data.counters()["fresh"] - fresh0
+        st.train_s += self.epoch_train_s
         st.samples_trained += self.epoch_samples
+
+    def _log_step(self, losses: list[float]) -> None:
+        if self.step_log is None:
+            return
+        st = self.run_state
+        self.step_log.add(
+            st.global_step,
+            self.clock.epochs_at(st.global_step),
+            float(np.mean(losses)) if losses else None,
+            self.cfg.lr * self.lr_schedule.factor(st.global_step),
+            self.data.factor,
+            st.wall_s + time.perf_counter() - self.wall0,
+        )
 
     def _retune_due(self) -> bool:
         """Whether rank 0's controller is consulted after this step: every step of the first
@@ -191,7 +215,7 @@ class EpochLoop:
         cfg, st = self.cfg, self.run_state
         if st.rows and st.rows[-1]["step"] == st.global_step:
             return  # --max-steps fell on an epoch end: that epoch is already recorded
-        top1, val_loss, val_n = evaluate(
+        top1, val_loss, val_n, top5 = evaluate(
             self.pipeline, cfg, self.data_dir, self.ctx, self.data.device_id, self._val
         )
         finished = st.step_in_epoch >= st.steps_per_epoch
@@ -200,6 +224,8 @@ class EpochLoop:
             st.step_in_epoch = 0
             st.epoch_fresh = 0.0
         row = self._row(top1, val_loss, val_n)
+        row["val_top5"] = top5
+        self._epoch_figures(row)
         st.rows.append(row)
         target = cfg.stop_at_top1
         if target is not None and top1 >= target and self.stopped is None:
@@ -208,7 +234,9 @@ class EpochLoop:
             )
         best = top1 > st.best_top1
         st.best_top1 = max(st.best_top1, top1)
-        self.progress.end_epoch(row)
+        self.epoch_times.append(row["epoch_s"])
+        left = 0 if self.stopped else max(cfg.epochs - st.epoch, 0)
+        self.progress.end_epoch(row, left * float(np.mean(self.epoch_times)))
         if finished and self.controller is not None and st.epoch < cfg.epochs:
             self._retune_echo(within_epoch=False)
         if finished:
@@ -216,6 +244,14 @@ class EpochLoop:
         self.checkpoint(best=best)
         if self.ctx.is_main:
             self._write_metrics()
+
+    def _epoch_figures(self, row: dict[str, Any]) -> None:
+        """This epoch's own time and rates (the row's other rates are over the whole run)."""
+        world = self.ctx.world_size
+        train_s = max(self.epoch_train_s, 1e-9)
+        row["epoch_s"] = time.perf_counter() - self.epoch_t0
+        row["epoch_img_per_s"] = world * self.epoch_samples / train_s
+        row["epoch_fresh_per_s"] = world * self.epoch_fresh / train_s
 
     def _row(self, top1: float, val_loss: float, val_n: int) -> dict[str, Any]:
         st = self.run_state
@@ -226,14 +262,7 @@ class EpochLoop:
         t_up = up_s / up_n if up_n else math.nan
         world = self.ctx.world_size
         n = st.global_step  # the LR after n updates, as the stages' schedulers computed it
-        switch, restart = hybrid_switch_epoch(self.cfg)
-        lr = self.cfg.lr * lr_factor(
-            self.clock.epochs_at(n + 1),
-            self.clock.epochs_at(n),
-            self.cfg.warmup_epochs,
-            self.cfg.epochs,
-            switch if restart else None,
-        )
+        lr = self.cfg.lr * self.lr_schedule.factor(n)
         return {
             # Epochs done: a whole number, or a fraction for a run stopped by --max-steps.
             "epoch": st.epoch if st.step_in_epoch == 0 else round(self.clock.epochs_at(n), 3),
@@ -256,6 +285,24 @@ class EpochLoop:
             "pipelined": self.pipeline.pipelined,
             "lr": lr,
         }
+
+
+def fault_exit(rank: int, step: int) -> None:
+    """Fault injection for the restart tests: ``ECHOPIPE_FAULT_EXIT=RANK:STEP`` ends rank RANK
+    at once (``os._exit``, as a killed process would) after step STEP, and
+    ``RANK:STEP:stop`` stops it (SIGSTOP, a hung rank); on the first attempt of a torchrun job
+    only (``TORCHELASTIC_RESTART_COUNT`` 0), so a restarted job runs through."""
+    spec = os.environ.get("ECHOPIPE_FAULT_EXIT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    at_rank, at_step, *how = spec.split(":")
+    if at_rank.isdigit() and at_step.isdigit() and (int(at_rank), int(at_step)) == (rank, step):
+        if how == ["stop"]:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os._exit(17)
 
 
 def _image_larger_than(files: list[str], capacity: int, budget_s: float = 5.0) -> str | None:

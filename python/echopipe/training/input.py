@@ -21,6 +21,7 @@ from torch import nn
 
 from .config import DataError, TrainConfig
 from .distributed import DistContext
+from .preflight import IMAGE_CHECK
 
 __all__ = ["TrainInput", "evaluate", "evaluate_checkpoint"]
 
@@ -62,6 +63,7 @@ class TrainInput:
             # file order that this seed permutes, so the resumed epoch goes on where it stopped.
             seed=cfg.seed + 104729 * self.ctx.rank,
             on_corrupt=cfg.on_corrupt,  # type: ignore[arg-type]
+            check=IMAGE_CHECK,  # type: ignore[arg-type]
             read_delay_ms=cfg.read_delay_ms,
             decode_device=cfg.decode,  # type: ignore[arg-type]
             device_id=self.device_id,
@@ -157,8 +159,9 @@ def evaluate(
     ctx: DistContext,
     device_id: int | None,
     val_iter: list[Any],
-) -> tuple[float, float, int]:
-    """``(top1, mean loss, images)`` over this rank's validation shard, summed over ranks."""
+) -> tuple[float, float, int, float]:
+    """``(top1, mean loss, images, top5)`` over this rank's validation shard, summed over
+    ranks (top-5 is top-k with k = min(5, classes))."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     from ..dali import imagenet_val_pipeline
@@ -187,7 +190,7 @@ def evaluate(
                 auto_reset=True,
             )
         )
-    correct = 0.0
+    correct = correct5 = 0.0
     loss_sum = 0.0
     count = 0
     for batch in val_iter[0]:
@@ -195,10 +198,15 @@ def evaluate(
         y = batch[0]["label"].reshape(-1).long()
         logits = pipeline.evaluate(x).float()
         correct += float((logits.argmax(1) == y.cpu()).sum())
+        k = min(5, logits.shape[1])
+        correct5 += float((logits.topk(k, dim=1).indices == y.cpu()[:, None]).any(1).sum())
         loss_sum += float(nn.functional.cross_entropy(logits, y.cpu(), reduction="sum"))
         count += int(y.numel())
-    correct, loss_sum, total = ctx.all_reduce_sum([correct, loss_sum, float(count)])
-    return correct / max(total, 1.0), loss_sum / max(total, 1.0), int(total)
+    correct, loss_sum, total, correct5 = ctx.all_reduce_sum(
+        [correct, loss_sum, float(count), correct5]
+    )
+    n = max(total, 1.0)
+    return correct / n, loss_sum / n, int(total), correct5 / n
 
 
 def evaluate_checkpoint(
@@ -228,4 +236,4 @@ def evaluate_checkpoint(
             with torch.no_grad():
                 return model(x)
 
-    return evaluate(_Plain(), cfg, data_dir, ctx, None, [])
+    return evaluate(_Plain(), cfg, data_dir, ctx, None, [])[:3]

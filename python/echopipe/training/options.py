@@ -15,7 +15,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["DataError", "TrainError", "UsageError", "add_field_arguments", "flag", "opt"]
+__all__ = [
+    "CollectiveError",
+    "DataError",
+    "Interrupted",
+    "TrainError",
+    "UsageError",
+    "add_field_arguments",
+    "check_gpu_needs",
+    "check_model_split",
+    "flag",
+    "opt",
+]
 
 MAX_ECHO = 100.0
 MAX_IMAGE_SIZE = 1024
@@ -26,6 +37,20 @@ class TrainError(Exception):
     """A run that cannot go on, told in one line; ``exit_code`` is the CLI's exit status."""
 
     exit_code = 1
+
+
+class CollectiveError(TrainError):
+    """A collective with the other ranks failed: one timed out, stopped or died."""
+
+    exit_code = 1
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a run; ``line`` says where and what ``--resume`` would use."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
 
 
 class UsageError(TrainError, ValueError):
@@ -174,9 +199,43 @@ def check_path(must_be_dir: bool) -> Callable[[str, Any], None]:
 
 
 def check_output(name: str, value: Any) -> None:
+    if value is None:
+        return
     path = Path(value)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag(name)} {str(path)!r} is a file; give a run folder")
+
+
+def check_model_split(model: str, balance: Any, stages: Any) -> None:
+    """Refuse a ``--balance`` or ``--stages`` that does not fit ``model``'s blocks."""
+    # The model's block count, from a build on the meta device (no memory, no init cost).
+    import torch
+
+    from ..models import build_model
+
+    with torch.device("meta"):
+        blocks = len(build_model(model, num_classes=2))
+    if isinstance(balance, list) and sum(balance) != blocks:
+        raise UsageError(
+            f"--balance {','.join(map(str, balance))} covers "
+            f"{sum(balance)} blocks; {model} has {blocks}"
+        )
+    if isinstance(stages, int) and stages > blocks:
+        raise UsageError(f"--stages {stages}: {model} has only {blocks} blocks")
+
+
+def check_gpu_needs(decode: str, devices: list[str] | None) -> None:
+    """Refuse ``--decode mixed`` without a GPU to decode on."""
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    wants_gpu = devices is not None and any(d.startswith("cuda") for d in devices)
+    if decode == "mixed" and devices is not None and not wants_gpu:
+        raise UsageError(
+            f"--decode mixed decodes on a GPU, but --devices {','.join(devices)} has none"
+        )
+    if decode == "mixed" and not has_cuda:
+        raise UsageError("--decode mixed decodes on a GPU, but torch sees no CUDA device")
 
 
 def check_optional(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
@@ -202,11 +261,16 @@ def opt(
     short: str | None = None,
     alias: str | None = None,
     group: str = "data and schedule",
-    on_resume: Literal["fixed", "free"] = "fixed",
+    on_resume: Literal["fixed", "free", "each"] = "fixed",
     cli: bool = True,
     const: Any = None,
 ) -> Any:
-    """A :class:`TrainConfig` field with everything the CLI and the checks need."""
+    """A :class:`TrainConfig` field with everything the CLI and the checks need.
+
+    ``on_resume``: ``"fixed"`` options are the checkpoint's and may not change; ``"free"`` ones
+    are the checkpoint's unless given again (a change is named and recorded); ``"each"`` ones
+    belong to one invocation (where to write, when to stop early) and are never inherited.
+    """
     meta = dict(
         help=help,
         check=check,

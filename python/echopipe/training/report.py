@@ -1,7 +1,6 @@
-"""What a run tells: progress, the run folder's metrics, config and plot, and the summary.
+"""What a run tells: the run folder's metrics, config and plot, and the summary.
 
-On a terminal, tqdm bars; otherwise (a log file, a pipe) one plain line every
-``--log-interval`` steps and one per epoch. The run folder gets ``metrics.json`` (rewritten
+(:mod:`.progress` has the live lines.) The run folder gets ``metrics.json`` (rewritten
 atomically each epoch), ``metrics.csv`` (one row per epoch), ``config.json`` (the resolved
 config, versions, the command line and the decisions taken), ``training.png`` and, when
 ``tensorboard`` is installed, TensorBoard event files in ``tb/``.
@@ -16,8 +15,7 @@ import json
 import math
 import os
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,6 @@ from ..pipeline.checkpoint import atomic_write
 from .state import RunState
 
 __all__ = [
-    "Progress",
     "TrainSummary",
     "echo_verdict",
     "format_summary",
@@ -60,10 +57,13 @@ def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
 
 
 def write_csv(path: str | os.PathLike[str], rows: Sequence[dict[str, Any]]) -> Path:
-    """Write the metric rows as CSV atomically (columns from the first row)."""
+    """Write the metric rows as CSV atomically (the columns of all rows, in order of first
+    appearance; a row without one leaves it empty)."""
     buf = io.StringIO()
     if rows:
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        # Every column of any row (a run resumed from an older checkpoint has rows with fewer).
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
         writer.writerows(_json_safe(list(rows)))
     return _write(path, buf.getvalue().encode())
@@ -119,10 +119,14 @@ def write_run_files(
 
 
 def write_config(
-    out: Path, options: dict[str, Any], resolved: dict[str, Any], decisions: list[str]
+    out: Path,
+    options: dict[str, Any],
+    resolved: dict[str, Any],
+    decisions: list[str],
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """``config.json``: the options, the command line, the versions, what was resolved and
-    the decisions with their reasons."""
+    the decisions with their reasons (and ``extra``: the run id, the restarts)."""
     import torch
 
     from .. import __version__
@@ -146,6 +150,7 @@ def write_config(
             "resolved": resolved,
             "decisions": decisions,
             "versions": versions,
+            **(extra or {}),
         },
     )
 
@@ -167,119 +172,6 @@ def echo_verdict(rows: Sequence[dict[str, Any]], factor: float) -> list[str]:
         f"echo: e = {factor:g} at R = {r:.2f}; echo does not help here: the input was not "
         "the bottleneck, so each repeat only adds a training step"
     ]
-
-
-class Progress:
-    """Progress of rank 0: tqdm bars on a terminal, else a plain line every ``interval`` steps."""
-
-    def __init__(
-        self,
-        enabled: bool,
-        bars: bool,
-        interval: int,
-        epochs: int,
-        say: Callable[[str], None],
-        tb_dir: Path | None,
-    ) -> None:
-        self.enabled = enabled
-        self.bars = enabled and bars and sys.stderr.isatty()
-        self.interval = interval
-        self.epochs = epochs
-        self.say = say
-        self.bar: Any = None
-        self.tb: Any = None
-        # The rates of a line are over the steps since the previous line, across epoch ends:
-        # counts are kept since the run began (the trainer's are per epoch), and the time from
-        # an epoch's last step to the next epoch's start (validation, checkpoint) is left out.
-        # Restarting the window at each epoch start showed the stale pipeline filling up
-        # (steps that only enqueue work) as thousands of images per second.
-        self._window: tuple[float, float, float] = (time.perf_counter(), 0.0, 0.0)
-        self._base = (0.0, 0.0)  # samples delivered and fresh before this epoch
-        self._last = (0.0, 0.0)  # this epoch's counts at its latest step
-        self._last_step_at: float | None = None
-        if enabled and tb_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is optional
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                self.tb = SummaryWriter(str(tb_dir))
-
-    def start_epoch(self, epoch: int, steps: int, done: int) -> None:
-        now = time.perf_counter()
-        t0, d0, f0 = self._window
-        if self._last_step_at is not None:
-            t0 += now - self._last_step_at
-        self._window = (t0, d0, f0)
-        self._base = (self._base[0] + self._last[0], self._base[1] + self._last[1])
-        self._last = (0.0, 0.0)
-        if self.bars:
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=steps,
-                initial=done,
-                desc=f"epoch {epoch + 1}/{self.epochs}",
-                unit="step",
-                dynamic_ncols=True,
-                file=sys.stderr,
-            )
-
-    def step(self, step: int, loss: float | None, e: float, *, delivered: int,
-             fresh: float) -> None:  # fmt: skip
-        """One step done; ``delivered`` and ``fresh`` count samples since the epoch began.
-
-        The rates shown are over the steps since the previous line (or bar refresh), also
-        across an epoch end, with the time between epochs left out.
-        """
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        self._last, self._last_step_at = (delivered, fresh), now
-        total, total_fresh = self._base[0] + delivered, self._base[1] + fresh
-        t0, d0, f0 = self._window
-        seconds = max(now - t0, 1e-9)
-        fields = {"loss": loss, "e": e, "img/s": (total - d0) / seconds,
-                  "fresh/s": (total_fresh - f0) / seconds}  # fmt: skip
-        shown = {k: v for k, v in fields.items() if v is not None}
-        if self.bar is not None:
-            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
-            self.bar.update(1)
-            if step % self.interval == 0:
-                self._window = (now, total, total_fresh)
-        elif step % self.interval == 0:
-            self.say(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
-            self._window = (now, total, total_fresh)
-        if self.tb is not None and loss is not None:
-            self.tb.add_scalar("train/loss", loss, step)
-
-    def set_total(self, steps: int) -> None:
-        if self.bar is not None:
-            self.bar.total = steps
-            self.bar.refresh()
-
-    def end_epoch(self, row: dict[str, Any]) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        if not self.enabled:
-            return
-        loss = "n/a" if row["train_loss"] is None else f"{row['train_loss']:.3f}"
-        self.say(
-            f"epoch {row['epoch']}/{self.epochs}: val top-1 {100 * row['val_top1']:.1f} %, "
-            f"loss {loss}, {row['fresh_per_s']:.0f} fresh img/s, "
-            f"{row['delivered_per_s']:.0f} delivered img/s, e={row['echo_factor']:g}"
-        )
-        if self.tb is not None:
-            for key in ("val_top1", "val_loss", "train_loss", "echo_factor", "lr"):
-                if row.get(key) is not None:
-                    self.tb.add_scalar(f"epoch/{key}", row[key], row["step"])
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
 
 
 @dataclass
@@ -316,6 +208,7 @@ class TrainSummary:
     plots: list[str]
     decisions: list[str]
     stopped: str | None = None
+    resumed_finished: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """The summary as plain JSON-able values."""

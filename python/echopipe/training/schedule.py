@@ -11,7 +11,16 @@ from torch import nn
 
 from .config import TrainConfig
 
-__all__ = ["EpochClock", "decay_groups", "hybrid_switch_epoch", "lr_factor", "sgd_factory"]
+__all__ = [
+    "EpochClock",
+    "LrSchedule",
+    "decay_groups",
+    "hybrid_switch_epoch",
+    "lr_factor",
+    "schedule_epoch",
+    "sgd_factory",
+    "stretch_schedule",
+]
 
 
 class EpochClock:
@@ -90,6 +99,58 @@ def decay_groups(params: list[Any]) -> list[list[Any]]:
     decay = [p for p in params if p.ndim > 1]
     no_decay = [p for p in params if p.ndim <= 1]
     return [decay, no_decay] if no_decay else [decay]
+
+
+def schedule_epoch(epochs: float, warp: list[tuple[float, float, float]]) -> float:
+    """Where the LR schedule stands after ``epochs`` epochs of training.
+
+    The identity until a resume changed ``--epochs``: each ``(start, at, slope)`` of ``warp``
+    says that from ``start`` epochs on, the schedule goes on from ``at`` at ``slope`` schedule
+    epochs per epoch, so the rate continues from where it stopped to its floor at the new end.
+    """
+    for start, at, slope in reversed(warp):
+        if epochs >= start:
+            return at + (epochs - start) * slope
+    return epochs
+
+
+def stretch_schedule(
+    warp: list[tuple[float, float, float]], now: float, schedule_end: int, new_end: int
+) -> tuple[float, float, float]:
+    """The ``warp`` segment that takes the schedule from where it stands ``now`` (epochs done)
+    to ``schedule_end`` at ``new_end`` epochs (a resume with another ``--epochs``)."""
+    at = schedule_epoch(now, warp)
+    slope = (schedule_end - at) / (new_end - now) if schedule_end > at and new_end > now else 1.0
+    return now, at, slope
+
+
+class LrSchedule:
+    """The LR factor after a number of updates: epochs done (:class:`EpochClock`), where the
+    schedule stands (``schedule_warp``), warm-up, cosine and the hybrid restart."""
+
+    def __init__(self, cfg: TrainConfig, clock: EpochClock, state: object) -> None:
+        self.cfg, self.clock, self.state = cfg, clock, state
+
+    def span(self) -> TrainConfig:
+        """The config with ``--epochs`` as the schedule spans it."""
+        import dataclasses
+
+        epochs = getattr(self.state, "schedule_epochs", 0) or self.cfg.epochs
+        return dataclasses.replace(self.cfg, epochs=epochs)
+
+    def at(self, epochs: float) -> float:
+        return schedule_epoch(epochs, getattr(self.state, "schedule_warp", []))
+
+    def factor(self, updates: int) -> float:
+        span = self.span()
+        switch, restart = hybrid_switch_epoch(span)
+        return lr_factor(
+            self.at(self.clock.epochs_at(updates + 1)),
+            self.at(self.clock.epochs_at(updates)),
+            span.warmup_epochs,
+            span.epochs,
+            switch if restart else None,
+        )
 
 
 def sgd_factory(cfg: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:

@@ -38,6 +38,10 @@ class RunState:
         rows: one metrics row per finished epoch.
         best_top1: the best validation top-1 so far.
         world_size: replicas of the run that wrote the state.
+        run_id: the run's identity, shared by its checkpoints and its folder's config.json.
+        schedule_epochs: the epochs the LR schedule spans (``--epochs`` of the first start).
+        schedule_warp: how later ``--epochs`` stretched the rest of the schedule (see
+            :func:`~.schedule.schedule_epoch`).
     """
 
     epoch: int = 0
@@ -56,6 +60,9 @@ class RunState:
     rows: list[dict[str, Any]] = field(default_factory=list)
     best_top1: float = -1.0
     world_size: int = 1
+    run_id: str = ""
+    schedule_epochs: int = 0
+    schedule_warp: list[tuple[float, float, float]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values for a checkpoint."""
@@ -70,6 +77,7 @@ class RunState:
             raise ValueError(f"run state has unknown fields {sorted(unknown)}")
         out = cls(**state)
         out.epoch_clock = [tuple(s) for s in out.epoch_clock]  # type: ignore[misc]
+        out.schedule_warp = [tuple(s) for s in out.schedule_warp]  # type: ignore[misc]
         return out
 
     @property

@@ -12,8 +12,8 @@ import dataclasses
 import random
 import sys
 import time
+import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,102 +22,103 @@ from torch import nn
 
 from ..echo.controller import EchoController
 from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks
-from .checkpoints import RunCheckpoints
-from .config import DataError, TrainConfig, UsageError
+from .config import Interrupted, TrainConfig
 from .decide import choose_split
 from .distributed import DistContext, all_reduce_grads, default_devices
 from .epoch import EpochLoop
 from .input import TrainInput
-from .preflight import check_data, load_resume, lock_run_folder, run_folder
-from .report import (
-    Progress,
-    TrainSummary,
-    echo_verdict,
-    summarize,
-    write_config,
-    write_run_files,
-)
-from .schedule import EpochClock, hybrid_switch_epoch, lr_factor, sgd_factory
+from .progress import Progress, StepLog
+from .report import TrainSummary, echo_verdict, summarize, write_run_files
+from .resume import given_by_value
+from .schedule import EpochClock, LrSchedule, hybrid_switch_epoch, sgd_factory
+from .start import RunStart, say_through, signals_deferred
 from .state import RunState, get_rng_state, set_rng_state
 
 __all__ = ["Trainer", "train"]
 
 
-def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> TrainSummary:
+def train(
+    cfg: TrainConfig,
+    *,
+    log: Callable[[str], None] | None = None,
+    given: set[str] | None = None,
+) -> TrainSummary:
     """Run ``echopipe train`` with ``cfg`` and return its summary.
 
+    ``given`` names the options the caller set (the CLI's flags); on a resume the others are
+    the checkpoint's. Without it, the options that differ from their defaults count as given.
+
     Raises :class:`~.config.UsageError` for bad options and :class:`~.config.DataError` for
-    bad data, each with one line naming the value or file, before any heavy work where it can.
+    bad data, each with one line naming the value or file, before any heavy work where it can;
+    :class:`~.config.Interrupted` on Ctrl-C, saying what ``--resume`` would continue from.
     """
     cfg.validate()
     ctx = DistContext.from_env(cfg.dist_timeout_s)
     try:
-        trainer = Trainer(cfg, ctx, log or (lambda m: print(m, file=sys.stderr, flush=True)))
+        log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        trainer = Trainer(cfg, ctx, log, given_by_value(cfg) if given is None else given)
         return trainer.run()
     finally:
         ctx.close()
 
 
-class Trainer(EpochLoop):
+class Trainer(RunStart, EpochLoop):
     """One run of ``echopipe train`` (see the module notes for its phases)."""
 
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> None:
+    def __init__(
+        self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], given: set[str]
+    ) -> None:
         self.cfg = cfg
         self.ctx = ctx
-        self.say = log if ctx.is_main else (lambda m: None)
+        self.given = given
+        self.log = log if ctx.is_main else (lambda m: None)
+        self.say = self.log
         self.wall0 = time.perf_counter()
         self.run_state = RunState(world_size=ctx.world_size)
         self.decisions: list[str] = []
+        self.changed: dict[str, list[Any]] = {}
         self.stopped: str | None = None
         self.saved: dict[str, Any] | None = None
-        self.lock: Any = None
         self.losses: list[float] = []
         self.paused_s = 0.0
+        self.step_log: StepLog | None = None
+        self.epoch_times: list[float] = []
+        self.configured = False  # config.json written: the run has started
         self._val: list[Any] = []  # the validation iterator, built on first use
         self._open: list[Any] = []  # what close() must close, in order
 
     # ---- phases --------------------------------------------------------------------------
 
     def run(self) -> TrainSummary:
-        """All phases; whatever was opened is closed, also on an error."""
+        """All phases; whatever was opened is closed, also on an error. A start refused before
+        ``config.json`` was written leaves nothing behind."""
         try:
-            self.prepare()
-            self.setup()
+            try:
+                self.prepare()
+                if self.finished is not None:
+                    return self.finished_summary()
+                self.setup()
+            except BaseException:
+                if self.folder is not None and not self.configured:
+                    self.folder.discard()
+                raise
             while self.run_state.epoch < self.cfg.epochs and self.stopped is None:
                 self.run_epoch()
                 self.end_epoch()
+        except KeyboardInterrupt:
+            step = self.run_state.global_step if self.configured else None
+            raise Interrupted(self.interrupted_line(step)) from None
+        except Exception as exc:
+            named = self._named_rank(exc)
+            if named is exc:
+                raise
+            raise named from None
         finally:
             for thing in reversed(self._open):
                 thing.close()
-            if self.lock is not None:
-                self.lock.release()
+            if self.folder is not None:
+                self.folder.release()
         return self.finish()
-
-    def prepare(self) -> None:
-        """Run folder, lock, resume checks and the data folder: nothing heavy."""
-        cfg = self.cfg
-        self.out = run_folder(cfg, self.say)
-        if self.ctx.is_main:
-            self.lock = lock_run_folder(self.out)
-        folder = self.out / "checkpoints"
-        self.ckpts = RunCheckpoints(
-            folder / f"rank{self.ctx.rank}" if self.ctx.enabled else folder, root=self.out
-        )
-        earlier = self.ckpts.existing()
-        if not cfg.resume and earlier:
-            raise UsageError(
-                f"--output {str(self.out)!r} holds checkpoints of an earlier run "
-                f"({earlier[0].name}): pass --resume to continue it, or choose another --output"
-            )
-        if cfg.resume:
-            self.resume_path = cfg.resume if isinstance(cfg.resume, Path) else self.ckpts.last
-            self.saved = load_resume(cfg, self.resume_path, self.ctx.world_size)
-        self.data_dir, self.classes = check_data(cfg, self.say)
-        if self.saved and self.saved["model"]["num_classes"] != len(self.classes):
-            raise DataError(
-                f"--resume {str(self.resume_path)!r}: the model has "
-                f"{self.saved['model']['num_classes']} classes, --data has {len(self.classes)}"
-            )
 
     def setup(self) -> None:
         """Seeds, devices, input, model, the ``auto`` decisions, the pipeline, the state."""
@@ -130,12 +131,23 @@ class Trainer(EpochLoop):
             torch.use_deterministic_algorithms(True, warn_only=True)
             self._open.append(_Restore(lambda: torch.use_deterministic_algorithms(was)))
         stages, devices = self._devices()
+        if cfg.amp == "fp16" and all(d == "cpu" for d in devices):
+            self.say(
+                "warning: --amp fp16 on the CPU is about 60x slower than --amp bf16 (the CPU "
+                "has few float16 kernels); use --amp bf16 for mixed precision on the CPU"
+            )
         factor = self._build_input(devices)
         model = self._model()
         if saved:
             balance = list(saved["pipeline"]["balance"])
         else:
             sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+            if not cfg.deterministic and cfg.balance == "auto":
+                self.say(
+                    "stages: timing the model's blocks"
+                    + (", then one stage against two," if cfg.stages == "auto" else "")
+                    + " on a copy of the model (a few seconds)..."
+                )
             balance = choose_split(cfg, model, sample, stages, devices, self.decisions)
             balance = ctx.broadcast_object(balance)  # timing-based: rank 0's choice for all
         devices = [devices[i % len(devices)] for i in range(len(balance))]
@@ -145,26 +157,45 @@ class Trainer(EpochLoop):
         else:
             self.run_state.steps_per_epoch = ctx.all_reduce_min(self.data.natural_steps())
             self.run_state.factors_used = [factor]
+            self.run_state.run_id = ctx.broadcast_object(uuid.uuid4().hex)
+            self.run_state.schedule_epochs = cfg.epochs
         st = self.run_state
         self.data.set_steps(st.steps_per_epoch)
         self.clock = EpochClock(st.epoch_clock)
         if not saved:
             self.clock.plan(0, 0.0, st.steps_per_epoch, 1.0)
         st.epoch_clock = self.clock.segments
+        self.lr_schedule = LrSchedule(cfg, self.clock, st)
+        notes = self._continue_schedule()
         self._build_pipeline(model, balance, devices)
         self.progress = Progress(
-            ctx.is_main, cfg.progress, cfg.log_interval, cfg.epochs, self.say, self.out / "tb"
+            ctx.is_main, cfg.progress, cfg.log_interval, cfg.epochs, self.log, self.out / "tb"
         )
         self._open.append(self.progress)
+        self.say = say_through(self.progress, self.log) if ctx.is_main else self.say
+        echo = f"echo {cfg.echo if cfg.echo == 'auto' else factor} ({cfg.echo_insert}, " + (
+            f"{cfg.echo_mode})"
+        )
+        per_epoch = f"an epoch is {st.steps_per_epoch} steps of {cfg.batch_size} at e = {factor:g}"
+        if cfg.echo == "auto":
+            per_epoch += " (their number follows e: one pass over the fresh data)"
         self.say(
             f"train: {cfg.model} on {len(self.classes)} classes, {len(balance)} stage(s) balance "
             f"{balance} on {', '.join(devices)}, staleness {self.pipeline.staleness()}, "
-            f"{ctx.world_size} replica(s); echo {cfg.echo if cfg.echo == 'auto' else factor} "
-            f"({cfg.echo_insert}, {cfg.echo_mode}); {st.steps_per_epoch} steps/epoch of "
-            f"{cfg.batch_size}"
+            f"{ctx.world_size} replica(s); {echo}; {per_epoch}; run folder {self.out}"
         )
         if ctx.is_main:
-            self._write_config(balance, devices)
+            resolved = {
+                "balance": balance,
+                "devices": devices,
+                "stages": len(balance),
+                "classes": self.classes,
+                "data": str(self.data_dir),
+            }
+            self.write_config(resolved, notes)
+            self.step_log = StepLog(self.out / "steps.csv", st.global_step if saved else None)
+            self._open.append(self.step_log)
+        self.configured = True
 
     def _build_input(self, devices: list[str]) -> float:
         """The echo controller and the DALI input (restored on resume); the starting factor."""
@@ -256,21 +287,10 @@ class Trainer(EpochLoop):
         return model
 
     def _scheduler(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        cfg, clock = self.cfg, self.clock
-
-        switch, restart = hybrid_switch_epoch(cfg)
-        restart_at = switch if restart else None
-
-        def factor(updates: int) -> float:
-            return lr_factor(
-                clock.epochs_at(updates + 1),
-                clock.epochs_at(updates),
-                cfg.warmup_epochs,
-                cfg.epochs,
-                restart_at,
-            )
-
-        return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        schedule = self.lr_schedule
+        # A plain function, not the bound method: LambdaLR saves a callable object's __dict__
+        # into the checkpoint, and a checkpoint may carry no lambda state (checkpoint_schema).
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda updates: schedule.factor(updates))
 
     def _report_skipped(self) -> None:
         index = self.data.pipe.folder_index
@@ -295,6 +315,7 @@ class Trainer(EpochLoop):
         payload = {
             "kind": "echopipe-train",
             "config": self.cfg.fixed_on_resume(),
+            "options": self.cfg.as_json(),
             "model": {"name": self.cfg.model, "num_classes": len(self.classes)},
             "pipeline": self.pipeline.state_dict(),
             "input": self.data.state_dict(),
@@ -307,7 +328,11 @@ class Trainer(EpochLoop):
             "run": st.state_dict(),
         }
         st.wall_s = wall
-        self.ckpts.save(payload, best=best)
+        if self.step_log is not None:
+            self.step_log.flush()  # every step the checkpoint holds is in steps.csv
+        with signals_deferred():
+            self.ckpts.save(payload, best=best)
+        self.last_saved = (st.epoch, st.step_in_epoch, st.global_step)
         self.paused_s += time.perf_counter() - t0
 
     def _write_metrics(self, summary: TrainSummary | None = None) -> None:
@@ -315,16 +340,6 @@ class Trainer(EpochLoop):
             [dataclasses.asdict(h) for h in self.controller.history] if self.controller else []
         )
         write_run_files(self.out, self.run_state.rows, history, summary)
-
-    def _write_config(self, balance: list[int], devices: list[str]) -> None:
-        resolved = {
-            "balance": balance,
-            "devices": devices,
-            "stages": len(balance),
-            "classes": self.classes,
-            "data": str(self.data_dir),
-        }
-        write_config(self.out, self.cfg.as_json(), resolved, self.decisions)
 
     def finish(self) -> TrainSummary:
         """The summary (read from the run state and the last row), also into metrics.json."""

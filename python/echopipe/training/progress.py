@@ -1,0 +1,225 @@
+"""What a run shows while it trains: the progress bar or log lines, the epoch line, steps.csv.
+
+On a terminal, tqdm bars, with every message written above the bar rather than into it;
+otherwise (a log file, a pipe, ``--no-progress``) one plain line every ``--log-interval``
+steps and one per epoch. Rates leave out the first steps of the process, which only fill the
+stale pipeline and pay start-up costs. ``steps.csv`` in the run folder has one line per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["WARMUP_STEPS", "Progress", "StepLog", "format_duration"]
+
+WARMUP_STEPS = 5
+"""Steps of each process left out of the rates (the pipeline fills, caches warm up)."""
+
+
+def format_duration(seconds: float) -> str:
+    """``h:mm:ss`` (or ``m:ss``)."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = round(seconds)
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+class Progress:
+    """Progress of rank 0: tqdm bars on a terminal, else a plain line every ``interval`` steps.
+
+    ``clock`` is injectable so that the rates can be checked on given timings.
+    """
+
+    def __init__(
+        self,
+        enabled: bool,
+        bars: bool,
+        interval: int,
+        epochs: int,
+        say: Callable[[str], None],
+        tb_dir: Path | None,
+        *,
+        warmup_steps: int = WARMUP_STEPS,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.enabled = enabled
+        self.bars = enabled and bars and sys.stderr.isatty()
+        self.interval = interval
+        self.epochs = epochs
+        self.say = say
+        self.clock = clock
+        self.warmup_steps = warmup_steps
+        self.bar: Any = None
+        self.tb: Any = None
+        self._seen = 0
+        # The rates of a line are over the steps since the previous line, across epoch ends:
+        # counts are kept since the run began (the trainer's are per epoch), and the time from
+        # an epoch's last step to the next epoch's start (validation, checkpoint) is left out.
+        self._window: tuple[float, float, float] = (clock(), 0.0, 0.0)
+        self._base = (0.0, 0.0)  # samples delivered and fresh before this epoch
+        self._last = (0.0, 0.0)  # this epoch's counts at its latest step
+        self._last_step_at: float | None = None
+        if enabled and tb_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self.tb = SummaryWriter(str(tb_dir))
+
+    def write(self, message: str, log: Callable[[str], None]) -> None:
+        """``log(message)`` above a live bar (cleared first, redrawn after)."""
+        if self.bar is None:
+            log(message)
+            return
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=sys.stderr):
+            log(message)
+
+    def start_epoch(self, epoch: int, steps: int, done: int) -> None:
+        now = self.clock()
+        t0, d0, f0 = self._window
+        if self._last_step_at is not None:
+            t0 += now - self._last_step_at
+        self._window = (t0, d0, f0)
+        self._base = (self._base[0] + self._last[0], self._base[1] + self._last[1])
+        self._last = (0.0, 0.0)
+        if self.bars:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=steps,
+                initial=done,
+                desc=f"epoch {epoch + 1}/{self.epochs}",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+
+    def step(self, step: int, loss: float | None, e: float, *, delivered: int,
+             fresh: float) -> None:  # fmt: skip
+        """One step done; ``delivered`` and ``fresh`` count samples since the epoch began.
+
+        The rates shown are over the steps since the previous line (or bar refresh), also
+        across an epoch end, with the time between epochs left out, and none before the
+        process's first ``warmup_steps`` steps are done.
+        """
+        if not self.enabled:
+            return
+        now = self.clock()
+        self._seen += 1
+        self._last, self._last_step_at = (delivered, fresh), now
+        total, total_fresh = self._base[0] + delivered, self._base[1] + fresh
+        fields: dict[str, float | None] = {"loss": loss, "e": e}
+        if self._seen <= self.warmup_steps:
+            self._window = (now, total, total_fresh)  # the rates start after the warm-up
+        else:
+            t0, d0, f0 = self._window
+            seconds = max(now - t0, 1e-9)
+            fields["img/s"] = (total - d0) / seconds
+            fields["fresh/s"] = (total_fresh - f0) / seconds
+        shown = {k: v for k, v in fields.items() if v is not None}
+        if self.bar is not None:
+            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+            self.bar.update(1)
+            if step % self.interval == 0 and self._seen > self.warmup_steps:
+                self._window = (now, total, total_fresh)
+        elif step % self.interval == 0:
+            self.say(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+            if self._seen > self.warmup_steps:
+                self._window = (now, total, total_fresh)
+        if self.tb is not None and loss is not None:
+            self.tb.add_scalar("train/loss", loss, step)
+
+    def set_total(self, steps: int) -> None:
+        if self.bar is not None:
+            self.bar.total = steps
+            self.bar.refresh()
+
+    def end_epoch(self, row: dict[str, Any], eta_s: float) -> None:
+        """The epoch line: losses, top-1/top-5, LR, epoch time, this epoch's rates, ETA."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if not self.enabled:
+            return
+        loss = "n/a" if row["train_loss"] is None else f"{row['train_loss']:.3f}"
+        eta = "done" if eta_s <= 0 else f"ETA {format_duration(eta_s)}"
+        self.say(
+            f"epoch {row['epoch']}/{self.epochs}: train loss {loss}, val loss "
+            f"{row['val_loss']:.3f}, top-1 {100 * row['val_top1']:.1f} %, top-5 "
+            f"{100 * row['val_top5']:.1f} %, lr {row['lr']:.3g}, "
+            f"{format_duration(row['epoch_s'])} ({row['epoch_img_per_s']:.0f} img/s, "
+            f"{row['epoch_fresh_per_s']:.0f} fresh), e={row['echo_factor']:g}; {eta}"
+        )
+        if self.tb is not None:
+            for key in ("val_top1", "val_top5", "val_loss", "train_loss", "echo_factor", "lr"):
+                if row.get(key) is not None:
+                    self.tb.add_scalar(f"epoch/{key}", row[key], row["step"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class StepLog:
+    """``steps.csv``: one line per training step, written by rank 0.
+
+    A resumed run keeps the lines up to the step it resumes from and appends; lines are
+    flushed at each checkpoint, so every step a checkpoint holds is in the file.
+    """
+
+    FIELDS = ("step", "epoch", "train_loss", "lr", "echo_factor", "wall_s")
+
+    def __init__(self, path: Path, resumed_step: int | None) -> None:
+        self.path = path
+        if resumed_step is not None and path.is_file():
+            _keep_steps_up_to(path, resumed_step)
+        else:
+            path.write_text(",".join(self.FIELDS) + "\n")
+        self.file: TextIO | None = open(path, "a")  # noqa: SIM115 (open for the whole run)
+
+    def add(self, step: int, epoch: float, loss: float | None, lr: float, e: float,
+            wall_s: float) -> None:  # fmt: skip
+        if self.file is None:
+            return
+        shown = "" if loss is None else f"{loss:.6g}"
+        self.file.write(f"{step},{epoch:.4f},{shown},{lr:.6g},{e:g},{wall_s:.3f}\n")
+
+    def flush(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def _keep_steps_up_to(path: Path, step: int) -> None:
+    """Rewrite ``path`` atomically without the lines after ``step`` (a resume repeats them)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with open(path) as src, os.fdopen(fd, "w") as dst:
+            for i, line in enumerate(src):
+                head = line.split(",", 1)[0]
+                if i == 0 or (head.isdigit() and int(head) <= step):
+                    dst.write(line)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

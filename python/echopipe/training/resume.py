@@ -1,0 +1,158 @@
+"""Resuming a run: one run, one story.
+
+A resumed run is the run it continues. Its options are the checkpoint's: the ones the run
+depends on (``fixed``) may not change; the ``free`` ones (``--epochs``, ``--workers``, ...) may
+be given anew, and each change is named and recorded in ``config.json``; a resume that lengthens
+or shortens the run stretches the rest of the learning-rate schedule from where it stopped.
+Under torchrun the ranks agree on one step before any of them trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .checkpoints import CheckpointError, RunCheckpoints
+from .config import TrainConfig, UsageError, flag, free_on_resume
+from .distributed import DistContext
+from .state import RunState
+
+__all__ = ["agree_on_checkpoint", "given_by_value", "merge_options", "restart_entry"]
+
+_MISSING = object()
+
+
+def given_by_value(cfg: TrainConfig) -> set[str]:
+    """The fields of ``cfg`` that differ from their defaults: what a Python caller gave."""
+    default = TrainConfig()
+    return {
+        f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name)
+    }
+
+
+def merge_options(
+    cfg: TrainConfig, saved: dict[str, Any], given: set[str], ckpt: Path
+) -> tuple[TrainConfig, dict[str, list[Any]]]:
+    """The resumed run's config and the free options given anew (``{flag: [was, now]}``).
+
+    Options not in ``given`` are the checkpoint's; a fixed option given with another value is
+    refused, naming it, its two values and the options that may change.
+    """
+    fixed = saved.get("config") or {}
+    options = saved.get("options") or {}
+    now = cfg.as_json()
+    values: dict[str, Any] = {}
+    changed: dict[str, list[Any]] = {}
+    refused: list[str] = []
+    for f in dataclasses.fields(cfg):
+        name, kind = f.name, f.metadata["on_resume"]
+        was = _MISSING if kind == "each" else (fixed if kind == "fixed" else options)
+        was = was if was is _MISSING else was.get(name, _MISSING)  # type: ignore[union-attr]
+        if was is _MISSING or (name in given and now[name] == was):
+            values[name] = getattr(cfg, name)
+        elif name in given:
+            if kind == "fixed":
+                refused.append(f"{flag(name)} was {was!r}, now {now[name]!r}")
+            changed[flag(name)] = [was, now[name]]
+            values[name] = getattr(cfg, name)
+        else:
+            values[name] = Path(was) if name == "data" and was is not None else was
+    if refused:
+        raise UsageError(
+            f"--resume {str(ckpt)!r}: {'; '.join(refused)}. Resume with the checkpoint's options; "
+            f"only these may change: {', '.join(free_on_resume())}"
+        )
+    merged = TrainConfig(**values)
+    merged.validate()
+    return merged, changed
+
+
+def agree_on_checkpoint(
+    ckpts: RunCheckpoints,
+    ctx: DistContext,
+    read: Callable[[Path], dict[str, Any]],
+    say: Callable[[str], None],
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint this rank resumes from, the same step on every rank; None when no rank
+    has one.
+
+    When the ranks' ``last.pt`` differ (a rank killed between two writes), every rank falls back
+    to the newest step all of them hold (``last.pt`` or the ``prev.pt`` kept beside it); the
+    newer ``last.pt`` of a rank that falls back is of steps the others never took, and goes.
+    With no step in common the run stops with one line naming the steps.
+    """
+    last = _read_step(ckpts.last, read, ctx)
+    steps = ctx.all_gather_object(_view(last))
+    _raise_first_error(steps, last, ctx)
+    if all(s is None for s in steps):
+        return None
+    if len(set(steps)) == 1:
+        return ckpts.last, last[1]  # type: ignore[return-value]
+    prev = _read_step(ckpts.prev, read, ctx) if ckpts.prev.is_file() else (None, None)
+    views = ctx.all_gather_object([_view(last), _view(prev)])
+    _raise_first_error([v[1] for v in views], prev, ctx)
+    held = [{s for s in v if isinstance(s, int)} for v in views]
+    common = set.intersection(*held)
+    where = ", ".join(f"rank {r}: step {v[0] if v[0] is not None else 'none'}"
+                      for r, v in enumerate(views))  # fmt: skip
+    if not common:
+        raise UsageError(
+            f"--resume: the ranks' checkpoints are of different steps ({where}) and no step is "
+            "held by every rank; resuming would train the replicas out of step"
+        )
+    step = max(common)
+    say(f"resume: the ranks' checkpoints differ ({where}): all resume from step {step}, the "
+        "newest step every rank holds")  # fmt: skip
+    if last[0] == step:
+        return ckpts.last, last[1]  # type: ignore[return-value]
+    os.replace(ckpts.prev, ckpts.last)
+    return ckpts.last, prev[1]  # type: ignore[return-value]
+
+
+def _read_step(
+    path: Path, read: Callable[[Path], dict[str, Any]], ctx: DistContext
+) -> tuple[Any, Any]:
+    """``(step, saved)``, ``(None, None)`` without a file, or ``(exception, None)``."""
+    if not path.is_file():
+        return None, None
+    try:
+        saved = read(path)
+        return int(saved["run"]["global_step"]), saved
+    except (CheckpointError, OSError, UsageError) as exc:
+        if not ctx.enabled:
+            raise
+        return exc, None
+
+
+def _view(read: tuple[Any, Any]) -> int | str | None:
+    step = read[0]
+    return str(step) if isinstance(step, BaseException) else step
+
+
+def _raise_first_error(views: list[Any], mine: tuple[Any, Any], ctx: DistContext) -> None:
+    if isinstance(mine[0], BaseException):
+        raise mine[0]
+    for rank, v in enumerate(views):
+        if isinstance(v, str):
+            raise UsageError(f"--resume: rank {rank} cannot use its checkpoint: {v}")
+
+
+def restart_entry(
+    ckpt: Path, st: RunState, changed: dict[str, list[Any]], notes: list[str]
+) -> dict[str, Any]:
+    """One restart for ``config.json``'s history."""
+    entry: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": list(sys.argv),
+        "from": {"checkpoint": str(ckpt), "epoch": st.epoch, "step": st.global_step},
+        "changed": changed,
+        "notes": notes,
+    }
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        entry["torchelastic_restart"] = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    return entry

@@ -1,0 +1,238 @@
+"""The start of a run: its folder, the checkpoint it resumes and the options it runs with.
+
+:class:`RunStart` is the part of :class:`~.trainer.Trainer` that runs before anything heavy:
+it picks and locks the run folder, removes what a killed write left, finds the checkpoint to
+resume (agreed by every rank), merges the options and checks the data folder. A start that is
+refused leaves nothing behind. It also writes ``config.json``: the first start's options and
+decisions, and one entry per restart after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .checkpoints import RunCheckpoints
+from .config import DataError, TrainConfig, UsageError
+from .distributed import DistContext
+from .options import CollectiveError
+from .preflight import check_data, read_resume
+from .report import TrainSummary, summarize, write_config
+from .resume import agree_on_checkpoint, merge_options, restart_entry
+from .runfolder import RunFolder, ensure_same_run, read_run_config
+from .schedule import EpochClock, LrSchedule, stretch_schedule
+from .state import RunState
+
+__all__ = ["RunStart", "say_through", "signals_deferred"]
+
+
+class RunStart:
+    """Run folder, resume and the options of a run (see the module notes)."""
+
+    cfg: TrainConfig
+    ctx: DistContext
+    given: set[str]
+    run_state: RunState
+    saved: dict[str, Any] | None
+    decisions: list[str]
+    folder: RunFolder | None = None
+    resume_path: Path | None = None
+    changed: dict[str, list[Any]]
+    finished: str | None = None
+    last_saved: tuple[int, int, int] | None = None  # (epochs done, step in epoch, step)
+    clock: EpochClock
+    lr_schedule: LrSchedule
+
+    def say(self, message: str) -> None:  # replaced per instance by the trainer
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """Run folder, lock, stale files, the checkpoint to resume, options, the data folder."""
+        cfg, ctx = self.cfg, self.ctx
+        self.folder = RunFolder.choose(cfg, "output" in self.given, ctx.broadcast_object, self.say)
+        self.out = self.folder.path
+        self.folder.open(lock=ctx.is_main)
+        top = self.out / "checkpoints"
+        self.ckpts = RunCheckpoints(top / f"rank{ctx.rank}" if ctx.enabled else top, root=self.out)
+        stale = self.folder.remove_stale_tmp(
+            *((self.out, top) if ctx.is_main else ()), self.ckpts.folder
+        )
+        if stale:
+            self.say(f"run folder: removed {stale} temporary file(s) of an interrupted write")
+        self._find_resume()
+        if self.finished is None:
+            self.data_dir, self.classes = check_data(self.cfg, self.say)
+            if self.saved and self.saved["model"]["num_classes"] != len(self.classes):
+                raise DataError(
+                    f"--resume {str(self.resume_path)!r}: the model has "
+                    f"{self.saved['model']['num_classes']} classes, --data has "
+                    f"{len(self.classes)}"
+                )
+
+    def _find_resume(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+
+        def read(path: Path) -> dict[str, Any]:
+            return read_resume(path, ctx.world_size)
+
+        found: tuple[Path, dict[str, Any]] | None = None
+        if isinstance(cfg.resume, Path):
+            found = (cfg.resume, read(cfg.resume))
+        elif cfg.resume in (True, "auto"):
+            found = agree_on_checkpoint(self.ckpts, ctx, read, self.say)
+            if found is None and cfg.resume is True:
+                raise UsageError(
+                    f"--resume: no checkpoint {str(self.ckpts.last)!r} in this run folder; start "
+                    "without --resume, or give --resume CKPT"
+                )
+        if found is None:
+            earlier = self.ckpts.existing()
+            if earlier:
+                raise UsageError(
+                    f"--output {str(self.out)!r} holds checkpoints of an earlier run "
+                    f"({earlier[0].name}): pass --resume (or --resume auto) to continue it, or "
+                    "choose another --output"
+                )
+            if cfg.resume == "auto":
+                self.say(f"resume auto: no checkpoint in {self.out} yet; the run starts")
+            return
+        path, saved = found
+        try:
+            st = RunState.from_state_dict(saved["run"])
+        except (ValueError, TypeError) as exc:
+            raise UsageError(
+                f"--resume {str(path)!r}: its run state is not usable: {exc}"
+            ) from None
+        ensure_same_run(self.out, st.run_id, path, bool(self.ckpts.existing()))
+        self.cfg, self.changed = merge_options(cfg, saved, self.given, path)
+        self.saved, self.resume_path = saved, path
+        self.last_saved = (st.epoch, st.step_in_epoch, st.global_step)
+        if st.epoch >= self.cfg.epochs:
+            self.finished = (
+                f"resume: the run finished its {st.epoch} epoch(s) at step {st.global_step}; "
+                f"nothing to train (give --epochs above {st.epoch} to train it longer)"
+            )
+            self.say(self.finished)
+            return
+        for name, (was, now) in self.changed.items():
+            self.say(f"resume: {name} {was} -> {now} (given anew; recorded in config.json)")
+
+    def finished_summary(self) -> TrainSummary:
+        """The summary of a run that had finished before this resume (nothing was trained)."""
+        assert self.saved is not None
+        st = RunState.from_state_dict(self.saved["run"])
+        summary = summarize(
+            st,
+            echo_factor=float(self.saved.get("input_factor", math.nan)),
+            staleness=[],
+            balance=list(self.saved["pipeline"].get("balance", [])),
+            devices=[],
+            wall_s=st.wall_s,
+            output=self.out if self.ctx.is_main else None,
+            decisions=[],
+            stopped=self.finished,
+        )
+        summary.resumed_finished = True
+        return summary
+
+    def write_config(self, resolved: dict[str, Any], notes: list[str]) -> None:
+        """``config.json``: a new run's options, command, resolution and decisions; on a resume
+        the same document with one more restart entry (the original is kept)."""
+        st = self.run_state
+        doc = read_run_config(self.out) if self.saved is not None else None
+        if doc is not None and str(doc.get("run_id", "")) == st.run_id:
+            restarts = list(doc.get("restarts", []))
+            assert self.resume_path is not None
+            restarts.append(restart_entry(self.resume_path, st, self.changed, notes))
+            doc["restarts"] = restarts
+            from .report import write_json
+
+            write_json(self.out / "config.json", doc)
+            return
+        extra: dict[str, Any] = {"run_id": st.run_id, "restarts": []}
+        if self.saved is not None:  # resumed into a new folder: the history starts here
+            assert self.resume_path is not None
+            extra["restarts"] = [restart_entry(self.resume_path, st, self.changed, notes)]
+        write_config(self.out, self.cfg.as_json(), resolved, self.decisions, extra)
+
+    def _named_rank(self, exc: Exception) -> Exception:
+        """A collective that failed, told as the rank it waited for (when one is silent)."""
+        failed = exc if isinstance(exc, CollectiveError) else exc.__cause__
+        if not isinstance(failed, CollectiveError):
+            return exc
+        silent = self.ctx.silent_ranks()
+        if not silent:
+            return failed
+        ranks = ", ".join(map(str, silent))
+        return DataError(
+            f"rank {ranks} did not answer within --dist-timeout-s {self.cfg.dist_timeout_s:g} "
+            f"(stuck or stopped) at step {self.run_state.global_step}; the job stops here; "
+            "--resume auto continues from the last checkpoints"
+        )
+
+    def _continue_schedule(self) -> list[str]:
+        """On a resume with another ``--epochs``: the LR goes on from where it stood to its
+        floor at the new end (no jump); the note says so."""
+        st, cfg = self.run_state, self.cfg
+        if self.saved is None or "--epochs" not in self.changed:
+            return []
+        end = st.schedule_epochs or int(self.changed["--epochs"][0])
+        st.schedule_epochs = end
+        now = self.clock.epochs_at(st.global_step)
+        lr = cfg.lr * self.lr_schedule.factor(st.global_step)
+        st.schedule_warp.append(stretch_schedule(st.schedule_warp, now, end, cfg.epochs))
+        note = (
+            f"lr: the schedule goes on from {lr:.4g} at epoch {now:.2f} to its floor at epoch "
+            f"{cfg.epochs} (was {self.changed['--epochs'][0]})"
+        )
+        self.say(note)
+        return [note]
+
+    def interrupted_line(self, step: int | None) -> str:
+        """What Ctrl-C (or SIGTERM) says: where the run stopped and what ``--resume`` uses."""
+        at = "during start-up" if step is None else f"at step {step}"
+        out = getattr(self, "out", None)
+        if self.last_saved is None or out is None:
+            where = f" in {out}" if out is not None else ""
+            return f"interrupted {at}; no checkpoint{where} yet: there is nothing to resume"
+        epochs, in_epoch, done = self.last_saved
+        when = f"end of epoch {epochs}" if in_epoch == 0 else f"epoch {epochs + 1}"
+        return (
+            f"interrupted {at}; --resume --output {out} continues from "
+            f"{self.ckpts.last} (step {done}, {when})"
+        )
+
+
+def say_through(progress: Any, log: Callable[[str], None]) -> Callable[[str], None]:
+    """``log`` that first clears a live progress bar and redraws it after the message."""
+
+    def say(message: str) -> None:
+        progress.write(message, log)
+
+    return say
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until a checkpoint write is complete (main thread only), so a
+    stop never leaves a half-written file."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in handlers:
+        signal.signal(sig, lambda number, frame: caught.append(number))
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])  # now, to the handler the write held back

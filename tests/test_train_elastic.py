@@ -1,0 +1,125 @@
+"""torchrun restarts and ranks out of step: real 2-process Gloo jobs on the tiny JPEG set.
+
+A rank is ended at a chosen step by ``ECHOPIPE_FAULT_EXIT`` (``os._exit`` after that step, on
+the first attempt of the job only), never by a timer.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from echopipe.training.checkpoints import read_checkpoint
+
+pytestmark = [pytest.mark.dali, pytest.mark.distributed, pytest.mark.slow]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    import echopipe
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
+    )
+    return env
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(data: Path, out: Path, *args: str, restarts: int = 0,
+              **env: str) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           f"--max-restarts={restarts}", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{_port()}", "--monitor-interval=0.2",
+           "-m", "echopipe.cli", "train", "--data", str(data), "--batch-size", "8",
+           "--image-size", "32", "--no-progress", "--warmup-epochs", "0", "--stages", "1",
+           "--echo", "2", "--checkpoint-every", "1", "--dist-timeout-s", "60",
+           "--output", str(out), *args]  # fmt: skip
+    return subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=400)
+
+
+def _steps(run: Path) -> list[int]:
+    with open(run / "steps.csv") as f:
+        return [int(r["step"]) for r in csv.DictReader(f)]
+
+
+def test_torchrun_restart_after_a_killed_rank_resumes_and_nothing_is_lost_or_repeated(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """Rank 1 dies after step 5 of 8 (mid-epoch 2) on the first attempt; torchrun restarts the
+    job, ``--resume auto`` continues from the checkpoint every rank holds, and the run ends with
+    the 8 steps of an uninterrupted run (each replica: 16 images, e = 2, batch 8, 2 epochs)."""
+    out = tmp_path / "run"
+    done = _torchrun(tiny_imagenet, out, "--epochs", "2", "--resume", "auto", restarts=1,
+                     ECHOPIPE_FAULT_EXIT="1:5")  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("echopipe train: summary") == 1
+    assert "resume auto: no checkpoint" in done.stderr  # the first attempt started the run
+    doc = json.loads((out / "metrics.json").read_text())
+    assert doc["summary"]["steps"] == 8 and doc["summary"]["epochs"] == 2
+    assert [r["step"] for r in doc["epochs"]] == [4, 8]
+    assert _steps(out) == list(range(1, 9))  # every step once in the per-step log
+    (restart,) = json.loads((out / "config.json").read_text())["restarts"]
+    assert restart["torchelastic_restart"] == 1 and 4 <= restart["from"]["step"] <= 5
+    for rank in (0, 1):
+        last = read_checkpoint(out / "checkpoints" / f"rank{rank}" / "last.pt")
+        assert last["run"]["global_step"] == 8
+
+
+def test_ranks_with_checkpoints_of_different_steps_agree_or_stop(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """Rank 1's newest checkpoint one step behind rank 0's (killed between the two writes):
+    both resume from the newest step both hold. With no step in common: one line naming the
+    steps, and nothing trains."""
+    out = tmp_path / "run"
+    first = _torchrun(tiny_imagenet, out, "--epochs", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    r0, r1 = (out / "checkpoints" / f"rank{r}" for r in (0, 1))
+    shutil.copyfile(r1 / "prev.pt", r1 / "last.pt")  # rank 1 at step 7, rank 0 at 8 (and 7)
+    (r1 / "prev.pt").unlink()
+    again = _torchrun(tiny_imagenet, out, "--epochs", "3", "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (
+        "the ranks' checkpoints differ (rank 0: step 8, rank 1: step 7): all resume from step 7"
+        in again.stderr
+    )
+    doc = json.loads((out / "metrics.json").read_text())
+    assert doc["summary"]["steps"] == 12 and [r["step"] for r in doc["epochs"]] == [4, 8, 12]
+    shutil.copyfile(r1 / "prev.pt", r1 / "last.pt")  # rank 1 at 11; rank 0 at 12 only
+    for r in (r0, r1):
+        (r / "prev.pt").unlink()
+    before = (r0 / "last.pt").read_bytes()
+    refused = _torchrun(tiny_imagenet, out, "--epochs", "4", "--resume")
+    assert refused.returncode != 0
+    assert (
+        "the ranks' checkpoints are of different steps (rank 0: step 12, rank 1: step 11) and "
+        "no step is held by every rank" in refused.stderr
+    )
+    assert (r0 / "last.pt").read_bytes() == before
+
+
+def test_a_stopped_rank_is_named_after_the_timeout(tiny_imagenet: Path, tmp_path: Path) -> None:
+    """Rank 1 stops itself (SIGSTOP) after step 3: rank 0's next collective fails after
+    --dist-timeout-s, and its one line names rank 1 instead of a Gloo timeout message."""
+    out = tmp_path / "run"
+    done = _torchrun(tiny_imagenet, out, "--epochs", "2", "--dist-timeout-s", "5",
+                     ECHOPIPE_FAULT_EXIT="1:3:stop")  # fmt: skip
+    assert done.returncode != 0
+    assert (
+        "echopipe train: error: rank 1 did not answer within --dist-timeout-s 5 (stuck or "
+        "stopped)" in done.stderr
+    ), done.stderr[-3000:]
+    assert "[rank0]: Traceback" not in done.stderr

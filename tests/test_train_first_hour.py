@@ -1,0 +1,174 @@
+"""What a new user sees in the first hour: the lines ``echopipe train`` prints, its run folders,
+its per-step log, and what Ctrl-C or SIGTERM during start-up says."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from echopipe.cli import bench_results_dir, build_parser, main
+from echopipe.training.progress import Progress
+
+TINY = ["--image-size", "32", "-b", "8", "--warmup-epochs", "0", "--no-progress"]
+
+
+@pytest.mark.dali
+def test_first_hour_lines_folder_and_step_log(
+    tiny_imagenet: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Without --output a run gets its own dated folder; the start says what it times and how
+    long an epoch is; log lines show rates only after the warm-up; the epoch line has train
+    and val loss, top-1, top-5, LR, epoch time, rates and ETA; steps.csv has every step."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--data", str(tiny_imagenet), *TINY, "--epochs", "2", "--echo", "1",
+            "--log-interval", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    (run,) = (tmp_path / "echopipe-train").iterdir()
+    assert re.fullmatch(r"\d{8}-\d{6}-resnet_small", run.name), run.name
+    assert "stages: timing the model's blocks, then one stage against two," in err
+    assert "an epoch is 4 steps of 8 at e = 1; run folder echopipe-train/" in err
+    lines = err.splitlines()
+    step2 = next(line for line in lines if line.startswith("step 2: "))
+    step6 = next(line for line in lines if line.startswith("step 6: "))
+    assert "img/s" not in step2 and re.search(r"img/s [0-9.e+]+, fresh/s [0-9.e+]+", step6)
+    epoch1 = next(line for line in lines if line.startswith("epoch 1/2"))
+    assert re.fullmatch(
+        r"epoch 1/2: train loss [0-9.]+, val loss [0-9.]+, top-1 [0-9.]+ %, top-5 [0-9.]+ %, "
+        r"lr [0-9.e-]+, \d+:\d\d \(\d+ img/s, \d+ fresh\), e=1; ETA \d+:\d\d",
+        epoch1,
+    ), epoch1
+    assert re.search(r"epoch 2/2: .*; done$", err, re.MULTILINE)
+    assert f"run folder          echopipe-train/{run.name}" in out
+    with open(run / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    assert set(rows[0]) == {"step", "epoch", "train_loss", "lr", "echo_factor", "wall_s"}
+    assert float(rows[-1]["epoch"]) == pytest.approx(2.0)
+    doc = json.loads((run / "metrics.json").read_text())
+    assert all(0 <= r["val_top1"] <= r["val_top5"] <= 1 for r in doc["epochs"])
+    config = json.loads((run / "config.json").read_text())
+    assert config["options"]["output"] is None and config["restarts"] == []
+    # A second run the same way gets a folder of its own: nothing is refused or overwritten.
+    assert main([*argv, "--max-steps", "1"]) == 0
+    runs = sorted((tmp_path / "echopipe-train").iterdir())
+    assert len(runs) == 2
+    capsys.readouterr()
+    # A bare --resume continues the newest run (the stopped one) with its own options.
+    assert main(["train", "--data", str(tiny_imagenet), "--no-progress", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"resume: the newest run, echopipe-train/{runs[-1].name}" in err
+    with open(runs[-1] / "steps.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 9))
+
+
+@pytest.mark.dali
+def test_fp16_on_the_cpu_is_warned_about_with_the_bf16_alternative(
+    tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["train", "--data", str(tiny_imagenet), *TINY, "--amp", "fp16", "--stages", "1",
+            "--max-steps", "1", "--output", str(tmp_path / "run")]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: --amp fp16 on the CPU is about 60x slower than --amp bf16" in err
+
+
+def test_rates_leave_out_the_warm_up_steps() -> None:
+    """Given timings: 3 warm-up steps that only fill the pipeline (no time), then 0.1 s per
+    step of 8 images: the line after them says 80 img/s, not thousands."""
+    now = [0.0]
+    lines: list[str] = []
+    p = Progress(True, False, 5, 1, lines.append, None, warmup_steps=3, clock=lambda: now[0])
+    p.start_epoch(0, 10, 0)
+    for k in range(1, 11):
+        if k > 3:
+            now[0] += 0.1
+        p.step(k, 1.0, 1.0, delivered=8 * k, fresh=8.0 * k)
+    first, second = lines
+    assert "img/s 80," in first and "fresh/s 80" in first
+    assert "img/s 80," in second
+
+
+def test_messages_go_above_a_live_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    """A message while a tqdm bar is drawn: the bar is cleared, the message gets its own line,
+    and the bar is drawn again (not 'epoch 1/2: 40%|...|echo: factor 4')."""
+    from tqdm import tqdm
+
+    p = Progress(True, False, 50, 2, lambda m: None, None)
+    p.bar = tqdm(total=10, desc="epoch 1/2", file=sys.stderr)
+    p.bar.update(4)
+    p.write("echo: factor 4", lambda m: print(m, file=sys.stderr))
+    p.bar.close()
+    err = capsys.readouterr().err
+    assert "\recho: factor 4\n" in err
+    assert "|echo: factor 4" not in err and err.rindex("epoch 1/2") > err.index("echo: factor 4")
+
+
+@pytest.mark.dali
+def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """SIGTERM (as Ctrl-C) sent when the run says it is timing the stages: one line, status
+    143, no traceback, and the run folder it had made is gone again."""
+    import echopipe
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
+    )
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "echopipe.cli", "train", "--data", str(tiny_imagenet), *TINY,
+           "--output", str(run)]  # fmt: skip
+    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                          text=True) as proc:  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            seen = []
+            for line in proc.stderr:
+                seen.append(line)
+                if line.startswith("stages: timing"):
+                    proc.send_signal(signal.SIGTERM)
+                    break
+            rest = proc.stderr.read()
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 143, "".join(seen) + rest
+    assert "Traceback" not in rest
+    assert rest.strip().splitlines() == [
+        f"echopipe train: interrupted during start-up; no checkpoint in {run} yet: there is "
+        "nothing to resume"
+    ]
+    assert not run.exists()
+
+
+def test_bench_writes_a_new_folder_unless_told_to_update_the_committed_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from echopipe.cli import bench_dir
+
+    monkeypatch.chdir(tmp_path)
+    parser = build_parser()
+    fresh = bench_results_dir(parser.parse_args(["bench"]))
+    assert fresh.parent == Path("bench-results") and re.fullmatch(r"\d{8}-\d{6}", fresh.name)
+    fresh.mkdir(parents=True)
+    assert bench_results_dir(parser.parse_args(["bench"])) != fresh  # never an existing one
+    checkout = bench_dir()
+    assert checkout is not None
+    updated = bench_results_dir(parser.parse_args(["bench", "--update-results"]))
+    assert updated == checkout / "results"
+    given = bench_results_dir(parser.parse_args(["bench", "--results-dir", "x"]))
+    assert given == Path("x")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--update-results", "--results-dir", "x"])

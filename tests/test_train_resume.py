@@ -1,0 +1,190 @@
+"""A resumed run is the same run: its options, its LR schedule, its folder, its history.
+
+Real runs of ``echopipe train`` on the tiny JPEG set (DALI, the echo cache, the stale
+pipeline), stopped by ``--max-steps`` or by an interrupt raised from the run's own log, and
+resumed in process and through the CLI.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from echopipe.cli import main
+from echopipe.training import TrainConfig, train
+from echopipe.training.checkpoints import read_checkpoint
+from echopipe.training.config import Interrupted
+
+pytestmark = pytest.mark.dali
+
+
+def _cfg(data: Path, out: Path, **kw: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(
+        data=data,
+        image_size=32,
+        batch_size=8,
+        epochs=3,
+        echo=1.0,
+        stages=1,
+        warmup_epochs=0,
+        lr=0.05,
+        output=out,
+        progress=False,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _lrs(run: Path) -> dict[int, float]:
+    with open(run / "steps.csv") as f:
+        return {int(r["step"]): float(r["lr"]) for r in csv.DictReader(f)}
+
+
+def test_plain_resume_continues_the_same_run_and_a_finished_run_is_not_retrained(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """Stopped at step 6 of 12, a resume given only the data and the folder takes the run's
+    options (3 epochs, not the default 8), and every step's LR is the uninterrupted run's."""
+    ref = train(_cfg(tiny_imagenet, tmp_path / "ref"), log=lambda m: None)
+    assert ref.steps == 12
+    run = tmp_path / "run"
+    first = train(_cfg(tiny_imagenet, run, max_steps=6), log=lambda m: None)
+    assert first.steps == 6 and first.stopped == "--max-steps 6 reached"
+    messages: list[str] = []
+    again = TrainConfig(data=tiny_imagenet, output=run, resume=True, progress=False)
+    s = train(again, log=messages.append)
+    assert s.steps == 12 and s.epochs == 3 and not s.resumed_finished
+    assert not any("given anew" in m for m in messages), messages
+    assert _lrs(run) == pytest.approx(_lrs(tmp_path / "ref"), rel=1e-9)
+    assert sorted(_lrs(run)) == list(range(1, 13))  # each step once: none lost, none repeated
+    doc = json.loads((run / "config.json").read_text())
+    assert doc["options"]["max_steps"] == 6 and doc["options"]["epochs"] == 3  # the original
+    (restart,) = doc["restarts"]
+    assert restart["from"] == {"checkpoint": str(run / "checkpoints" / "last.pt"), "epoch": 1,
+                               "step": 6}  # fmt: skip
+    assert restart["changed"] == {} and restart["command"] and restart["time"]
+    assert doc["run_id"] == read_checkpoint(run / "checkpoints" / "last.pt")["run"]["run_id"]
+
+    # Resuming the finished run says so and trains nothing; nothing in the folder changes.
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
+    config_before = (run / "config.json").read_bytes()
+    messages.clear()
+    done = train(again, log=messages.append)
+    assert done.resumed_finished and done.steps == 12
+    assert any("finished its 3 epoch(s) at step 12; nothing to train" in m for m in messages)
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
+    assert (run / "config.json").read_bytes() == config_before
+
+
+def test_more_epochs_on_resume_are_named_recorded_and_the_lr_goes_on_down(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """4 epochs stopped after 2, resumed with --epochs 6: the change is said and recorded, and
+    the LR goes on from where it stood down to its floor at epoch 6: it never rises."""
+    run = tmp_path / "run"
+    train(_cfg(tiny_imagenet, run, epochs=4, max_steps=8), log=lambda m: None)
+    stopped_lr = _lrs(run)[8]
+    messages: list[str] = []
+    cfg = TrainConfig(data=tiny_imagenet, output=run, resume=True, epochs=6, progress=False)
+    s = train(cfg, log=messages.append)
+    assert s.steps == 24 and s.epochs == 6
+    assert any("--epochs 4 -> 6 (given anew" in m for m in messages), messages
+    assert any(m.startswith("lr: the schedule goes on from") for m in messages), messages
+    lrs = [lr for _, lr in sorted(_lrs(run).items())]
+    assert len(lrs) == 24 and all(b <= a * (1 + 1e-9) for a, b in itertools.pairwise(lrs))
+    assert _lrs(run)[9] < stopped_lr and _lrs(run)[9] > 0.9 * stopped_lr  # no jump
+    assert lrs[-1] == pytest.approx(0.05 * 0.02, rel=1e-6)  # the floor at the new end
+    doc = json.loads((run / "config.json").read_text())
+    assert doc["options"]["epochs"] == 4
+    assert doc["restarts"][0]["changed"] == {"--epochs": [4, 6]}
+
+
+def test_resume_auto_starts_then_continues_and_clears_stale_temporary_files(
+    tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(tiny_imagenet), "--image-size", "32", "-b", "8",
+            "--epochs", "2", "--echo", "1", "--stages", "1", "--no-progress",
+            "--output", str(run), "--resume", "auto"]  # fmt: skip
+    assert main([*argv, "--max-steps", "3"]) == 0
+    err = capsys.readouterr().err
+    assert f"resume auto: no checkpoint in {run} yet; the run starts" in err
+    # A write killed half-way left its temporary file; the next start removes it.
+    stale = run / "checkpoints" / ".last.pt.k1ll3d.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "removed 1 temporary file(s) of an interrupted write" in err
+    assert f"resume: {run / 'checkpoints' / 'last.pt'} (step 3, epoch 0)" in err
+    assert "steps, 2 epochs" in out and not stale.exists()
+    assert read_checkpoint(run / "checkpoints" / "last.pt")["run"]["global_step"] == 8
+
+
+def test_resume_never_writes_into_another_runs_folder(
+    tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    x, y = tmp_path / "x", tmp_path / "y"
+    for run in (x, y):
+        train(_cfg(tiny_imagenet, run, max_steps=2), log=lambda m: None)
+    y_files = {p: p.read_bytes() for p in y.rglob("*") if p.is_file()}
+    argv = ["train", "--data", str(tiny_imagenet), "--no-progress",
+            "--resume", str(x / "checkpoints" / "last.pt")]  # fmt: skip
+    try:
+        code = main([*argv, "--output", str(y)])
+    except SystemExit as exc:  # pragma: no cover - the parser's own exit
+        code = int(exc.code or 0)
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "holds another run" in line and str(y) in line
+    assert {p: p.read_bytes() for p in y.rglob("*") if p.is_file()} == y_files
+    # Without --output the checkpoint's own run folder goes on.
+    assert main([*argv, "--max-steps", "3"]) == 0
+    assert len(json.loads((x / "config.json").read_text())["restarts"]) == 1
+    assert read_checkpoint(x / "checkpoints" / "last.pt")["run"]["global_step"] == 3
+
+
+def test_interrupt_names_the_checkpoint_resume_would_use(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C (raised from the run's own log at a chosen line, no timing) gives one line: the
+    checkpoint --resume continues from, or that there is none and nothing is left behind."""
+
+    def interrupt_at(prefix: str) -> Any:
+        def log(message: str) -> None:
+            if message.startswith(prefix):
+                raise KeyboardInterrupt
+
+        return log
+
+    early = tmp_path / "early"
+    with pytest.raises(Interrupted) as info:
+        train(_cfg(tiny_imagenet, early), log=interrupt_at("train: "))
+    assert info.value.line.startswith("interrupted during start-up; no checkpoint")
+    assert not early.exists()  # a start that did not happen leaves nothing behind
+    run = tmp_path / "run"
+    with pytest.raises(Interrupted) as info:
+        train(_cfg(tiny_imagenet, run, checkpoint_every=2), log=interrupt_at("epoch 1/3"))
+    line = info.value.line
+    assert line.startswith("interrupted at step 4; --resume --output "), line
+    assert f"{run / 'checkpoints' / 'last.pt'} (step 2, epoch 1)" in line
+    assert read_checkpoint(run / "checkpoints" / "last.pt")["run"]["global_step"] == 2
+
+
+def test_a_stop_during_a_checkpoint_write_waits_for_the_write() -> None:
+    """Ctrl-C (and SIGTERM, handled alike) arriving while a checkpoint is written is held back
+    until the write is complete, then raised: no half-written file is left by a stop."""
+    import signal
+
+    from echopipe.training.start import signals_deferred
+
+    done: list[str] = []
+    with pytest.raises(KeyboardInterrupt), signals_deferred():
+        signal.raise_signal(signal.SIGINT)
+        done.append("the write went on")
+    assert done == ["the write went on"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
