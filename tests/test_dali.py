@@ -253,7 +253,7 @@ def test_set_echo_factor_mid_stream_changes_emissions_per_sample(jpegs: list[str
                 with pytest.raises(ValueError, match=r"0\.5"):
                     pipe.set_echo_factor(0.5)
                 pipe.set_echo_factor(3.0)
-                assert pipe.config.echo_factor == 3.0 and pipe.cache.echo_factor == 3.0
+                assert pipe.config.echo.factor == 3.0 and pipe.cache.echo_factor == 3.0
     counts = Counter(labels)
     assert sorted(counts) == list(range(24))  # every sample, none lost
     assert set(counts.values()) == {1, 3}  # committed before the change: 1 copy, after: 3

@@ -579,8 +579,8 @@ def test_specs_replace_the_keywords_for_echopipe_and_the_peer(data: Path) -> Non
     with imagenet_train_pipeline(
         data, batch_size=4, reader=reader, augment=augment, echo=echo, epochs=1
     ) as pipe:  # a keyword goes to the spec that owns its name (here EchoSpec.epochs)
-        assert (pipe.config.echo_factor, pipe.config.epochs, pipe.config.seed) == (2.0, 1, 3)
-        assert (pipe.config.shuffle_buffer, pipe.config.cache_samples) == (8, 64)
+        assert (pipe.config.echo.factor, pipe.config.epochs, pipe.config.seed) == (2.0, 1, 3)
+        assert (pipe.config.echo.shuffle_buffer, pipe.config.cache_samples) == (8, 64)
         batches, stats = _drain_echo(pipe)
         assert stats.fresh == 24 and batches[0][0]["data"].dtype == torch.float16
     plain = imagenet_train_pipeline(data, batch_size=4, reader=reader, augment=augment, echo=None)

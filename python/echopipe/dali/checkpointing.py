@@ -12,7 +12,18 @@ from typing import Any
 
 from .host_copy import host_dense, to_numpy
 
-_STATE_VERSION = 1
+# 2: the config holds the echo configuration as its own "echo" entry.
+_STATE_VERSION = 2
+
+
+def _compared(config: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint and the pipeline restoring it must agree on."""
+    return {
+        "mode": config["echo"]["mode"],
+        "batch_size": config["batch_size"],
+        "upstream_batch_size": config["upstream_batch_size"],
+        "epochs": config["epochs"],
+    }
 
 
 class EchoCheckpointing:
@@ -93,13 +104,12 @@ class EchoCheckpointing:
         saved = state["config"]
         if self.config.epochs == "auto":
             _ = self.shard_size  # type: ignore[attr-defined]  # resolves epochs, as when saved
-        mine = asdict(self.config)
-        # echo_factor is runtime state (set_echo_factor): the checkpoint's factor is adopted.
-        for key in ("mode", "batch_size", "upstream_batch_size", "epochs"):
-            if saved.get(key) != mine.get(key):
+        mine = _compared(asdict(self.config))
+        # The echo factor is runtime state (set_echo_factor): the checkpoint's factor is adopted.
+        for key, value in _compared(saved).items():
+            if value != mine[key]:
                 raise ValueError(
-                    f"checkpoint has {key}={saved.get(key)!r} but this pipeline has "
-                    f"{key}={mine.get(key)!r}"
+                    f"checkpoint has {key}={value!r} but this pipeline has {key}={mine[key]!r}"
                 )
         if self._enable_checkpointing and "dali_upstream" not in state:
             raise ValueError(
@@ -109,7 +119,7 @@ class EchoCheckpointing:
         if self._enable_checkpointing and self.upstream is not None:
             # Built early (shard_size) without DALI's checkpoints; nothing ran, so rebuild.
             self.upstream = self.downstream = None
-        self.set_echo_factor(float(saved["echo_factor"]))  # type: ignore[attr-defined]
+        self.set_echo_factor(float(saved["echo"]["factor"]))  # type: ignore[attr-defined]
         self._restore = state
 
     def _apply_restore(self, state: dict[str, Any]) -> None:

@@ -141,7 +141,7 @@ class DaliPipelineApi:
                 "stick_to_shard": 1,
                 "pad_last_batch": 1,
             }
-        e = float(self.config.echo_factor)
+        e = float(self.config.echo.factor)
         out = dict(meta)
         for key in ("epoch_size", "epoch_size_padded"):
             if key in out:

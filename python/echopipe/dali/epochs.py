@@ -102,7 +102,7 @@ class EpochPasses:
         if self.config.epochs is None or self.reader_epochs is None:
             return 0
         fresh = self.reader_epochs.fresh(0)
-        if self.config.mode == "batch":
+        if self.config.echo.mode == "batch":
             return max(1, math.ceil(fresh / self.config.upstream_batch_size))
         return fresh
 
@@ -158,8 +158,8 @@ class EpochPasses:
         if not self.finite:
             return 0
         cfg = self.config
-        unit = cfg.upstream_batch_size if cfg.mode == "batch" else 1
-        return int(cfg.epochs) * self.reader_epochs.copies(cfg.echo_factor, unit)
+        unit = cfg.upstream_batch_size if cfg.echo.mode == "batch" else 1
+        return int(cfg.epochs) * self.reader_epochs.copies(cfg.echo.factor, unit)
 
     def reset(self) -> None:
         """Starts the next pass of an epoch-aligned stream once this one is over: its end was

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..echo.config import check_factor
 from .builders import (
     UpstreamTap,
     check_common,
@@ -44,7 +45,7 @@ class PythonEchoBuffer:
 
     Args:
         capacity: most samples resident at once; :meth:`put` blocks while full.
-        echo_factor: mean emissions per sample, ``>= 1``.
+        echo_factor: mean emissions per sample, in ``[1, MAX_ECHO_FACTOR]``.
         min_fill: :meth:`take` waits until this many samples are resident (or input ended).
         seed: seeds both the ticket draws and the random picks.
     """
@@ -53,9 +54,7 @@ class PythonEchoBuffer:
         self, capacity: int, echo_factor: float, *, min_fill: int = 0, seed: int = 0
     ) -> None:
         self.capacity = check_positive_int("capacity", capacity)
-        e = float(echo_factor)
-        if not math.isfinite(e) or e < 1.0:
-            raise ValueError(f"echo_factor must be a finite number >= 1, got {echo_factor!r}")
+        e = float(check_factor(echo_factor, "echo_factor"))
         if not 0 <= int(min_fill) <= self.capacity:
             raise ValueError(f"min_fill must be in [0, capacity={capacity}], got {min_fill!r}")
         self.echo_factor = e

@@ -38,7 +38,7 @@ import numpy as np
 from ..echo.memory import resolve_memory
 from . import plugin
 from .checkpointing import EchoCheckpointing
-from .config import EchoConfig, make_cache
+from .config import EchoPipelineConfig, make_cache
 from .dali_api import DaliPipelineApi
 from .epochs import EpochPasses, ReaderEpochs
 from .host_copy import host_dense
@@ -75,7 +75,7 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
             :meth:`describe_upstream_error`.
 
     Attributes:
-        config: the resolved :class:`EchoConfig`.
+        config: the resolved :class:`EchoPipelineConfig`.
         cache_name: name of the native cache in echopipe's process-wide registry.
         cache: the :class:`echopipe.EchoCache` itself.
         downstream_wait_s: seconds the consumer waited for downstream DALI batches.
@@ -89,7 +89,7 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
         fn_args: Sequence[Any] = (),
         fn_kwargs: dict[str, Any] | None = None,
         *,
-        config: EchoConfig,
+        config: EchoPipelineConfig,
         num_threads: int = 2,
         device_id: int | None = None,
         upstream_num_threads: int | None = None,
@@ -226,19 +226,19 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
         when it fits (:func:`echopipe.echo.memory.choose_memory`). The trace is the first place
         that knows where the input lives; nothing has used the cache yet (DALI builds before
         anything runs, and a checkpoint is applied after the build)."""
-        if self.config.memory != "auto" or "gpu" not in devices:
+        if self.config.echo.memory != "auto" or "gpu" not in devices:
             return
         memory = resolve_memory(
             "auto",
             input_device="gpu",
-            arena_bytes=self.config.cache_bytes,
+            arena_bytes=self.config.echo.cache_bytes,
             device_id=self._device_id,
         )
         if memory != "device":
             return
-        self._replace_cache(replace(self.config, memory=memory))
+        self._replace_cache(replace(self.config, echo=replace(self.config.echo, memory=memory)))
 
-    def _replace_cache(self, config: EchoConfig) -> None:
+    def _replace_cache(self, config: EchoPipelineConfig) -> None:
         """A new, empty cache under the same name (before anything used the old one)."""
         quota = self.cache.quota
         self._finalizer.detach()
@@ -356,14 +356,15 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
 
         Fresh samples committed to the cache after the call get floor(e) or ceil(e) tickets;
         samples already cached keep theirs, so nothing is lost or repeated extra. ``config`` is
-        replaced by a copy with the new ``echo_factor`` (the iterator's epoch length of an
-        endless stream is computed from it). ValueError names a value that is not a finite
-        number in [1, 65535].
+        replaced by a copy with the new factor (the iterator's epoch length of an
+        endless stream is computed from it). EchoConfigError (a ValueError) names a value that
+        is not a finite number in [1, MAX_ECHO_FACTOR].
         """
         if self._closed:
             raise RuntimeError("this EchoPipeline was closed")
         self.cache.echo_factor = echo_factor  # validates
-        self.config = replace(self.config, echo_factor=self.cache.echo_factor)
+        echo = replace(self.config.echo, factor=self.cache.echo_factor)
+        self.config = replace(self.config, echo=echo)
 
     @property
     def upstream_alive(self) -> bool:
@@ -379,7 +380,7 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
         # DALI's proxy mode (DALIServer) names a pipeline it cannot take by its repr: this says
         # why and what to do instead, in that one line.
         return (
-            f"EchoPipeline({self.cache_name!r}, echo_factor={self.config.echo_factor:g}): a pair "
+            f"EchoPipeline({self.cache_name!r}, echo_factor={self.config.echo.factor:g}): a pair "
             "of DALI pipelines joined by an echo cache, not one nvidia.dali.Pipeline; DALI's "
             "proxy mode (DALIServer) maps each output batch to one input batch, which echoing "
             "cannot keep; build the proxy pipeline without echo() and wrap the proxy's "

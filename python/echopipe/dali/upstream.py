@@ -99,7 +99,7 @@ class UpstreamRunner:
             return  # stopped by slots, which always leave room for the first draw
         cfg = self._owner.config
         stats = self._owner.cache.stats()
-        wanted = max(cfg.shuffle_buffer, cfg.batch_size)
+        wanted = max(cfg.echo.shuffle_buffer, cfg.batch_size)
         if stats.resident_with_tickets < wanted:
             raise ValueError(
                 f"cache_bytes={stats.capacity_bytes} holds only {stats.resident} samples of up "
