@@ -49,7 +49,8 @@ from .builders import (
 from .config import EchoPipelineConfig
 from .definition import echo_pipeline_def
 from .iterator import EchoIterator, EchoIteratorStats, to_torch
-from .peer import PythonEchoBuffer, PythonEchoPipeline, python_echo_train_pipeline
+from .peer import PythonEchoPipeline, python_echo_train_pipeline
+from .peer_buffer import PythonEchoBuffer
 from .pipeline import EchoPipeline
 from .plugin import (
     DaliPluginMissingError,

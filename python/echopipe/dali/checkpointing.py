@@ -132,5 +132,5 @@ class EchoCheckpointing:
         self._handed = int(state.get("handed", 0))
         if self._runner.ended:
             self.cache.end_of_input()
-        self.upstream_wait_s = float(state.get("upstream_wait_s", state.get("t_up", 0.0)))
-        self.downstream_wait_s = float(state.get("downstream_wait_s", state.get("t_down", 0.0)))
+        self.upstream_wait_s = float(state["upstream_wait_s"])
+        self.downstream_wait_s = float(state["downstream_wait_s"])

@@ -14,8 +14,9 @@ call builds an echo point (:mod:`.tracing`). The function is traced once for eac
   ``[valid, sample_id, emission]``), tells the consumer which samples are fresh and where a finite
   stream ends (padded samples have ``valid == 0``).
 
-Epochs (:mod:`.epochs`), checkpoints (:mod:`.checkpointing`) and the upstream's reports
-(:mod:`.upstream`) are mixins of the class here.
+The pipeline holds its parts: the pair's building (:mod:`.pair`) and the epoch geometry are
+functions of explicit inputs, and the upstream runner (:mod:`.upstream`) is given the cache, the
+upstream pipeline and an :class:`~.upstream.UpstreamPlan`.
 
 Everything that waits (the sink on a full cache, the source on an empty one, the runner thread)
 polls for close at least every 100 ms, and every pipeline is closed by ``close()``, by the context
@@ -24,7 +25,6 @@ manager, or at interpreter exit (``weakref.finalize``), so nothing hangs.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import time
@@ -35,30 +35,20 @@ from typing import Any
 
 import numpy as np
 
-from ..echo.memory import resolve_memory
 from . import plugin
+from .base import EchoPipelineBase, PipelineStats, per_batch_seconds
 from .checkpointing import EchoCheckpointing
 from .config import EchoPipelineConfig, make_cache
 from .dali_api import DaliPipelineApi
 from .epochs import EpochPasses, ReaderEpochs
 from .host_copy import host_dense
-from .tracing import Trace, trace
-from .upstream import UpstreamReports, UpstreamRunner
+from .pair import PairSettings, build_pair
+from .upstream import UpstreamPlan, UpstreamResources, UpstreamRunner
 
 _name_counter = itertools.count()
 
 
-# ---- the pipeline pair ---------------------------------------------------------------------
-
-
-def _close_resources(cache: Any, runner: UpstreamRunner) -> None:
-    # Closing the cache first wakes a sink or source blocked inside DALI; then the thread can end.
-    with contextlib.suppress(Exception):
-        cache.close()
-    runner.stop()
-
-
-class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamReports):
+class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, EchoPipelineBase):
     """An upstream and a downstream DALI pipeline joined by a native echo cache.
 
     Create it with :func:`echo_pipeline_def`. Iterate it with :class:`~echopipe.dali.EchoIterator`
@@ -106,23 +96,31 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
             raise ValueError(
                 f"prefetch_queue_depth must be an int >= 1, got {prefetch_queue_depth!r}"
             )
-        self._fn = fn
-        self._fn_args = tuple(fn_args)
-        self._fn_kwargs = dict(fn_kwargs or {})
-        self._num_threads = num_threads
-        self._upstream_num_threads = upstream_num_threads or num_threads
         self._device_id = device_id
         self._prefetch = prefetch_queue_depth
         self._enable_checkpointing = enable_checkpointing
-        self._pipeline_kwargs = dict(pipeline_kwargs or {})
         if on_upstream_error is not None and not callable(on_upstream_error):
             raise TypeError(f"on_upstream_error must be callable, got {on_upstream_error!r}")
         self._on_upstream_error = on_upstream_error
         self.cache_name = f"echopipe-dali-{os.getpid()}-{next(_name_counter)}"
+        self._settings = PairSettings(
+            fn=fn,
+            fn_args=tuple(fn_args),
+            fn_kwargs=dict(fn_kwargs or {}),
+            cache_name=self.cache_name,
+            num_threads=num_threads,
+            upstream_num_threads=upstream_num_threads or num_threads,
+            device_id=device_id,
+            prefetch=prefetch_queue_depth,
+            enable_checkpointing=enable_checkpointing,
+            pipeline_kwargs=dict(pipeline_kwargs or {}),
+        )
         self.cache = make_cache(self.config, self.cache_name, device_id)
         self.cache.quota = -1
-        self._runner = UpstreamRunner(self)
-        self._finalizer = weakref.finalize(self, _close_resources, self.cache, self._runner)
+        # Made once the DALI pipelines are built (it runs the upstream one into the cache).
+        self._runner: UpstreamRunner | None = None
+        self._resources = UpstreamResources(self.cache)
+        weakref.finalize(self, self._resources.close)
         self.upstream: Any = None
         self.downstream: Any = None
         self.num_fields = 0
@@ -151,104 +149,46 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
 
     # -- building --
 
-    def _trace(self, stage: str, pipe: Any) -> tuple[Trace, list[Any]]:
-        def build() -> Any:
-            with pipe:
-                return self._fn(*self._fn_args, **self._fn_kwargs)
-
-        state, result = trace(Trace(stage=stage, cache_name=self.cache_name), build)
-        if state.calls == 0:
-            raise RuntimeError(
-                f"{getattr(self._fn, '__name__', self._fn)} never called echopipe.dali.echo(); "
-                "mark the echo point with `images, labels = echo(images, labels)`"
-            )
-        outputs = list(result) if isinstance(result, (tuple, list)) else [result]
-        return state, outputs
-
     def _build(self) -> None:
         if self.upstream is not None:
             return
-        cfg = self.config
-        restore = self._restore or {}
-        extra = dict(self._pipeline_kwargs)
-        seed = int(extra.pop("seed", cfg.seed))
-        up_kwargs: dict[str, Any] = dict(device_id=self._device_id, seed=seed, **extra)
-        # Its own seed, so downstream augmentations do not replay the upstream's random numbers.
-        down_kwargs: dict[str, Any] = dict(device_id=self._device_id, seed=seed + 1, **extra)
-        if self._enable_checkpointing:
-            up_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_upstream"))
-            down_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_downstream"))
-        upstream, up_state = self._build_upstream(up_kwargs)
-        self._shard_size, self.iterations_per_epoch = self._epoch_geometry(upstream)
-        blocks = self._epoch_units()
-        if blocks != self._cache_epoch_size:
-            # Exact copy totals per epoch need the cache to count the epoch's units, which only
-            # the built reader tells; its sink holds the old cache, so the upstream is built again.
-            self._cache_epoch_size = blocks
-            self._replace_cache(self.config)
-            upstream, up_state = self._build_upstream(up_kwargs)
-        from nvidia.dali import Pipeline
-
-        downstream = Pipeline(
+        pair = build_pair(
+            self._settings,
+            self.config,
+            self._cache_epoch_size,
+            self._restore or {},
+            self._replace_cache,
+        )
+        self.config = cfg = pair.config
+        self._cache_epoch_size = pair.cache_epoch_size
+        geometry = pair.geometry
+        self.reader_epochs, self.unaligned_reader = geometry.reader, geometry.unaligned_reader
+        self._shard_size, self.iterations_per_epoch = geometry.shard_size, geometry.iterations
+        self.upstream, self.downstream = pair.upstream, pair.downstream
+        self.num_fields, self.num_outputs = pair.num_fields, pair.num_outputs
+        plan = UpstreamPlan(
             batch_size=cfg.batch_size,
-            num_threads=self._num_threads,
-            prefetch_queue_depth=self._prefetch,
-            **down_kwargs,
+            upstream_batch_size=cfg.upstream_batch_size,
+            shuffle_buffer=cfg.echo.shuffle_buffer,
+            epochs=cfg.epochs,
+            deterministic=cfg.deterministic,
+            iterations_per_epoch=self.iterations_per_epoch,
+            reader_epochs=self.reader_epochs,
         )
-        down_state, outputs = self._trace("downstream", downstream)
-        downstream.set_outputs(*outputs, down_state.info)
-        downstream.build()
-        # Only echopipe drives this pipeline; DALI's check against mixing its run APIs would
-        # reject a checkpoint taken between a DALI iterator's steps.
-        downstream.enable_api_check(False)
-        self.upstream, self.downstream = upstream, downstream
-        self.num_fields = up_state.num_fields
-        self.num_outputs = len(outputs)
-
-    def _build_upstream(self, up_kwargs: dict[str, Any]) -> tuple[Any, Trace]:
-        from nvidia.dali import Pipeline
-
-        # Depth 1 upstream: when run() returns, no later iteration has touched the cache yet.
-        upstream = Pipeline(
-            batch_size=self.config.upstream_batch_size,
-            num_threads=self._upstream_num_threads,
-            prefetch_queue_depth=1,
-            **up_kwargs,
+        if self._runner is not None:  # built before without DALI's checkpoints; never started
+            self._runner.stop()
+        self._runner = self._resources.runner = UpstreamRunner(
+            self.cache, self.upstream, plan, self.cache_name
         )
-        up_state, _ = self._trace("upstream", upstream)
-        self._place_cache(up_state.devices)
-        upstream.set_outputs(up_state.sink)
-        upstream.build()
-        return upstream, up_state
 
-    def _place_cache(self, devices: list[str]) -> None:
-        """``memory="auto"`` with the echo input on the GPU: the cache moves to the device arena
-        when it fits (:func:`echopipe.echo.memory.choose_memory`). The trace is the first place
-        that knows where the input lives; nothing has used the cache yet (DALI builds before
-        anything runs, and a checkpoint is applied after the build)."""
-        if self.config.echo.memory != "auto" or "gpu" not in devices:
-            return
-        memory = resolve_memory(
-            "auto",
-            input_device="gpu",
-            arena_bytes=self.config.echo.cache_bytes,
-            device_id=self._device_id,
-        )
-        if memory != "device":
-            return
-        self._replace_cache(replace(self.config, echo=replace(self.config.echo, memory=memory)))
-
-    def _replace_cache(self, config: EchoPipelineConfig) -> None:
+    def _replace_cache(self, config: EchoPipelineConfig, epoch_size: int) -> None:
         """A new, empty cache under the same name (before anything used the old one)."""
         quota = self.cache.quota
-        self._finalizer.detach()
         self.cache.close()  # also frees its name in the registry
         self.config = config
-        self.cache = make_cache(
-            self.config, self.cache_name, self._device_id, epoch_size=self._cache_epoch_size
-        )
+        self.cache = make_cache(self.config, self.cache_name, self._device_id, epoch_size)
         self.cache.quota = quota
-        self._finalizer = weakref.finalize(self, _close_resources, self.cache, self._runner)
+        self._resources.cache = self.cache
 
     @property
     def shard_size(self) -> int:
@@ -273,7 +213,7 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
             self._apply_restore(self._restore)
             self._restore = None
         self._started = True
-        self._runner.start()
+        self._built_runner().start()
 
     # -- running --
 
@@ -332,9 +272,8 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
         """Deterministic mode: fills the cache in this thread before a downstream iteration."""
         t0 = time.perf_counter()
         try:
-            self._runner.fill()
+            self._built_runner().fill()
         except Exception as exc:
-            self._runner.error = exc
             raise self._upstream_failed(exc) from exc
         self.upstream_wait_s += time.perf_counter() - t0
 
@@ -369,12 +308,83 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
     @property
     def upstream_alive(self) -> bool:
         """True while the free-running upstream thread is alive."""
-        return self._runner.alive
+        return self._runner is not None and self._runner.alive
 
     def close(self) -> None:
         """Closes the cache (waking every blocked operator) and joins the upstream thread."""
         self._closed = True
-        self._finalizer()
+        self._resources.close()
+
+    # -- the upstream's reports --
+
+    def _built_runner(self) -> UpstreamRunner:
+        if self._runner is None:
+            raise RuntimeError("the DALI pipelines are not built yet (call build())")
+        return self._runner
+
+    @property
+    def upstream_batch_size(self) -> int:
+        """The reader's batch size (samples per upstream iteration)."""
+        return int(self.config.upstream_batch_size)
+
+    @property
+    def echo_factor(self) -> float:
+        """The current echo factor (:meth:`set_echo_factor`)."""
+        return float(self.config.echo.factor)
+
+    def describe_upstream_error(self, error: BaseException) -> BaseException:
+        """The exception the consumer gets when the upstream DALI pipeline raised ``error``.
+
+        Returns what the ``on_upstream_error`` callback returned, if anything, else a
+        ``RuntimeError`` saying the upstream failed. Subclasses override it to name the cause
+        (the ImageNet builders name the file DALI's decoder rejected). The caller chains the
+        result to ``error``.
+        """
+        if self._on_upstream_error is not None:
+            described = self._on_upstream_error(error)
+            if described is not None:
+                return described
+        return RuntimeError(f"the upstream DALI pipeline failed: {error}")
+
+    def _upstream_failed(self, error: BaseException) -> BaseException:
+        described = self.describe_upstream_error(error)
+        if described is not error and described.__cause__ is None:
+            described.__cause__ = error
+        return described
+
+    def _raise_runner_error(self) -> None:
+        error = None if self._runner is None else self._runner.error
+        if error is not None:
+            raise self._upstream_failed(error)
+
+    def upstream_time(self) -> tuple[int, float]:
+        """``(upstream batches run, seconds they took)`` so far, in either mode, each timed by
+        the thread that runs it (restored with a checkpoint)."""
+        if self._runner is None:
+            return 0, 0.0
+        batches, seconds, _ = self._runner.timing()
+        return batches, seconds
+
+    def stats(self) -> PipelineStats:
+        """Cache statistics plus upstream counters and timing (see :class:`PipelineStats`)."""
+        s = self.cache.stats()
+        batches, seconds = self.upstream_time()
+        return PipelineStats(
+            fresh_in=int(s.fresh_in),
+            emitted=int(s.emitted),
+            resident=int(s.resident),
+            tickets_left=int(s.tickets_left),
+            upstream_batches=batches,
+            t_up_total_s=seconds,
+            t_up_per_batch_s=per_batch_seconds(
+                batches, seconds, self.batch_size, self.upstream_batch_size
+            ),
+            upstream_epochs=0 if self._runner is None else self._runner.epoch_index,
+            upstream_wait_s=self.upstream_wait_s,
+            downstream_wait_s=self.downstream_wait_s,
+            copies_discarded=self.copies_discarded,
+            emit_histogram=list(s.emit_histogram),
+        )
 
     def __repr__(self) -> str:
         # DALI's proxy mode (DALIServer) names a pipeline it cannot take by its repr: this says
@@ -386,9 +396,3 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
             "cannot keep; build the proxy pipeline without echo() and wrap the proxy's "
             "DataLoader in echopipe.torch.EchoLoader to echo its batches"
         )
-
-    def __enter__(self) -> EchoPipeline:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
