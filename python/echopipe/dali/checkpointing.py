@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from .host_copy import host_dense, to_numpy
-
 # 2: the config holds the echo configuration as its own "echo" entry.
 _STATE_VERSION = 2
 
@@ -37,12 +35,8 @@ class EchoCheckpointing:
     downstream: Any
     num_fields: int
     upstream_wait_s: float
-    downstream_wait_s: float
     _runner: Any
-    _scheduled: int
-    _stash: list[Any]
-    _input_done: bool
-    _handed: int
+    _queue: Any  # DownstreamQueue once built
     _started: bool
     _enable_checkpointing: bool
     _restore: dict[str, Any] | None
@@ -58,15 +52,9 @@ class EchoCheckpointing:
         """
         self.start()  # type: ignore[attr-defined]
         self._raise_runner_error()  # type: ignore[attr-defined]
-        self.release_outputs()  # type: ignore[attr-defined]
+        queue = self._queue
         # Take DALI's prepared batches out first, while the upstream still feeds the cache.
-        while self._scheduled > 0:
-            outputs = list(self.downstream.outputs())
-            self._scheduled -= 1
-            info = host_dense(outputs[-1])
-            arrays = [to_numpy(o) for o in outputs[:-1]]
-            if int(info[:, 0].sum()) > 0:
-                self._stash.append((arrays, info))
+        queue.take_prepared()
         self._runner.pause()
         try:
             state: dict[str, Any] = {
@@ -78,12 +66,12 @@ class EchoCheckpointing:
                 "quota": self.cache.quota,
                 "runner": self._runner.state(),
                 "stash": [
-                    ([a.copy() for a in arrays], info.copy()) for arrays, info in self._stash
+                    ([a.copy() for a in arrays], info.copy()) for arrays, info in queue.stash
                 ],
-                "input_done": self._input_done,
-                "handed": self._handed,
+                "input_done": queue.input_done,
+                "handed": queue.handed,
                 "upstream_wait_s": self.upstream_wait_s,
-                "downstream_wait_s": self.downstream_wait_s,
+                "downstream_wait_s": queue.wait_s,
             }
             if self._enable_checkpointing:
                 state["dali_upstream"] = self.upstream.checkpoint()
@@ -127,10 +115,9 @@ class EchoCheckpointing:
         self.cache.layouts = list(state["layouts"])
         self.cache.quota = int(state["quota"])
         self._runner.load(state["runner"])
-        self._stash = [(list(arrays), info) for arrays, info in state["stash"]]
-        self._input_done = bool(state["input_done"])
-        self._handed = int(state.get("handed", 0))
+        self._queue.restore(
+            state["stash"], state["input_done"], state["handed"], state["downstream_wait_s"]
+        )
         if self._runner.ended:
             self.cache.end_of_input()
         self.upstream_wait_s = float(state["upstream_wait_s"])
-        self.downstream_wait_s = float(state["downstream_wait_s"])

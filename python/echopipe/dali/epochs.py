@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..echo import copies_per_epoch
-from .host_copy import host_dense
 
 
 @dataclass(frozen=True)
@@ -153,13 +152,8 @@ class EpochPasses:
     reader_epochs: ReaderEpochs | None
     unaligned_reader: str | None
     counted_epochs: bool
-    copies_discarded: int
     _runner: Any
-    _scheduled: int
-    _stash: list[Any]
-    _input_done: bool
-    _exhausted: bool
-    _handed: int
+    _queue: Any  # DownstreamQueue once built
     _started: bool
     _closed: bool
 
@@ -185,21 +179,14 @@ class EpochPasses:
         drawn (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
         iterators count the epoch and stop before the padding). A no-op otherwise, as DALI's
         iterators ignore a reset inside an epoch."""
-        counted = self.counted_epochs and self._handed >= self.epoch_copies()
-        ended = self._input_done or counted
-        if not ended or not self._started:
+        if not self._started:
+            return
+        queue = self._queue
+        counted = self.counted_epochs and queue.handed >= self.epoch_copies()
+        if not (queue.input_done or counted):
             return
         self._await_pass_end()
-        self.release_outputs()  # type: ignore[attr-defined]
-        # Iterations scheduled after the end hold padding only; consume them before going on.
-        while self._scheduled > 0:
-            info = host_dense(self.downstream.outputs()[-1])
-            self.copies_discarded += int(info[:, 0].sum())
-            self._scheduled -= 1
-        self._stash.clear()
-        self._input_done = False
-        self._exhausted = False
-        self._handed = 0
+        queue.end_pass()
         self._runner.next_pass()
         self.cache.reset_input()
 

@@ -41,8 +41,8 @@ from .checkpointing import EchoCheckpointing
 from .config import EchoPipelineConfig, make_cache
 from .dali_api import DaliPipelineApi
 from .epochs import EpochPasses, ReaderEpochs
-from .host_copy import host_dense
 from .pair import PairSettings, build_pair
+from .queue import DownstreamQueue
 from .upstream import UpstreamPlan, UpstreamResources, UpstreamRunner
 
 _name_counter = itertools.count()
@@ -133,18 +133,12 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, EchoPipeline
         self._cache_epoch_size = 0
         # Set when DALI's iterators read the epoch size: they end an epoch by counting copies.
         self.counted_epochs = False
-        self._scheduled = 0
-        self._dali_prefetched = False
-        self._input_done = False
-        self._exhausted = False
-        self._stash: list[tuple[list[np.ndarray], np.ndarray]] = []
-        self._handed = 0  # real copies handed out in this pass
-        self.copies_discarded = 0  # real copies still queued when a reset ended the pass
+        # The downstream's scheduling state, made with the DALI pipelines.
+        self._queue: DownstreamQueue | None = None
         self._restore: dict[str, Any] | None = None
         self._started = False
         self._closed = False
         self.upstream_wait_s = 0.0
-        self.downstream_wait_s = 0.0
         self._init_dali_api()
 
     # -- building --
@@ -179,6 +173,13 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, EchoPipeline
             self._runner.stop()
         self._runner = self._resources.runner = UpstreamRunner(
             self.cache, self.upstream, plan, self.cache_name
+        )
+        self._queue = DownstreamQueue(
+            self.downstream,
+            self._prefetch,
+            cfg.deterministic,
+            fill=self._fill_for_next_run,
+            check_upstream=self._raise_runner_error,
         )
 
     def _replace_cache(self, config: EchoPipelineConfig, epoch_size: int) -> None:
@@ -224,49 +225,13 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, EchoPipeline
         Raises StopIteration once a finite stream (``epochs=N``) is exhausted; call
         :meth:`reset` to start the next pass.
         """
-        self.start()
-        if self._stash:
-            outputs, info = self._stash.pop(0)
-            self._handed += int(info[:, 0].sum())
-            return outputs, info
-        if self._exhausted:
-            raise StopIteration
-        self._raise_runner_error()
-        if self.config.deterministic:
-            self._fill_for_next_run()
-            t0 = time.perf_counter()
-            self.downstream.schedule_run()
-            self._scheduled += 1
-        else:
-            t0 = time.perf_counter()
-            self._schedule_free_running()
-        if self._scheduled == 0:
-            self._exhausted = True
-            raise StopIteration
-        try:
-            outputs = list(self.downstream.outputs())
-        except Exception:
-            self._raise_runner_error()
-            raise
-        self._scheduled -= 1
-        self.downstream_wait_s += time.perf_counter() - t0
-        info = self._end_of_stream(outputs[-1])
-        if info is None:
-            raise StopIteration
-        if not self.config.deterministic:
-            self.downstream.schedule_run()
-            self._scheduled += 1
-        self._handed += int(info[:, 0].sum())
-        return outputs[:-1], info
+        return self._running_queue().next_batch()
 
-    def _schedule_free_running(self) -> None:
-        if self._scheduled == 0 and not self._input_done:
-            # DALI prefetches the whole queue on its first schedule_run() only.
-            first = not self._dali_prefetched
-            self._dali_prefetched = True
-            for _ in range(1 if first else self._prefetch):
-                self.downstream.schedule_run()
-            self._scheduled = self._prefetch
+    def _running_queue(self) -> DownstreamQueue:
+        self.start()
+        if self._queue is None:  # start() builds, and the build makes the queue
+            raise RuntimeError("this EchoPipeline has no downstream queue after its build")
+        return self._queue
 
     def _fill_for_next_run(self) -> None:
         """Deterministic mode: fills the cache in this thread before a downstream iteration."""
@@ -276,17 +241,6 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, EchoPipeline
         except Exception as exc:
             raise self._upstream_failed(exc) from exc
         self.upstream_wait_s += time.perf_counter() - t0
-
-    def _end_of_stream(self, info_list: Any) -> np.ndarray | None:
-        """The batch's ``info`` as numpy, or None (and the stream marked ended) when it holds
-        no real sample. Only such a batch ends the stream: in batch mode the input's short last
-        unit can make a batch short while whole units are still to come."""
-        info = host_dense(info_list)
-        if info[:, 0].any():
-            return info
-        self._input_done = True
-        self._exhausted = True
-        return None
 
     # -- info and lifetime --
 
@@ -304,6 +258,17 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, EchoPipeline
         self.cache.echo_factor = echo_factor  # validates
         echo = replace(self.config.echo, factor=self.cache.echo_factor)
         self.config = replace(self.config, echo=echo)
+
+    @property
+    def downstream_wait_s(self) -> float:
+        """Seconds the consumer waited for downstream DALI batches."""
+        return 0.0 if self._queue is None else self._queue.wait_s
+
+    @property
+    def copies_discarded(self) -> int:
+        """Real copies still queued when a reset ended the pass (0 unless the epoch length
+        DALI's iterator was told is wrong)."""
+        return 0 if self._queue is None else self._queue.copies_discarded
 
     @property
     def upstream_alive(self) -> bool:
