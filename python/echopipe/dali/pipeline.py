@@ -14,9 +14,9 @@ call builds an echo point (:mod:`.tracing`). The function is traced once for eac
   ``[valid, sample_id, emission]``), tells the consumer which samples are fresh and where a finite
   stream ends (padded samples have ``valid == 0``).
 
-The pipeline holds its parts: the pair's building (:mod:`.pair`) and the epoch geometry are
-functions of explicit inputs, and the upstream runner (:mod:`.upstream`) is given the cache, the
-upstream pipeline and an :class:`~.upstream.UpstreamPlan`.
+The pipeline holds its parts, each given its inputs: :func:`~.pair.build_pair`, the upstream
+runner (:mod:`.upstream`), the downstream queue (:mod:`.queue`) and checkpoints (functions of
+:mod:`.checkpointing`). DALI's pipeline interface and passes are base classes.
 
 Everything that waits (the sink on a full cache, the source on an empty one, the runner thread)
 polls for close at least every 100 ms, and every pipeline is closed by ``close()``, by the context
@@ -37,7 +37,7 @@ import numpy as np
 
 from . import plugin
 from .base import EchoPipelineBase, PipelineStats, per_batch_seconds
-from .checkpointing import EchoCheckpointing
+from .checkpointing import apply_state, capture_state, check_state
 from .config import EchoPipelineConfig, make_cache
 from .dali_api import DaliPipelineApi
 from .epochs import EpochPasses, ReaderEpochs
@@ -48,7 +48,7 @@ from .upstream import UpstreamPlan, UpstreamResources, UpstreamRunner
 _name_counter = itertools.count()
 
 
-class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, EchoPipelineBase):
+class EchoPipeline(DaliPipelineApi, EpochPasses, EchoPipelineBase):
     """An upstream and a downstream DALI pipeline joined by a native echo cache.
 
     Create it with :func:`echo_pipeline_def`. Iterate it with :class:`~echopipe.dali.EchoIterator`
@@ -68,7 +68,6 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, EchoPipeline
         config: the resolved :class:`EchoPipelineConfig`.
         cache_name: name of the native cache in echopipe's process-wide registry.
         cache: the :class:`echopipe.EchoCache` itself.
-        downstream_wait_s: seconds the consumer waited for downstream DALI batches.
         upstream_wait_s: seconds the consumer spent filling the cache itself (deterministic
             mode only; free-running, the upstream runs on its own thread).
     """
@@ -211,10 +210,11 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, EchoPipeline
             return
         self._build()
         if self._restore is not None:
-            self._apply_restore(self._restore)
+            runner, queue = self._built_parts()
+            self.upstream_wait_s = apply_state(self._restore, self.cache, runner, queue)
             self._restore = None
         self._started = True
-        self._built_runner().start()
+        self._built_parts()[0].start()
 
     # -- running --
 
@@ -229,18 +229,55 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, EchoPipeline
 
     def _running_queue(self) -> DownstreamQueue:
         self.start()
-        if self._queue is None:  # start() builds, and the build makes the queue
-            raise RuntimeError("this EchoPipeline has no downstream queue after its build")
-        return self._queue
+        return self._built_parts()[1]
 
     def _fill_for_next_run(self) -> None:
         """Deterministic mode: fills the cache in this thread before a downstream iteration."""
         t0 = time.perf_counter()
         try:
-            self._built_runner().fill()
+            self._built_parts()[0].fill()
         except Exception as exc:
             raise self._upstream_failed(exc) from exc
         self.upstream_wait_s += time.perf_counter() - t0
+
+    # -- checkpoints --
+
+    def state_dict(self) -> dict[str, Any]:
+        """Echo state aligned with the batches handed out so far.
+
+        Holds the cache contents (samples with tickets left, RNG and counters), the upstream
+        position, batches DALI already prepared but nobody has consumed (kept as numpy arrays and
+        replayed first after a restore), and DALI's own checkpoints of both pipelines when
+        ``enable_checkpointing=True``. With ``deterministic=True`` a restored pipeline continues
+        with exactly the same stream; otherwise it continues with no sample lost or repeated.
+        """
+        queue = self._running_queue()
+        self._raise_runner_error()
+        return capture_state(
+            config=self.config,
+            num_fields=self.num_fields,
+            cache=self.cache,
+            runner=self._built_parts()[0],
+            queue=queue,
+            upstream_wait_s=self.upstream_wait_s,
+            dali_pipelines=(self.upstream, self.downstream) if self._enable_checkpointing else None,
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` output; must be called before the first batch."""
+        if self._started:
+            raise RuntimeError(
+                "load_state_dict() must be called before the first batch (the DALI pipelines are "
+                "built with the checkpoint)"
+            )
+        if self.config.epochs == "auto":
+            _ = self.shard_size  # resolves epochs, as when saved
+        factor = check_state(state, self.config, self._enable_checkpointing)
+        if self._enable_checkpointing and self.upstream is not None:
+            # Built early (shard_size) without DALI's checkpoints; nothing ran, so rebuild.
+            self.upstream = self.downstream = None
+        self.set_echo_factor(factor)
+        self._restore = state
 
     # -- info and lifetime --
 
@@ -282,10 +319,10 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, EchoPipeline
 
     # -- the upstream's reports --
 
-    def _built_runner(self) -> UpstreamRunner:
-        if self._runner is None:
+    def _built_parts(self) -> tuple[UpstreamRunner, DownstreamQueue]:
+        if self._runner is None or self._queue is None:
             raise RuntimeError("the DALI pipelines are not built yet (call build())")
-        return self._runner
+        return self._runner, self._queue
 
     @property
     def upstream_batch_size(self) -> int:
