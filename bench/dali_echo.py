@@ -91,7 +91,7 @@ def _echo_rate(pipe: Any, *, warmup: int, seconds: float) -> tuple[float, dict[s
         info = {
             **counts,
             "realised_echo": (fresh + counts["echoed"]) / fresh if fresh else None,
-            "upstream_batches": pipe.stats()["upstream_batches"],
+            "upstream_batches": pipe.stats().upstream_batches,
         }
     finally:
         pipe.close()
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         ) as peer:  # fmt: skip
             rate = _rate(_dali_step(peer), warmup=warmup + (4 if e > 100 else 0), seconds=seconds)
             stats = peer.stats()
-        return rate, {"fresh": stats["fresh"], "emitted": stats["emitted"]}
+        return rate, {"fresh": stats.fresh_in, "emitted": stats.emitted}
 
     def measure_up(delay: float) -> float:
         pipe = imagenet_decode_pipeline(

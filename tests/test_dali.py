@@ -133,10 +133,10 @@ def test_each_sample_is_emitted_floor_or_ceil_e_times(
         counts = Counter(labels)
         assert set(counts) == set(range(len(jpegs)))
         assert set(counts.values()) <= {int(np.floor(e)), int(np.ceil(e))}
-        assert len(labels) == stats["emitted"] == it.stats.samples
-        assert stats["fresh_in"] == len(jpegs) == it.stats.fresh
+        assert len(labels) == stats.emitted == it.stats.samples
+        assert stats.fresh_in == len(jpegs) == it.stats.fresh
         assert it.stats.echoed == len(labels) - len(jpegs)
-        hist = stats["emit_histogram"]
+        hist = stats.emit_histogram
         assert sum(k * c for k, c in enumerate(hist)) == len(labels)
     assert not pipe.upstream_alive
 
@@ -253,12 +253,12 @@ def test_set_echo_factor_mid_stream_changes_emissions_per_sample(jpegs: list[str
                 with pytest.raises(ValueError, match=r"0\.5"):
                     pipe.set_echo_factor(0.5)
                 pipe.set_echo_factor(3.0)
-                assert pipe.config.echo_factor == 3.0 and pipe.cache.echo_factor == 3.0
+                assert pipe.config.echo.factor == 3.0 and pipe.cache.echo_factor == 3.0
     counts = Counter(labels)
     assert sorted(counts) == list(range(24))  # every sample, none lost
     assert set(counts.values()) == {1, 3}  # committed before the change: 1 copy, after: 3
     late = [k for k, v in counts.items() if v == 3]
-    hist = pipe.stats()["emit_histogram"]
+    hist = pipe.stats().emit_histogram
     assert hist[1] == 24 - len(late) and hist[3] == len(late)
 
     endless = _make(jpegs, batch_size=6, echo_factor=2.0, shuffle_buffer=6, cache_samples=32)
@@ -436,9 +436,10 @@ def test_upstream_time_is_recorded_per_upstream_batch(
         assert len(_labels_of(it)) == 48
         stats = pipe.stats()
         # 48 samples at e = 2 need at least 24 fresh ones: 8 upstream batches of 3.
-        assert stats["upstream_batches"] >= 8 and stats["upstream_time_s"] > 0
-        per_batch = stats["upstream_time_s"] / stats["upstream_batches"]
-        assert stats["t_up"] == pytest.approx(per_batch * 6 / 3)
+        assert stats.upstream_batches >= 8 and stats.t_up_total_s > 0
+        per_batch = stats.t_up_total_s / stats.upstream_batches
+        assert stats.t_up_per_batch_s == pytest.approx(per_batch * 6 / 3)
+        assert stats.t_up_per_batch_s == pipe.upstream_step_seconds()
         assert it.stats.upstream_batches >= 8 and it.stats.upstream_time_s > 0
         assert it.stats.t_up > 0 and it.stats.t_down_per_step > 0 and it.stats.ratio > 0
         state = it.state_dict()
@@ -461,7 +462,7 @@ def test_shard_size_is_known_before_the_first_batch_and_epoch_length_can_change(
                 deterministic=True, enable_checkpointing=True)  # fmt: skip
     pipe = _make(jpegs, **opts)
     assert pipe.shard_size == 24  # builds the DALI pipelines, runs nothing
-    assert pipe.upstream_time() == (0, 0.0) and pipe.stats()["fresh_in"] == 0
+    assert pipe.upstream_time() == (0, 0.0) and pipe.stats().fresh_in == 0
     with edali.EchoIterator(pipe, ["data", "label"]) as it:
         assert it.shard_size == 24 and it.steps_per_epoch == len(it) == 8
         it.steps_per_epoch = 3

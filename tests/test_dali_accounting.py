@@ -117,7 +117,7 @@ def test_example_echoing_for_pairs_that_do_not_divide(
     with edali.EchoIterator(pipe, ["data", "label"], last_batch_policy=LBP.PARTIAL) as it:
         labels = [x for b in it for x in b[0]["label"].reshape(-1).tolist()]
     assert Counter(labels) == {i: 2 for i in range(N_FILES)}
-    assert pipe.stats()["fresh_in"] == N_FILES
+    assert pipe.stats().fresh_in == N_FILES
 
 
 def test_imagenet_builder_batch_echo_one_epoch(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ edali = pytest.importorskip("echopipe.dali", exc_type=ImportError)
 from nvidia.dali.plugin.pytorch import DALIGenericIterator  # noqa: E402
 
 from echopipe.dali import EchoIterator, LastBatchPolicy  # noqa: E402
+from echopipe.dali.base import EchoPipelineBase, PipelineStats  # noqa: E402
 from echopipe.dali.builders import (  # noqa: E402
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -32,7 +33,8 @@ from echopipe.dali.builders import (  # noqa: E402
     imagenet_val_pipeline,
     index_imagenet_split,
 )
-from echopipe.dali.peer import PythonEchoBuffer, python_echo_train_pipeline  # noqa: E402
+from echopipe.dali.peer import python_echo_train_pipeline  # noqa: E402
+from echopipe.dali.peer_buffer import PythonEchoBuffer  # noqa: E402
 from echopipe.data import CorruptImageError, make_synthetic_imagenet  # noqa: E402
 
 pytestmark = pytest.mark.dali
@@ -434,7 +436,7 @@ def test_read_delay_is_counted_in_the_upstream_only(data: Path) -> None:
     # 6 upstream batches of 4, each delayed 4 x 1.5 ms; nothing in the downstream.
     assert tap["batches"] == 6 and tap["samples"] == 24
     assert tap["delay_s"] == pytest.approx(24 * 1.5e-3)
-    assert pipe.stats()["upstream_batches"] == 6
+    assert pipe.stats().upstream_batches == 6
 
 
 def test_read_delay_in_plain_and_decode_pipelines(data: Path) -> None:
@@ -528,8 +530,16 @@ def test_python_echo_peer_runs_one_epoch(data: Path) -> None:
         assert shapes == {(3, SIZE, SIZE)}
         assert collections.Counter(labels) == {0: 16, 1: 16, 2: 16}
         stats = pipe.stats()
-        assert stats["fresh"] == 24 and stats["emitted"] == 48
+        assert stats.fresh_in == 24 and stats.emitted == 48
+        assert stats.resident == stats.tickets_left == 0
+        assert stats.emit_histogram[2] == 24 and sum(stats.emit_histogram) == 24
         assert pipe.upstream_tap.samples >= 24
+        # The same stats type as EchoPipeline's, each field with the same meaning.
+        assert isinstance(pipe, EchoPipelineBase) and isinstance(stats, PipelineStats)
+        assert stats.upstream_batches >= 5 and stats.t_up_total_s > 0
+        per_iteration = stats.t_up_total_s / stats.upstream_batches
+        assert stats.t_up_per_batch_s == pytest.approx(per_iteration * 5 / pipe.upstream_batch_size)
+        assert stats.source_wait_s >= 0 and stats.downstream_wait_s > 0
 
 
 # ---- the benchmark script --------------------------------------------------------------------
@@ -579,8 +589,8 @@ def test_specs_replace_the_keywords_for_echopipe_and_the_peer(data: Path) -> Non
     with imagenet_train_pipeline(
         data, batch_size=4, reader=reader, augment=augment, echo=echo, epochs=1
     ) as pipe:  # a keyword goes to the spec that owns its name (here EchoSpec.epochs)
-        assert (pipe.config.echo_factor, pipe.config.epochs, pipe.config.seed) == (2.0, 1, 3)
-        assert (pipe.config.shuffle_buffer, pipe.config.cache_samples) == (8, 64)
+        assert (pipe.config.echo.factor, pipe.config.epochs, pipe.config.seed) == (2.0, 1, 3)
+        assert (pipe.config.echo.shuffle_buffer, pipe.config.cache_samples) == (8, 64)
         batches, stats = _drain_echo(pipe)
         assert stats.fresh == 24 and batches[0][0]["data"].dtype == torch.float16
     plain = imagenet_train_pipeline(data, batch_size=4, reader=reader, augment=augment, echo=None)

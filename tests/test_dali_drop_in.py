@@ -64,7 +64,7 @@ def test_decorator_takes_dali_arguments_at_call_time(files: list[str]) -> None:
 
     with bare(files, batch_size=3, num_threads=1, device_id=None, seed=1, echo_factor=1.5) as p:
         assert p.max_batch_size == p.batch_size == 3 and p.device_id is None
-        assert p.config.echo_factor == 1.5 and p.config.seed == 1
+        assert p.config.echo.factor == 1.5 and p.config.seed == 1
         outputs, _ = p.next_batch()
         assert len(outputs[0]) == 3
     with pytest.raises(ValueError, match=r"bare: batch_size is required"):
@@ -116,7 +116,7 @@ def test_dali_generic_iterator_lazy_and_auto_reset(files: list[str]) -> None:
         first = [len(b[0]["label"]) for b in it]
         second = [len(b[0]["label"]) for b in it]
         assert first == second == [5] * 10
-        emitted = pipe.stats()["emitted"]
+        emitted = pipe.stats().emitted
         assert emitted >= 96  # two epochs of 48 real copies (plus DALI's prefetch)
 
 

@@ -147,7 +147,7 @@ def test_each_epoch_holds_each_shard_sample_e_times(files, e, policy, shard) -> 
                 assert set(extra) <= set(epoch[-1])
             else:
                 assert len(labels) == steps * BATCH and max(counts.values()) <= e
-        assert pipe.copies_discarded == pipe.stats()["copies_discarded"] == 0
+        assert pipe.copies_discarded == pipe.stats().copies_discarded == 0
 
 
 @pytest.mark.parametrize("policy", [LBP.PARTIAL, LBP.FILL, LBP.DROP])
@@ -198,7 +198,7 @@ def test_padding_is_never_delivered_beyond_plain_dali(files: list[str]) -> None:
         )
         for epoch in _epochs(it, 8):
             assert Counter(_flat(epoch)) == {i: 2 for i in mine}
-        assert pipe.stats()["fresh_in"] == 8 * 6  # the padding never entered the cache
+        assert pipe.stats().fresh_in == 8 * 6  # the padding never entered the cache
 
 
 @pytest.mark.parametrize("e", [1.5, 2.3])

@@ -81,7 +81,7 @@ def _full_shuffle_fraction(trials: int = 400) -> float:
 
 def test_default_buffer_spreads_copies_like_a_full_shuffle(files: list[str]) -> None:
     pipe = _pipe(files)
-    assert pipe.config.shuffle_buffer == DEFAULT_SHUFFLE_BATCHES * B
+    assert pipe.config.echo.shuffle_buffer == DEFAULT_SHUFFLE_BATCHES * B
     fraction, gap = _spread(pipe)
     full = _full_shuffle_fraction()
     assert 0.55 <= full <= 0.72  # the issue measured 62-65 %

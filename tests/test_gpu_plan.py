@@ -659,11 +659,13 @@ def test_without_a_gpu_the_machine_facts_give_host_memory_or_one_clear_error() -
 
 
 def test_echo_config_accepts_device_and_names_a_bad_memory() -> None:
-    from echopipe.dali.config import EchoConfig
+    from echopipe.dali.config import EchoPipelineConfig
+    from echopipe.echo import EchoConfig, EchoConfigError
 
-    assert EchoConfig(batch_size=4, memory="device").resolved().memory == "device"
-    with pytest.raises(ValueError, match="got 'host'"):
-        EchoConfig(batch_size=4, memory="host").resolved()
+    config = EchoPipelineConfig(batch_size=4, echo=EchoConfig(factor=2.0, memory="device"))
+    assert config.resolved().echo.memory == "device"
+    with pytest.raises(EchoConfigError, match="got 'host'"):
+        EchoConfig(memory="host")
 
 
 def test_a_device_cache_without_a_gpu_is_one_clear_error() -> None:

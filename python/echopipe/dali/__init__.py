@@ -46,10 +46,12 @@ from .builders import (
     index_imagenet_split,
     resolve_split_dir,
 )
+from .config import EchoPipelineConfig
 from .definition import echo_pipeline_def
 from .iterator import EchoIterator, EchoIteratorStats, to_torch
-from .peer import PythonEchoBuffer, PythonEchoPipeline, python_echo_train_pipeline
-from .pipeline import EchoConfig, EchoPipeline
+from .peer import PythonEchoPipeline, python_echo_train_pipeline
+from .peer_buffer import PythonEchoBuffer
+from .pipeline import EchoPipeline
 from .plugin import (
     DaliPluginMissingError,
     DaliVersionMismatchError,
@@ -84,10 +86,10 @@ __all__ = [
     "AugmentSpec",
     "DaliPluginMissingError",
     "DaliVersionMismatchError",
-    "EchoConfig",
     "EchoIterator",
     "EchoIteratorStats",
     "EchoPipeline",
+    "EchoPipelineConfig",
     "EchoSpec",
     "ImagenetEchoPipeline",
     "LastBatchPolicy",

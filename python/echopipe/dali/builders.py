@@ -18,12 +18,13 @@ Their public names are re-exported here and by :mod:`echopipe.dali`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from ..echo.memory import resolve_memory
-from .builder_checks import check_choice, check_common, check_positive_int
+from .builder_checks import check_common, check_positive_int
+from .config import EchoPipelineConfig
 from .imagenet_files import (
     ReaderArgs,
     attach,
@@ -39,7 +40,7 @@ from .imagenet_graph import (
     graph_read,
     graph_train_augment,
 )
-from .pipeline import EchoConfig, EchoPipeline
+from .pipeline import EchoPipeline
 from .plain_builders import (
     imagenet_decode_pipeline,
     imagenet_plain_train_pipeline,
@@ -136,8 +137,6 @@ def imagenet_train_pipeline(
         batch_size, a.image_size, r.num_threads, a.dtype, r.shard_id, r.num_shards,
         r.decode_device, r.device_id, r.on_corrupt, r.check, r.read_delay_ms,
     )  # fmt: skip
-    check_choice("echo_insert", e.echo_insert, ("after_decode", "after_augment"))
-    check_choice("echo_mode", e.echo_mode, ("example", "batch"))
     if e.upstream_threads is not None:
         check_positive_int("upstream_threads", e.upstream_threads)
     index = index_imagenet_split(data_dir, "train", check=r.check, on_corrupt=r.on_corrupt)
@@ -189,23 +188,20 @@ def _echo_train_graph(
 
 def _echo_config(
     batch_size: int, r: ReaderSpec, e: EchoSpec, shard: int, dev: int | None
-) -> EchoConfig:
+) -> EchoPipelineConfig:
     """The echo cache and schedule of one rank; its seed differs per shard."""
-    return EchoConfig(
+    memory = resolve_memory(
+        e.memory,
+        input_device="gpu" if r.decode_device == "mixed" else "cpu",
+        arena_bytes=int(e.cache_bytes),
+        device_id=dev,
+    )
+    return EchoPipelineConfig(
         batch_size=int(batch_size),
-        echo_factor=float(e.echo_factor),
-        mode=e.echo_mode,
-        shuffle_buffer=e.shuffle_buffer,
+        echo=replace(e.echo_config(), memory=memory),
         cache_samples=e.cache_samples,
-        cache_bytes=int(e.cache_bytes),
         upstream_batch_size=e.upstream_batch_size,
         epochs=e.epochs,
         deterministic=e.deterministic,
         seed=int(r.seed) + shard,
-        memory=resolve_memory(
-            e.memory,
-            input_device="gpu" if r.decode_device == "mixed" else "cpu",
-            arena_bytes=int(e.cache_bytes),
-            device_id=dev,
-        ),
     )

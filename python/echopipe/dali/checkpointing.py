@@ -1,4 +1,5 @@
-"""Checkpoints of an :class:`~echopipe.dali.EchoPipeline`: ``state_dict`` / ``load_state_dict``.
+"""Checkpoints of an :class:`~echopipe.dali.EchoPipeline`: what ``state_dict`` holds and how
+``load_state_dict`` checks and applies it, as functions of the parts they read and write.
 
 The state holds the cache contents, the upstream position, the batches DALI had prepared but
 nobody consumed, the pass's counters and, with ``enable_checkpointing=True``, DALI's own
@@ -10,117 +11,94 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from .host_copy import host_dense, to_numpy
+from .config import EchoPipelineConfig
+from .queue import DownstreamQueue
+from .upstream import UpstreamRunner
 
-_STATE_VERSION = 1
+# 2: the config holds the echo configuration as its own "echo" entry.
+_STATE_VERSION = 2
 
 
-class EchoCheckpointing:
-    """Mixin for :class:`EchoPipeline`: saving and restoring the echo state."""
+def _compared(config: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint and the pipeline restoring it must agree on."""
+    return {
+        "mode": config["echo"]["mode"],
+        "batch_size": config["batch_size"],
+        "upstream_batch_size": config["upstream_batch_size"],
+        "epochs": config["epochs"],
+    }
 
-    # Set by EchoPipeline; declared here for readers and type checkers.
-    config: Any
-    cache: Any
-    cache_name: str
-    upstream: Any
-    downstream: Any
-    num_fields: int
-    upstream_wait_s: float
-    downstream_wait_s: float
-    _runner: Any
-    _scheduled: int
-    _stash: list[Any]
-    _input_done: bool
-    _handed: int
-    _started: bool
-    _enable_checkpointing: bool
-    _restore: dict[str, Any] | None
 
-    def state_dict(self) -> dict[str, Any]:
-        """Echo state aligned with the batches handed out so far.
+def capture_state(
+    *,
+    config: EchoPipelineConfig,
+    num_fields: int,
+    cache: Any,
+    runner: UpstreamRunner,
+    queue: DownstreamQueue,
+    upstream_wait_s: float,
+    dali_pipelines: tuple[Any, Any] | None,
+) -> dict[str, Any]:
+    """The echo state of a started pipeline, aligned with the batches handed out so far;
+    ``dali_pipelines`` (upstream, downstream) adds DALI's own checkpoints of both."""
+    # Take DALI's prepared batches out first, while the upstream still feeds the cache.
+    queue.take_prepared()
+    runner.pause()
+    try:
+        state: dict[str, Any] = {
+            "version": _STATE_VERSION,
+            "config": asdict(config),
+            "num_fields": num_fields,
+            "cache": cache.state_dict(),
+            "layouts": cache.layouts,
+            "quota": cache.quota,
+            "runner": runner.state(),
+            "stash": [([a.copy() for a in arrays], info.copy()) for arrays, info in queue.stash],
+            "input_done": queue.input_done,
+            "handed": queue.handed,
+            "upstream_wait_s": upstream_wait_s,
+            "downstream_wait_s": queue.wait_s,
+        }
+        if dali_pipelines is not None:
+            state["dali_upstream"] = dali_pipelines[0].checkpoint()
+            state["dali_downstream"] = dali_pipelines[1].checkpoint()
+    finally:
+        runner.resume()
+    return state
 
-        Holds the cache contents (samples with tickets left, RNG and counters), the upstream
-        position, batches DALI already prepared but nobody has consumed (kept as numpy arrays and
-        replayed first after a restore), and DALI's own checkpoints of both pipelines when
-        ``enable_checkpointing=True``. With ``deterministic=True`` a restored pipeline continues
-        with exactly the same stream; otherwise it continues with no sample lost or repeated.
-        """
-        self.start()  # type: ignore[attr-defined]
-        self._raise_runner_error()  # type: ignore[attr-defined]
-        self.release_outputs()  # type: ignore[attr-defined]
-        # Take DALI's prepared batches out first, while the upstream still feeds the cache.
-        while self._scheduled > 0:
-            outputs = list(self.downstream.outputs())
-            self._scheduled -= 1
-            info = host_dense(outputs[-1])
-            arrays = [to_numpy(o) for o in outputs[:-1]]
-            if int(info[:, 0].sum()) > 0:
-                self._stash.append((arrays, info))
-        self._runner.pause()
-        try:
-            state: dict[str, Any] = {
-                "version": _STATE_VERSION,
-                "config": asdict(self.config),
-                "num_fields": self.num_fields,
-                "cache": self.cache.state_dict(),
-                "layouts": self.cache.layouts,
-                "quota": self.cache.quota,
-                "runner": self._runner.state(),
-                "stash": [
-                    ([a.copy() for a in arrays], info.copy()) for arrays, info in self._stash
-                ],
-                "input_done": self._input_done,
-                "handed": self._handed,
-                "upstream_wait_s": self.upstream_wait_s,
-                "downstream_wait_s": self.downstream_wait_s,
-            }
-            if self._enable_checkpointing:
-                state["dali_upstream"] = self.upstream.checkpoint()
-                state["dali_downstream"] = self.downstream.checkpoint()
-        finally:
-            self._runner.resume()
-        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict` output; must be called before the first batch."""
-        if self._started:
-            raise RuntimeError(
-                "load_state_dict() must be called before the first batch (the DALI pipelines are "
-                "built with the checkpoint)"
-            )
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported echo state version {state.get('version')!r}")
-        saved = state["config"]
-        if self.config.epochs == "auto":
-            _ = self.shard_size  # type: ignore[attr-defined]  # resolves epochs, as when saved
-        mine = asdict(self.config)
-        # echo_factor is runtime state (set_echo_factor): the checkpoint's factor is adopted.
-        for key in ("mode", "batch_size", "upstream_batch_size", "epochs"):
-            if saved.get(key) != mine.get(key):
-                raise ValueError(
-                    f"checkpoint has {key}={saved.get(key)!r} but this pipeline has "
-                    f"{key}={mine.get(key)!r}"
-                )
-        if self._enable_checkpointing and "dali_upstream" not in state:
+def check_state(
+    state: dict[str, Any], config: EchoPipelineConfig, enable_checkpointing: bool
+) -> float:
+    """Checks that ``state`` fits a pipeline of ``config`` (epochs resolved); returns the
+    checkpoint's echo factor, which is runtime state the restored pipeline adopts."""
+    if state.get("version") != _STATE_VERSION:
+        raise ValueError(f"unsupported echo state version {state.get('version')!r}")
+    saved = state["config"]
+    mine = _compared(asdict(config))
+    for key, value in _compared(saved).items():
+        if value != mine[key]:
             raise ValueError(
-                "this pipeline has enable_checkpointing=True but the checkpoint carries no DALI "
-                "state (it was saved with enable_checkpointing=False)"
+                f"checkpoint has {key}={value!r} but this pipeline has {key}={mine[key]!r}"
             )
-        if self._enable_checkpointing and self.upstream is not None:
-            # Built early (shard_size) without DALI's checkpoints; nothing ran, so rebuild.
-            self.upstream = self.downstream = None
-        self.set_echo_factor(float(saved["echo_factor"]))  # type: ignore[attr-defined]
-        self._restore = state
+    if enable_checkpointing and "dali_upstream" not in state:
+        raise ValueError(
+            "this pipeline has enable_checkpointing=True but the checkpoint carries no DALI "
+            "state (it was saved with enable_checkpointing=False)"
+        )
+    return float(saved["echo"]["factor"])
 
-    def _apply_restore(self, state: dict[str, Any]) -> None:
-        self.cache.load_state_dict(state["cache"])
-        self.cache.layouts = list(state["layouts"])
-        self.cache.quota = int(state["quota"])
-        self._runner.load(state["runner"])
-        self._stash = [(list(arrays), info) for arrays, info in state["stash"]]
-        self._input_done = bool(state["input_done"])
-        self._handed = int(state.get("handed", 0))
-        if self._runner.ended:
-            self.cache.end_of_input()
-        self.upstream_wait_s = float(state.get("upstream_wait_s", state.get("t_up", 0.0)))
-        self.downstream_wait_s = float(state.get("downstream_wait_s", state.get("t_down", 0.0)))
+
+def apply_state(
+    state: dict[str, Any], cache: Any, runner: UpstreamRunner, queue: DownstreamQueue
+) -> float:
+    """Restores a checked ``state`` into the built, not yet started parts; returns the
+    upstream wait it carried."""
+    cache.load_state_dict(state["cache"])
+    cache.layouts = list(state["layouts"])
+    cache.quota = int(state["quota"])
+    runner.load(state["runner"])
+    queue.restore(state["stash"], state["input_done"], state["handed"], state["downstream_wait_s"])
+    if runner.ended:
+        cache.end_of_input()
+    return float(state["upstream_wait_s"])

@@ -14,35 +14,33 @@ the pipeline again) and carry the whole echo state (see :mod:`.state_codec`).
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
 from . import state_codec
+from .queue import DownstreamQueue
 
 
-class DaliPipelineApi:
+class DaliPipelineApi(ABC):
     """Mixin for :class:`EchoPipeline`: the DALI ``Pipeline`` methods its iterators call."""
 
     # Set by EchoPipeline.__init__ / _build; declared here for readers and type checkers.
     config: Any
     downstream: Any
     upstream: Any
+    _queue: DownstreamQueue | None  # the downstream's scheduling state, made by the build
     _device_id: int | None
-    _prefetch: int
-    _scheduled: int
-    _stash: list[Any]
-    _handed: int
-    _exhausted: bool
-    _dali_prefetched: bool
     _started: bool
     _enable_checkpointing: bool
 
     def _init_dali_api(self) -> None:
-        self._shared = False
         self._is_restored = False
         self._iterator_data = ""
+
+    @abstractmethod
+    def _running_queue(self) -> DownstreamQueue:
+        """The downstream queue of the started pipeline (starting it if need be)."""
 
     # -- attributes DALI's iterators read --
 
@@ -141,66 +139,29 @@ class DaliPipelineApi:
                 "stick_to_shard": 1,
                 "pad_last_batch": 1,
             }
-        e = float(self.config.echo_factor)
+        e = float(self.config.echo.factor)
         out = dict(meta)
         for key in ("epoch_size", "epoch_size_padded"):
             if key in out:
                 out[key] = max(1, round(int(out[key]) * e))
         return out
 
-    # -- scheduling --
+    # -- scheduling: the downstream queue's --
 
     def schedule_run(self) -> None:
         """Schedules downstream iterations up to the prefetch depth (fills the cache first in
         deterministic mode)."""
-        self.start()  # type: ignore[attr-defined]
-        if self._dali_prefetched and self._scheduled >= self._prefetch:
-            return  # batches restored from a checkpoint took the places of scheduled ones
-        if self.config.deterministic:
-            self._fill_for_next_run()  # type: ignore[attr-defined]
-        if not self._dali_prefetched:
-            # DALI's first schedule_run prefetches its whole queue, later ones run one iteration.
-            self._dali_prefetched = True
-            self.downstream.schedule_run()
-            self._scheduled += self._prefetch
-            return
-        # An empty queue (after an epoch's reset drained it) is refilled to the full depth.
-        for _ in range(self._prefetch if self._scheduled == 0 else 1):
-            self.downstream.schedule_run()
-            self._scheduled += 1
+        self._running_queue().schedule_run()
 
     def share_outputs(self) -> tuple[Any, ...]:
         """The next batch's outputs (without echopipe's ``info``); StopIteration at the end of
         a finite stream. Batches restored from a checkpoint come first."""
-        self.start()  # type: ignore[attr-defined]
-        if self._stash:
-            arrays, info = self._stash.pop(0)
-            self._handed += int(info[:, 0].sum())
-            return tuple(_as_tensor_list(a) for a in arrays)
-        if self._exhausted:
-            raise StopIteration
-        self._raise_runner_error()  # type: ignore[attr-defined]
-        if self._scheduled == 0:
-            self.schedule_run()
-        try:
-            outputs = self.downstream.share_outputs()
-        except Exception:
-            self._raise_runner_error()  # type: ignore[attr-defined]
-            raise
-        self._scheduled -= 1
-        info = self._end_of_stream(outputs[-1])  # type: ignore[attr-defined]
-        if info is None:
-            self.downstream.release_outputs()
-            raise StopIteration
-        self._handed += int(info[:, 0].sum())
-        self._shared = True
-        return tuple(outputs[:-1])
+        return self._running_queue().share_outputs()
 
     def release_outputs(self) -> None:
         """Returns the buffers of the last :meth:`share_outputs` to DALI."""
-        if self._shared:
-            self._shared = False
-            self.downstream.release_outputs()
+        if self._queue is not None:
+            self._queue.release_outputs()
 
     def outputs(self) -> tuple[Any, ...]:
         """Like ``Pipeline.outputs``: the next scheduled batch, released on the next call."""
@@ -214,7 +175,7 @@ class DaliPipelineApi:
 
     def empty(self) -> bool:
         """True when no batch is scheduled or restored and waiting to be taken."""
-        return self._scheduled == 0 and not self._stash
+        return self._queue is None or self._queue.empty()
 
     # -- DALI's checkpoint route --
 
@@ -241,12 +202,3 @@ class DaliPipelineApi:
         self._iterator_data = state.pop("iterator_data", "")
         self.load_state_dict(state)  # type: ignore[attr-defined]
         self._is_restored = True
-
-
-def _as_tensor_list(value: Any) -> Any:
-    """A stashed numpy batch (dense array or list of samples) as a DALI CPU TensorList."""
-    from nvidia.dali.backend import TensorListCPU
-
-    if isinstance(value, np.ndarray):
-        return TensorListCPU(np.ascontiguousarray(value))
-    return TensorListCPU([np.ascontiguousarray(v) for v in value])

@@ -19,7 +19,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .pipeline import EchoConfig, EchoPipeline
+from ..echo.config import EchoConfig
+from .config import EchoPipelineConfig
+from .pipeline import EchoPipeline
 from .tracing import trace_counting_echo
 
 #: Echo options and their defaults (see :func:`echo_pipeline_def`).
@@ -42,7 +44,15 @@ ECHO_DEFAULTS: dict[str, Any] = dict(
     enable_checkpointing=False,
     on_upstream_error=None,
 )
-_CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(EchoConfig))
+#: The keywords that make the :class:`~echopipe.echo.EchoConfig`, and its field each sets.
+_ECHO_KEYS = {
+    "echo_factor": "factor",
+    "mode": "mode",
+    "shuffle_buffer": "shuffle_buffer",
+    "cache_bytes": "cache_bytes",
+    "memory": "memory",
+}
+_CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(EchoPipelineConfig) if f.name != "echo")
 
 
 @functools.cache
@@ -101,7 +111,10 @@ def _create(
             f"when calling {name}(..., batch_size=...)"
         )
     checkpoint = extra.pop("checkpoint", None)
-    config = EchoConfig(**{k: opts[k] for k in _CONFIG_KEYS})
+    for key, field in _ECHO_KEYS.items():  # errors name the keyword, not the field
+        EchoConfig.check_field(field, opts[key], key)
+    echo = EchoConfig(**{field: opts[key] for key, field in _ECHO_KEYS.items()})
+    config = EchoPipelineConfig(echo=echo, **{k: opts[k] for k in _CONFIG_KEYS})
     pipe = EchoPipeline(
         func,
         args,
@@ -134,12 +147,12 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
     Keyword arguments (decorator or call; the call wins):
         batch_size: downstream batch size (what the training loop sees). Required.
         num_threads, device_id: as in DALI (``device_id=None`` for CPU-only pipelines).
-        echo_factor: e >= 1; each fresh sample is emitted floor(e) or ceil(e) times (ceil with
-            probability frac(e)), e.g. 2.0 or 1.5.
+        echo_factor: e in [1, MAX_ECHO_FACTOR]; each fresh sample is emitted floor(e) or
+            ceil(e) times (ceil with probability frac(e)), e.g. 2.0 or 1.5.
         mode: ``"example"`` echoes samples; ``"batch"`` echoes whole upstream batches (requires
             ``batch_size`` to be a multiple of ``upstream_batch_size``).
         shuffle_buffer: samples the cache must hold before the first draw (its min fill);
-            default: see :class:`EchoConfig`.
+            default: 4 batches' worth (see :data:`~.config.DEFAULT_SHUFFLE_BATCHES`).
         cache_samples, cache_bytes: capacity of the cache, in samples and bytes.
         upstream_batch_size: batch size of the reader part (default ``batch_size``).
         upstream_num_threads: DALI threads of the upstream pipeline (default ``num_threads``).

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ..echo import copies_per_epoch
-from .host_copy import host_dense
 
 
 @dataclass(frozen=True)
@@ -76,6 +75,73 @@ class ReaderEpochs:
         return round(echo_factor * fresh)
 
 
+@dataclass(frozen=True)
+class EpochGeometry:
+    """The built reader's epochs as the pipeline runs them (from :func:`epoch_geometry`).
+
+    Attributes:
+        epochs: reader epochs per pass, ``"auto"`` resolved (``None``: free-running).
+        reader: the reader's geometry (``None`` without a reader).
+        unaligned_reader: the reader's name when ``epochs="auto"`` fell back to free-running
+            (no ``pad_last_batch``).
+        shard_size: fresh samples per epoch of this shard (0 without a reader).
+        iterations: upstream iterations per reader epoch.
+    """
+
+    epochs: int | None
+    reader: ReaderEpochs | None
+    unaligned_reader: str | None
+    shard_size: int
+    iterations: int
+
+    def units(self, mode: str, upstream_batch_size: int) -> int:
+        """The cache's ``epoch_size``: units of the first reader epoch of an epoch-aligned
+        stream (samples, or upstream batches in batch mode), 0 for a free-running one."""
+        if self.epochs is None or self.reader is None:
+            return 0
+        fresh = self.reader.fresh(0)
+        if mode == "batch":
+            return max(1, math.ceil(fresh / upstream_batch_size))
+        return fresh
+
+
+def epoch_geometry(
+    meta: dict[str, Any], epochs: int | str | None, upstream_batch_size: int
+) -> EpochGeometry:
+    """The epochs of the upstream whose ``reader_meta()`` is ``meta``; resolves
+    ``epochs="auto"`` (1 with a padded reader, endless otherwise)."""
+    if not meta:
+        if epochs not in (None, "auto"):
+            raise ValueError(
+                f"epochs={epochs} needs a DALI reader (fn.readers.*) before echo() to know "
+                "the epoch size; without one, leave epochs=None for an endless stream"
+            )
+        return EpochGeometry(None, None, None, 0, 1 << 62)
+    if len(meta) > 1:
+        raise ValueError(
+            f"the upstream part has {len(meta)} readers ({sorted(meta)}); echopipe needs "
+            "exactly one to count epochs"
+        )
+    ((name, m),) = meta.items()
+    reader = ReaderEpochs.from_meta(name, m)
+    unaligned = None
+    if epochs == "auto" and not reader.padded:
+        # Without padding a reader epoch ends inside a batch, so epochs cannot be aligned;
+        # the stream runs free, and DALI's iterators, which would count epochs, are refused.
+        epochs, unaligned = None, name
+    if epochs is not None and not reader.padded:
+        raise ValueError(
+            f"epochs={epochs} needs the reader {name!r} to be created with "
+            "pad_last_batch=True, so every epoch starts on a batch boundary and no sample of "
+            "the next epoch is pulled into the last batch; or pass epochs=None for a "
+            "free-running stream"
+        )
+    resolved = 1 if epochs == "auto" else epochs
+    return EpochGeometry(
+        resolved, reader, unaligned, reader.fresh(0), reader.iterations(upstream_batch_size)
+    )
+
+
 class EpochPasses:
     """Mixin for :class:`EchoPipeline`: the epoch-aligned stream (or the free-running one)."""
 
@@ -86,63 +152,10 @@ class EpochPasses:
     reader_epochs: ReaderEpochs | None
     unaligned_reader: str | None
     counted_epochs: bool
-    copies_discarded: int
     _runner: Any
-    _scheduled: int
-    _stash: list[Any]
-    _input_done: bool
-    _exhausted: bool
-    _handed: int
+    _queue: Any  # DownstreamQueue once built
     _started: bool
     _closed: bool
-
-    def _epoch_units(self) -> int:
-        """The cache's ``epoch_size``: units of the first reader epoch of an epoch-aligned
-        stream (samples, or upstream batches in batch mode), 0 for a free-running one."""
-        if self.config.epochs is None or self.reader_epochs is None:
-            return 0
-        fresh = self.reader_epochs.fresh(0)
-        if self.config.mode == "batch":
-            return max(1, math.ceil(fresh / self.config.upstream_batch_size))
-        return fresh
-
-    def _epoch_geometry(self, upstream: Any) -> tuple[int, int]:
-        """Fresh samples per epoch of this shard, and upstream iterations per reader epoch;
-        resolves ``epochs="auto"`` (1 with a padded reader, endless otherwise)."""
-        meta = upstream.reader_meta()
-        epochs = self.config.epochs
-        if not meta:
-            if epochs not in (None, "auto"):
-                raise ValueError(
-                    f"epochs={epochs} needs a DALI reader (fn.readers.*) before echo() to know "
-                    "the epoch size; without one, leave epochs=None for an endless stream"
-                )
-            self.config = replace(self.config, epochs=None)
-            return 0, 1 << 62
-        if len(meta) > 1:
-            raise ValueError(
-                f"the upstream part has {len(meta)} readers ({sorted(meta)}); echopipe needs "
-                "exactly one to count epochs"
-            )
-        ((name, m),) = meta.items()
-        reader = ReaderEpochs.from_meta(name, m)
-        if epochs == "auto" and not reader.padded:
-            # Without padding a reader epoch ends inside a batch, so epochs cannot be aligned;
-            # the stream runs free, and DALI's iterators, which would count epochs, are refused.
-            epochs = None
-            self.config = replace(self.config, epochs=None)
-            self.unaligned_reader = name
-        if epochs is not None and not reader.padded:
-            raise ValueError(
-                f"epochs={epochs} needs the reader {name!r} to be created with "
-                "pad_last_batch=True, so every epoch starts on a batch boundary and no sample of "
-                "the next epoch is pulled into the last batch; or pass epochs=None for a "
-                "free-running stream"
-            )
-        if epochs == "auto":
-            self.config = replace(self.config, epochs=1)
-        self.reader_epochs = reader
-        return reader.fresh(0), reader.iterations(self.config.upstream_batch_size)
 
     @property
     def finite(self) -> bool:
@@ -158,30 +171,23 @@ class EpochPasses:
         if not self.finite:
             return 0
         cfg = self.config
-        unit = cfg.upstream_batch_size if cfg.mode == "batch" else 1
-        return int(cfg.epochs) * self.reader_epochs.copies(cfg.echo_factor, unit)
+        unit = cfg.upstream_batch_size if cfg.echo.mode == "batch" else 1
+        return int(cfg.epochs) * self.reader_epochs.copies(cfg.echo.factor, unit)
 
     def reset(self) -> None:
         """Starts the next pass of an epoch-aligned stream once this one is over: its end was
         drawn (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
         iterators count the epoch and stop before the padding). A no-op otherwise, as DALI's
         iterators ignore a reset inside an epoch."""
-        counted = self.counted_epochs and self._handed >= self.epoch_copies()
-        ended = self._input_done or counted
-        if not ended or not self._started:
+        if not self._started:
+            return
+        queue = self._queue
+        counted = self.counted_epochs and queue.handed >= self.epoch_copies()
+        if not (queue.input_done or counted):
             return
         self._await_pass_end()
-        self.release_outputs()  # type: ignore[attr-defined]
-        # Iterations scheduled after the end hold padding only; consume them before going on.
-        while self._scheduled > 0:
-            info = host_dense(self.downstream.outputs()[-1])
-            self.copies_discarded += int(info[:, 0].sum())
-            self._scheduled -= 1
-        self._stash.clear()
-        self._input_done = False
-        self._exhausted = False
-        self._handed = 0
-        self._runner.ended = False
+        queue.end_pass()
+        self._runner.next_pass()
         self.cache.reset_input()
 
     def _await_pass_end(self, timeout_s: float = 600.0) -> None:

@@ -257,7 +257,7 @@ class EchoIterator:
                 "the pipeline has no reader to take the epoch size from; pass epoch_size= or "
                 "steps_per_epoch="
             )
-        return max(1, round(fresh * cfg.echo_factor))
+        return max(1, round(fresh * cfg.echo.factor))
 
     def __len__(self) -> int:
         """Steps per epoch: of an endless stream, and of an epoch-aligned one the steps of its

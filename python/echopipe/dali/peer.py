@@ -6,15 +6,11 @@ samples in a Python shuffle buffer that hands each one out ``e`` times (``floor(
 ``ceil(e)``, like echopipe's tickets), and feed a second DALI pipeline (augment + normalise)
 through ``fn.external_source`` with a callable that draws a batch at a time.
 
-The buffer is a list with random swap-pop: a take picks a random resident sample, and when its
-last ticket is used the sample is swapped with the last element and popped, so draws are O(1).
-Every blocking wait is bounded and ends on :meth:`PythonEchoBuffer.close`.
+The buffer (:class:`~.peer_buffer.PythonEchoBuffer`) is a list with random swap-pop.
 """
 
 from __future__ import annotations
 
-import math
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .base import EchoPipelineBase, PipelineStats
 from .builders import (
     UpstreamTap,
     check_common,
@@ -32,113 +29,10 @@ from .builders import (
     imagenet_decode_pipeline,
 )
 from .config import DEFAULT_SHUFFLE_BATCHES
+from .peer_buffer import PythonEchoBuffer
 from .specs import AugmentSpec, EchoSpec, ReaderSpec, resolve_specs
 
-__all__ = ["PythonEchoBuffer", "PythonEchoPipeline", "python_echo_train_pipeline"]
-
-Sample = tuple[np.ndarray, ...]
-
-
-class PythonEchoBuffer:
-    """Bounded shuffle buffer that emits every stored sample ``floor(e)`` or ``ceil(e)`` times.
-
-    Args:
-        capacity: most samples resident at once; :meth:`put` blocks while full.
-        echo_factor: mean emissions per sample, ``>= 1``.
-        min_fill: :meth:`take` waits until this many samples are resident (or input ended).
-        seed: seeds both the ticket draws and the random picks.
-    """
-
-    def __init__(
-        self, capacity: int, echo_factor: float, *, min_fill: int = 0, seed: int = 0
-    ) -> None:
-        self.capacity = check_positive_int("capacity", capacity)
-        e = float(echo_factor)
-        if not math.isfinite(e) or e < 1.0:
-            raise ValueError(f"echo_factor must be a finite number >= 1, got {echo_factor!r}")
-        if not 0 <= int(min_fill) <= self.capacity:
-            raise ValueError(f"min_fill must be in [0, capacity={capacity}], got {min_fill!r}")
-        self.echo_factor = e
-        self.min_fill = int(min_fill)
-        self._rng = random.Random(seed)
-        self._items: list[list[Any]] = []  # [sample, tickets left]
-        self._cond = threading.Condition()
-        self._ended = False
-        self._closed = False
-        self.fresh = 0
-        self.emitted = 0
-
-    def _tickets(self) -> int:
-        base = math.floor(self.echo_factor)
-        return base + (1 if self._rng.random() < self.echo_factor - base else 0)
-
-    def put(self, sample: Sample, timeout: float | None = None) -> bool:
-        """Store one sample; ``False`` if the buffer was closed. ``TimeoutError`` on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while len(self._items) >= self.capacity and not self._closed:
-                self._wait(deadline, "put")
-            if self._closed:
-                return False
-            if self._ended:
-                raise RuntimeError("put() after end_of_input()")
-            self._items.append([sample, self._tickets()])
-            self.fresh += 1
-            self._cond.notify_all()
-            return True
-
-    def take(self, n: int, timeout: float | None = None) -> list[Sample]:
-        """Up to ``n`` samples; fewer only at the end of input, ``[]`` once everything was emitted.
-
-        Raises:
-            RuntimeError: the buffer was closed.
-            TimeoutError: nothing arrived within ``timeout`` seconds.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        out: list[Sample] = []
-        with self._cond:
-            while len(out) < n:
-                if self._closed:
-                    raise RuntimeError("the Python echo buffer was closed")
-                ready = len(self._items) >= max(1, self.min_fill) or (self._ended and self._items)
-                if not ready:
-                    if self._ended:
-                        break
-                    self._wait(deadline, "take")
-                    continue
-                i = self._rng.randrange(len(self._items))
-                item = self._items[i]
-                out.append(item[0])
-                item[1] -= 1
-                if item[1] == 0:
-                    self._items[i] = self._items[-1]
-                    self._items.pop()
-                    self._cond.notify_all()
-            self.emitted += len(out)
-        return out
-
-    def _wait(self, deadline: float | None, what: str) -> None:
-        # Bounded waits so close() is noticed even if a notify is missed.
-        left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
-        if left <= 0:
-            raise TimeoutError(f"Python echo buffer: {what}() timed out")
-        self._cond.wait(left)
-
-    def end_of_input(self) -> None:
-        """No more puts; takes drain the remaining tickets, then return ``[]``."""
-        with self._cond:
-            self._ended = True
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        """Wake and fail every waiter; later puts return ``False`` and takes raise."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._items)
+__all__ = ["PythonEchoPipeline", "python_echo_train_pipeline"]
 
 
 class _Feeder:
@@ -168,7 +62,7 @@ class _Feeder:
         return [s[0] for s in samples], [s[1] for s in samples]
 
 
-class PythonEchoPipeline:
+class PythonEchoPipeline(EchoPipelineBase):
     """Upstream DALI pipeline -> Python thread -> :class:`PythonEchoBuffer` -> downstream pipeline.
 
     Use :meth:`run` like ``Pipeline.run`` (it starts the upstream thread on first use); it raises
@@ -183,21 +77,25 @@ class PythonEchoPipeline:
         buffer: PythonEchoBuffer,
         *,
         batch_size: int,
+        upstream_batch_size: int,
         fresh_samples: int | None,
         tap: UpstreamTap | None,
         timeout: float,
     ) -> None:
         self.upstream = upstream
         self.buffer = buffer
-        self.batch_size = batch_size
+        self._batch_size = batch_size
+        self._upstream_batch_size = upstream_batch_size
         self.fresh_samples = fresh_samples
         self.upstream_tap = tap
         self._feeder = _Feeder(buffer, batch_size, timeout)
         self.downstream = make_downstream(self._feeder)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.t_up = 0.0
-        self.upstream_batches = 0
+        self._timing_lock = threading.Lock()
+        self._t_up_total_s = 0.0
+        self._upstream_batches = 0
+        self.downstream_wait_s = 0.0
         self.folder_index: Any = None
         self.skipped_files: list[tuple[str, str]] = []
 
@@ -217,8 +115,9 @@ class PythonEchoPipeline:
             while not self._stop.is_set() and (limit is None or stored < limit):
                 start = time.perf_counter()
                 outputs = self.upstream.run()
-                self.t_up += time.perf_counter() - start
-                self.upstream_batches += 1
+                with self._timing_lock:
+                    self._t_up_total_s += time.perf_counter() - start
+                    self._upstream_batches += 1
                 images, labels = outputs[0], outputs[1]
                 for i in range(len(images)):
                     if limit is not None and stored >= limit:
@@ -236,20 +135,52 @@ class PythonEchoPipeline:
             self._feeder.error = err
             self.buffer.close()
 
+    @property
+    def batch_size(self) -> int:
+        """The downstream batch size."""
+        return self._batch_size
+
+    @property
+    def upstream_batch_size(self) -> int:
+        """The reader's batch size."""
+        return self._upstream_batch_size
+
+    @property
+    def echo_factor(self) -> float:
+        """Mean copies of each fresh sample."""
+        return self.buffer.echo_factor
+
     def run(self) -> Any:
         """One downstream batch: ``(images, labels)`` DALI TensorLists."""
         self.build()
-        return self.downstream.run()
+        start = time.perf_counter()
+        try:
+            return self.downstream.run()
+        finally:
+            self.downstream_wait_s += time.perf_counter() - start
 
-    def stats(self) -> dict[str, float]:
-        """Fresh and emitted counts, upstream batches, and seconds spent in upstream/waiting."""
-        return {
-            "fresh": self.buffer.fresh,
-            "emitted": self.buffer.emitted,
-            "upstream_batches": self.upstream_batches,
-            "t_up": self.t_up,
-            "t_wait": self._feeder.wait_s,
-        }
+    def upstream_time(self) -> tuple[int, float]:
+        """``(upstream batches run, seconds they took)`` so far."""
+        with self._timing_lock:
+            return self._upstream_batches, self._t_up_total_s
+
+    def stats(self) -> PipelineStats:
+        """Counters and timing so far (see :class:`PipelineStats`); the peer has no epochs,
+        no deterministic mode and no resets, so those fields stay 0."""
+        batches, seconds = self.upstream_time()
+        resident, tickets_left, histogram = self.buffer.counts()
+        return PipelineStats(
+            fresh_in=self.buffer.fresh,
+            emitted=self.buffer.emitted,
+            resident=resident,
+            tickets_left=tickets_left,
+            upstream_batches=batches,
+            t_up_total_s=seconds,
+            t_up_per_batch_s=self.upstream_step_seconds(),
+            downstream_wait_s=self.downstream_wait_s,
+            emit_histogram=histogram,
+            source_wait_s=self._feeder.wait_s,
+        )
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the upstream thread and free both pipelines."""
@@ -261,12 +192,6 @@ class PythonEchoPipeline:
                 raise TimeoutError(f"upstream thread did not stop within {timeout} s")
         self.downstream = None
         self.upstream = None
-
-    def __enter__(self) -> PythonEchoPipeline:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def python_echo_train_pipeline(
@@ -352,7 +277,8 @@ def python_echo_train_pipeline(
     buffer = PythonEchoBuffer(capacity, echo_factor, min_fill=fill, seed=seed + shard)
     pipe = PythonEchoPipeline(
         upstream, make_downstream, buffer, batch_size=int(batch_size),
-        fresh_samples=fresh_samples, tap=upstream.upstream_tap, timeout=timeout,
+        upstream_batch_size=up_batch, fresh_samples=fresh_samples, tap=upstream.upstream_tap,
+        timeout=timeout,
     )  # fmt: skip
     pipe.folder_index = upstream.folder_index
     pipe.skipped_files = list(upstream.skipped_files)

@@ -14,8 +14,9 @@ call builds an echo point (:mod:`.tracing`). The function is traced once for eac
   ``[valid, sample_id, emission]``), tells the consumer which samples are fresh and where a finite
   stream ends (padded samples have ``valid == 0``).
 
-Epochs (:mod:`.epochs`), checkpoints (:mod:`.checkpointing`) and the upstream's reports
-(:mod:`.upstream`) are mixins of the class here.
+The pipeline holds its parts, each given its inputs: :func:`~.pair.build_pair`, the upstream
+runner (:mod:`.upstream`), the downstream queue (:mod:`.queue`) and checkpoints (functions of
+:mod:`.checkpointing`). DALI's pipeline interface and passes are base classes.
 
 Everything that waits (the sink on a full cache, the source on an empty one, the runner thread)
 polls for close at least every 100 ms, and every pipeline is closed by ``close()``, by the context
@@ -24,7 +25,6 @@ manager, or at interpreter exit (``weakref.finalize``), so nothing hangs.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import time
@@ -35,30 +35,20 @@ from typing import Any
 
 import numpy as np
 
-from ..echo.memory import resolve_memory
 from . import plugin
-from .checkpointing import EchoCheckpointing
-from .config import EchoConfig, make_cache
+from .base import EchoPipelineBase, PipelineStats, per_batch_seconds
+from .checkpointing import apply_state, capture_state, check_state
+from .config import EchoPipelineConfig, make_cache
 from .dali_api import DaliPipelineApi
 from .epochs import EpochPasses, ReaderEpochs
-from .host_copy import host_dense
-from .tracing import Trace, trace
-from .upstream import UpstreamReports, UpstreamRunner
+from .pair import PairSettings, build_pair
+from .queue import DownstreamQueue
+from .upstream import UpstreamPlan, UpstreamResources, UpstreamRunner
 
 _name_counter = itertools.count()
 
 
-# ---- the pipeline pair ---------------------------------------------------------------------
-
-
-def _close_resources(cache: Any, runner: UpstreamRunner) -> None:
-    # Closing the cache first wakes a sink or source blocked inside DALI; then the thread can end.
-    with contextlib.suppress(Exception):
-        cache.close()
-    runner.stop()
-
-
-class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamReports):
+class EchoPipeline(DaliPipelineApi, EpochPasses, EchoPipelineBase):
     """An upstream and a downstream DALI pipeline joined by a native echo cache.
 
     Create it with :func:`echo_pipeline_def`. Iterate it with :class:`~echopipe.dali.EchoIterator`
@@ -75,10 +65,9 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
             :meth:`describe_upstream_error`.
 
     Attributes:
-        config: the resolved :class:`EchoConfig`.
+        config: the resolved :class:`EchoPipelineConfig`.
         cache_name: name of the native cache in echopipe's process-wide registry.
         cache: the :class:`echopipe.EchoCache` itself.
-        downstream_wait_s: seconds the consumer waited for downstream DALI batches.
         upstream_wait_s: seconds the consumer spent filling the cache itself (deterministic
             mode only; free-running, the upstream runs on its own thread).
     """
@@ -89,7 +78,7 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
         fn_args: Sequence[Any] = (),
         fn_kwargs: dict[str, Any] | None = None,
         *,
-        config: EchoConfig,
+        config: EchoPipelineConfig,
         num_threads: int = 2,
         device_id: int | None = None,
         upstream_num_threads: int | None = None,
@@ -106,23 +95,31 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
             raise ValueError(
                 f"prefetch_queue_depth must be an int >= 1, got {prefetch_queue_depth!r}"
             )
-        self._fn = fn
-        self._fn_args = tuple(fn_args)
-        self._fn_kwargs = dict(fn_kwargs or {})
-        self._num_threads = num_threads
-        self._upstream_num_threads = upstream_num_threads or num_threads
         self._device_id = device_id
         self._prefetch = prefetch_queue_depth
         self._enable_checkpointing = enable_checkpointing
-        self._pipeline_kwargs = dict(pipeline_kwargs or {})
         if on_upstream_error is not None and not callable(on_upstream_error):
             raise TypeError(f"on_upstream_error must be callable, got {on_upstream_error!r}")
         self._on_upstream_error = on_upstream_error
         self.cache_name = f"echopipe-dali-{os.getpid()}-{next(_name_counter)}"
+        self._settings = PairSettings(
+            fn=fn,
+            fn_args=tuple(fn_args),
+            fn_kwargs=dict(fn_kwargs or {}),
+            cache_name=self.cache_name,
+            num_threads=num_threads,
+            upstream_num_threads=upstream_num_threads or num_threads,
+            device_id=device_id,
+            prefetch=prefetch_queue_depth,
+            enable_checkpointing=enable_checkpointing,
+            pipeline_kwargs=dict(pipeline_kwargs or {}),
+        )
         self.cache = make_cache(self.config, self.cache_name, device_id)
         self.cache.quota = -1
-        self._runner = UpstreamRunner(self)
-        self._finalizer = weakref.finalize(self, _close_resources, self.cache, self._runner)
+        # Made once the DALI pipelines are built (it runs the upstream one into the cache).
+        self._runner: UpstreamRunner | None = None
+        self._resources = UpstreamResources(self.cache)
+        weakref.finalize(self, self._resources.close)
         self.upstream: Any = None
         self.downstream: Any = None
         self.num_fields = 0
@@ -135,120 +132,63 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
         self._cache_epoch_size = 0
         # Set when DALI's iterators read the epoch size: they end an epoch by counting copies.
         self.counted_epochs = False
-        self._scheduled = 0
-        self._dali_prefetched = False
-        self._input_done = False
-        self._exhausted = False
-        self._stash: list[tuple[list[np.ndarray], np.ndarray]] = []
-        self._handed = 0  # real copies handed out in this pass
-        self.copies_discarded = 0  # real copies still queued when a reset ended the pass
+        # The downstream's scheduling state, made with the DALI pipelines.
+        self._queue: DownstreamQueue | None = None
         self._restore: dict[str, Any] | None = None
         self._started = False
         self._closed = False
         self.upstream_wait_s = 0.0
-        self.downstream_wait_s = 0.0
         self._init_dali_api()
 
     # -- building --
 
-    def _trace(self, stage: str, pipe: Any) -> tuple[Trace, list[Any]]:
-        def build() -> Any:
-            with pipe:
-                return self._fn(*self._fn_args, **self._fn_kwargs)
-
-        state, result = trace(Trace(stage=stage, cache_name=self.cache_name), build)
-        if state.calls == 0:
-            raise RuntimeError(
-                f"{getattr(self._fn, '__name__', self._fn)} never called echopipe.dali.echo(); "
-                "mark the echo point with `images, labels = echo(images, labels)`"
-            )
-        outputs = list(result) if isinstance(result, (tuple, list)) else [result]
-        return state, outputs
-
     def _build(self) -> None:
         if self.upstream is not None:
             return
-        cfg = self.config
-        restore = self._restore or {}
-        extra = dict(self._pipeline_kwargs)
-        seed = int(extra.pop("seed", cfg.seed))
-        up_kwargs: dict[str, Any] = dict(device_id=self._device_id, seed=seed, **extra)
-        # Its own seed, so downstream augmentations do not replay the upstream's random numbers.
-        down_kwargs: dict[str, Any] = dict(device_id=self._device_id, seed=seed + 1, **extra)
-        if self._enable_checkpointing:
-            up_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_upstream"))
-            down_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_downstream"))
-        upstream, up_state = self._build_upstream(up_kwargs)
-        self._shard_size, self.iterations_per_epoch = self._epoch_geometry(upstream)
-        blocks = self._epoch_units()
-        if blocks != self._cache_epoch_size:
-            # Exact copy totals per epoch need the cache to count the epoch's units, which only
-            # the built reader tells; its sink holds the old cache, so the upstream is built again.
-            self._cache_epoch_size = blocks
-            self._replace_cache(self.config)
-            upstream, up_state = self._build_upstream(up_kwargs)
-        from nvidia.dali import Pipeline
-
-        downstream = Pipeline(
+        pair = build_pair(
+            self._settings,
+            self.config,
+            self._cache_epoch_size,
+            self._restore or {},
+            self._replace_cache,
+        )
+        self.config = cfg = pair.config
+        self._cache_epoch_size = pair.cache_epoch_size
+        geometry = pair.geometry
+        self.reader_epochs, self.unaligned_reader = geometry.reader, geometry.unaligned_reader
+        self._shard_size, self.iterations_per_epoch = geometry.shard_size, geometry.iterations
+        self.upstream, self.downstream = pair.upstream, pair.downstream
+        self.num_fields, self.num_outputs = pair.num_fields, pair.num_outputs
+        plan = UpstreamPlan(
             batch_size=cfg.batch_size,
-            num_threads=self._num_threads,
-            prefetch_queue_depth=self._prefetch,
-            **down_kwargs,
+            upstream_batch_size=cfg.upstream_batch_size,
+            shuffle_buffer=cfg.echo.shuffle_buffer,
+            epochs=cfg.epochs,
+            deterministic=cfg.deterministic,
+            iterations_per_epoch=self.iterations_per_epoch,
+            reader_epochs=self.reader_epochs,
         )
-        down_state, outputs = self._trace("downstream", downstream)
-        downstream.set_outputs(*outputs, down_state.info)
-        downstream.build()
-        # Only echopipe drives this pipeline; DALI's check against mixing its run APIs would
-        # reject a checkpoint taken between a DALI iterator's steps.
-        downstream.enable_api_check(False)
-        self.upstream, self.downstream = upstream, downstream
-        self.num_fields = up_state.num_fields
-        self.num_outputs = len(outputs)
-
-    def _build_upstream(self, up_kwargs: dict[str, Any]) -> tuple[Any, Trace]:
-        from nvidia.dali import Pipeline
-
-        # Depth 1 upstream: when run() returns, no later iteration has touched the cache yet.
-        upstream = Pipeline(
-            batch_size=self.config.upstream_batch_size,
-            num_threads=self._upstream_num_threads,
-            prefetch_queue_depth=1,
-            **up_kwargs,
+        if self._runner is not None:  # built before without DALI's checkpoints; never started
+            self._runner.stop()
+        self._runner = self._resources.runner = UpstreamRunner(
+            self.cache, self.upstream, plan, self.cache_name
         )
-        up_state, _ = self._trace("upstream", upstream)
-        self._place_cache(up_state.devices)
-        upstream.set_outputs(up_state.sink)
-        upstream.build()
-        return upstream, up_state
-
-    def _place_cache(self, devices: list[str]) -> None:
-        """``memory="auto"`` with the echo input on the GPU: the cache moves to the device arena
-        when it fits (:func:`echopipe.echo.memory.choose_memory`). The trace is the first place
-        that knows where the input lives; nothing has used the cache yet (DALI builds before
-        anything runs, and a checkpoint is applied after the build)."""
-        if self.config.memory != "auto" or "gpu" not in devices:
-            return
-        memory = resolve_memory(
-            "auto",
-            input_device="gpu",
-            arena_bytes=self.config.cache_bytes,
-            device_id=self._device_id,
+        self._queue = DownstreamQueue(
+            self.downstream,
+            self._prefetch,
+            cfg.deterministic,
+            fill=self._fill_for_next_run,
+            check_upstream=self._raise_runner_error,
         )
-        if memory != "device":
-            return
-        self._replace_cache(replace(self.config, memory=memory))
 
-    def _replace_cache(self, config: EchoConfig) -> None:
+    def _replace_cache(self, config: EchoPipelineConfig, epoch_size: int) -> None:
         """A new, empty cache under the same name (before anything used the old one)."""
         quota = self.cache.quota
-        self._finalizer.detach()
         self.cache.close()  # also frees its name in the registry
         self.config = config
-        self.cache = make_cache(
-            self.config, self.cache_name, self._device_id, epoch_size=self._cache_epoch_size
-        )
+        self.cache = make_cache(self.config, self.cache_name, self._device_id, epoch_size)
         self.cache.quota = quota
-        self._finalizer = weakref.finalize(self, _close_resources, self.cache, self._runner)
+        self._resources.cache = self.cache
 
     @property
     def shard_size(self) -> int:
@@ -270,10 +210,11 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
             return
         self._build()
         if self._restore is not None:
-            self._apply_restore(self._restore)
+            runner, queue = self._built_parts()
+            self.upstream_wait_s = apply_state(self._restore, self.cache, runner, queue)
             self._restore = None
         self._started = True
-        self._runner.start()
+        self._built_parts()[0].start()
 
     # -- running --
 
@@ -284,70 +225,59 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
         Raises StopIteration once a finite stream (``epochs=N``) is exhausted; call
         :meth:`reset` to start the next pass.
         """
-        self.start()
-        if self._stash:
-            outputs, info = self._stash.pop(0)
-            self._handed += int(info[:, 0].sum())
-            return outputs, info
-        if self._exhausted:
-            raise StopIteration
-        self._raise_runner_error()
-        if self.config.deterministic:
-            self._fill_for_next_run()
-            t0 = time.perf_counter()
-            self.downstream.schedule_run()
-            self._scheduled += 1
-        else:
-            t0 = time.perf_counter()
-            self._schedule_free_running()
-        if self._scheduled == 0:
-            self._exhausted = True
-            raise StopIteration
-        try:
-            outputs = list(self.downstream.outputs())
-        except Exception:
-            self._raise_runner_error()
-            raise
-        self._scheduled -= 1
-        self.downstream_wait_s += time.perf_counter() - t0
-        info = self._end_of_stream(outputs[-1])
-        if info is None:
-            raise StopIteration
-        if not self.config.deterministic:
-            self.downstream.schedule_run()
-            self._scheduled += 1
-        self._handed += int(info[:, 0].sum())
-        return outputs[:-1], info
+        return self._running_queue().next_batch()
 
-    def _schedule_free_running(self) -> None:
-        if self._scheduled == 0 and not self._input_done:
-            # DALI prefetches the whole queue on its first schedule_run() only.
-            first = not self._dali_prefetched
-            self._dali_prefetched = True
-            for _ in range(1 if first else self._prefetch):
-                self.downstream.schedule_run()
-            self._scheduled = self._prefetch
+    def _running_queue(self) -> DownstreamQueue:
+        self.start()
+        return self._built_parts()[1]
 
     def _fill_for_next_run(self) -> None:
         """Deterministic mode: fills the cache in this thread before a downstream iteration."""
         t0 = time.perf_counter()
         try:
-            self._runner.fill()
+            self._built_parts()[0].fill()
         except Exception as exc:
-            self._runner.error = exc
             raise self._upstream_failed(exc) from exc
         self.upstream_wait_s += time.perf_counter() - t0
 
-    def _end_of_stream(self, info_list: Any) -> np.ndarray | None:
-        """The batch's ``info`` as numpy, or None (and the stream marked ended) when it holds
-        no real sample. Only such a batch ends the stream: in batch mode the input's short last
-        unit can make a batch short while whole units are still to come."""
-        info = host_dense(info_list)
-        if info[:, 0].any():
-            return info
-        self._input_done = True
-        self._exhausted = True
-        return None
+    # -- checkpoints --
+
+    def state_dict(self) -> dict[str, Any]:
+        """Echo state aligned with the batches handed out so far.
+
+        Holds the cache contents (samples with tickets left, RNG and counters), the upstream
+        position, batches DALI already prepared but nobody has consumed (kept as numpy arrays and
+        replayed first after a restore), and DALI's own checkpoints of both pipelines when
+        ``enable_checkpointing=True``. With ``deterministic=True`` a restored pipeline continues
+        with exactly the same stream; otherwise it continues with no sample lost or repeated.
+        """
+        queue = self._running_queue()
+        self._raise_runner_error()
+        return capture_state(
+            config=self.config,
+            num_fields=self.num_fields,
+            cache=self.cache,
+            runner=self._built_parts()[0],
+            queue=queue,
+            upstream_wait_s=self.upstream_wait_s,
+            dali_pipelines=(self.upstream, self.downstream) if self._enable_checkpointing else None,
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` output; must be called before the first batch."""
+        if self._started:
+            raise RuntimeError(
+                "load_state_dict() must be called before the first batch (the DALI pipelines are "
+                "built with the checkpoint)"
+            )
+        if self.config.epochs == "auto":
+            _ = self.shard_size  # resolves epochs, as when saved
+        factor = check_state(state, self.config, self._enable_checkpointing)
+        if self._enable_checkpointing and self.upstream is not None:
+            # Built early (shard_size) without DALI's checkpoints; nothing ran, so rebuild.
+            self.upstream = self.downstream = None
+        self.set_echo_factor(factor)
+        self._restore = state
 
     # -- info and lifetime --
 
@@ -356,38 +286,115 @@ class EchoPipeline(DaliPipelineApi, EpochPasses, EchoCheckpointing, UpstreamRepo
 
         Fresh samples committed to the cache after the call get floor(e) or ceil(e) tickets;
         samples already cached keep theirs, so nothing is lost or repeated extra. ``config`` is
-        replaced by a copy with the new ``echo_factor`` (the iterator's epoch length of an
-        endless stream is computed from it). ValueError names a value that is not a finite
-        number in [1, 65535].
+        replaced by a copy with the new factor (the iterator's epoch length of an
+        endless stream is computed from it). EchoConfigError (a ValueError) names a value that
+        is not a finite number in [1, MAX_ECHO_FACTOR].
         """
         if self._closed:
             raise RuntimeError("this EchoPipeline was closed")
         self.cache.echo_factor = echo_factor  # validates
-        self.config = replace(self.config, echo_factor=self.cache.echo_factor)
+        echo = replace(self.config.echo, factor=self.cache.echo_factor)
+        self.config = replace(self.config, echo=echo)
+
+    @property
+    def downstream_wait_s(self) -> float:
+        """Seconds the consumer waited for downstream DALI batches."""
+        return 0.0 if self._queue is None else self._queue.wait_s
+
+    @property
+    def copies_discarded(self) -> int:
+        """Real copies still queued when a reset ended the pass (0 unless the epoch length
+        DALI's iterator was told is wrong)."""
+        return 0 if self._queue is None else self._queue.copies_discarded
 
     @property
     def upstream_alive(self) -> bool:
         """True while the free-running upstream thread is alive."""
-        return self._runner.alive
+        return self._runner is not None and self._runner.alive
 
     def close(self) -> None:
         """Closes the cache (waking every blocked operator) and joins the upstream thread."""
         self._closed = True
-        self._finalizer()
+        self._resources.close()
+
+    # -- the upstream's reports --
+
+    def _built_parts(self) -> tuple[UpstreamRunner, DownstreamQueue]:
+        if self._runner is None or self._queue is None:
+            raise RuntimeError("the DALI pipelines are not built yet (call build())")
+        return self._runner, self._queue
+
+    @property
+    def upstream_batch_size(self) -> int:
+        """The reader's batch size (samples per upstream iteration)."""
+        return int(self.config.upstream_batch_size)
+
+    @property
+    def echo_factor(self) -> float:
+        """The current echo factor (:meth:`set_echo_factor`)."""
+        return float(self.config.echo.factor)
+
+    def describe_upstream_error(self, error: BaseException) -> BaseException:
+        """The exception the consumer gets when the upstream DALI pipeline raised ``error``.
+
+        Returns what the ``on_upstream_error`` callback returned, if anything, else a
+        ``RuntimeError`` saying the upstream failed. Subclasses override it to name the cause
+        (the ImageNet builders name the file DALI's decoder rejected). The caller chains the
+        result to ``error``.
+        """
+        if self._on_upstream_error is not None:
+            described = self._on_upstream_error(error)
+            if described is not None:
+                return described
+        return RuntimeError(f"the upstream DALI pipeline failed: {error}")
+
+    def _upstream_failed(self, error: BaseException) -> BaseException:
+        described = self.describe_upstream_error(error)
+        if described is not error and described.__cause__ is None:
+            described.__cause__ = error
+        return described
+
+    def _raise_runner_error(self) -> None:
+        error = None if self._runner is None else self._runner.error
+        if error is not None:
+            raise self._upstream_failed(error)
+
+    def upstream_time(self) -> tuple[int, float]:
+        """``(upstream batches run, seconds they took)`` so far, in either mode, each timed by
+        the thread that runs it (restored with a checkpoint)."""
+        if self._runner is None:
+            return 0, 0.0
+        batches, seconds, _ = self._runner.timing()
+        return batches, seconds
+
+    def stats(self) -> PipelineStats:
+        """Cache statistics plus upstream counters and timing (see :class:`PipelineStats`)."""
+        s = self.cache.stats()
+        batches, seconds = self.upstream_time()
+        return PipelineStats(
+            fresh_in=int(s.fresh_in),
+            emitted=int(s.emitted),
+            resident=int(s.resident),
+            tickets_left=int(s.tickets_left),
+            upstream_batches=batches,
+            t_up_total_s=seconds,
+            t_up_per_batch_s=per_batch_seconds(
+                batches, seconds, self.batch_size, self.upstream_batch_size
+            ),
+            upstream_epochs=0 if self._runner is None else self._runner.epoch_index,
+            upstream_wait_s=self.upstream_wait_s,
+            downstream_wait_s=self.downstream_wait_s,
+            copies_discarded=self.copies_discarded,
+            emit_histogram=list(s.emit_histogram),
+        )
 
     def __repr__(self) -> str:
         # DALI's proxy mode (DALIServer) names a pipeline it cannot take by its repr: this says
         # why and what to do instead, in that one line.
         return (
-            f"EchoPipeline({self.cache_name!r}, echo_factor={self.config.echo_factor:g}): a pair "
+            f"EchoPipeline({self.cache_name!r}, echo_factor={self.config.echo.factor:g}): a pair "
             "of DALI pipelines joined by an echo cache, not one nvidia.dali.Pipeline; DALI's "
             "proxy mode (DALIServer) maps each output batch to one input batch, which echoing "
             "cannot keep; build the proxy pipeline without echo() and wrap the proxy's "
             "DataLoader in echopipe.torch.EchoLoader to echo its batches"
         )
-
-    def __enter__(self) -> EchoPipeline:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

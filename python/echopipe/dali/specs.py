@@ -20,6 +20,8 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from ..echo.config import EchoConfig
+
 DecodeDevice = Literal["cpu", "mixed"]
 OutputDType = Literal["float", "half"]
 OnCorrupt = Literal["error", "skip"]
@@ -83,7 +85,7 @@ class EchoSpec:
     """Where and how samples are echoed, and the cache that holds them.
 
     Attributes:
-        echo_factor: mean emissions per fresh sample (>= 1).
+        echo_factor: mean emissions per fresh sample, in [1, MAX_ECHO_FACTOR].
         echo_insert: ``"after_decode"`` or ``"after_augment"`` (copies are then identical).
         echo_mode: ``"example"`` (single samples) or ``"batch"`` (whole upstream batches).
         shuffle_buffer: samples resident before a draw (default 4 batches' worth).
@@ -110,6 +112,27 @@ class EchoSpec:
     deterministic: bool = False
     memory: str = "auto"
     enable_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        # Each echo value is checked here, once, against the core's bounds (EchoConfigError
+        # names the spec's field), so a bad value is refused before anything is built.
+        for spec_name, name in _ECHO_FIELDS.items():
+            EchoConfig.check_field(name, getattr(self, spec_name), spec_name)
+
+    def echo_config(self) -> EchoConfig:
+        """The :class:`~echopipe.echo.EchoConfig` these fields make."""
+        return EchoConfig(**{name: getattr(self, s) for s, name in _ECHO_FIELDS.items()})
+
+
+#: EchoSpec's fields that make its EchoConfig, and the EchoConfig field each sets.
+_ECHO_FIELDS = {
+    "echo_factor": "factor",
+    "echo_insert": "placement",
+    "echo_mode": "mode",
+    "shuffle_buffer": "shuffle_buffer",
+    "cache_bytes": "cache_bytes",
+    "memory": "memory",
+}
 
 
 _SPECS: tuple[type, ...] = (ReaderSpec, AugmentSpec, EchoSpec)

@@ -2,17 +2,56 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
+from .epochs import ReaderEpochs
 from .host_copy import host_dense
 
-if TYPE_CHECKING:
-    from .pipeline import EchoPipeline
-
 _POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class UpstreamPlan:
+    """What the runner follows, fixed once the DALI pipelines are built.
+
+    Attributes:
+        batch_size, upstream_batch_size: downstream and reader batch sizes.
+        shuffle_buffer: samples the cache holds before the first draw.
+        epochs: reader epochs per pass (``None``: free-running, never ends).
+        deterministic: run on demand in the consumer's thread instead of a thread of its own.
+        iterations_per_epoch: upstream iterations per reader epoch.
+        reader_epochs: the reader's geometry (``None`` without a reader).
+    """
+
+    batch_size: int
+    upstream_batch_size: int
+    shuffle_buffer: int
+    epochs: int | None
+    deterministic: bool
+    iterations_per_epoch: int
+    reader_epochs: ReaderEpochs | None
+
+
+class UpstreamResources:
+    """What closing a pipeline frees: its cache and its runner. The finalizer holds this, not
+    the pipeline, so it sees a cache or a runner the pipeline replaced."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        self.runner: UpstreamRunner | None = None
+
+    def close(self) -> None:
+        # Closing the cache first wakes a sink or source blocked inside DALI; then the thread
+        # can end.
+        with contextlib.suppress(Exception):
+            self.cache.close()
+        if self.runner is not None:
+            self.runner.stop()
 
 
 class UpstreamRunner:
@@ -25,13 +64,16 @@ class UpstreamRunner:
     puts and draws and so makes the stream a pure function of the seed and the input order.
     """
 
-    def __init__(self, owner: EchoPipeline) -> None:
-        self._owner = owner
+    def __init__(self, cache: Any, upstream: Any, plan: UpstreamPlan, name: str) -> None:
+        self._cache = cache
+        self._upstream = upstream
+        self._plan = plan
+        self._name = name
         self.fresh_in = 0
         self.iterations = 0
         self.epoch_index = 0
         self.iter_in_epoch = 0
-        self.ended = False
+        self._ended = False
         self.error: BaseException | None = None
         self.max_sample_bytes = 0  # deterministic mode: largest sample stored, in cache bytes
         # Seconds inside upstream.run(), written by the runner thread, read by the consumer.
@@ -44,45 +86,53 @@ class UpstreamRunner:
 
     # -- bookkeeping shared by both modes --
 
+    @property
+    def ended(self) -> bool:
+        """True once the pass's last reader epoch was run (and the cache told so)."""
+        return self._ended
+
+    def next_pass(self) -> None:
+        """Lets the runner go on with the next pass of an epoch-aligned stream."""
+        self._ended = False
+
     def step(self) -> bool:
         """Runs one upstream iteration; False (and end_of_input) once a finite run is complete."""
-        owner = self._owner
-        cfg = owner.config
-        if self.ended:
+        plan, cache = self._plan, self._cache
+        if self._ended:
             return False
-        if cfg.epochs is not None and self.iter_in_epoch == 0:
+        if plan.epochs is not None and self.iter_in_epoch == 0 and plan.reader_epochs:
             # Only the reader epoch's own files: its padding (pad_last_batch) is never stored.
-            owner.cache.quota = owner.reader_epochs.fresh(self.epoch_index)
-        bytes_before = owner.cache.stats().bytes_used if cfg.deterministic else 0
+            cache.quota = plan.reader_epochs.fresh(self.epoch_index)
+        bytes_before = cache.stats().bytes_used if plan.deterministic else 0
         t0 = time.perf_counter()
-        outputs = owner.upstream.run()
+        outputs = self._upstream.run()
         elapsed = time.perf_counter() - t0
         stored = int(host_dense(outputs[0]).sum())
-        if cfg.deterministic and stored:
+        if plan.deterministic and stored:
             # Nothing else touches the cache meanwhile: the growth is this batch's bytes.
-            grown = owner.cache.stats().bytes_used - bytes_before
+            grown = cache.stats().bytes_used - bytes_before
             self.max_sample_bytes = max(self.max_sample_bytes, math.ceil(grown / stored))
         with self._timing_lock:
             self.fresh_in += stored
             self.iterations += 1
             self.seconds += elapsed
         self.iter_in_epoch += 1
-        if self.iter_in_epoch >= owner.iterations_per_epoch:
+        if self.iter_in_epoch >= plan.iterations_per_epoch:
             self.iter_in_epoch = 0
             self.epoch_index += 1
-            if cfg.epochs is not None and self.epoch_index % cfg.epochs == 0:
-                self.ended = True
-                owner.cache.end_of_input()
+            if plan.epochs is not None and self.epoch_index % plan.epochs == 0:
+                self._ended = True
+                cache.end_of_input()
         return True
 
     def room_for_batch(self) -> bool:
-        stats = self._owner.cache.stats()
-        return stats.capacity_samples - stats.resident >= self._owner.config.upstream_batch_size
+        stats = self._cache.stats()
+        return stats.capacity_samples - stats.resident >= self._plan.upstream_batch_size
 
     def bytes_for_batch(self) -> bool:
         """Room by bytes for one more upstream batch of samples as large as the largest yet."""
-        stats = self._owner.cache.stats()
-        need = self.max_sample_bytes * self._owner.config.upstream_batch_size
+        stats = self._cache.stats()
+        need = self.max_sample_bytes * self._plan.upstream_batch_size
         return stats.capacity_bytes - stats.bytes_used >= need
 
     def fill(self) -> None:
@@ -93,29 +143,36 @@ class UpstreamRunner:
         that leaves fewer samples than the first draw waits for, ValueError says so instead of
         waiting forever.
         """
-        while not self.ended and self.room_for_batch() and self.bytes_for_batch():
+        try:
+            self._fill()
+        except Exception as exc:  # kept, so that every later call reports it too
+            self.error = exc
+            raise
+
+    def _fill(self) -> None:
+        while not self._ended and self.room_for_batch() and self.bytes_for_batch():
             self.step()
-        if self.ended or self.bytes_for_batch():
+        if self._ended or self.bytes_for_batch():
             return  # stopped by slots, which always leave room for the first draw
-        cfg = self._owner.config
-        stats = self._owner.cache.stats()
-        wanted = max(cfg.shuffle_buffer, cfg.batch_size)
+        plan = self._plan
+        stats = self._cache.stats()
+        wanted = max(plan.shuffle_buffer, plan.batch_size)
         if stats.resident_with_tickets < wanted:
             raise ValueError(
                 f"cache_bytes={stats.capacity_bytes} holds only {stats.resident} samples of up "
                 f"to {self.max_sample_bytes} bytes, but a deterministic pipeline's first draw "
                 f"needs {wanted} (max(shuffle_buffer, batch_size)); raise cache_bytes to at "
-                f"least {(wanted + cfg.upstream_batch_size) * self.max_sample_bytes} or lower "
+                f"least {(wanted + plan.upstream_batch_size) * self.max_sample_bytes} or lower "
                 "shuffle_buffer"
             )
 
     # -- free-running thread --
 
     def start(self) -> None:
-        if self._owner.config.deterministic or self._thread is not None:
+        if self._plan.deterministic or self._thread is not None:
             return
         self._thread = threading.Thread(
-            target=self._loop, name=f"echopipe-upstream-{self._owner.cache_name}", daemon=True
+            target=self._loop, name=f"echopipe-upstream-{self._name}", daemon=True
         )
         self._thread.start()
 
@@ -127,18 +184,18 @@ class UpstreamRunner:
                     self._stop.wait(_POLL_S)
                     continue
                 self._paused.clear()
-                if self.ended:
+                if self._ended:
                     self._stop.wait(_POLL_S)
                     continue
                 try:  # a native wait (no stats() polling), bounded so stop/pause are seen
-                    self._owner.cache.wait_for_room(self._owner.config.upstream_batch_size, 0.05)
+                    self._cache.wait_for_room(self._plan.upstream_batch_size, 0.05)
                 except TimeoutError:
                     continue
                 self.step()
         except BaseException as exc:  # reported to the consumer, which re-raises it
             if not self._stop.is_set():
                 self.error = exc
-                self._owner.cache.close()
+                self._cache.close()
         finally:
             self._paused.set()
 
@@ -179,7 +236,7 @@ class UpstreamRunner:
             "seconds": self.seconds,
             "epoch_index": self.epoch_index,
             "iter_in_epoch": self.iter_in_epoch,
-            "ended": self.ended,
+            "ended": self._ended,
         }
 
     def load(self, state: dict[str, Any]) -> None:
@@ -188,96 +245,4 @@ class UpstreamRunner:
         self.seconds = float(state.get("seconds", 0.0))
         self.epoch_index = int(state["epoch_index"])
         self.iter_in_epoch = int(state["iter_in_epoch"])
-        self.ended = bool(state["ended"])
-
-
-class UpstreamReports:
-    """Mixin for :class:`EchoPipeline`: the upstream's timing, counters and errors."""
-
-    # Set by EchoPipeline; declared here for readers and type checkers.
-    config: Any
-    cache: Any
-    upstream_wait_s: float
-    downstream_wait_s: float
-    _runner: UpstreamRunner
-    copies_discarded: int
-    _on_upstream_error: Any
-
-    def describe_upstream_error(self, error: BaseException) -> BaseException:
-        """The exception the consumer gets when the upstream DALI pipeline raised ``error``.
-
-        Returns what the ``on_upstream_error`` callback returned, if anything, else a
-        ``RuntimeError`` saying the upstream failed. Subclasses override it to name the cause
-        (the ImageNet builders name the file DALI's decoder rejected). The caller chains the
-        result to ``error``.
-        """
-        if self._on_upstream_error is not None:
-            described = self._on_upstream_error(error)
-            if described is not None:
-                return described
-        return RuntimeError(f"the upstream DALI pipeline failed: {error}")
-
-    def _upstream_failed(self, error: BaseException) -> BaseException:
-        described = self.describe_upstream_error(error)
-        if described is not error and described.__cause__ is None:
-            described.__cause__ = error
-        return described
-
-    def _raise_runner_error(self) -> None:
-        error = self._runner.error
-        if error is not None:
-            raise self._upstream_failed(error)
-
-    def upstream_time(self) -> tuple[int, float]:
-        """``(upstream batches run, seconds they took)`` so far, in either mode.
-
-        Each upstream batch is one ``upstream.run()`` of ``upstream_batch_size`` reader samples,
-        timed by the thread that runs it (restored with a checkpoint).
-        """
-        batches, seconds, _ = self._runner.timing()
-        return batches, seconds
-
-    def upstream_step_seconds(self) -> float:
-        """``t_up``: upstream seconds per downstream batch of fresh samples (nan before any).
-
-        The mean time of one upstream iteration (``upstream.run()``: read, decode, whatever
-        precedes :func:`echo`; timed in both modes), scaled from ``upstream_batch_size`` to
-        ``batch_size`` samples. With ``t_down`` the consumer's time per step, ``R = t_up /
-        t_down`` is the echo factor that keeps both sides busy.
-        """
-        batches, seconds, _ = self._runner.timing()
-        return self._per_step(batches, seconds)
-
-    def _per_step(self, batches: int, seconds: float) -> float:
-        if batches == 0:
-            return math.nan
-        cfg = self.config
-        return seconds / batches * cfg.batch_size / cfg.upstream_batch_size
-
-    def stats(self) -> dict[str, Any]:
-        """Cache statistics plus upstream counters and timing.
-
-        Keys: ``fresh_in``, ``emitted``, ``resident``, ``tickets_left``, ``emit_histogram``
-        (cache); ``upstream_batches`` (upstream iterations run), ``upstream_time_s`` (seconds
-        in them), ``upstream_epochs``, ``upstream_fresh_stored``; ``t_up``
-        (:meth:`upstream_step_seconds`); ``upstream_wait_s`` and ``downstream_wait_s`` (see the
-        attributes); ``copies_discarded``: real copies a reset found still queued after DALI's
-        iterator had counted its epoch (0 unless the epoch length DALI was told is wrong).
-        """
-        s = self.cache.stats()
-        batches, seconds, stored = self._runner.timing()
-        return {
-            "fresh_in": int(s.fresh_in),
-            "emitted": int(s.emitted),
-            "resident": int(s.resident),
-            "tickets_left": int(s.tickets_left),
-            "upstream_batches": batches,
-            "upstream_time_s": seconds,
-            "upstream_epochs": self._runner.epoch_index,
-            "upstream_fresh_stored": stored,
-            "t_up": self._per_step(batches, seconds),
-            "upstream_wait_s": self.upstream_wait_s,
-            "downstream_wait_s": self.downstream_wait_s,
-            "copies_discarded": self.copies_discarded,
-            "emit_histogram": list(s.emit_histogram),
-        }
+        self._ended = bool(state["ended"])

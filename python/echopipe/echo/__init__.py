@@ -1,6 +1,7 @@
 """The echo cache's Python side: the cache, its put/take paths, what it hands back, the device
 gather and its leases, the arena's memory kind, and the controller that picks the echo factor.
 
+* :mod:`.config`: :class:`EchoConfig`, what echoing takes and its bounds (the core's);
 * :mod:`.cache`: :class:`EchoCache`, construction, lifetime, stats and state;
 * :mod:`.transfer`: host arrays in, samples and batches out (:class:`~.transfer.CacheIO`);
 * :mod:`.values`: the errors (one hierarchy under :class:`EchoCacheError`), :class:`EchoStats`,
@@ -14,6 +15,7 @@ gather and its leases, the arena's memory kind, and the controller that picks th
 from __future__ import annotations
 
 from .cache import EchoCache, copies_per_epoch
+from .config import EchoConfig, EchoConfigError
 from .controller import EchoChange, EchoController
 from .values import (
     CacheClosedError,
@@ -33,6 +35,8 @@ __all__ = [
     "EchoCache",
     "EchoCacheError",
     "EchoChange",
+    "EchoConfig",
+    "EchoConfigError",
     "EchoController",
     "EchoSample",
     "EchoStats",

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..native import core
 from . import device_gather
+from .config import check_factor
 from .transfer import CacheIO, torch_module
 from .values import EchoSample, EchoStats, SampleTooLargeError
 
@@ -75,18 +76,6 @@ def _register_exit_hook() -> None:
 
 
 _register_exit_hook()
-
-
-def _check_echo_factor(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"echo_factor must be a number >= 1, got {value!r}")
-    try:
-        e = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"echo_factor must be a number >= 1, got {value!r}") from None
-    if not e >= 1 or not math.isfinite(e) or e > 65535:
-        raise ValueError(f"echo_factor must be a finite number in [1, 65535], got {value!r}")
-    return e
 
 
 class EchoCache(CacheIO):
@@ -139,7 +128,7 @@ class EchoCache(CacheIO):
         ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{arg} must be a non-negative integer, got {value!r}")
-        e = _check_echo_factor(echo_factor)
+        e = float(check_factor(echo_factor, "echo_factor"))
         if mode not in ("example", "batch"):
             raise ValueError(f"mode must be 'example' or 'batch', got {mode!r}")
         if mode == "batch":
@@ -193,12 +182,12 @@ class EchoCache(CacheIO):
         """Current echo factor e. Setting it (any thread, lock-free) applies to samples
         committed afterwards (batch mode: batches closed afterwards); samples already in the cache
         keep their tickets, so each is still emitted exactly its ticket count. A value that is not
-        a finite number in [1, 65535] is a ValueError naming it."""
+        a finite number in [1, MAX_ECHO_FACTOR] is an EchoConfigError (a ValueError) naming it."""
         return float(self._native.echo_factor)
 
     @echo_factor.setter
     def echo_factor(self, value: float) -> None:
-        self._native.echo_factor = _check_echo_factor(value)
+        self._native.echo_factor = float(check_factor(value, "echo_factor"))
 
     @property
     def refused_sample(self) -> SampleTooLargeError | None:

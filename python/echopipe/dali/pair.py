@@ -1,0 +1,149 @@
+"""Building the two DALI pipelines of an :class:`~echopipe.dali.EchoPipeline` from one function.
+
+:func:`build_pair` traces the pipeline function once per part (:mod:`.tracing`), learns the
+reader's epochs from the built upstream (:func:`~.epochs.epoch_geometry`), and asks the caller
+for a new cache when the built pipeline shows the cache must be another one (an arena on the
+device, or exact copy totals per epoch). It holds no state: everything comes in as arguments
+and goes out in a :class:`BuiltPair`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..echo.memory import resolve_memory
+from .config import EchoPipelineConfig
+from .epochs import EpochGeometry, epoch_geometry
+from .tracing import Trace, trace
+
+
+@dataclass(frozen=True)
+class PairSettings:
+    """How the DALI pipelines are made: the function and DALI's own settings."""
+
+    fn: Callable[..., Any]
+    fn_args: Sequence[Any]
+    fn_kwargs: dict[str, Any]
+    cache_name: str
+    num_threads: int
+    upstream_num_threads: int
+    device_id: int | None
+    prefetch: int
+    enable_checkpointing: bool
+    pipeline_kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BuiltPair:
+    """The built pipelines and what building them resolved."""
+
+    upstream: Any
+    downstream: Any
+    num_fields: int
+    num_outputs: int
+    geometry: EpochGeometry
+    config: EchoPipelineConfig  # epochs resolved, memory placed
+    cache_epoch_size: int
+
+
+#: Called with the config and epoch size a new, empty cache under the same name must have.
+ReplaceCache = Callable[[EchoPipelineConfig, int], None]
+
+
+def trace_stage(settings: PairSettings, stage: str, pipe: Any) -> tuple[Trace, list[Any]]:
+    """The function traced into ``pipe`` as part ``stage``; its outputs as a list."""
+
+    def build() -> Any:
+        with pipe:
+            return settings.fn(*settings.fn_args, **settings.fn_kwargs)
+
+    state, result = trace(Trace(stage=stage, cache_name=settings.cache_name), build)
+    if state.calls == 0:
+        name = getattr(settings.fn, "__name__", settings.fn)
+        raise RuntimeError(
+            f"{name} never called echopipe.dali.echo(); "
+            "mark the echo point with `images, labels = echo(images, labels)`"
+        )
+    outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+    return state, outputs
+
+
+def build_pair(
+    settings: PairSettings,
+    config: EchoPipelineConfig,
+    cache_epoch_size: int,
+    restore: dict[str, Any],
+    replace_cache: ReplaceCache,
+) -> BuiltPair:
+    """Builds both DALI pipelines (nothing runs), with DALI's checkpoints from ``restore``."""
+    from nvidia.dali import Pipeline
+
+    extra = dict(settings.pipeline_kwargs)
+    seed = int(extra.pop("seed", config.seed))
+    up_kwargs: dict[str, Any] = dict(device_id=settings.device_id, seed=seed, **extra)
+    # Its own seed, so downstream augmentations do not replay the upstream's random numbers.
+    down_kwargs: dict[str, Any] = dict(device_id=settings.device_id, seed=seed + 1, **extra)
+    if settings.enable_checkpointing:
+        up_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_upstream"))
+        down_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_downstream"))
+
+    def build_upstream(cfg: EchoPipelineConfig) -> tuple[Any, Trace, EchoPipelineConfig]:
+        # Depth 1 upstream: when run() returns, no later iteration has touched the cache yet.
+        upstream = Pipeline(
+            batch_size=cfg.upstream_batch_size,
+            num_threads=settings.upstream_num_threads,
+            prefetch_queue_depth=1,
+            **up_kwargs,
+        )
+        up_state, _ = trace_stage(settings, "upstream", upstream)
+        placed = _placed(cfg, up_state.devices, settings.device_id)
+        if placed is not cfg:
+            replace_cache(placed, cache_epoch_size)
+        upstream.set_outputs(up_state.sink)
+        upstream.build()
+        return upstream, up_state, placed
+
+    upstream, up_state, config = build_upstream(config)
+    geometry = epoch_geometry(upstream.reader_meta(), config.epochs, config.upstream_batch_size)
+    config = replace(config, epochs=geometry.epochs)
+    blocks = geometry.units(config.echo.mode, config.upstream_batch_size)
+    if blocks != cache_epoch_size:
+        # Exact copy totals per epoch need the cache to count the epoch's units, which only
+        # the built reader tells; its sink holds the old cache, so the upstream is built again.
+        cache_epoch_size = blocks
+        replace_cache(config, cache_epoch_size)
+        upstream, up_state, config = build_upstream(config)
+    downstream = Pipeline(
+        batch_size=config.batch_size,
+        num_threads=settings.num_threads,
+        prefetch_queue_depth=settings.prefetch,
+        **down_kwargs,
+    )
+    down_state, outputs = trace_stage(settings, "downstream", downstream)
+    downstream.set_outputs(*outputs, down_state.info)
+    downstream.build()
+    # Only echopipe drives this pipeline; DALI's check against mixing its run APIs would
+    # reject a checkpoint taken between a DALI iterator's steps.
+    downstream.enable_api_check(False)
+    return BuiltPair(
+        upstream, downstream, up_state.num_fields, len(outputs), geometry, config, cache_epoch_size
+    )
+
+
+def _placed(
+    config: EchoPipelineConfig, devices: list[str], device_id: int | None
+) -> EchoPipelineConfig:
+    """``memory="auto"`` with the echo input on the GPU: the cache moves to the device arena
+    when it fits (:func:`echopipe.echo.memory.choose_memory`). The trace is the first place
+    that knows where the input lives; nothing has used the cache yet (DALI builds before
+    anything runs, and a checkpoint is applied after the build)."""
+    if config.echo.memory != "auto" or "gpu" not in devices:
+        return config
+    memory = resolve_memory(
+        "auto", input_device="gpu", arena_bytes=config.echo.cache_bytes, device_id=device_id
+    )
+    if memory != "device":
+        return config
+    return replace(config, echo=replace(config.echo, memory=memory))

@@ -1,0 +1,211 @@
+"""The downstream side of an :class:`~echopipe.dali.EchoPipeline`: DALI's queue of scheduled
+iterations, the batches restored from a checkpoint, and where the pass stands.
+
+:class:`DownstreamQueue` is given the built downstream DALI pipeline, its prefetch depth, and two
+callables of the pipeline: ``fill`` (deterministic mode: fill the cache before an iteration) and
+``check_upstream`` (raise the upstream's error, if any). It is the only holder of this state;
+DALI's iterators and :meth:`EchoPipeline.next_batch` both draw through it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .host_copy import host_dense, to_numpy
+
+Batch = tuple[list[Any], np.ndarray]
+
+
+class DownstreamQueue:
+    """Scheduled downstream iterations, restored batches, and the pass's counters.
+
+    Attributes:
+        stash: batches restored from a checkpoint (numpy), handed out before new ones.
+        handed: real copies handed out in this pass.
+        input_done: the pass's end was drawn (a batch without a real sample).
+        exhausted: nothing more to hand out in this pass.
+        wait_s: seconds the consumer waited for downstream batches.
+        copies_discarded: real copies still queued when a reset ended the pass.
+    """
+
+    def __init__(
+        self,
+        downstream: Any,
+        prefetch: int,
+        deterministic: bool,
+        fill: Callable[[], None],
+        check_upstream: Callable[[], None],
+    ) -> None:
+        self._downstream = downstream
+        self._prefetch = prefetch
+        self._deterministic = deterministic
+        self._fill = fill
+        self._check_upstream = check_upstream
+        self._scheduled = 0
+        self._dali_prefetched = False
+        self._shared = False
+        self.stash: list[Batch] = []
+        self.handed = 0
+        self.input_done = False
+        self.exhausted = False
+        self.wait_s = 0.0
+        self.copies_discarded = 0
+
+    def next_batch(self) -> Batch:
+        """Next batch: (pipeline outputs, info); StopIteration at the end of a finite pass."""
+        if self.stash:
+            return self._from_stash()
+        if self.exhausted:
+            raise StopIteration
+        self._check_upstream()
+        if self._deterministic:
+            self._fill()
+            t0 = time.perf_counter()
+            self._downstream.schedule_run()
+            self._scheduled += 1
+        else:
+            t0 = time.perf_counter()
+            self._schedule_free_running()
+        if self._scheduled == 0:
+            self.exhausted = True
+            raise StopIteration
+        try:
+            outputs = list(self._downstream.outputs())
+        except Exception:
+            self._check_upstream()
+            raise
+        self._scheduled -= 1
+        self.wait_s += time.perf_counter() - t0
+        info = self._end_of_stream(outputs[-1])
+        if info is None:
+            raise StopIteration
+        if not self._deterministic:
+            self._downstream.schedule_run()
+            self._scheduled += 1
+        self.handed += int(info[:, 0].sum())
+        return outputs[:-1], info
+
+    def _from_stash(self) -> Batch:
+        outputs, info = self.stash.pop(0)
+        self.handed += int(info[:, 0].sum())
+        return outputs, info
+
+    def _schedule_free_running(self) -> None:
+        if self._scheduled == 0 and not self.input_done:
+            # DALI prefetches the whole queue on its first schedule_run() only.
+            first = not self._dali_prefetched
+            self._dali_prefetched = True
+            for _ in range(1 if first else self._prefetch):
+                self._downstream.schedule_run()
+            self._scheduled = self._prefetch
+
+    def _end_of_stream(self, info_list: Any) -> np.ndarray | None:
+        """The batch's ``info`` as numpy, or None (and the pass marked ended) when it holds
+        no real sample. Only such a batch ends the pass: in batch mode the input's short last
+        unit can make a batch short while whole units are still to come."""
+        info = host_dense(info_list)
+        if info[:, 0].any():
+            return info
+        self.input_done = True
+        self.exhausted = True
+        return None
+
+    # -- DALI's run API (what its iterators call) --
+
+    def schedule_run(self) -> None:
+        """Schedules iterations up to the prefetch depth (fills the cache first in
+        deterministic mode)."""
+        if self._dali_prefetched and self._scheduled >= self._prefetch:
+            return  # batches restored from a checkpoint took the places of scheduled ones
+        if self._deterministic:
+            self._fill()
+        if not self._dali_prefetched:
+            # DALI's first schedule_run prefetches its whole queue, later ones run one iteration.
+            self._dali_prefetched = True
+            self._downstream.schedule_run()
+            self._scheduled += self._prefetch
+            return
+        # An empty queue (after an epoch's reset drained it) is refilled to the full depth.
+        for _ in range(self._prefetch if self._scheduled == 0 else 1):
+            self._downstream.schedule_run()
+            self._scheduled += 1
+
+    def share_outputs(self) -> tuple[Any, ...]:
+        """The next batch's outputs without ``info``; StopIteration at the end of a pass."""
+        if self.stash:
+            arrays, _ = self._from_stash()
+            return tuple(_as_tensor_list(a) for a in arrays)
+        if self.exhausted:
+            raise StopIteration
+        self._check_upstream()
+        if self._scheduled == 0:
+            self.schedule_run()
+        try:
+            outputs = self._downstream.share_outputs()
+        except Exception:
+            self._check_upstream()
+            raise
+        self._scheduled -= 1
+        info = self._end_of_stream(outputs[-1])
+        if info is None:
+            self._downstream.release_outputs()
+            raise StopIteration
+        self.handed += int(info[:, 0].sum())
+        self._shared = True
+        return tuple(outputs[:-1])
+
+    def release_outputs(self) -> None:
+        """Returns the buffers of the last :meth:`share_outputs` to DALI."""
+        if self._shared:
+            self._shared = False
+            self._downstream.release_outputs()
+
+    def empty(self) -> bool:
+        """True when no batch is scheduled or restored and waiting to be taken."""
+        return self._scheduled == 0 and not self.stash
+
+    # -- passes and checkpoints --
+
+    def take_prepared(self) -> None:
+        """Moves the batches DALI already prepared into the stash (as numpy), for a checkpoint
+        that must hold them; they are handed out first afterwards."""
+        self.release_outputs()
+        while self._scheduled > 0:
+            outputs = list(self._downstream.outputs())
+            self._scheduled -= 1
+            info = host_dense(outputs[-1])
+            if int(info[:, 0].sum()) > 0:
+                self.stash.append(([to_numpy(o) for o in outputs[:-1]], info))
+
+    def end_pass(self) -> None:
+        """Clears the ended pass: the iterations scheduled after its end hold padding only
+        (a real copy among them is counted in :attr:`copies_discarded`)."""
+        self.release_outputs()
+        while self._scheduled > 0:
+            info = host_dense(self._downstream.outputs()[-1])
+            self.copies_discarded += int(info[:, 0].sum())
+            self._scheduled -= 1
+        self.stash.clear()
+        self.input_done = False
+        self.exhausted = False
+        self.handed = 0
+
+    def restore(self, stash: list[Batch], input_done: bool, handed: int, wait_s: float) -> None:
+        """Takes a checkpoint's batches and counters (before anything ran)."""
+        self.stash = [(list(arrays), info) for arrays, info in stash]
+        self.input_done = bool(input_done)
+        self.handed = int(handed)
+        self.wait_s = float(wait_s)
+
+
+def _as_tensor_list(value: Any) -> Any:
+    """A stashed numpy batch (dense array or list of samples) as a DALI CPU TensorList."""
+    from nvidia.dali.backend import TensorListCPU
+
+    if isinstance(value, np.ndarray):
+        return TensorListCPU(np.ascontiguousarray(value))
+    return TensorListCPU([np.ascontiguousarray(v) for v in value])

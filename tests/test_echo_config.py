@@ -1,0 +1,159 @@
+"""One echo configuration: each field's bound (the native core's), one typed error, and no other
+module writing an echo-factor bound."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from echopipe.dali import EchoPipelineConfig, EchoSpec, echo, echo_pipeline_def
+from echopipe.echo import EchoCache, EchoConfig, EchoConfigError
+from echopipe.echo.config import (
+    MAX_CAPACITY_SAMPLES,
+    MAX_ECHO_FACTOR,
+    MAX_EPOCH_SIZE,
+    MIN_CAPACITY_BYTES,
+    check_factor,
+)
+from echopipe.native import core
+
+PACKAGE = Path(__file__).resolve().parents[1] / "python" / "echopipe"
+
+GOOD: dict[str, list[Any]] = {
+    "factor": [1, 1.0, 2.5, MAX_ECHO_FACTOR, np.float32(3.0), "auto"],
+    "factor_max": [1.0, 4, MAX_ECHO_FACTOR],
+    "placement": ["after_decode", "after_augment"],
+    "mode": ["example", "batch"],
+    "shuffle_buffer": [None, 0, 64, MAX_CAPACITY_SAMPLES],
+    "cache_bytes": [MIN_CAPACITY_BYTES, 256 << 20],
+    "memory": ["auto", "pageable", "pinned", "device"],
+}
+BAD: dict[str, list[Any]] = {
+    "factor": [0.5, 0, MAX_ECHO_FACTOR + 1, math.nan, math.inf, True, "2", None, "Auto"],
+    "factor_max": [0.99, MAX_ECHO_FACTOR + 1, 1e9, "auto", math.inf, False],
+    "placement": ["before_decode", None, 1],
+    "mode": ["examples", "", None],
+    "shuffle_buffer": [-1, MAX_CAPACITY_SAMPLES + 1, 1.5, True],
+    "cache_bytes": [MIN_CAPACITY_BYTES - 1, 0, -1, 1.0e6, None],
+    "memory": ["host", "cuda", None],
+}
+
+
+def test_the_bounds_are_the_native_cores() -> None:
+    assert (MAX_ECHO_FACTOR, MIN_CAPACITY_BYTES) == (core.MAX_ECHO_FACTOR, core.MIN_CAPACITY_BYTES)
+    assert (MAX_CAPACITY_SAMPLES, MAX_EPOCH_SIZE) == (
+        core.MAX_CAPACITY_SAMPLES,
+        core.MAX_EPOCH_SIZE,
+    )
+    assert MAX_ECHO_FACTOR == 65535  # the tickets' 16 bits
+    # The core itself takes the largest factor and refuses the next one.
+    kwargs = dict(capacity_bytes=1 << 12, capacity_samples=8, min_fill=0, seed=0, mode="example")
+    kwargs.update(batch_size=1, memory="pageable", epoch_size=0)
+    native = core.EchoCache(echo_factor=MAX_ECHO_FACTOR, name="cfg-bound", **kwargs)
+    native.close()
+    core.remove_cache("cfg-bound")
+    with pytest.raises(ValueError):
+        core.EchoCache(echo_factor=MAX_ECHO_FACTOR + 1, name="cfg-over", **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(GOOD))
+def test_each_field_takes_the_values_in_its_bound(name: str) -> None:
+    for value in GOOD[name]:
+        config = EchoConfig(**{name: value})
+        assert getattr(config, name) == value
+        assert EchoConfig.check_field(name, value) == value
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_each_field_refuses_values_out_of_its_bound_naming_field_and_value(name: str) -> None:
+    for value in BAD[name]:
+        with pytest.raises(EchoConfigError) as caught:
+            EchoConfig(**{name: value})
+        assert caught.value.field == name and caught.value.value is value
+        assert str(caught.value).startswith(f"{name} must be ")
+        assert str(caught.value).endswith(f"got {value!r}")
+        with pytest.raises(EchoConfigError):
+            EchoConfig.check_field(name, value)
+
+
+def test_the_error_is_a_value_error_and_a_label_names_the_callers_option() -> None:
+    assert issubclass(EchoConfigError, ValueError)
+    with pytest.raises(EchoConfigError) as caught:
+        EchoConfig.check_field("factor_max", 1e9, "--echo-max")
+    assert caught.value.field == "--echo-max"
+    assert str(caught.value) == f"--echo-max must be a finite number in [1, 65535], got {1e9!r}"
+    with pytest.raises(KeyError, match="no field 'echo'"):
+        EchoConfig.check_field("echo", 2.0)
+
+
+def test_a_factor_is_made_a_float_and_auto_only_where_allowed() -> None:
+    assert EchoConfig(factor=3).factor == 3.0 and isinstance(EchoConfig(factor=3).factor, float)
+    assert EchoConfig().adaptive and not EchoConfig(factor=2).adaptive
+    assert check_factor("auto", allow_auto=True) == "auto"
+    with pytest.raises(EchoConfigError, match="echo_factor must be a finite number"):
+        check_factor("auto", "echo_factor")
+
+
+def test_every_field_has_a_default_and_a_help_text() -> None:
+    config = EchoConfig()
+    for f in dataclasses.fields(EchoConfig):
+        assert f.default is not dataclasses.MISSING, f.name
+        assert getattr(config, f.name) == f.default
+        assert EchoConfig.help(f.name) and len(EchoConfig.help(f.name)) > 10, f.name
+    assert EchoConfig.help("factor") == dataclasses.fields(EchoConfig)[0].metadata["help"]
+
+
+def test_a_factor_just_over_the_native_bound_is_refused_before_any_cache_is_made() -> None:
+    over = MAX_ECHO_FACTOR + 0.5
+    before = set(core.cache_names())
+    with pytest.raises(EchoConfigError, match="echo_factor"):
+        EchoCache(capacity_bytes=1 << 12, capacity_samples=8, echo_factor=over)
+    with pytest.raises(EchoConfigError, match="echo_factor"):
+        EchoSpec(echo_factor=over)
+
+    @echo_pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def random_pairs() -> Any:
+        from nvidia.dali import fn
+
+        a, b = echo(fn.random.uniform(shape=[2]), fn.random.uniform(shape=[1]))
+        return a, b
+
+    with pytest.raises(EchoConfigError, match="echo_factor"):
+        random_pairs(echo_factor=over)
+    assert set(core.cache_names()) == before
+    cache = EchoCache(capacity_bytes=1 << 12, capacity_samples=8, echo_factor=2.0)
+    try:
+        with pytest.raises(EchoConfigError, match="echo_factor"):
+            cache.echo_factor = over
+        assert cache.echo_factor == 2.0
+    finally:
+        cache.close()
+
+
+def test_a_pipeline_config_takes_a_factor_but_not_auto() -> None:
+    resolved = EchoPipelineConfig(batch_size=4, echo=EchoConfig(factor=3)).resolved()
+    assert resolved.echo.factor == 3.0 and resolved.echo.shuffle_buffer == 16
+    with pytest.raises(EchoConfigError, match="echo_factor must be a finite number"):
+        EchoPipelineConfig(batch_size=4, echo=EchoConfig(factor="auto")).resolved()
+
+
+# Modules that still write an echo-factor bound of their own, until the lead switches them to
+# EchoConfig (issue 21). The test fails once one no longer does, so the list only shrinks.
+PENDING = {"torch/loader.py", "training/options.py"}
+BOUND_LITERALS = re.compile(r"65535|MAX_ECHO\w*\s*(?::\s*\w+\s*)?=\s*[\d.]+")
+
+
+def test_no_other_module_writes_the_echo_factor_bound() -> None:
+    writers = {
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if BOUND_LITERALS.search(path.read_text(encoding="utf-8"))
+    }
+    assert "echo/config.py" not in writers  # it reads the bound from the core
+    assert writers == PENDING
