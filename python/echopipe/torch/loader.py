@@ -59,7 +59,8 @@ class EchoLoader(PassThrough):
             of a sample are drawn at random among them.
         batch_size: Samples per output batch (default: the wrapped loader's ``batch_size``,
             else the first input batch's).
-        pin_memory: Copy output tensors to pinned memory (default: when ``device`` is CUDA).
+        pin_memory: Output tensors in pinned memory, taken into directly (default: when
+            ``device`` is CUDA).
         device: Move output tensors there (``non_blocking`` from pinned memory).
         seed: Seeds the tickets and draws of the cache.
         capacity_bytes: Cache arena size (default: the shuffle buffer's samples plus slack).
@@ -95,9 +96,7 @@ class EchoLoader(PassThrough):
         if not hasattr(loader, "__iter__"):
             raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
         self._loader = loader
-        self._controller = (
-            EchoController(1.0, e_max=echo_max) if echo_factor == "auto" else None
-        )  # fmt: skip
+        self._controller = EchoController(1.0, e_max=echo_max) if echo_factor == "auto" else None
         self._factor = 1.0 if self._controller is not None else passes.check_factor(echo_factor)
         self._shuffle_buffer = passes.check_count("shuffle_buffer", shuffle_buffer)
         self._batch_size = passes.check_count("batch_size", batch_size)
