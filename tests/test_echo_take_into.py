@@ -115,3 +115,28 @@ def test_concurrent_takers_into_buffers_deliver_every_copy_once() -> None:
         t.join(60)
         assert not t.is_alive()
     assert sorted(delivered) == sorted(list(range(n)) * 3)
+
+
+def test_echo_loader_batches_own_their_memory_and_keep_every_copy() -> None:
+    # EchoLoader takes into fresh tensors per batch (several takes for one batch when its small
+    # cache is full): kept batches must not change as later ones arrive, and a write to one
+    # (the tensors are the caller's) must not reach the copies still to come.
+    from echopipe.torch import EchoLoader
+
+    n, batch = 96, 8
+    images = torch.arange(n, dtype=torch.float32)[:, None, None].expand(n, 2, 3).contiguous()
+    batches = [(images[i : i + batch], torch.arange(i, i + batch)) for i in range(0, n, batch)]
+    kept = []
+    with EchoLoader(batches, 3.0, shuffle_buffer=2 * batch, seed=4) as loader:
+        for i, (x, y) in enumerate(loader):
+            assert x.shape[1:] == (2, 3) and len(x) == len(y)
+            kept.append((x, y, x.clone(), i % 2 == 1))
+            if i % 2:
+                x.fill_(-1.0)  # the caller's tensor: the copies still to come stay as they were
+    labels = torch.cat([y for _, y, _, _ in kept])
+    assert sorted(labels.tolist()) == sorted(list(range(n)) * 3)
+    for x, y, snapshot, written in kept:
+        assert torch.equal(snapshot[:, 0, 0], y.to(torch.float32))  # each row its own image
+        assert (snapshot == snapshot[:, :1, :1]).all()
+        if not written:
+            assert torch.equal(x, snapshot)  # not reused by a later batch
