@@ -101,7 +101,7 @@ def next_batch(loader: EchoLoader, producer: Producer) -> tuple[Any, int] | None
             assembler = loader._decode
             if assembler.direct and want is not None:
                 buffers = assembler.buffers(want)
-        got = _take(loader, producer, n, buffers)
+        got = _take(loader, producer, n, buffers, assembler is not None)
         if got is None:
             break
         if isinstance(got, int):
@@ -121,8 +121,14 @@ def next_batch(loader: EchoLoader, producer: Producer) -> tuple[Any, int] | None
     return batch, n
 
 
-def _take(loader: EchoLoader, producer: Producer, have: int, buffers: list[Any] | None) -> Any:
-    """One take: rows written into ``buffers`` (an int), else an ``EchoBatch``; None at the end."""
+def _take(
+    loader: EchoLoader, producer: Producer, have: int, buffers: list[Any] | None, planned: bool
+) -> Any:
+    """One take: rows written into ``buffers`` (an int), else an ``EchoBatch``; None at the end.
+
+    Without a plan (``planned``: the caller had no layout yet), it returns 0 rows as soon as the
+    layout is known, once, so that the caller makes its buffers before the first take.
+    """
     timeout = loader._timeout
     deadline = None if timeout is None else time.monotonic() + timeout
     shared = loader._shared
@@ -138,8 +144,8 @@ def _take(loader: EchoLoader, producer: Producer, have: int, buffers: list[Any] 
                     raise producer.error
                 return None  # the wrapped loader yielded no batch this epoch
             producer.ready.wait(POLL_S)
-            if loader._layout is not None and buffers is None and have == 0:
-                return _NO_LAYOUT_YET  # the caller makes its buffers now, then takes
+            if not planned and loader._layout is not None:
+                return 0
         else:
             size = loader.batch_size
             assert size is not None
@@ -164,6 +170,3 @@ def _take(loader: EchoLoader, producer: Producer, have: int, buffers: list[Any] 
                 f" {loader._delivered_epoch[0]} batches delivered, {producer.batches_done} "
                 "read from the wrapped loader)"
             )
-
-
-_NO_LAYOUT_YET = 0  # a take of no rows: next_batch loops, now with the layout known
