@@ -140,3 +140,36 @@ def test_echo_loader_batches_own_their_memory_and_keep_every_copy() -> None:
         assert (snapshot == snapshot[:, :1, :1]).all()
         if not written:
             assert torch.equal(x, snapshot)  # not reused by a later batch
+
+
+def test_timeout_fires_for_a_strings_stream_while_a_later_epoch_waits() -> None:
+    # A stream with strings takes without buffers. After an aborted epoch (its cache is gone,
+    # the layout stays known), the next epoch's reader is stuck in the wrapped loader: the wait
+    # for its first batch must still end with the TimeoutError.
+    from echopipe.torch import EchoLoader
+
+    release = threading.Event()
+
+    class Source:
+        epochs = 0
+
+        def __iter__(self):
+            Source.epochs += 1
+            if Source.epochs == 1:
+                for i in range(4):
+                    yield torch.arange(4 * i, 4 * i + 4), [f"s{4 * i + j}" for j in range(4)]
+            else:
+                release.wait(30)  # never delivers
+
+    el = EchoLoader(Source(), 2.0, timeout=0.5, close_timeout=0.5, shuffle_buffer=8)
+    try:
+        first = next(iter(el))
+        assert len(first[0]) == 4 and all(s.startswith("s") for s in first[1])
+        with (
+            pytest.raises(TimeoutError, match=r"no batch within timeout=0\.5s"),
+            pytest.warns(RuntimeWarning, match="did not return"),
+        ):
+            next(iter(el))  # the first iterator's epoch is aborted, the new one waits
+    finally:
+        release.set()
+        el.close()
