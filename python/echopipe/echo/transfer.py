@@ -2,7 +2,8 @@
 
 Puts read numpy arrays, torch CPU tensors, ``__dlpack__`` or buffer-protocol objects and Python
 scalars in place and hand raw pointers to the native cache, which copies once; takes return
-zero-copy :class:`EchoSample` views or an :class:`EchoBatch` gathered into fresh arrays.
+zero-copy :class:`EchoSample` views, an :class:`EchoBatch` gathered into fresh arrays, or copy
+into the caller's own buffers (``take_batch_into``: the one copy out).
 """
 
 from __future__ import annotations
