@@ -52,7 +52,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -573,3 +573,42 @@ def save_plot(path: Path, draw: Any) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def paired_ratios(
+    rounds: int, baseline: Callable[[], float], measured: Callable[[], float]
+) -> dict[str, Any]:
+    """``measured / baseline`` rates, paired round by round, with their median and spread.
+
+    Each round runs both callables (each returns a rate of the same unit, higher is better)
+    back to back, in alternating order (baseline first in even rounds, measured first in odd
+    ones) so that a machine speeding up or slowing down within a pair favours neither side.
+    The median of the per-round ratios is robust to a noisy round; the interquartile range says
+    how noisy the rounds were, and the load average before each pair how loaded the machine was.
+    """
+    ratios, base_rates, rates, loads = [], [], [], []
+    for i in range(rounds):
+        loads.append(round(os.getloadavg()[0], 2))
+        if i % 2 == 0:
+            b = baseline()
+            m = measured()
+        else:
+            m = measured()
+            b = baseline()
+        base_rates.append(b)
+        rates.append(m)
+        ratios.append(m / b)
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if rounds > 1 else ratios * 3
+    return {
+        "median_ratio": statistics.median(ratios),
+        "q1_ratio": q[0],
+        "q3_ratio": q[2],
+        "iqr_ratio": q[2] - q[0],
+        "min_ratio": min(ratios),
+        "max_ratio": max(ratios),
+        "rounds": rounds,
+        "round_ratios": [round(r, 4) for r in ratios],
+        "round_baseline_rates": base_rates,
+        "round_measured_rates": rates,
+        "load_average_1min_per_round": loads,
+    }

@@ -9,14 +9,17 @@ one run:
   bytes once in (put copies) and e times out (gather copies).
 * ``memcpy`` (the physical limit): memcpy of exactly those bytes (fresh * size in + copies * size
   out, from an arena-sized region into a batch buffer) by as many threads as the cache run uses
-  (producers + consumers), right after each cache round. ``ratio_vs_memcpy`` = memcpy time /
-  cache time for the same bytes (1.0 = the cache costs nothing beyond its copies); each row keeps
-  every round's ratio, their median and the worst round.
+  (producers + consumers). Every round pairs one cache run with one memcpy run, back to back in
+  alternating order (``bu.paired_ratios``), so the VM's drift between seconds hits both sides of
+  a pair alike. ``ratio_vs_memcpy`` is the median over the rounds of the paired ratios (cache
+  GB/s / memcpy GB/s for the same bytes; 1.0 = the cache costs nothing beyond its copies), with
+  their interquartile range, worst round, every round's ratio and the 1-minute load average
+  before each pair.
 * ``python``: a pure-Python shuffle buffer (list + random swap-pop, numpy copies in and out), the
   peer, single thread, same e and buffer size, reading fresh samples from the same 64 MB pool;
 * ``api``: the Python batch API (one thread ``put_batch`` of ``--batch`` rows, one thread
   ``take_batch(--batch)``), against the pure-Python buffer and against memcpy of the same bytes
-  by two threads (measured right after it).
+  by two threads (paired round by round, as above).
 
 The native driver is not part of the installed package: build it once in the checkout with
 :data:`BUILD_COMMAND` (into ``build/bench/``, where :func:`load_driver` finds it).
@@ -174,24 +177,33 @@ def api_path(sample_bytes: int, n_fresh: int, capacity: int, batch: int) -> tupl
 def native_rows(
     driver: ModuleType, size: int, n_fresh: int, threads: int, arena: int, args: Any
 ) -> dict[str, Any]:
-    """Cache and memcpy rounds, back to back, for one size and thread count."""
-    # The shared VM's speed drifts between seconds: the cache and its memcpy limit are measured
-    # back to back in each round; the median and the worst round are both kept.
-    trials = []
-    for _ in range(args.rounds):
+    """Cache and memcpy rounds, interleaved, for one size and thread count."""
+    # The shared VM's speed drifts between seconds: each round pairs a cache run with memcpy of
+    # the same bytes (bu.paired_ratios alternates which goes first); the ratio of every pair is
+    # kept, and the median and spread of those ratios summarise the row.
+    moved = n_fresh + round(n_fresh * args.echo)  # samples copied in + copied out
+    runs: list[dict[str, Any]] = []
+
+    def cache() -> float:
         r = driver.put_take(size, n_fresh, threads, threads, args.echo, arena, args.batch)
-        moved = int(r["fresh"]) + int(r["copies"])  # samples copied in + copied out
+        runs.append(r)
+        return (int(r["fresh"]) + int(r["copies"])) * size / r["seconds"]
+
+    def memcpy() -> float:
         m = driver.memcpy(size, moved, 2 * threads, arena, args.batch)
-        trials.append((m["seconds"] / r["seconds"], r, m, moved))
-    ratios = sorted(trial[0] for trial in trials)
-    _, r, m, moved = sorted(trials, key=lambda trial: trial[0])[len(trials) // 2]
+        return m["bytes"] / m["seconds"]
+
+    pairs = bu.paired_ratios(args.rounds, memcpy, cache)
+    mid = sorted(range(len(runs)), key=lambda i: pairs["round_ratios"][i])[len(runs) // 2]
+    r = runs[mid]
     return {
-        "rounds_ratio_vs_memcpy": [round(trial[0], 3) for trial in trials],
-        "ratio_vs_memcpy": ratios[len(ratios) // 2],
-        "worst_ratio_vs_memcpy": ratios[0],
+        "pairs_vs_memcpy": pairs,
+        "ratio_vs_memcpy": pairs["median_ratio"],
+        "iqr_ratio_vs_memcpy": pairs["iqr_ratio"],
+        "worst_ratio_vs_memcpy": pairs["min_ratio"],
         "cache_samples_s": r["copies"] / r["seconds"],
-        "cache_GBps_moved": moved * size / r["seconds"] / 1e9,
-        "memcpy_GBps": m["bytes"] / m["seconds"] / 1e9,
+        "cache_GBps_moved": pairs["round_measured_rates"][mid] / 1e9,
+        "memcpy_GBps": pairs["round_baseline_rates"][mid] / 1e9,
         "fresh": r["fresh"],
         "copies": r["copies"],
         "seconds": r["seconds"],
@@ -202,19 +214,27 @@ def native_rows(
 
 
 def api_rows(driver: ModuleType, size: int, py_fresh: int, arena: int, args: Any) -> dict[str, Any]:
-    """The Python batch API, each round followed by memcpy of the same bytes by 2 threads."""
-    trials = []
-    for _ in range(args.rounds):
-        secs, copies = api_path(size, py_fresh, arena, args.batch)
-        m = driver.memcpy(size, py_fresh + copies, 2, arena, args.batch)
-        trials.append((m["seconds"] / secs, copies / secs))
-    trials.sort()
-    ratio, rate = trials[len(trials) // 2]
+    """The Python batch API, paired round by round with memcpy of the same bytes by 2 threads."""
+    copies: list[int] = []
+
+    def api() -> float:
+        secs, n = api_path(size, py_fresh, arena, args.batch)
+        copies.append(n)
+        return (py_fresh + n) * size / secs
+
+    def memcpy() -> float:
+        m = driver.memcpy(size, py_fresh + round(py_fresh * args.echo), 2, arena, args.batch)
+        return m["bytes"] / m["seconds"]
+
+    pairs = bu.paired_ratios(args.rounds, memcpy, api)
+    measured = zip(pairs["round_measured_rates"], copies, strict=True)
+    rates = sorted(rate / size * c / (py_fresh + c) for rate, c in measured)
     return {
-        "api_samples_s": rate,
-        "api_ratio_vs_memcpy": ratio,
-        "api_worst_ratio_vs_memcpy": trials[0][0],
-        "api_rounds_ratio_vs_memcpy": [round(t[0], 3) for t in trials],
+        "api_samples_s": rates[len(rates) // 2],
+        "api_pairs_vs_memcpy": pairs,
+        "api_ratio_vs_memcpy": pairs["median_ratio"],
+        "api_iqr_ratio_vs_memcpy": pairs["iqr_ratio"],
+        "api_worst_ratio_vs_memcpy": pairs["min_ratio"],
     }
 
 
@@ -230,8 +250,8 @@ def check_aims(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     one = small["threads"][1]["ratio_vs_memcpy"]
     return [
         bu.claim("put->take at 4 KB, 1+1 threads, vs memcpy of the same bytes", ">= 0.5x",
-                 round(one, 3), one >= 0.5, "median round"),
-        bu.claim("put->take at 150 KB and 600 KB (1+1 threads) vs memcpy, median round",
+                 round(one, 3), one >= 0.5, "median of paired rounds"),
+        bu.claim("put->take at 150 KB and 600 KB (1+1 threads) vs memcpy, median of paired rounds",
                  ">= 0.85x", round(big_median, 3), big_median >= 0.85, "worse of the two sizes"),
         bu.claim("put->take at 150 KB and 600 KB (1+1 threads) vs memcpy, worst round",
                  ">= 0.75x", round(big_worst, 3), big_worst >= 0.75, "worse of the two sizes"),
@@ -240,7 +260,7 @@ def check_aims(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         bu.claim("Python batch API at 4 KB vs the pure-Python buffer", ">= 5x",
                  round(api_vs_py, 2), api_vs_py >= 5, "put_batch/take_batch, one thread each"),
         bu.claim("Python batch API at 150 KB vs memcpy of the same bytes", ">= 0.7x",
-                 round(api_150, 3), api_150 >= 0.7, "median round"),
+                 round(api_150, 3), api_150 >= 0.7, "median of paired rounds"),
     ]  # fmt: skip
 
 
@@ -248,10 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = bu.bench_parser("echo_cache", __doc__, "small working set, < 60 s")
     ap.add_argument("--echo", type=float, default=2.0, help="echo factor e (default 2)")
     ap.add_argument("--batch", type=int, default=64, help="samples per take (default 64)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per row (default 5, quick 1)")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="paired rounds per row (default 7, quick 3)"
+    )
     args = ap.parse_args(argv)
     if args.rounds is None:
-        args.rounds = 1 if args.quick else 5
+        args.rounds = 3 if args.quick else 7
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     driver = load_driver()
@@ -292,11 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         for t, f in row["threads"].items():
             table.append(
                 [label, t, f["cache_samples_s"], f["cache_GBps_moved"], f["memcpy_GBps"],
-                 f["ratio_vs_memcpy"], f["worst_ratio_vs_memcpy"], row["python_buffer_samples_s"],
+                 f["ratio_vs_memcpy"], f["iqr_ratio_vs_memcpy"], f["worst_ratio_vs_memcpy"],
+                 row["python_buffer_samples_s"],
                  row["api_samples_s"], row["api_ratio_vs_memcpy"]]
             )  # fmt: skip
             ratios[f"{label}_{t}t_vs_memcpy_same_bytes"] = f["ratio_vs_memcpy"]
             ratios[f"{label}_{t}t_vs_memcpy_worst_round"] = f["worst_ratio_vs_memcpy"]
+            ratios[f"{label}_{t}t_vs_memcpy_iqr"] = f["iqr_ratio_vs_memcpy"]
         ratios[f"{label}_2t_vs_1t"] = (
             row["threads"][2]["cache_samples_s"] / row["threads"][1]["cache_samples_s"]
         )
@@ -307,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         bu.format_table(
             ["size", "thr/side", "cache/s", "cache GB/s (in+out)", "memcpy GB/s",
-             "vs memcpy (median)", "vs memcpy (worst)", "python/s", "api/s", "api vs memcpy"],
+             "vs memcpy (median pair)", "IQR", "vs memcpy (worst)", "python/s", "api/s",
+             "api vs memcpy"],
             table,
         )
     )  # fmt: skip

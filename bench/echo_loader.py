@@ -22,8 +22,12 @@ every batch into per-sample views with ``floor(e)``/``ceil(e)`` tickets into a l
 same size as EchoLoader's shuffle buffer and warm-up), and the consumer draws random samples
 (swap-pop when their tickets run out) and ``torch.stack``s each batch.
 
-Each row keeps the median of ``--rounds`` runs. Writes ``<results-dir>/echo_loader.json``
-(``bench/benchutil.py`` convention); ``--quick`` is a small preset that proves it runs.
+Each row keeps the median of ``--rounds`` runs. EchoLoader and the Python wrapper run paired:
+each round times one epoch of each, back to back in alternating order, and ``vs_python`` is the
+median of the per-round ratios, with their interquartile range and the load average before each
+pair (the machine these run on is shared; a single ratio is noise). Writes
+``<results-dir>/echo_loader.json`` (``bench/benchutil.py`` convention); ``--quick`` is a small
+preset that proves it runs.
 """
 
 from __future__ import annotations
@@ -150,6 +154,16 @@ def median_rate(make: Any, step_s: float | None, rounds: int) -> tuple[float, in
     return statistics.median(r for r, _ in got), got[0][1]
 
 
+def paired(measured: Any, baseline: Any, step_s: float | None, rounds: int) -> dict[str, Any]:
+    """EchoLoader (``measured``) and the Python wrapper (``baseline``) epochs, paired per round
+    in alternating order; see :func:`benchutil.paired_ratios`."""
+    return bu.paired_ratios(
+        rounds,
+        lambda: timed_epoch(baseline(), step_s)[0],
+        lambda: timed_epoch(measured(), step_s)[0],
+    )
+
+
 def measure_down(step_s: float, side: int, batches: int = 30) -> float:
     x = torch.randint(0, 256, (BATCH, 3, side, side), dtype=torch.uint8)
     t0 = time.perf_counter()
@@ -174,16 +188,19 @@ def slow_reader(args: Any, rounds: int) -> tuple[list[dict[str, Any]], dict[str,
           f"plain DataLoader with the step {plain:.0f} img/s", flush=True)  # fmt: skip
     rows = []
     for e in args.echo_factors:
-        echo, images = median_rate(lambda e=e: EchoLoader(loader(), e, seed=1), step_s, rounds)
-        python, _ = median_rate(lambda e=e: PyEcho(loader(), e, 4 * BATCH), step_s, rounds)
+        pairs = paired(lambda e=e: EchoLoader(loader(), e, seed=1),
+                       lambda e=e: PyEcho(loader(), e, 4 * BATCH), step_s, rounds)  # fmt: skip
+        echo = statistics.median(pairs["round_measured_rates"])
+        python = statistics.median(pairs["round_baseline_rates"])
         ideal = min(e * up, down)
         rows.append({"regime": "slow reader", "e": e, "echoloader_images_per_s": echo,
                      "python_images_per_s": python, "ideal_images_per_s": ideal,
                      "plain_images_per_s": plain, "vs_ideal": echo / ideal,
-                     "vs_python": echo / python, "vs_plain": echo / plain,
-                     "images_per_epoch": images})  # fmt: skip
+                     "vs_python": pairs["median_ratio"], "vs_python_iqr": pairs["iqr_ratio"],
+                     "vs_plain": echo / plain, "pairs_vs_python": pairs})  # fmt: skip
         print(f"  e={e:g}: EchoLoader {echo:.0f} img/s ({echo / ideal:.2f}x ideal {ideal:.0f}), "
-              f"Python {python:.0f} ({echo / python:.2f}x)", flush=True)  # fmt: skip
+              f"Python {python:.0f} (paired {pairs['median_ratio']:.2f}x, IQR "
+              f"{pairs['iqr_ratio']:.2f})", flush=True)  # fmt: skip
     rows.append(auto_row(loader, up, down, step_s, rounds))
     return rows, base
 
@@ -211,14 +228,18 @@ def ceiling(args: Any, rounds: int) -> list[dict[str, Any]]:
         pool = torch.randint(0, 256, (BATCH, 3, side, side), dtype=torch.uint8)
         # The same batch again and again: the upstream costs nothing for either loader.
         batches = [(pool, torch.arange(BATCH))] * args.ceiling_batches
-        echo, _ = median_rate(lambda b=batches: EchoLoader(b, 2.0, seed=1), None, rounds)
-        python, _ = median_rate(lambda b=batches: PyEcho(b, 2.0, 4 * BATCH), None, rounds)
+        pairs = paired(lambda b=batches: EchoLoader(b, 2.0, seed=1),
+                       lambda b=batches: PyEcho(b, 2.0, 4 * BATCH), None, rounds)  # fmt: skip
+        echo = statistics.median(pairs["round_measured_rates"])
+        python = statistics.median(pairs["round_baseline_rates"])
         kb = 3 * side * side / 1024
         rows.append({"regime": "ceiling", "e": 2.0, "image": f"3x{side}x{side} uint8",
                      "sample_kb": round(kb, 1), "echoloader_images_per_s": echo,
-                     "python_images_per_s": python, "vs_python": echo / python})  # fmt: skip
+                     "python_images_per_s": python, "vs_python": pairs["median_ratio"],
+                     "vs_python_iqr": pairs["iqr_ratio"], "pairs_vs_python": pairs})  # fmt: skip
         print(f"ceiling 3x{side}x{side}: EchoLoader {echo:.0f} img/s, Python {python:.0f} "
-              f"({echo / python:.2f}x)", flush=True)  # fmt: skip
+              f"(paired {pairs['median_ratio']:.2f}x, IQR {pairs['iqr_ratio']:.2f}, "
+              f"load {pairs['load_average_1min_per_round']})", flush=True)  # fmt: skip
     return rows
 
 
@@ -228,7 +249,7 @@ def _label(e: float | str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs both regimes, prints the tables, writes ``echo_loader.json``; 0 unless it errs."""
-    p = bu.bench_parser("echo_loader", __doc__, "fewer samples, 1 round (< 60 s)")
+    p = bu.bench_parser("echo_loader", __doc__, "fewer samples, 3 paired rounds")
     p.add_argument("--echo-factors", type=float, nargs="+", default=[1.0, 2.0, 4.0, 6.0])
     p.add_argument("--delay-ms", type=float, default=2.5, help="sleep per sample in __getitem__")
     p.add_argument("--step-ms", type=float, default=20.0, help="fixed part of a training step")
@@ -238,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     run = bu.BenchRun.start("echo_loader", args, argv)
     bu.set_threads(args.threads)
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (3 if args.quick else 5)
     args.samples = args.samples or (BATCH * 12 if args.quick else BATCH * 64)
     args.ceiling_batches = 200 if args.quick else 1000
     slow_rows, base = slow_reader(args, rounds)

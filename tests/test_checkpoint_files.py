@@ -401,7 +401,7 @@ def _reader_rng_in_pipeline(rng: bytes):
 
 def test_dali_route_refuses_bad_reader_state_and_compressed_members(base: Path) -> None:
     good = _dali_blob(base)
-    assert state_codec.decode(good)["version"] == 1
+    assert state_codec.decode(good)["version"] == 2
     for rng in (b"0", b""):
         bad = _dali_blob(base, _reader_rng_in_pipeline(rng))
         with pytest.raises(ValueError, match="random-number state"):

@@ -204,6 +204,58 @@ py::tuple take_batch(EchoCache& c, int64_t n, double timeout) {
   }
 }
 
+// Takes up to n copies straight into the caller's buffers: field f of the i-th copy lands at
+// dst[f] + i * row_bytes[f] (one copy out of the arena, no array made here). Everything that can
+// be checked before the draw is (field count, n against the rows free); a copy whose fields do
+// not have exactly row_bytes[f] bytes is only seen after it, so the copies drawn are then handed
+// back (the same strong guarantee as take_batch). Returns (status, copies written).
+py::tuple take_batch_into(EchoCache& c, const std::vector<uintptr_t>& dst,
+                          const std::vector<int64_t>& row_bytes, int64_t rows_free, int64_t n,
+                          double timeout) {
+  if (dst.empty() || dst.size() > static_cast<size_t>(kMaxFields) ||
+      dst.size() != row_bytes.size()) {
+    throw std::invalid_argument("take_batch_into: needs 1.." + std::to_string(kMaxFields) +
+                                " output buffers, one row size each; got " +
+                                std::to_string(dst.size()) + " buffers and " +
+                                std::to_string(row_bytes.size()) + " row sizes");
+  }
+  if (n < 1 || n > rows_free) {
+    throw std::invalid_argument(
+        "take_batch_into: n=" + std::to_string(n) +
+        " must be in [1, rows free in the buffers=" + std::to_string(rows_free) + "]");
+  }
+  const int nf = static_cast<int>(dst.size());
+  TakeStatus st;
+  std::vector<SampleLease> leases = take_leases(c, n, timeout, &st);
+  try {
+    for (const auto& l : leases) {
+      const SampleDesc& d = l.desc();
+      if (d.num_fields != nf) {
+        throw std::invalid_argument("take_batch_into: a sample has " +
+                                    std::to_string(d.num_fields) + " fields, the output " +
+                                    std::to_string(nf) + " buffers");
+      }
+      for (int f = 0; f < nf; ++f) {
+        if (static_cast<int64_t>(d.fields[f].nbytes()) != row_bytes[f]) {
+          throw std::invalid_argument("take_batch_into: field " + std::to_string(f) +
+                                      " of a sample has " + std::to_string(d.fields[f].nbytes()) +
+                                      " bytes, a row of output buffer " + std::to_string(f) + " " +
+                                      std::to_string(row_bytes[f]));
+        }
+      }
+    }
+    without_gil([&] {
+      for (int f = 0; f < nf; ++f) gather(leases, f, reinterpret_cast<void*>(dst[f]), nullptr);
+    });
+  } catch (...) {
+    c.give_back(leases);
+    throw;
+  }
+  const size_t count = leases.size();
+  release_leases(leases);
+  return py::make_tuple(std::string(take_status_name(st)), count);
+}
+
 // Gathers the batch into new arrays; the leases stay valid (the caller releases or gives back).
 py::tuple gather_batch(std::vector<SampleLease>& leases, TakeStatus st) {
   const auto count = static_cast<py::ssize_t>(leases.size());
@@ -468,6 +520,10 @@ void bind_echo(py::module_& m) {
            "Takes n copies and gathers each field into one new contiguous array (GIL released "
            "for the copies). Returns (status, [(array, offsets|None)], dtypes, per-sample "
            "shapes, sample_ids, emissions).")
+      .def("take_batch_into", &take_batch_into, py::arg("dst"), py::arg("row_bytes"),
+           py::arg("rows_free"), py::arg("n"), py::arg("timeout"),
+           "Takes up to n copies into caller buffers (raw host pointers, row_bytes[f] bytes per "
+           "copy and field; GIL released for the copies). Returns (status, copies written).")
       .def(
           "wait_for_room",
           [](EchoCache& c, int64_t n, double timeout) {

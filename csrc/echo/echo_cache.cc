@@ -435,9 +435,18 @@ TakeStatus EchoCache::take(size_t n, std::vector<SampleLease>& out, double timeo
   // The leases' references are counted before any of them exists: at most n samples. Relaxed:
   // the caller holds an owner reference, so the cache cannot be orphaned meanwhile.
   I.leases.fetch_add(n, std::memory_order_relaxed);
+  const uint64_t rng_seed = I.seed * 0x2545F4914F6CDD1Dull + rng_base;
+  // Draws probe random units of a state/info/slot table larger than the caches: the next draw's
+  // first probe (draw_one's first position, from the same random word) is fetched while this
+  // draw runs. Only a hint: a stale high-water mark or a rejected probe costs one useless fetch.
+  const uint32_t hint_limit = std::max<uint32_t>(I.high_water.load(std::memory_order_relaxed), 1);
+  uint64_t next_rnd = detail::splitmix64(rng_seed);
   for (int64_t i = 0; i < got; ++i) {
-    const uint64_t rnd =
-        detail::splitmix64(I.seed * 0x2545F4914F6CDD1Dull + rng_base + static_cast<uint64_t>(i));
+    const uint64_t rnd = next_rnd;
+    if (i + 1 < got) {
+      next_rnd = detail::splitmix64(rng_seed + static_cast<uint64_t>(i) + 1);
+      I.prefetch_unit(detail::bounded(static_cast<uint32_t>(next_rnd >> 32), hint_limit));
+    }
     uint32_t emission = 0;
     const uint32_t u = I.draw_one(rnd, pos_base + static_cast<uint64_t>(i), &emission, &tally);
     for (uint32_t s = u; s != kNone; s = I.slots[s].next) {

@@ -139,6 +139,13 @@ struct CacheImpl {
   };
   static constexpr uint32_t kStripes = 16;
 
+  // A hint for a draw about to probe unit `u`: its state word, info and first slot record.
+  void prefetch_unit(uint32_t u) const noexcept {
+    __builtin_prefetch(&state[u], 0, 1);
+    __builtin_prefetch(&info[u], 0, 1);
+    __builtin_prefetch(&slots[u], 0, 1);
+  }
+
   explicit CacheImpl(const EchoConfig& c);
 
   const EchoConfig cfg;

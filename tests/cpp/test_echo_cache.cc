@@ -718,6 +718,46 @@ void test_validation_and_lifetime() {
 
 }  // namespace
 
+// gather() copies each lease's field back to back (ragged sizes: offsets), from leases of
+// samples scattered over the arena, and leaves the leases valid; release_leases() then frees them.
+void test_gather_ragged() {
+  EchoConfig cfg;
+  cfg.capacity_samples = 64;
+  cfg.capacity_bytes = size_t{1} << 20;
+  cfg.echo_factor = 1.0;
+  cfg.min_fill = 1;
+  auto cache = EchoCache::create(cfg);
+  std::vector<uint64_t> buf;
+  for (uint64_t key = 0; key < 40; ++key) {
+    const int64_t words = 1 + static_cast<int64_t>(key % 7) * 60;  // 8 B .. 2.9 KB
+    buf.resize(static_cast<size_t>(words));
+    fill(buf, key);
+    const void* ptr = buf.data();
+    CHECK(cache->put(int64_desc(words), &ptr, 0) == PutStatus::kOk);
+  }
+  cache->end_of_input();
+  std::vector<SampleLease> leases;
+  CHECK(cache->take(40, leases, 10.0) == TakeStatus::kOk);
+  CHECK(leases.size() == 40);
+  std::vector<uint8_t> out(gather_bytes(leases, 0));
+  std::vector<int64_t> offsets(leases.size() + 1, -1);
+  gather(leases, 0, out.data(), offsets.data());
+  CHECK(offsets[0] == 0 && static_cast<size_t>(offsets.back()) == out.size());
+  for (size_t i = 0; i < leases.size(); ++i) {
+    const auto* got = reinterpret_cast<const uint64_t*>(out.data() + offsets[i]);
+    const int64_t words = (offsets[i + 1] - offsets[i]) / 8;
+    CHECK(words == leases[i].desc().fields[0].shape[0]);
+    CHECK(std::memcmp(got, leases[i].data(0), static_cast<size_t>(words) * 8) == 0);
+    for (int64_t w = 1; w < words; ++w) CHECK(got[w] == word(got[0], w));
+  }
+  std::vector<SampleLease> none;
+  gather(none, 0, nullptr, nullptr);  // nothing to copy, nothing touched
+  release_leases(leases);
+  CHECK(leases.empty());
+  leases.clear();
+  CHECK(cache->take(1, leases, 0) == TakeStatus::kEnd);
+}
+
 int main() {
   size_t n = stress_samples();
   test_validation_and_lifetime();
@@ -730,6 +770,7 @@ int main() {
   test_sparse_draws();
   test_set_echo_factor();
   test_ragged();
+  test_gather_ragged();
   for (double e : {1.0, 2.0, 3.5}) test_stress(e, n);
   if (g_failures) {
     std::fprintf(stderr, "%d check(s) failed\n", g_failures);

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from ..echo.config import EchoConfig, EchoConfigError
+
 __all__ = [
     "DaliStateError",
     "check_cache_restores",
@@ -202,16 +204,12 @@ def check_iterator_data(text: Any, where: str) -> None:
 
 _CONFIG_TYPES: dict[str, tuple[type, ...]] = {
     "batch_size": (int,),
-    "echo_factor": (int, float),
-    "mode": (str,),
-    "shuffle_buffer": (int,),
-    "cache_samples": (int,),
-    "cache_bytes": (int,),
-    "upstream_batch_size": (int,),
-    "epochs": (int, type(None)),
+    "echo": (dict,),
+    "cache_samples": (int, type(None)),
+    "upstream_batch_size": (int, type(None)),
+    "epochs": (int, str, type(None)),
     "deterministic": (bool,),
     "seed": (int,),
-    "memory": (str,),
 }
 _RUNNER = {"fresh_in": int, "iterations": int, "epoch_index": int, "iter_in_epoch": int}
 _STATE_KEYS = {"version", "config", "num_fields", "cache", "layouts", "quota", "runner", "stash"}
@@ -227,6 +225,17 @@ _STATE_OPTIONAL = frozenset(
 )
 
 
+def _check_echo_config(echo: dict[str, Any], where: str) -> None:
+    """The saved echo configuration: the fields of :class:`~echopipe.echo.EchoConfig`, checked
+    by EchoConfig itself (one definition of each bound)."""
+    names = {f.name for f in fields(EchoConfig)}
+    _keys(echo, where, set(), frozenset(names))
+    try:
+        EchoConfig(**echo)
+    except EchoConfigError as exc:
+        raise _fail(where, str(exc)) from None
+
+
 def check_echo_state(state: Any, where: str = "echo state") -> None:
     """Check an :meth:`EchoPipeline.state_dict` result field by field, DALI's checkpoints in
     it included (see :func:`check_dali_checkpoint`).
@@ -235,7 +244,7 @@ def check_echo_state(state: Any, where: str = "echo state") -> None:
         DaliStateError: names the first field of the wrong type or out of range.
     """
     _keys(state, where, _STATE_KEYS, _STATE_OPTIONAL | {"iterator_data"})
-    _int(state["version"], f"{where} 'version'", 1, 1)
+    _int(state["version"], f"{where} 'version'", 2, 2)
     config = state["config"]
     _keys(config, f"{where} 'config'", set(), frozenset(_CONFIG_TYPES))
     for key, value in config.items():
@@ -243,7 +252,7 @@ def check_echo_state(state: Any, where: str = "echo state") -> None:
             isinstance(value, bool) and bool not in _CONFIG_TYPES[key]
         ):
             raise _fail(f"{where} config {key!r}", f"is {_show(value)}")
-    _number(config.get("echo_factor", 1.0), f"{where} config 'echo_factor'", 1.0, 65535.0)
+    _check_echo_config(config.get("echo", {}), f"{where} config 'echo'")
     for key in ("batch_size", "upstream_batch_size"):
         _int(config.get(key, 1), f"{where} config {key!r}", 1, 1 << 24)
     num_fields = _int(state["num_fields"], f"{where} 'num_fields'", 1, 64)
@@ -310,8 +319,9 @@ def check_iterator_state(state: Any, where: str = "iterator state") -> None:
 
 def check_cache_restores(config: Any, blob: bytes) -> None:
     """Restore the saved echo cache ``blob`` into a scratch pageable cache of the pipeline's
-    ``config`` (an :class:`EchoConfig`), so a blob the cache refuses is named before training
-    rather than at the first batch. The arena is mapped lazily: only the samples cost memory.
+    ``config`` (an :class:`~echopipe.dali.config.EchoPipelineConfig`), so a blob the cache
+    refuses is named before training rather than at the first batch. The arena is mapped
+    lazily: only the samples cost memory.
 
     Raises:
         DaliStateError: the cache refuses the blob (says why).
@@ -321,7 +331,7 @@ def check_cache_restores(config: Any, blob: bytes) -> None:
 
     from .config import make_cache
 
-    scratch = dataclasses.replace(config, memory="pageable")
+    scratch = dataclasses.replace(config, echo=dataclasses.replace(config.echo, memory="pageable"))
     cache = make_cache(scratch, f"echopipe-state-check-{os.getpid()}-{id(blob)}")
     try:
         cache.load_state_dict(blob)

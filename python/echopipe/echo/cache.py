@@ -13,7 +13,8 @@ and each view keeps its slot leased (not reused) until the view is garbage colle
 the cache itself was closed and dropped. The batch path moves a whole batch per call with the GIL
 released: :meth:`EchoCache.put_batch` puts the rows of arrays, :meth:`EchoCache.take_batch`
 gathers a batch into fresh contiguous arrays (one memcpy per sample), which is what a
-host-to-device copy wants. Interpreter exit closes every open cache before Python joins threads.
+host-to-device copy wants, and :meth:`EchoCache.take_batch_into` copies into the caller's own
+(pinned, say) buffers instead. Interpreter exit closes every open cache before Python joins threads.
 """
 
 from __future__ import annotations

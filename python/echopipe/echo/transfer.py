@@ -2,7 +2,8 @@
 
 Puts read numpy arrays, torch CPU tensors, ``__dlpack__`` or buffer-protocol objects and Python
 scalars in place and hand raw pointers to the native cache, which copies once; takes return
-zero-copy :class:`EchoSample` views or an :class:`EchoBatch` gathered into fresh arrays.
+zero-copy :class:`EchoSample` views, an :class:`EchoBatch` gathered into fresh arrays, or copy
+into the caller's own buffers (``take_batch_into``: the one copy out).
 """
 
 from __future__ import annotations
@@ -255,6 +256,45 @@ class CacheIO:
             emissions=emissions,
         )
 
+    def take_batch_into(
+        self,
+        out: Sequence[Any],
+        n: int | None = None,
+        timeout: float | None = None,
+        start: int = 0,
+    ) -> int | None:
+        """Like :meth:`take_batch`, but copies into the caller's buffers: the one copy out.
+
+        ``out`` holds one buffer per field: a C-contiguous, writable numpy array or CPU torch
+        tensor (pinned or not) of shape ``(rows, ...)``. Field ``f`` of each copy drawn is
+        copied byte for byte into the next row of ``out[f]``, from row ``start`` on; every
+        sample's field ``f`` must have exactly the bytes of one row of ``out[f]`` (the dtypes are
+        not compared: a ``uint8`` buffer receives any field of that size). ``n`` (default: the
+        rows from ``start`` to the end) is the most copies to take.
+
+        Returns the number of rows written (fewer than ``n`` as :meth:`take_batch` returns
+        fewer), or None once everything was emitted. The buffers are checked before anything is
+        drawn (ValueError naming the buffer); a drawn copy whose fields do not fit the rows is
+        handed back to the cache before the ValueError is raised, so nothing is lost.
+        """
+        rows, ptrs, row_bytes, keep = _out_buffers(out)
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not (
+            0 <= start < rows):  # fmt: skip
+            raise ValueError(f"start must be a row of the buffers (0..{rows - 1}), got {start!r}")
+        n = self._check_n(rows - start if n is None else n)
+        if n > rows - start:
+            raise ValueError(f"n={n} copies do not fit in rows {start}..{rows - 1} of the buffers")
+        status, count = self._native.take_batch_into(
+            [p + start * b for p, b in zip(ptrs, row_bytes, strict=True)],
+            row_bytes, rows - start, n, _timeout_arg(timeout),
+        )  # fmt: skip
+        del keep  # the buffers stay alive until the copies are done
+        if status == "end" and count == 0:
+            return None
+        if status not in ("ok", "end"):
+            self._raise_take(status, timeout)
+        return int(count)
+
     def __iter__(self) -> Iterator[EchoSample]:
         """Yields copies one at a time until the input ended and everything was emitted."""
         while True:
@@ -262,3 +302,37 @@ class CacheIO:
             if not got:
                 return
             yield from got
+
+
+def _out_buffers(out: Sequence[Any]) -> tuple[int, list[int], list[int], list[Any]]:
+    """Rows, data pointers, bytes per row and keepalives of take_batch_into's buffers."""
+    if not isinstance(out, (list, tuple)) or not 1 <= len(out) <= 4:
+        raise ValueError(f"out must be a list of 1..4 buffers (one per field), got {out!r:.80}")
+    torch = torch_module()
+    rows: set[int] = set()
+    ptrs, row_bytes = [], []
+    for i, buf in enumerate(out):
+        if torch is not None and isinstance(buf, torch.Tensor):
+            if buf.device.type != "cpu" or not buf.is_contiguous() or buf.dim() == 0:
+                raise ValueError(
+                    f"out[{i}]: needs a contiguous CPU tensor with a row dimension, got "
+                    f"{tuple(buf.shape)} on {buf.device}"
+                )
+            ptr, count, nbytes = buf.data_ptr(), buf.shape[0], buf.numel() * buf.element_size()
+        elif isinstance(buf, np.ndarray):
+            if not buf.flags.c_contiguous or not buf.flags.writeable or buf.ndim == 0:
+                raise ValueError(
+                    f"out[{i}]: needs a C-contiguous, writable numpy array with a row dimension,"
+                    f" got shape {buf.shape}"
+                )
+            ptr, count, nbytes = buf.__array_interface__["data"][0], buf.shape[0], buf.nbytes
+        else:
+            raise ValueError(f"out[{i}]: needs a numpy array or torch tensor, got {type(buf)}")
+        if count == 0:
+            raise ValueError(f"out[{i}] has no rows")
+        rows.add(int(count))
+        ptrs.append(int(ptr))
+        row_bytes.append(int(nbytes) // int(count))
+    if len(rows) != 1:
+        raise ValueError(f"the out buffers have different numbers of rows: {sorted(rows)}")
+    return rows.pop(), ptrs, row_bytes, list(out)

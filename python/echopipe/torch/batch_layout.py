@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "Layout", "LayoutError", "decode", "decode_many", "decoder", "describe", "encode", "match",
+    "Layout", "LayoutError", "builder", "decode", "decode_many", "describe", "encode", "match",
 ]  # fmt: skip
 
 _MAX_FIELDS = 4  # fields per cache sample (csrc/echo)
@@ -308,40 +308,7 @@ def decode_many(layout: Layout, parts: list[tuple[list[np.ndarray], list[Any], i
 
 def decode(layout: Layout, fields: list[np.ndarray], offsets: list[Any], n: int) -> Any:
     """Rebuilds a batch of ``n`` samples (fields as gathered by ``EchoCache.take_batch``)."""
-    return _builder(layout.treedef)(_decode_leaves(layout, fields, offsets, n))
-
-
-def decoder(layout: Layout) -> Callable[[list[np.ndarray], list[Any], int], Any]:
-    """:func:`decode` for one layout with its per-leaf choices made once (the per-batch path).
-
-    Leaves with a field each (the common case) become views of the gathered arrays without any
-    further copy; other layouts (strings, shared fields, empty leaves) use :func:`decode`.
-    """
-    leaves = layout.leaves
-    if layout.strings or len(layout.groups) != len(leaves) or not all(x.nbytes for x in leaves):
-        return lambda fields, offsets, n: decode(layout, fields, offsets, n)
-    convert = [_converter(leaves[g[0]]) for g in layout.groups]  # groups are (0,), (1,), ...
-    build = _builder(layout.treedef)
-    return lambda fields, offsets, n: build([c(f, n) for c, f in zip(convert, fields, strict=True)])
-
-
-def _converter(leaf: Leaf) -> Callable[[np.ndarray, int], Any]:
-    """``(gathered (n, nbytes) uint8 rows, n) -> the leaf's rows``, a view of the same memory."""
-    shape = leaf.shape
-    if leaf.kind == "numpy":
-        dt = np.dtype(leaf.dtype)
-        return lambda rows, n: rows.view(dt).reshape(n, *shape)
-    td = getattr(torch, leaf.dtype)
-    try:  # numpy's view is cheaper than torch's; bfloat16 and the like have no numpy twin
-        nd = torch.empty(0, dtype=td).numpy().dtype
-        twin = torch.from_numpy(np.empty(0, dtype=nd)).dtype == td
-    except (RuntimeError, TypeError):
-        twin = False
-    if not twin:
-        return lambda rows, n: torch.from_numpy(rows).view(td).reshape(n, *shape)
-    if nd == np.uint8:  # images, mostly: the gathered bytes are already the values
-        return lambda rows, n: torch.from_numpy(rows.reshape(n, *shape))
-    return lambda rows, n: torch.from_numpy(rows.view(nd).reshape(n, *shape))
+    return builder(layout.treedef)(_decode_leaves(layout, fields, offsets, n))
 
 
 def _decode_leaves(
@@ -383,18 +350,18 @@ def _decode_strings(
     return columns
 
 
-def _builder(treedef: Any) -> Callable[[list[Any]], Any]:
+def builder(treedef: Any) -> Callable[[list[Any]], Any]:
     """A function rebuilding the batch tree of ``treedef`` from its leaves' values."""
     kind = treedef[0]
     if kind == "leaf":
         return operator.itemgetter(treedef[1])
     if kind == "dict":
-        keys, subs = treedef[1], [_builder(c) for c in treedef[2]]
+        keys, subs = treedef[1], [builder(c) for c in treedef[2]]
         return lambda v: {k: b(v) for k, b in zip(keys, subs, strict=True)}
     children = treedef[2] if kind == "namedtuple" else treedef[1]
     if kind == "tuple" and len(children) > 1 and all(c[0] == "leaf" for c in children):
         return operator.itemgetter(*(c[1] for c in children))  # (images, labels): one C call
-    subs = [_builder(c) for c in children]
+    subs = [builder(c) for c in children]
     if kind == "namedtuple":
         cls = treedef[1]
         return lambda v: cls(*[b(v) for b in subs])

@@ -14,125 +14,31 @@ See ``docs/echo_loader.md`` for the semantics (ordering, accounting, resume) and
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..echo import CacheClosedError, EchoCache, EchoStats
+from ..echo import CacheClosedError, EchoCache
 from ..echo.controller import EchoController
 from ..filecheck import memory_bytes
 from . import batch_layout as bl
+from . import passes, wrapped
+from .delivery import Assembler, next_batch
 from .loader_state import LoaderStateError, check_loader_state, check_position
-from .reader import POLL_S, LoaderError, Producer, Shared, shutdown
-from .wrapped import (
-    PassThrough,
-    UnshardedLoaderError,
-    check_sharded,
-    epoch_batches,
-    input_batch_size,
-    samples_per_epoch,
-)
+from .passes import EchoLoaderStats
+from .reader import LoaderError, Producer, Shared, shutdown
+from .wrapped import PassThrough, UnshardedLoaderError
 
 __all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "UnshardedLoaderError"]
 
 LayoutError = bl.LayoutError
 _STATE_VERSION = 1
-_COUNTS = ("fresh_batches", "fresh_samples", "delivered_batches", "delivered_samples")
-
-
-@dataclass(frozen=True)
-class EchoLoaderStats:
-    """Exact counts: fresh samples read from the wrapped loader and echoed copies delivered.
-
-    ``*_epoch`` count the current (or last finished) epoch, the others every epoch so far.
-    """
-
-    epoch: int
-    fresh_batches: int
-    fresh_samples: int
-    delivered_batches: int
-    delivered_samples: int
-    fresh_batches_epoch: int
-    fresh_samples_epoch: int
-    delivered_batches_epoch: int
-    delivered_samples_epoch: int
-    echo_factor: float
-    echo_history: list[tuple[int, float]]
-    cache: EchoStats | None
-
-
-def _check_factor(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"echo_factor must be a number >= 1 or 'auto', got {value!r}")
-    e = float(value)
-    if not (math.isfinite(e) and 1 <= e <= 65535):
-        raise ValueError(f"echo_factor must be in [1, 65535] or 'auto', got {value!r}")
-    return e
-
-
-def _check_count(name: str, value: Any, minimum: int = 1) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _map_tensors(obj: Any, fn: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_tensors(v, fn) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
-
-
-class _EpochIterator:
-    """One pass over an :class:`EchoLoader`; dropping or closing it mid-epoch ends the pass."""
-
-    def __init__(self, loader: EchoLoader, serial: int) -> None:
-        self._loader: EchoLoader | None = loader
-        self._serial = serial
-
-    def __iter__(self) -> _EpochIterator:
-        return self
-
-    def __next__(self) -> Any:
-        loader = self._loader
-        if loader is None:
-            raise StopIteration
-        try:
-            batch = loader._next(self._serial)
-        except BaseException:
-            self._finish(abort=True)
-            raise
-        if batch is None:
-            self._finish(abort=False)
-            raise StopIteration
-        return batch
-
-    def close(self) -> None:
-        """Ends this pass now: stops the reader and the wrapped loader's workers."""
-        self._finish(abort=True)
-
-    def _finish(self, abort: bool) -> None:
-        loader, self._loader = self._loader, None
-        if loader is not None:
-            loader._end_epoch(self._serial, abort)
-
-    def __del__(self) -> None:
-        self._finish(abort=True)
+_COUNTS = passes.COUNTS
 
 
 class EchoLoader(PassThrough):
@@ -155,7 +61,8 @@ class EchoLoader(PassThrough):
             of a sample are drawn at random among them.
         batch_size: Samples per output batch (default: the wrapped loader's ``batch_size``,
             else the first input batch's).
-        pin_memory: Copy output tensors to pinned memory (default: when ``device`` is CUDA).
+        pin_memory: Output tensors in pinned memory, taken into directly (default: when
+            ``device`` is CUDA).
         device: Move output tensors there (``non_blocking`` from pinned memory).
         seed: Seeds the tickets and draws of the cache.
         capacity_bytes: Cache arena size (default: the shuffle buffer's samples plus slack).
@@ -191,19 +98,17 @@ class EchoLoader(PassThrough):
         if not hasattr(loader, "__iter__"):
             raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
         self._loader = loader
-        self._controller = (
-            EchoController(1.0, e_max=echo_max) if echo_factor == "auto" else None
-        )  # fmt: skip
-        self._factor = 1.0 if self._controller is not None else _check_factor(echo_factor)
-        self._shuffle_buffer = _check_count("shuffle_buffer", shuffle_buffer)
-        self._batch_size = _check_count("batch_size", batch_size)
+        self._controller = EchoController(1.0, e_max=echo_max) if echo_factor == "auto" else None
+        self._factor = 1.0 if self._controller is not None else passes.check_factor(echo_factor)
+        self._shuffle_buffer = passes.check_count("shuffle_buffer", shuffle_buffer)
+        self._batch_size = passes.check_count("batch_size", batch_size)
         self._explicit_batch = self._batch_size is not None
         if self._batch_size is None:
-            self._batch_size = input_batch_size(loader)
+            self._batch_size = wrapped.input_batch_size(loader)
         self._epoch_samples: int | None = None  # the wrapped loader's, when it tells
-        self._seed = _check_count("seed", seed, minimum=0) or 0
-        self._capacity_bytes = _check_count("capacity_bytes", capacity_bytes)
-        self._interval = _check_count("echo_interval", echo_interval) or 1
+        self._seed = passes.check_count("seed", seed, minimum=0) or 0
+        self._capacity_bytes = passes.check_count("capacity_bytes", capacity_bytes)
+        self._interval = passes.check_count("echo_interval", echo_interval) or 1
         for name, value in (("timeout", timeout), ("close_timeout", close_timeout)):
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -218,7 +123,7 @@ class EchoLoader(PassThrough):
             self._pin = False
         self._shared = Shared()
         self._layout: bl.Layout | None = None
-        self._decode: Any = None  # bl.decoder(self._layout)
+        self._decode: Assembler | None = None  # output batches of self._layout
         self._saved_layout: str | None = None  # signature a resumed stream must match
         self._cache_config: dict[str, int] | None = None
         self._epoch = 0
@@ -247,7 +152,7 @@ class EchoLoader(PassThrough):
 
         With ``echo_factor="auto"`` the controller may change it again later.
         """
-        e = _check_factor(value)
+        e = passes.check_factor(value)
         self._factor = e
         cache = self._shared.cache
         if cache is not None:
@@ -265,7 +170,7 @@ class EchoLoader(PassThrough):
                         f"the batches differ from the saved state's: {layout.signature()} "
                         f"instead of {self._saved_layout}"
                     )
-                self._decode = bl.decoder(layout)  # before _layout: the consumer reads both
+                self._decode = Assembler(layout, self._pin)  # first: the consumer reads both
                 self._layout = layout
             else:
                 bl.check_same(self._layout, layout)
@@ -273,29 +178,16 @@ class EchoLoader(PassThrough):
                 self._batch_size = rows
             if self._shared.cache is None:
                 if self._cache_config is None:
-                    self._cache_config = self._default_config(layout)
+                    self._cache_config = passes.cache_config(
+                        layout,
+                        self._batch_size,
+                        self._shuffle_buffer,
+                        self._capacity_bytes,
+                        self._seed,
+                        self._epoch_samples,
+                    )
                 self._shared.cache = self._new_cache()
             return self._shared.cache
-
-    def _default_config(self, layout: bl.Layout) -> dict[str, int]:
-        assert self._batch_size is not None
-        buffer = self._shuffle_buffer or 4 * self._batch_size
-        if buffer < 2 * self._batch_size:
-            raise bl.LayoutError(
-                f"shuffle_buffer={buffer} holds fewer than two batches of {self._batch_size}"
-            )
-        per_sample = sum(
-            64 * math.ceil(sum(layout.leaves[i].nbytes for i in g) / 64) + 64 for g in layout.groups
-        )
-        per_sample += (2 * 64 + 1024 * len(layout.strings)) if layout.strings else 0
-        capacity = self._capacity_bytes or buffer * per_sample + (4 << 20)
-        return {
-            "capacity_bytes": capacity,
-            "capacity_samples": buffer,
-            "min_fill": buffer // 2,
-            "seed": self._seed,
-            "epoch_size": self._epoch_samples or 0,
-        }
 
     def _new_cache(self) -> EchoCache:
         assert self._cache_config is not None
@@ -311,18 +203,18 @@ class EchoLoader(PassThrough):
         """
         if self._closed:
             raise RuntimeError("EchoLoader is closed")
-        check_sharded(self._loader)
+        wrapped.check_sharded(self._loader)
         if self._current is not None:  # an iterator still in its epoch (as DataLoader does)
             self._end_epoch(self._current, abort=True)
         self._serial += 1
         self._current = self._serial
         self._started = False
-        return _EpochIterator(self, self._serial)
+        return passes.EpochIterator(self, self._serial)
 
     def _start_epoch(self) -> None:
         resume, self._resume = self._resume, None
         skip_batches = skip_rows = 0
-        self._epoch_samples = samples_per_epoch(self._loader)
+        self._epoch_samples = wrapped.samples_per_epoch(self._loader)
         if resume is not None:
             skip_batches, skip_rows = resume["batches_done"], resume["rows_in_flight"]
             self._fresh_base = resume["fresh_samples_epoch"]
@@ -348,13 +240,12 @@ class EchoLoader(PassThrough):
         loader that does not tell its samples per epoch, as ``len()`` of an unsized iterable.
         """
         auto = self._controller is not None
-        return epoch_batches(self._loader, None if auto else self._factor, self._batch_size)
+        return wrapped.epoch_batches(self._loader, None if auto else self._factor, self._batch_size)
 
     @property
     def batch_size(self) -> int | None:
-        """Samples per output batch (the last of an epoch can be short); EchoLoader's own: set
-        it with ``EchoLoader(batch_size=...)`` (a DataLoader's cannot be set after it is made
-        either)."""
+        """Samples per output batch (the last of an epoch can be short); set it with
+        ``EchoLoader(batch_size=...)``, as a DataLoader's."""
         return self._batch_size
 
     def _new_epoch_size(self) -> None:
@@ -375,89 +266,14 @@ class EchoLoader(PassThrough):
         producer = self._shared.producer
         assert producer is not None
         if self._last_yield is not None:
-            self._observe(producer, time.perf_counter() - self._last_yield)
-        # take_batch() may return a short batch before the end (a full, small cache): the
-        # rest is taken too, so only an epoch's last batch can be short.
-        parts: list[Any] = []
-        n = 0
-        while self._batch_size is None or n < self._batch_size:
-            got = self._take(producer, n)
-            if got is None:
-                break
-            parts.append(got)
-            n += len(got)
-        if not parts:
+            passes.observe(self, producer, time.perf_counter() - self._last_yield)
+        got = next_batch(self, producer)
+        if got is None:
             return None
-        assert self._layout is not None
-        if len(parts) == 1:
-            batch = self._decode(parts[0].fields, parts[0].offsets, n)
-        else:
-            batch = bl.decode_many(self._layout, [(g.fields, g.offsets, len(g)) for g in parts])
-        if self._pin or self._device is not None:
-            batch = _map_tensors(batch, self._move)
         self._delivered_epoch[0] += 1
-        self._delivered_epoch[1] += n
+        self._delivered_epoch[1] += got[1]
         self._last_yield = time.perf_counter()
-        return batch
-
-    def _move(self, t: torch.Tensor) -> torch.Tensor:
-        if self._pin:
-            t = t.pin_memory()
-        if self._device is not None:
-            t = t.to(self._device, non_blocking=self._pin)
-        return t
-
-    def _take(self, producer: Producer, have: int) -> Any:
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        while True:
-            if producer.error is not None:
-                raise producer.error
-            cache = self._shared.cache
-            if cache is None or self._layout is None:
-                if self._closed:
-                    raise RuntimeError("EchoLoader was closed")
-                if producer.ready.is_set() and not producer.is_alive():
-                    if producer.error is not None:
-                        raise producer.error
-                    return None  # the wrapped loader yielded no batch this epoch
-                producer.ready.wait(POLL_S)
-            else:
-                assert self._batch_size is not None
-                try:
-                    got = cache.take_batch(self._batch_size - have, timeout=POLL_S)
-                except TimeoutError:
-                    got = False
-                except CacheClosedError:
-                    if producer.error is not None:
-                        raise producer.error from None
-                    raise RuntimeError("EchoLoader was closed") from None
-                if producer.error is not None:
-                    raise producer.error
-                if got is not False:
-                    return got
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"EchoLoader: no batch within timeout={self._timeout:g}s (epoch {self._epoch},"
-                    f" {self._delivered_epoch[0]} batches delivered, {producer.batches_done} "
-                    "read from the wrapped loader)"
-                )
-
-    def _observe(self, producer: Producer, busy: float) -> None:
-        """Feeds the controller (``"auto"``) and applies its factor every ``echo_interval``."""
-        if self._controller is None:
-            return
-        up, count = producer.up_seconds, producer.up_batches
-        if count > self._observed[1]:
-            t_up = (up - self._observed[0]) / (count - self._observed[1])
-            self._observed = (up, count)
-            step = self._totals["delivered_batches"] + self._delivered_epoch[0]
-            self._controller.observe(t_up, max(busy, 1e-9), step)
-        step = self._totals["delivered_batches"] + self._delivered_epoch[0]
-        # The first decision (after the controller's warm-up) applies at once: waiting for the
-        # interval would run those batches at e = 1, the time "auto" loses most.
-        first = len(self._history) == 1
-        if self._controller.factor != self._factor and (first or step % self._interval == 0):
-            self.set_echo_factor(self._controller.factor)
+        return got[0]
 
     def _end_epoch(self, token: int, abort: bool) -> None:
         if token != self._current:

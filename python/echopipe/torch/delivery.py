@@ -1,0 +1,172 @@
+"""The take path of :class:`echopipe.torch.EchoLoader`: output batches out of the echo cache.
+
+Every output batch costs one copy per sample. For the usual streams (tensors and numpy arrays,
+no strings) each leaf gets its output buffer first: a tensor of the batch's shape, in pinned
+memory when the loader pins, and ``EchoCache.take_batch_into`` copies the samples straight from
+the cache's arena into its rows, however many takes a batch needs. Other streams (strings, more
+leaves than cache fields) are gathered by ``take_batch`` and rebuilt by
+:func:`.batch_layout.decode`, which copies again where leaves share a field.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..echo import CacheClosedError
+from . import batch_layout as bl
+from .reader import POLL_S, Producer
+
+if TYPE_CHECKING:
+    from .loader import EchoLoader
+
+__all__ = ["Assembler", "map_tensors", "next_batch"]
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in its dicts, tuples and lists."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+class Assembler:
+    """Output batches of one layout: buffers to take into (when the layout allows) and the
+    rebuilding of the batch tree."""
+
+    def __init__(self, layout: bl.Layout, pin: bool) -> None:
+        self.layout = layout
+        self.pin = pin
+        leaves = layout.leaves
+        # Buffers need one leaf per cache field, each with bytes: the cache then holds a leaf's
+        # row exactly as the output tensor does.
+        self.direct = (
+            not layout.strings
+            and len(layout.groups) == len(leaves)
+            and all(x.nbytes for x in leaves)
+        )
+        self.build = bl.builder(layout.treedef)
+        self.makers = [_maker(leaves[g[0]], pin) for g in layout.groups] if self.direct else []
+
+    def buffers(self, rows: int) -> list[Any]:
+        """Fresh output buffers of ``rows`` samples, one per cache field."""
+        return [make(rows) for make in self.makers]
+
+    def finish(self, buffers: list[Any], n: int) -> Any:
+        """The batch of the first ``n`` rows of ``buffers`` (views, no copy)."""
+        rows = buffers[0].shape[0]
+        return self.build(buffers if n == rows else [b[:n] for b in buffers])
+
+    def decode(self, parts: list[Any], n: int) -> Any:
+        """The batch of gathered ``EchoBatch`` parts (the path without buffers)."""
+        if len(parts) == 1:
+            batch = bl.decode(self.layout, parts[0].fields, parts[0].offsets, n)
+        else:
+            batch = bl.decode_many(self.layout, [(g.fields, g.offsets, len(g)) for g in parts])
+        return map_tensors(batch, torch.Tensor.pin_memory) if self.pin else batch
+
+
+def _maker(leaf: bl.Leaf, pin: bool) -> Callable[[int], Any]:
+    shape = leaf.shape
+    if leaf.kind == "numpy":
+        dt = np.dtype(leaf.dtype)
+        return lambda rows: np.empty((rows, *shape), dtype=dt)
+    td = getattr(torch, leaf.dtype)
+    return lambda rows: torch.empty((rows, *shape), dtype=td, pin_memory=pin)
+
+
+def next_batch(loader: EchoLoader, producer: Producer) -> tuple[Any, int] | None:
+    """The next output batch and its samples, or None at the end of the epoch.
+
+    ``take`` may return a short part before the end (a full, small cache): the rest is taken
+    too, so only an epoch's last batch can be short.
+    """
+    want = loader.batch_size
+    assembler = None
+    buffers: list[Any] | None = None
+    parts: list[Any] = []
+    n = 0
+    while want is None or n < want:
+        if assembler is None and loader._layout is not None and loader._decode is not None:
+            assembler = loader._decode
+            if assembler.direct and want is not None:
+                buffers = assembler.buffers(want)
+        got = _take(loader, producer, n, buffers, assembler is not None)
+        if got is None:
+            break
+        if isinstance(got, int):
+            n += got
+        else:
+            parts.append(got)
+            n += len(got)
+        want = loader.batch_size
+    if n == 0:
+        return None
+    assert assembler is not None
+    batch = assembler.finish(buffers, n) if buffers is not None else assembler.decode(parts, n)
+    device = loader._device
+    if device is not None:
+        pinned = assembler.pin
+        batch = map_tensors(batch, lambda t: t.to(device, non_blocking=pinned))
+    return batch, n
+
+
+def _take(
+    loader: EchoLoader, producer: Producer, have: int, buffers: list[Any] | None, planned: bool
+) -> Any:
+    """One take: rows written into ``buffers`` (an int), else an ``EchoBatch``; None at the end.
+
+    Without a plan (``planned``: the caller had no layout yet), it returns 0 rows as soon as the
+    layout is known, once, so that the caller makes its buffers before the first take.
+    """
+    timeout = loader._timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
+    shared = loader._shared
+    while True:
+        if producer.error is not None:
+            raise producer.error
+        cache = shared.cache
+        if cache is None or loader._layout is None:
+            if loader._closed:
+                raise RuntimeError("EchoLoader was closed")
+            if producer.ready.is_set() and not producer.is_alive():
+                if producer.error is not None:
+                    raise producer.error
+                return None  # the wrapped loader yielded no batch this epoch
+            producer.ready.wait(POLL_S)
+            if not planned and loader._layout is not None:
+                return 0
+        else:
+            size = loader.batch_size
+            assert size is not None
+            try:
+                if buffers is not None:
+                    got = cache.take_batch_into(buffers, size - have, POLL_S, start=have)
+                else:
+                    got = cache.take_batch(size - have, timeout=POLL_S)
+            except TimeoutError:
+                got = False
+            except CacheClosedError:
+                if producer.error is not None:
+                    raise producer.error from None
+                raise RuntimeError("EchoLoader was closed") from None
+            if producer.error is not None:
+                raise producer.error
+            if got is not False:
+                return got
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"EchoLoader: no batch within timeout={timeout:g}s (epoch {loader._epoch},"
+                f" {loader._delivered_epoch[0]} batches delivered, {producer.batches_done} "
+                "read from the wrapped loader)"
+            )

@@ -1,0 +1,141 @@
+"""The parts of :class:`echopipe.torch.EchoLoader` around its batches: the checked options and
+the cache they size, one pass over the loader (:class:`EpochIterator`), the timing that feeds the
+``"auto"`` controller, and the exact counts (:class:`EchoLoaderStats`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..echo import EchoStats
+from . import batch_layout as bl
+
+if TYPE_CHECKING:
+    from .loader import EchoLoader
+    from .reader import Producer
+
+__all__ = [
+    "COUNTS", "EchoLoaderStats", "EpochIterator", "cache_config", "check_count", "check_factor",
+    "observe",
+]  # fmt: skip
+
+COUNTS = ("fresh_batches", "fresh_samples", "delivered_batches", "delivered_samples")
+
+
+@dataclass(frozen=True)
+class EchoLoaderStats:
+    """Exact counts: fresh samples read from the wrapped loader and echoed copies delivered.
+
+    ``*_epoch`` count the current (or last finished) epoch, the others every epoch so far.
+    """
+
+    epoch: int
+    fresh_batches: int
+    fresh_samples: int
+    delivered_batches: int
+    delivered_samples: int
+    fresh_batches_epoch: int
+    fresh_samples_epoch: int
+    delivered_batches_epoch: int
+    delivered_samples_epoch: int
+    echo_factor: float
+    echo_history: list[tuple[int, float]]
+    cache: EchoStats | None
+
+
+def check_factor(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"echo_factor must be a number >= 1 or 'auto', got {value!r}")
+    e = float(value)
+    if not (math.isfinite(e) and 1 <= e <= 65535):
+        raise ValueError(f"echo_factor must be in [1, 65535] or 'auto', got {value!r}")
+    return e
+
+
+def check_count(name: str, value: Any, minimum: int = 1) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class EpochIterator:
+    """One pass over an :class:`EchoLoader`; dropping or closing it mid-epoch ends the pass."""
+
+    def __init__(self, loader: EchoLoader, serial: int) -> None:
+        self._loader: EchoLoader | None = loader
+        self._serial = serial
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        loader = self._loader
+        if loader is None:
+            raise StopIteration
+        try:
+            batch = loader._next(self._serial)
+        except BaseException:
+            self._finish(abort=True)
+            raise
+        if batch is None:
+            self._finish(abort=False)
+            raise StopIteration
+        return batch
+
+    def close(self) -> None:
+        """Ends this pass now: stops the reader and the wrapped loader's workers."""
+        self._finish(abort=True)
+
+    def _finish(self, abort: bool) -> None:
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader._end_epoch(self._serial, abort)
+
+    def __del__(self) -> None:
+        self._finish(abort=True)
+
+
+def cache_config(
+    layout: bl.Layout, batch_size: int, shuffle_buffer: int | None,
+    capacity_bytes: int | None, seed: int, epoch_samples: int | None,
+) -> dict[str, int]:  # fmt: skip
+    """The echo cache's arguments for a stream of ``layout`` (LayoutError: a buffer too small)."""
+    buffer = shuffle_buffer or 4 * batch_size
+    if buffer < 2 * batch_size:
+        raise bl.LayoutError(
+            f"shuffle_buffer={buffer} holds fewer than two batches of {batch_size}"
+        )
+    per_sample = sum(
+        64 * math.ceil(sum(layout.leaves[i].nbytes for i in g) / 64) + 64 for g in layout.groups
+    )
+    per_sample += (2 * 64 + 1024 * len(layout.strings)) if layout.strings else 0
+    return {
+        "capacity_bytes": capacity_bytes or buffer * per_sample + (4 << 20),
+        "capacity_samples": buffer,
+        "min_fill": buffer // 2,
+        "seed": seed,
+        "epoch_size": epoch_samples or 0,
+    }
+
+
+def observe(loader: EchoLoader, producer: Producer, busy: float) -> None:
+    """Feeds the controller (``"auto"``) and applies its factor every ``echo_interval``."""
+    if loader._controller is None:
+        return
+    up, count = producer.up_seconds, producer.up_batches
+    if count > loader._observed[1]:
+        t_up = (up - loader._observed[0]) / (count - loader._observed[1])
+        loader._observed = (up, count)
+        step = loader._totals["delivered_batches"] + loader._delivered_epoch[0]
+        loader._controller.observe(t_up, max(busy, 1e-9), step)
+    step = loader._totals["delivered_batches"] + loader._delivered_epoch[0]
+    # The first decision (after the controller's warm-up) applies at once: waiting for the
+    # interval would run those batches at e = 1, the time "auto" loses most.
+    first = len(loader._history) == 1
+    if loader._controller.factor != loader._factor and (first or step % loader._interval == 0):
+        loader.set_echo_factor(loader._controller.factor)
