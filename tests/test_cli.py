@@ -530,6 +530,7 @@ def test_bench_suite_sets() -> None:
         "wallclock_train",
         "staleness",
         "staleness_remedies",
+        "readme_runs",
     }
     parser = build_parser()
     assert parser.parse_args(["bench", "--only", "staleness_remedies"]).only == [

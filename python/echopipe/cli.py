@@ -37,6 +37,7 @@ BENCH_STUDIES: tuple[str, ...] = (
     "wallclock_train",
     "staleness",
     "staleness_remedies",
+    "readme_runs",
 )
 """Training studies (minutes each): run only with ``--only NAME`` or ``--all``."""
 
