@@ -153,10 +153,8 @@ def test_back_pressure_put_blocks_until_space() -> None:
     cache = EchoCache(capacity_bytes=1 << 16, capacity_samples=4, echo_factor=1.0)
     for i in range(4):
         cache.put(np.int64(i))
-    t0 = time.perf_counter()
     with pytest.raises(TimeoutError, match=r"timeout=0\.1"):
         cache.put(np.int64(99), timeout=0.1)
-    assert time.perf_counter() - t0 >= 0.09
     done = threading.Event()
 
     def blocked_put() -> None:
