@@ -173,3 +173,35 @@ def test_no_other_module_writes_an_echo_core_bound() -> None:
     # The pattern finds the spellings it is meant to find.
     for spelled in ("e <= 65535", "MAX_ECHO = 100.0", "0, 1 << 40)", "2**31 - 1", "0xFFFF"):
         assert BOUND_LITERALS.search(spelled), spelled
+
+
+def test_the_train_options_are_the_echo_config_fields_and_convert_mib_once() -> None:
+    from echopipe.training.config import TrainConfig
+
+    cfg = TrainConfig()
+    assert cfg.echo_config() == EchoConfig()  # every default is EchoConfig's
+    cfg = TrainConfig(echo=2.5, echo_max=8.0, echo_insert="after_augment", echo_mode="batch",
+                      shuffle_buffer=12, cache_mb=3)  # fmt: skip
+    assert cfg.echo_config() == EchoConfig(
+        factor=2.5, factor_max=8.0, placement="after_augment", mode="batch", shuffle_buffer=12,
+        cache_bytes=3 << 20,
+    )  # fmt: skip
+    options = {f.name: f.metadata for f in dataclasses.fields(TrainConfig) if f.metadata["echo"]}
+    assert {m["echo"][0] for m in options.values()} == {
+        "factor", "factor_max", "placement", "mode", "shuffle_buffer", "cache_bytes"
+    }  # fmt: skip
+    for meta in options.values():
+        assert meta["help"].startswith(EchoConfig.help(meta["echo"][0]))
+
+
+def test_the_builder_takes_an_echo_config_as_it_is(tiny_imagenet: Path) -> None:
+    from echopipe.dali import imagenet_train_pipeline
+
+    config = EchoConfig(factor=3, placement="after_augment", shuffle_buffer=8, cache_bytes=1 << 22)
+    with imagenet_train_pipeline(
+        tiny_imagenet, batch_size=4, echo=config, image_size=32, num_threads=1, epochs=1
+    ) as pipe:
+        assert pipe.config.echo == dataclasses.replace(config, memory=pipe.config.echo.memory)
+        assert pipe.config.epochs == 1 and pipe.cache.echo_factor == 3.0
+    with pytest.raises(EchoConfigError, match="echo_factor must be a finite number"):
+        imagenet_train_pipeline(tiny_imagenet, batch_size=4, echo=EchoConfig(factor="auto"))
