@@ -108,12 +108,18 @@ BAD_DATA = {
 
 BAD_ARGUMENTS = [
     (["--data", "/no/such/folder"], "/no/such/folder"),
-    (["--echo", "0.5"], "--echo must be >= 1"),
+    (["--echo", "0.5"], "--echo must be a finite number in [1, 65535] or 'auto', got 0.5"),
     (["--echo", "often"], "'often'"),
-    (["--echo", "1e9"], "--echo 1e+09 is above 100"),
+    (["--echo", "1e9"], "--echo must be a finite number in [1, 65535] or 'auto'"),
+    (["--echo", "65536"], "got 65536.0"),
+    (["--echo-max", "0.5"], "--echo-max must be a finite number in [1, 65535], got 0.5"),
+    (["--cache-mb", "0"], "--cache-mb 0 (MiB), as cache_bytes, must be an integer in [64, "),
+    (["--cache-mb", "1e3"], "'1e3' is not an integer"),
     (["--image-size", "100000"], "--image-size must be <= 1024"),
     (["--shuffle-buffer", "1e8"], "'1e8' is not an integer"),
-    (["--shuffle-buffer", "100000000"], "--shuffle-buffer must be <= 65536"),
+    (["--shuffle-buffer", "-1"], "--shuffle-buffer must be an integer in [0, 2147483647], got -1"),
+    (["--shuffle-buffer", "4294967296"], "--shuffle-buffer must be an integer in [0, 2147483647]"),
+    (["--echo-mode", "epoch"], "'epoch'"),
     (["--devices", "tpu:0"], "tpu:0"),
     (["--devices", "cuda:7"], "cuda:7"),
     (["--balance", "3,x"], "3,x"),
@@ -167,6 +173,28 @@ def test_bad_train_arguments_give_one_line_and_exit_2(
 ) -> None:
     line = _bad(["train", *argv], capsys)
     assert needle in line
+
+
+def test_an_echo_max_over_the_cores_bound_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--echo-max 1e9`` is refused by EchoConfig's bound (the native core's largest factor)
+    in one line with status 2: no data is read or made, no run folder is created."""
+    from echopipe.echo.config import MAX_ECHO_FACTOR
+
+    data = tmp_path / "data"
+    (data / "train" / "ant").mkdir(parents=True)  # no val/: reading it would fail (status 1)
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(data), "--output", str(run), "--echo-max", "1e9"]
+    line = _bad(argv, capsys)
+    assert f"--echo-max must be a finite number in [1, {MAX_ECHO_FACTOR:g}], got 1000000000.0" in (
+        line
+    )
+    assert not run.exists()
+    # The largest factor the core takes is taken: the same command then fails on the data.
+    argv[-1] = f"{MAX_ECHO_FACTOR:g}"
+    code, line = _fails(argv, capsys)
+    assert code == 1 and f"--data {str(data)!r} has no val/ folder" in line, line
 
 
 @pytest.mark.parametrize("case", sorted(BAD_DATA))

@@ -17,6 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from echopipe.echo import EchoConfigError
+from echopipe.echo.config import MAX_CAPACITY_SAMPLES, MIN_CAPACITY_BYTES
 from echopipe.torch import EchoLoader, LayoutError, LoaderError
 
 
@@ -380,8 +382,16 @@ def test_auto_changes_e_in_place_while_running() -> None:
 
 
 def test_argument_errors_name_the_value() -> None:
-    with pytest.raises(ValueError, match="echo_factor must be in"):
+    with pytest.raises(
+        EchoConfigError, match=r"echo_factor must be a finite number in \[1, 65535\]"
+    ):
         EchoLoader([], 0.5)
+    with pytest.raises(EchoConfigError, match=r"echo_max must be a finite number in \[1, 65535\]"):
+        EchoLoader([], "auto", echo_max=1e9)
+    with pytest.raises(EchoConfigError, match="capacity_bytes must be an integer in"):
+        EchoLoader([], capacity_bytes=MIN_CAPACITY_BYTES - 1)
+    with pytest.raises(EchoConfigError, match="shuffle_buffer must be an integer in"):
+        EchoLoader([], shuffle_buffer=MAX_CAPACITY_SAMPLES + 1)
     with pytest.raises(ValueError, match="or 'auto', got 'fast'"):
         EchoLoader([], "fast")
     with pytest.raises(ValueError, match="shuffle_buffer must be an integer >= 1, got 0"):

@@ -343,10 +343,10 @@ void bind_echo(py::module_& m) {
   register_errors();
   // The core's limits, read by echopipe.echo.config so that Python checks each bound once,
   // before any cache is made, with the value the core itself enforces.
-  m.attr("MAX_ECHO_FACTOR") = static_cast<double>(detail::kMaxTickets);  // 16-bit tickets
-  m.attr("MIN_CAPACITY_BYTES") = kFieldAlignment;                        // one aligned field
-  m.attr("MAX_CAPACITY_SAMPLES") = (size_t{1} << 31) - 1;                // 31-bit slot index
-  m.attr("MAX_EPOCH_SIZE") = size_t{1} << 40;
+  m.attr("MAX_ECHO_FACTOR") = static_cast<double>(kMaxEchoFactor);
+  m.attr("MIN_CAPACITY_BYTES") = kMinCapacityBytes;
+  m.attr("MAX_CAPACITY_SAMPLES") = kMaxCapacitySamples;
+  m.attr("MAX_EPOCH_SIZE") = kMaxEpochSize;
   m.attr("MAX_FIELDS") = kMaxFields;
   m.def("built_with_cuda", &built_with_cuda, "True when the CUDA kernels were compiled in.");
   m.def("cuda_device_count", &cuda_device_count,

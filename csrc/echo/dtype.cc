@@ -173,16 +173,18 @@ const char* take_status_name(TakeStatus s) {
 }
 
 void EchoConfig::validate() const {
-  if (!(echo_factor >= 1.0) || !std::isfinite(echo_factor) || echo_factor > 65535.0) {
-    throw std::invalid_argument("echo_factor must be a finite number in [1, 65535], got " +
+  if (!echo_factor_in_bounds(echo_factor)) {
+    throw std::invalid_argument("echo_factor must be a finite number in [1, " +
+                                std::to_string(kMaxEchoFactor) + "], got " +
                                 std::to_string(echo_factor));
   }
-  if (capacity_bytes < kFieldAlignment) {
-    throw std::invalid_argument("capacity_bytes must be >= " + std::to_string(kFieldAlignment) +
+  if (capacity_bytes < kMinCapacityBytes) {
+    throw std::invalid_argument("capacity_bytes must be >= " + std::to_string(kMinCapacityBytes) +
                                 ", got " + std::to_string(capacity_bytes));
   }
-  if (capacity_samples < 1 || capacity_samples >= (size_t{1} << 31)) {
-    throw std::invalid_argument("capacity_samples must be in [1, 2^31), got " +
+  if (capacity_samples < 1 || capacity_samples > kMaxCapacitySamples) {
+    throw std::invalid_argument("capacity_samples must be in [1, " +
+                                std::to_string(kMaxCapacitySamples) + "], got " +
                                 std::to_string(capacity_samples));
   }
   if (min_fill > capacity_samples) {
@@ -207,8 +209,9 @@ void EchoConfig::validate() const {
     throw std::invalid_argument("unknown memory kind code " +
                                 std::to_string(static_cast<int>(memory)));
   }
-  if (epoch_size > (size_t{1} << 40)) {
-    throw std::invalid_argument("epoch_size must be <= 2^40, got " + std::to_string(epoch_size));
+  if (epoch_size > kMaxEpochSize) {
+    throw std::invalid_argument("epoch_size must be <= " + std::to_string(kMaxEpochSize) +
+                                ", got " + std::to_string(epoch_size));
   }
   if (num_shards > 1024) {
     throw std::invalid_argument("num_shards must be <= 1024, got " + std::to_string(num_shards));

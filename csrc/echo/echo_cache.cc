@@ -55,10 +55,9 @@ bool EchoCache::closed() const { return impl_->closed.load(std::memory_order_acq
 double EchoCache::echo_factor() const { return impl_->echo_factor.load(std::memory_order_relaxed); }
 
 void EchoCache::set_echo_factor(double e) {
-  if (!(e >= 1.0) || !std::isfinite(e) || e > 65535.0) {
-    throw std::invalid_argument(
-        "set_echo_factor: echo_factor must be a finite number in [1, 65535], got " +
-        std::to_string(e));
+  if (!echo_factor_in_bounds(e)) {
+    throw std::invalid_argument("set_echo_factor: echo_factor must be a finite number in [1, " +
+                                std::to_string(kMaxEchoFactor) + "], got " + std::to_string(e));
   }
   impl_->echo_factor.store(e, std::memory_order_relaxed);
 }

@@ -188,10 +188,25 @@ ECHOPIPE_API const char* memory_kind_name(MemoryKind kind);
 /// otherwise.
 ECHOPIPE_API MemoryKind memory_kind_from_name(std::string_view name);
 
+// ---- bounds of a configuration: written here only; validate() and the state checks use them,
+// and the Python module exports them (MAX_ECHO_FACTOR, MIN_CAPACITY_BYTES, ...) ---------------
+
+/// Largest echo factor: a unit's tickets are 16 bits of its state word.
+constexpr uint32_t kMaxEchoFactor = 65535;
+/// Smallest arena: one aligned field.
+constexpr size_t kMinCapacityBytes = kFieldAlignment;
+/// Most slots: a slot index is 31 bits.
+constexpr size_t kMaxCapacitySamples = (size_t{1} << 31) - 1;
+/// Largest epoch_size (units per block of exact copy totals).
+constexpr size_t kMaxEpochSize = size_t{1} << 40;
+
+/// Whether `e` is an echo factor a cache takes: finite, in [1, kMaxEchoFactor].
+inline bool echo_factor_in_bounds(double e) { return e >= 1.0 && e <= kMaxEchoFactor; }
+
 struct EchoConfig {
-  size_t capacity_bytes = size_t{256} << 20;  ///< arena size (>= 64); fixed for the cache's life
-  size_t capacity_samples = 4096;             ///< slots (>= 1, < 2^31); in batch mode >= batch_size
-  double echo_factor = 2.0;  ///< e >= 1 (finite); e = 1 makes a plain shuffle buffer
+  size_t capacity_bytes = size_t{256} << 20;  ///< arena size (>= kMinCapacityBytes); fixed
+  size_t capacity_samples = 4096;  ///< slots (1..kMaxCapacitySamples); batch mode: >= batch_size
+  double echo_factor = 2.0;        ///< e in [1, kMaxEchoFactor]; e = 1 makes a plain shuffle buffer
   size_t min_fill = 0;  ///< warm-up: samples with tickets before takes start (<= capacity_samples)
   uint64_t seed = 0;    ///< tickets and draws are reproducible from it
   EchoMode mode = EchoMode::kExample;
@@ -201,7 +216,7 @@ struct EchoConfig {
   /// totals per epoch. The units put since the last reset_input() (or since the start) form
   /// blocks of N, and in every block exactly round(frac(e) * N) units get ceil(e) tickets, the
   /// others floor(e); which ones is a seeded pseudo-random choice, stateless per unit (so it
-  /// survives save/restore). Exact while e stays the same over the block. At most 2^40.
+  /// survives save/restore). Exact while e stays the same over the block. At most kMaxEpochSize.
   size_t epoch_size = 0;
   size_t num_shards = 0;  ///< unused since draws probe slots without locks (kept for callers)
 
@@ -415,7 +430,7 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   /// Changes e at run time (any thread, lock-free): units published after the call get
   /// floor(e)/ceil(e) tickets; units already in the cache keep theirs, so every sample is still
   /// emitted exactly its ticket count. Throws std::invalid_argument naming the value unless
-  /// 1 <= e <= 65535 and finite.
+  /// 1 <= e <= kMaxEchoFactor and finite.
   void set_echo_factor(double e);
   const std::string& name() const { return name_; }
   /// Process-unique handle (also the registry key for find_cache(uint64_t)).

@@ -34,7 +34,8 @@ constexpr size_t kMaxHist = 64;
 // Upper bound on any blocking wait, so close() is seen within this even if a notify were lost.
 constexpr auto kPoll = std::chrono::milliseconds(100);
 
-// The state word of a unit: tickets (16 bits: e <= 65535) | generation (16) | readers (32).
+// The state word of a unit: tickets (16 bits: e <= kMaxEchoFactor) | generation (16) |
+// readers (32).
 // The generation changes at every publish of the slot, so a draw's CAS cannot succeed against a
 // later publication of the same slot that happens to have equal tickets and readers (ABA).
 constexpr int kTicketShift = 48;
@@ -42,7 +43,9 @@ constexpr uint64_t kTicket = uint64_t{1} << kTicketShift;
 constexpr uint64_t kGenOne = uint64_t{1} << 32;
 constexpr uint64_t kGenMask = uint64_t{0xFFFF} << 32;
 constexpr uint64_t kLiveMask = ~kGenMask;  // tickets and readers: 0 means the unit can retire
-constexpr uint32_t kMaxTickets = 65535;
+constexpr uint32_t kMaxTickets = kMaxEchoFactor;
+static_assert(kMaxTickets <= (uint64_t{1} << (64 - kTicketShift)) - 1,
+              "a unit's tickets must fit the bits above kTicketShift");
 
 inline uint32_t tickets_of(uint64_t state) { return static_cast<uint32_t>(state >> kTicketShift); }
 

@@ -191,7 +191,7 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
   const auto mode = static_cast<EchoMode>(r.get<uint8_t>());
   const uint64_t bs = r.get<uint64_t>();
   const uint32_t capacity = r.get<uint32_t>();
-  if (!(e >= 1.0) || !std::isfinite(e) || e > 65535.0) {
+  if (!echo_factor_in_bounds(e)) {
     throw corrupt("echo_factor=" + std::to_string(e));
   }
   if (mode != config_.mode) {

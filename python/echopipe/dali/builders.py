@@ -22,6 +22,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from ..echo.config import EchoConfig
 from ..echo.memory import resolve_memory
 from .builder_checks import check_common, check_positive_int
 from .config import EchoPipelineConfig
@@ -92,7 +93,7 @@ def imagenet_train_pipeline(
     batch_size: int,
     reader: ReaderSpec | None = None,
     augment: AugmentSpec | None = None,
-    echo: EchoSpec | None = DEFAULT_ECHO,
+    echo: EchoSpec | EchoConfig | None = DEFAULT_ECHO,
     **keywords: Any,
 ) -> Any:
     """ImageNet-style training pipeline with data echoing.
@@ -114,7 +115,8 @@ def imagenet_train_pipeline(
         batch_size: downstream (training) batch size.
         reader: files, shards, checks, decode and DALI threads (:class:`ReaderSpec`).
         augment: crop size, dtype and crop area (:class:`AugmentSpec`).
-        echo: echo factor, placement, mode and cache (:class:`EchoSpec`); ``None`` returns the
+        echo: echo factor, placement, mode and cache (:class:`EchoSpec`, or an
+            :class:`~echopipe.echo.EchoConfig` with a number for its factor); ``None`` returns the
             plain pipeline (:func:`imagenet_plain_train_pipeline`) instead.
         **keywords: any field of the three specs by name (``echo_factor=3``,
             ``read_delay_ms=2``, ``image_size=128``), applied to the spec that owns it;

@@ -119,6 +119,12 @@ class EchoSpec:
         for spec_name, name in _ECHO_FIELDS.items():
             EchoConfig.check_field(name, getattr(self, spec_name), spec_name)
 
+    @classmethod
+    def of(cls, config: EchoConfig, **others: Any) -> EchoSpec:
+        """The spec of an :class:`~echopipe.echo.EchoConfig` (whose factor must be a number),
+        with ``others`` for the fields that are not the config's."""
+        return cls(**{s: getattr(config, name) for s, name in _ECHO_FIELDS.items()}, **others)
+
     def echo_config(self) -> EchoConfig:
         """The :class:`~echopipe.echo.EchoConfig` these fields make."""
         return EchoConfig(**{name: getattr(self, s) for s, name in _ECHO_FIELDS.items()})
@@ -142,10 +148,11 @@ _OWNER = {f.name: spec for spec in _SPECS for f in fields(spec)}
 def resolve_specs(
     reader: ReaderSpec | None,
     augment: AugmentSpec | None,
-    echo: EchoSpec | None,
+    echo: EchoSpec | EchoConfig | None,
     keywords: dict[str, Any],
 ) -> tuple[ReaderSpec, AugmentSpec, EchoSpec | None]:
-    """The three specs with ``keywords`` applied, each to the spec that owns its name.
+    """The three specs with ``keywords`` applied, each to the spec that owns its name; an
+    :class:`~echopipe.echo.EchoConfig` for ``echo`` is its :meth:`EchoSpec.of`.
 
     ``echo_factor=None`` among the keywords means no echo (``echo`` becomes ``None``; the other
     echo keywords then have no effect). TypeError names a keyword that no spec has, or an echo
@@ -156,6 +163,8 @@ def resolve_specs(
         AugmentSpec: augment if augment is not None else AugmentSpec(),
         EchoSpec: echo,
     }
+    if isinstance(echo, EchoConfig):
+        specs[EchoSpec] = echo = EchoSpec.of(echo)
     for spec, value in ((ReaderSpec, reader), (AugmentSpec, augment), (EchoSpec, echo)):
         if value is not None and not isinstance(value, spec):
             raise TypeError(f"expected a {spec.__name__}, got {type(value).__name__}")

@@ -117,7 +117,7 @@ class EchoConfig:
         default=FACTOR_AUTO,
         metadata={
             "help": "echo factor e >= 1 (1 = no echoing): each fresh sample is emitted floor(e) "
-            "or ceil(e) times; or 'auto': e follows R = t_up/t_down (up to factor_max) and "
+            "or ceil(e) times; or 'auto': e follows R = t_up/t_down (up to its maximum) and "
             "stays 1 while the input keeps up"
         },
     )
@@ -143,7 +143,10 @@ class EchoConfig:
             "of the buffer)"
         },
     )
-    cache_bytes: int = field(default=256 << 20, metadata={"help": "echo cache arena size in bytes"})
+    cache_bytes: int = field(
+        default=256 << 20,
+        metadata={"help": "size of the echo cache arena, which holds the cached samples"},
+    )
     memory: str = field(
         default="auto",
         metadata={

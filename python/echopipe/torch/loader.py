@@ -98,8 +98,7 @@ class EchoLoader(PassThrough):
         if not hasattr(loader, "__iter__"):
             raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
         self._loader = loader
-        self._controller = EchoController(1.0, e_max=echo_max) if echo_factor == "auto" else None
-        self._factor = 1.0 if self._controller is not None else passes.check_factor(echo_factor)
+        self._factor, self._controller = passes.check_echo(echo_factor, echo_max)
         self._shuffle_buffer = passes.check_count("shuffle_buffer", shuffle_buffer)
         self._batch_size = passes.check_count("batch_size", batch_size)
         self._explicit_batch = self._batch_size is not None

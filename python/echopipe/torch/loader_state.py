@@ -8,8 +8,9 @@ the loader as it was, and every refusal is one exception type, :class:`LoaderSta
 
 from __future__ import annotations
 
-import math
 from typing import Any
+
+from ..echo.config import MAX_EPOCH_SIZE, EchoConfigError, check_factor
 
 __all__ = ["LoaderStateError", "check_loader_state", "check_position"]
 
@@ -48,9 +49,11 @@ def _need(ok: bool, what: str) -> None:
 
 
 def _factor(value: Any, where: str) -> float:
-    ok = type(value) in (int, float) and math.isfinite(value) and 1 <= value <= 65535
-    _need(ok, f"{where} is not an echo factor in [1, 65535]")
-    return float(value)
+    _need(type(value) in (int, float), f"{where} is not an echo factor (a number)")
+    try:
+        return float(check_factor(value, where))
+    except EchoConfigError as exc:
+        raise LoaderStateError(f"EchoLoader state {exc}") from None
 
 
 def check_loader_state(
@@ -144,7 +147,7 @@ def _cache_config(config: Any, memory_bytes: int) -> dict[str, int] | None:
         "seed": _int(config["seed"], "cache seed", 0, (1 << 63) - 1),
     }
     out["min_fill"] = _int(config["min_fill"], "cache min_fill", 0, out["capacity_samples"])
-    out["epoch_size"] = _int(config["epoch_size"], "cache epoch_size", 0, 1 << 40)
+    out["epoch_size"] = _int(config["epoch_size"], "cache epoch_size", 0, MAX_EPOCH_SIZE)
     return out
 
 

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..echo import EchoStats
+from ..echo import config as echo_config
+from ..echo.config import FACTOR_AUTO, EchoConfig
+from ..echo.controller import EchoController
 from . import batch_layout as bl
 
 if TYPE_CHECKING:
@@ -18,7 +21,8 @@ if TYPE_CHECKING:
     from .reader import Producer
 
 __all__ = [
-    "COUNTS", "EchoLoaderStats", "EpochIterator", "cache_config", "check_count", "check_factor",
+    "COUNTS", "EchoLoaderStats", "EpochIterator", "cache_config", "check_count", "check_echo",
+    "check_factor",
     "observe",
 ]  # fmt: skip
 
@@ -47,19 +51,33 @@ class EchoLoaderStats:
 
 
 def check_factor(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"echo_factor must be a number >= 1 or 'auto', got {value!r}")
-    e = float(value)
-    if not (math.isfinite(e) and 1 <= e <= 65535):
-        raise ValueError(f"echo_factor must be in [1, 65535] or 'auto', got {value!r}")
-    return e
+    """``value`` as a number ``echo_factor`` in EchoConfig's bound (EchoConfigError names it)."""
+    return float(echo_config.check_factor(value, "echo_factor"))
+
+
+def check_echo(echo_factor: Any, echo_max: Any) -> tuple[float, EchoController | None]:
+    """The starting ``e`` and, for ``"auto"``, its controller; each value within EchoConfig's
+    bound (EchoConfigError names ``echo_factor`` or ``echo_max``)."""
+    factor = EchoConfig.check_field("factor", echo_factor, "echo_factor")
+    e_max = EchoConfig.check_field("factor_max", echo_max, "echo_max")
+    if factor == FACTOR_AUTO:
+        return 1.0, EchoController(1.0, e_max=e_max)
+    return factor, None
+
+
+#: EchoLoader's arguments that are EchoConfig fields, and the field (whose bound they keep).
+_ECHO_FIELDS = {"shuffle_buffer": "shuffle_buffer", "capacity_bytes": "cache_bytes"}
 
 
 def check_count(name: str, value: Any, minimum: int = 1) -> int | None:
+    """``value``: ``None`` or an int >= ``minimum``, and within its EchoConfig field's bound
+    where ``name`` is one (:data:`_ECHO_FIELDS`); the error names ``name``."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if name in _ECHO_FIELDS:
+        EchoConfig.check_field(_ECHO_FIELDS[name], value, name)
     return int(value)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..echo.config import MAX_ECHO_FACTOR
 from ..models import MODEL_NAMES, build_model
 from .config import TrainConfig
 from .schedule import decay_groups
@@ -298,7 +299,7 @@ def _check_run(run: Any) -> RunState:
         for v in seg:
             _num(v, "run 'schedule_warp' entry", 0.0)
     for factor in st.factors_used:
-        _num(factor, "run 'factors_used' entry", 1.0, 65535.0)
+        _num(factor, "run 'factors_used' entry", 1.0, MAX_ECHO_FACTOR)
     for row in st.rows:
         _dict(row, "run metrics row", set())
         for key, value in row.items():
@@ -313,13 +314,13 @@ def _check_small_parts(state: dict[str, Any], config: dict[str, Any]) -> None:
                      {"fresh", "echoed", "samples", "up_s", "up_iters"}, set())  # fmt: skip
     for key, value in counters.items():
         _num(value, f"input_counters {key!r}", 0.0) if key == "up_s" else _int(value, key)
-    _num(state["input_factor"], "input_factor", 1.0, 65535.0)
+    _num(state["input_factor"], "input_factor", 1.0, MAX_ECHO_FACTOR)
     auto = config.get("echo") == "auto" and not config.get("deterministic")
     c = state["controller"]
     _need((c is not None) == auto, "controller", "does not match the run's --echo")
     if c is not None:
         _dict(c, "controller", {"factor", "observations", "t_up", "t_down", "history"}, {"below"})
-        _num(c["factor"], "controller 'factor'", 1.0, 65535.0)
+        _num(c["factor"], "controller 'factor'", 1.0, MAX_ECHO_FACTOR)
         _int(c["observations"], "controller 'observations'")
         _int(c.get("below", 0), "controller 'below'")
         for key in ("t_up", "t_down"):
@@ -327,7 +328,7 @@ def _check_small_parts(state: dict[str, Any], config: dict[str, Any]) -> None:
         for h in _list(c["history"], "controller 'history'"):
             _dict(h, "controller history entry", {"step", "factor", "ratio"}, set())
             _int(h["step"], "controller history 'step'")
-            _num(h["factor"], "controller history 'factor'", 1.0, 65535.0)
+            _num(h["factor"], "controller history 'factor'", 1.0, MAX_ECHO_FACTOR)
             ratio = h["ratio"]
             if not (isinstance(ratio, float) and math.isnan(ratio)):  # nan: not measured yet
                 _num(ratio, "controller history 'ratio'", 0.0)

@@ -18,17 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..echo.config import MODES, PLACEMENTS, EchoConfig
 from ..models import MODEL_NAMES
 from .options import (
     MAX_IMAGE_SIZE,
-    MAX_SHUFFLE_BUFFER,
     DataError,
     Interrupted,
     TrainError,
     UsageError,
     check_balance,
     check_devices,
-    check_echo,
     check_gpu_needs,
     check_model_split,
     check_optional,
@@ -36,6 +35,7 @@ from .options import (
     check_path,
     check_stages,
     check_stages_or_zero,
+    echo_opt,
     finite,
     flag,
     int_at_least,
@@ -174,18 +174,8 @@ class TrainConfig:
         check=int_at_least(1, 100000),
         parse=parse_int,
     )
-    echo: float | str = opt(
-        "auto",
-        "echo factor e >= 1 (1 = no echoing), or 'auto': e follows "
-        "R = t_up/t_down and stays 1 while the input keeps up",
-        check=check_echo,
-        parse=parse_echo,
-        metavar="E|auto",
-        group=_E,
-    )
-    echo_max: float = opt(
-        4.0, "upper bound of --echo auto", check=finite(1.0), parse=parse_float, group=_E
-    )
+    echo: float | str = echo_opt("factor", parse=parse_echo, metavar="E|auto", group=_E)
+    echo_max: float = echo_opt("factor_max", parse=parse_float, group=_E)
     echo_interval: int = opt(
         50,
         "with --echo auto: steps between decisions on e (every step before the first "
@@ -194,29 +184,11 @@ class TrainConfig:
         parse=parse_int,
         group=_E,
     )
-    echo_insert: str = opt(
-        "after_decode",
-        "where the echo cache sits in the DALI pipeline",
-        choices=("after_decode", "after_augment"),
-        group=_E,
-    )
-    echo_mode: str = opt(
-        "example", "echo single examples or whole batches", choices=("example", "batch"), group=_E
-    )
-    shuffle_buffer: int | None = opt(
-        None,
-        "samples the echo cache holds before the first draw (default: 4 batches' worth, which "
-        "spreads the copies of a sample about as far apart as a full shuffle of the buffer)",
-        parse=parse_int,
-        group=_E,
-        check=check_optional(int_at_least(0, MAX_SHUFFLE_BUFFER)),
-    )
-    cache_mb: int = opt(
-        256,
-        "echo cache size in MiB (decoded images are stored)",
-        check=int_at_least(1, 1 << 20),
-        parse=parse_int,
-        group=_E,
+    echo_insert: str = echo_opt("placement", choices=PLACEMENTS, group=_E)
+    echo_mode: str = echo_opt("mode", choices=MODES, group=_E)
+    shuffle_buffer: int | None = echo_opt("shuffle_buffer", parse=parse_int, group=_E)
+    cache_mb: int = echo_opt(
+        "cache_bytes", unit=1 << 20, unit_name="MiB", parse=parse_int, group=_E
     )
     read_delay_ms: float = opt(
         0.0,
@@ -373,6 +345,17 @@ class TrainConfig:
             )
         check_model_split(self.model, self.balance, self.stages)
         check_gpu_needs(self.decode, self.devices)
+
+    def echo_config(self) -> EchoConfig:
+        """The run's :class:`~echopipe.echo.EchoConfig`, from the options that give its fields
+        (each converted from its unit here, e.g. ``--cache-mb`` to bytes)."""
+        given: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.metadata["echo"] is not None:
+                name, unit = f.metadata["echo"]
+                value = getattr(self, f.name)
+                given[name] = value if unit == 1 else value * unit
+        return EchoConfig(**given)
 
     def fixed_on_resume(self) -> dict[str, Any]:
         """The options a resumed run must share with its checkpoint, as JSON values."""

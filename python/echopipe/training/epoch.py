@@ -174,7 +174,7 @@ class EpochLoop:
         if too_large is not None:
             need = too_large.sample_bytes / 2**20
             files = getattr(getattr(self.data.pipe, "folder_index", None), "files", [])
-            found = _image_larger_than(files, self.cfg.cache_mb << 20)
+            found = _image_larger_than(files, self.data.echo.cache_bytes)
             which = f" ({found})" if found else ""
             return DataError(
                 f"a decoded training image{which} needs {need:.1f} MiB, more than the echo "

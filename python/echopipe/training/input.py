@@ -13,13 +13,14 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .config import DataError, TrainConfig
+from .config import DataError, TrainConfig, TrainError
 from .distributed import DistContext
 from .preflight import IMAGE_CHECK
 
@@ -35,6 +36,8 @@ class TrainInput:
 
     def __init__(self, cfg: TrainConfig, data_dir: Path, ctx: DistContext, device_id: int | None):
         self.cfg = cfg
+        # Built once: every pipeline of the run takes it as it is, with the factor of the moment.
+        self.echo = cfg.echo_config()
         self.data_dir = data_dir
         self.ctx = ctx
         self.device_id = device_id
@@ -46,13 +49,7 @@ class TrainInput:
         self.base = {"fresh": 0, "echoed": 0, "samples": 0, "up_s": 0.0, "up_iters": 0}
 
     def build(self, factor: float, steps_per_epoch: int | None, state: Any = None) -> None:
-        from ..dali import (
-            AugmentSpec,
-            EchoIterator,
-            EchoSpec,
-            ReaderSpec,
-            imagenet_train_pipeline,
-        )
+        from ..dali import AugmentSpec, EchoIterator, ReaderSpec, imagenet_train_pipeline
 
         self.close()
         cfg = self.cfg
@@ -69,22 +66,23 @@ class TrainInput:
             device_id=self.device_id,
             num_threads=cfg.workers,
         )
-        echo = EchoSpec(
-            echo_factor=factor,
-            echo_insert=cfg.echo_insert,  # type: ignore[arg-type]
-            echo_mode=cfg.echo_mode,  # type: ignore[arg-type]
-            shuffle_buffer=cfg.shuffle_buffer,
-            cache_bytes=cfg.cache_mb << 20,
-            deterministic=cfg.deterministic,
-            enable_checkpointing=True,
-        )
-        self.pipe = imagenet_train_pipeline(
-            self.data_dir,
-            batch_size=cfg.batch_size,
-            reader=reader,
-            augment=AugmentSpec(image_size=cfg.image_size),
-            echo=echo,
-        )
+        try:
+            self.pipe = imagenet_train_pipeline(
+                self.data_dir,
+                batch_size=cfg.batch_size,
+                reader=reader,
+                augment=AugmentSpec(image_size=cfg.image_size),
+                echo=replace(self.echo, factor=factor),  # a pipeline's factor is a number
+                deterministic=cfg.deterministic,
+                enable_checkpointing=True,
+            )
+        except MemoryError:
+            # Within their bounds, --cache-mb and --shuffle-buffer can still ask for more than
+            # this machine has: the cache's arena and slots are allocated here.
+            raise TrainError(
+                f"the echo cache does not fit in memory (--cache-mb {cfg.cache_mb}, "
+                f"--shuffle-buffer {cfg.shuffle_buffer}): give smaller values"
+            ) from None
         self.iterator = EchoIterator(self.pipe, ["data", "label"], steps_per_epoch=steps_per_epoch)
         if state is not None:
             from ..dali.state_check import check_cache_restores

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from ..echo.config import EchoConfig, EchoConfigError
+
 __all__ = [
     "CollectiveError",
     "DataError",
@@ -24,13 +26,12 @@ __all__ = [
     "add_field_arguments",
     "check_gpu_needs",
     "check_model_split",
+    "echo_opt",
     "flag",
     "opt",
 ]
 
-MAX_ECHO = 100.0
 MAX_IMAGE_SIZE = 1024
-MAX_SHUFFLE_BUFFER = 1 << 16
 
 
 class TrainError(Exception):
@@ -137,17 +138,6 @@ def finite(
             raise UsageError(f"{flag(name)} must be <= {maximum:g}, got {value:g}")
 
     return check
-
-
-def check_echo(name: str, value: Any) -> None:
-    if value == "auto":
-        return
-    finite(1.0)(name, value)
-    if value > MAX_ECHO:
-        raise UsageError(
-            f"{flag(name)} {value:g} is above {MAX_ECHO:g}: each sample would be "
-            "trained on that many times"
-        )
 
 
 def check_stages(name: str, value: Any) -> None:
@@ -264,12 +254,15 @@ def opt(
     on_resume: Literal["fixed", "free", "each"] = "fixed",
     cli: bool = True,
     const: Any = None,
+    echo: tuple[str, int] | None = None,
 ) -> Any:
     """A :class:`TrainConfig` field with everything the CLI and the checks need.
 
     ``on_resume``: ``"fixed"`` options are the checkpoint's and may not change; ``"free"`` ones
     are the checkpoint's unless given again (a change is named and recorded); ``"each"`` ones
     belong to one invocation (where to write, when to stop early) and are never inherited.
+    ``echo``: the :class:`~echopipe.echo.EchoConfig` field this option gives, and its unit
+    (set by :func:`echo_opt`).
     """
     meta = dict(
         help=help,
@@ -283,10 +276,34 @@ def opt(
         on_resume=on_resume,
         cli=cli,
         const=const,
+        echo=echo,
     )
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def echo_opt(name: str, *, unit: int = 1, unit_name: str | None = None, **kw: Any) -> Any:
+    """A :func:`opt` field that is :class:`~echopipe.echo.EchoConfig` field ``name``, given in
+    ``unit``s of it (``unit_name`` says which, e.g. MiB): its default, help text and check are
+    that field's, so the bound is written once, in :mod:`echopipe.echo.config`."""
+    default = EchoConfig.__dataclass_fields__[name].default
+    if unit != 1:
+        default //= unit
+    help_text = EchoConfig.help(name) + (f", in {unit_name}" if unit_name else "")
+
+    def check(opt_name: str, value: Any) -> None:
+        label = flag(opt_name)
+        if unit != 1:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UsageError(f"{label} must be an integer, got {value!r}")
+            label, value = f"{label} {value} ({unit_name}), as {name},", value * unit
+        try:
+            EchoConfig.check_field(name, value, label)
+        except EchoConfigError as exc:
+            raise UsageError(str(exc)) from None
+
+    return opt(default, help_text, check=check, echo=(name, unit), **kw)
 
 
 # --------------------------------------------------------------------------------------------
