@@ -117,3 +117,86 @@ def test_the_checks_see_a_circle_and_an_underscore_import(tmp_path: Path) -> Non
     assert isinstance(node, ast.ImportFrom)
     assert _resolve("echopipe.pkg.a", path, node) == "echopipe.pkg.b"
     assert node.names[0].name.startswith("_")
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 90  # the rule is ~80; a few lines of tolerance, not a second rule
+
+
+def _too_long(root: Path) -> list[str]:
+    """Modules over MAX_MODULE_LINES lines and functions over MAX_FUNCTION_LINES under root."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            found.append(f"{path.relative_to(root)}: {lines} lines")
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {node.name}, {length}")
+    return found
+
+
+def _base_names(node: ast.ClassDef) -> list[str]:
+    return [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+
+
+def _shared_self(root: Path) -> list[str]:
+    """Classes that expect a subclass or sibling to provide what they use: a ``raise
+    NotImplementedError`` stub, or a class joining two or more of the package's own classes
+    that are not abstract bases (ABC or Protocol), as mixins sharing ``self`` do."""
+    trees = {p: ast.parse(p.read_text(), filename=str(p)) for p in sorted(root.rglob("*.py"))}
+    classes: dict[str, list[str]] = {}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = _base_names(node)
+    abstract = {name for name, bases in classes.items() if {"ABC", "Protocol"} & set(bases)}
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: NotImplementedError")
+            if isinstance(node, ast.ClassDef):
+                own = [b for b in _base_names(node) if b in classes and b not in abstract]
+                if len(own) >= 2:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {node.name}{own}")
+    return found
+
+
+def test_modules_and_functions_stay_short() -> None:
+    found = _too_long(PACKAGE)
+    assert not found, (
+        f"modules over {MAX_MODULE_LINES} lines or functions over {MAX_FUNCTION_LINES}:\n"
+        + "\n".join(found)
+    )
+
+
+def test_no_class_leaves_its_parts_to_a_subclass_or_sibling() -> None:
+    found = _shared_self(PACKAGE)
+    assert not found, "stubs or mixins sharing self:\n" + "\n".join(found)
+
+
+def test_the_checks_see_long_code_stubs_and_mixins(tmp_path: Path) -> None:
+    """The checkers themselves: each planted defect is found, and what is allowed is not."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text(f"def f():\n{body}\n" + "\n" * MAX_MODULE_LINES)
+    (tmp_path / "ok.py").write_text(
+        "from abc import ABC\n"
+        "class Base(ABC):\n    pass\n"
+        "class Error(ValueError):\n    pass\n"
+        "class Typed(Error, KeyError):\n    pass\n"
+        "class A:\n    pass\n"
+        "class Fine(A, Base):\n    pass\n"
+    )
+    (tmp_path / "mixins.py").write_text(
+        "class B:\n    def f(self):\n        raise NotImplementedError\nclass C(A, B):\n    pass\n"
+    )
+    too_long = _too_long(tmp_path)
+    assert too_long == ["long.py: 491 lines", "long.py:1: f, 91"]
+    shared = sorted(_shared_self(tmp_path))
+    assert shared == ["mixins.py:3: NotImplementedError", "mixins.py:4: C['A', 'B']"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,67 +143,39 @@ def epoch_geometry(
     )
 
 
-class EpochPasses:
-    """Mixin for :class:`EchoPipeline`: the epoch-aligned stream (or the free-running one)."""
+def epoch_copies(config: Any, reader: ReaderEpochs | None) -> int:
+    """Copies of samples in one pass of an epoch-aligned stream with the resolved ``config``:
+    ``epochs`` times e times this shard's size (see :meth:`ReaderEpochs.copies`); 0 for a
+    free-running stream."""
+    if config.epochs is None or reader is None:
+        return 0
+    unit = config.upstream_batch_size if config.echo.mode == "batch" else 1
+    return int(config.epochs) * reader.copies(config.echo.factor, unit)
 
-    # Set by EchoPipeline; declared here for readers and type checkers.
-    config: Any
-    cache: Any
-    downstream: Any
-    reader_epochs: ReaderEpochs | None
-    unaligned_reader: str | None
-    counted_epochs: bool
-    _runner: Any
-    _queue: Any  # DownstreamQueue once built
-    _started: bool
-    _closed: bool
 
-    @property
-    def finite(self) -> bool:
-        """True when the stream ends after ``epochs`` reader epochs (epoch-aligned, the default
-        with a reader); False for the free-running stream (``epochs=None``). Builds the DALI
-        pipelines (nothing runs)."""
-        _ = self.shard_size  # type: ignore[attr-defined]  # builds: resolves epochs="auto"
-        return self.config.epochs is not None
-
-    def epoch_copies(self) -> int:
-        """Copies of samples in one pass of an epoch-aligned stream: ``epochs`` times e times
-        this shard's size (see :meth:`ReaderEpochs.copies`); 0 for a free-running stream."""
-        if not self.finite:
-            return 0
-        cfg = self.config
-        unit = cfg.upstream_batch_size if cfg.echo.mode == "batch" else 1
-        return int(cfg.epochs) * self.reader_epochs.copies(cfg.echo.factor, unit)
-
-    def reset(self) -> None:
-        """Starts the next pass of an epoch-aligned stream once this one is over: its end was
-        drawn (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
-        iterators count the epoch and stop before the padding). A no-op otherwise, as DALI's
-        iterators ignore a reset inside an epoch."""
-        if not self._started:
-            return
-        queue = self._queue
-        counted = self.counted_epochs and queue.handed >= self.epoch_copies()
-        if not (queue.input_done or counted):
-            return
-        self._await_pass_end()
-        queue.end_pass()
-        self._runner.next_pass()
-        self.cache.reset_input()
-
-    def _await_pass_end(self, timeout_s: float = 600.0) -> None:
-        """Lets the upstream finish the pass (its padding-only last batches included) before
-        the next one starts; every copy of the pass is out, so nothing waits for the consumer."""
-        deadline = time.monotonic() + timeout_s
-        while not self._runner.ended:
-            self._raise_runner_error()  # type: ignore[attr-defined]
-            if self._closed:
-                raise RuntimeError("this EchoPipeline was closed")
-            if self.config.deterministic:
-                self._fill_for_next_run()  # type: ignore[attr-defined]
-            elif time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the upstream pipeline did not finish its epoch within {timeout_s} s"
-                )
-            else:
-                time.sleep(0.005)
+def await_pass_end(
+    runner: Any,
+    *,
+    fill: Callable[[], None] | None,
+    check_upstream: Callable[[], None],
+    closed: Callable[[], bool],
+    timeout_s: float = 600.0,
+) -> None:
+    """Lets the upstream ``runner`` finish the pass (its padding-only last batches included)
+    before the next one starts; every copy of the pass is out, so nothing waits for the
+    consumer. ``fill`` (deterministic mode) runs the upstream in this thread; otherwise this
+    polls the runner's thread until ``timeout_s``. ``check_upstream`` raises the upstream's
+    error; ``closed`` says whether the pipeline was closed meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not runner.ended:
+        check_upstream()
+        if closed():
+            raise RuntimeError("this EchoPipeline was closed")
+        if fill is not None:
+            fill()
+        elif time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the upstream pipeline did not finish its epoch within {timeout_s} s"
+            )
+        else:
+            time.sleep(0.005)

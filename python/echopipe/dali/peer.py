@@ -194,6 +194,28 @@ class PythonEchoPipeline(EchoPipelineBase):
         self.upstream = None
 
 
+def _peer_sizes(r: ReaderSpec, spec: EchoSpec, batch_size: int) -> tuple[int, int, int, int]:
+    """``(upstream batch size, upstream threads, min fill, capacity)`` of the peer; ValueError
+    names an option the peer cannot honour."""
+    unsupported = {
+        "decode_device": (r.decode_device, "cpu"),
+        "echo_insert": (spec.echo_insert, "after_decode"),
+        "echo_mode": (spec.echo_mode, "example"),
+        "epochs": (spec.epochs, None),
+        "deterministic": (spec.deterministic, False),
+    }
+    for name, (value, only) in unsupported.items():
+        if value != only:
+            raise ValueError(f"the Python echo peer supports only {name}={only!r}, got {value!r}")
+    up_batch = check_positive_int("upstream_batch_size", spec.upstream_batch_size or batch_size)
+    upstream_threads = check_positive_int("upstream_threads", spec.upstream_threads or 1)
+    default_fill = DEFAULT_SHUFFLE_BATCHES * batch_size
+    fill = default_fill if spec.shuffle_buffer is None else int(spec.shuffle_buffer)
+    capacity = check_positive_int("cache_samples", spec.cache_samples or max(1024, 2 * fill))
+    fill = min(fill, capacity)
+    return up_batch, upstream_threads, fill, capacity
+
+
 def python_echo_train_pipeline(
     data_dir: str | Path,
     *,
@@ -236,22 +258,7 @@ def python_echo_train_pipeline(
         batch_size, a.image_size, r.num_threads, a.dtype, r.shard_id, r.num_shards,
         r.decode_device, r.device_id, r.on_corrupt, r.check, r.read_delay_ms,
     )  # fmt: skip
-    unsupported = {
-        "decode_device": (r.decode_device, "cpu"),
-        "echo_insert": (spec.echo_insert, "after_decode"),
-        "echo_mode": (spec.echo_mode, "example"),
-        "epochs": (spec.epochs, None),
-        "deterministic": (spec.deterministic, False),
-    }
-    for name, (value, only) in unsupported.items():
-        if value != only:
-            raise ValueError(f"the Python echo peer supports only {name}={only!r}, got {value!r}")
-    up_batch = check_positive_int("upstream_batch_size", spec.upstream_batch_size or batch_size)
-    upstream_threads = check_positive_int("upstream_threads", spec.upstream_threads or 1)
-    default_fill = DEFAULT_SHUFFLE_BATCHES * int(batch_size)
-    fill = default_fill if spec.shuffle_buffer is None else int(spec.shuffle_buffer)
-    capacity = check_positive_int("cache_samples", spec.cache_samples or max(1024, 2 * fill))
-    fill = min(fill, capacity)
+    up_batch, upstream_threads, fill, capacity = _peer_sizes(r, spec, int(batch_size))
     upstream = imagenet_decode_pipeline(
         data_dir, batch_size=up_batch, num_threads=upstream_threads, seed=r.seed,
         shard_id=shard, num_shards=shards, read_delay_ms=r.read_delay_ms,

@@ -2,8 +2,9 @@
 gather and its leases, the arena's memory kind, and the controller that picks the echo factor.
 
 * :mod:`.config`: :class:`EchoConfig`, what echoing takes and its bounds (the core's);
-* :mod:`.cache`: :class:`EchoCache`, construction, lifetime, stats and state;
-* :mod:`.transfer`: host arrays in, samples and batches out (:class:`~.transfer.CacheIO`);
+* :mod:`.cache`: :class:`EchoCache`, construction, stats and state;
+* :mod:`.lifetime`: closing caches at garbage collection and at interpreter exit;
+* :mod:`.transfer`: host arrays in, samples and batches out (functions of the native cache);
 * :mod:`.values`: the errors (one hierarchy under :class:`EchoCacheError`), :class:`EchoStats`,
   :class:`EchoSample`, :class:`EchoBatch`;
 * :mod:`.device_gather` and :mod:`.inflight`: one gather launch per batch into device memory,

@@ -19,20 +19,17 @@ host-to-device copy wants, and :meth:`EchoCache.take_batch_into` copies into the
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..native import core
-from . import device_gather
+from . import device_gather, lifetime, transfer
 from .config import check_factor
-from .transfer import CacheIO, torch_module
-from .values import EchoSample, EchoStats, SampleTooLargeError
+from .values import EchoBatch, EchoSample, EchoStats, SampleTooLargeError
 
 __all__ = ["EchoCache", "copies_per_epoch"]
 
@@ -45,41 +42,7 @@ def copies_per_epoch(echo_factor: float, samples: int) -> int:
     return int(whole * samples + math.floor((echo_factor - whole) * samples + 0.5))
 
 
-def _close_native(native: Any, name: str) -> None:
-    native.close()
-    core.remove_cache(name)
-
-
-# Every open cache, so that interpreter exit can close them all.
-_OPEN_CACHES: weakref.WeakSet[EchoCache] = weakref.WeakSet()
-
-
-def _close_all_caches() -> None:
-    """Closes every open cache, waking each thread blocked in put/take (they raise
-    CacheClosedError). Runs at interpreter exit *before* Python joins non-daemon threads
-    (threading's pre-join exit hook): a thread blocked in ``take()`` with no timeout would
-    otherwise keep the process alive for ever, and ``weakref.finalize``/``atexit`` run too late,
-    after that join."""
-    for cache in list(_OPEN_CACHES):
-        cache.close()
-
-
-def _register_exit_hook() -> None:
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:  # pragma: no cover - CPython has had it since 3.9
-        import atexit
-
-        atexit.register(_close_all_caches)
-        return
-    # RuntimeError: imported while the interpreter is already shutting down.
-    with contextlib.suppress(RuntimeError):
-        register(_close_all_caches)
-
-
-_register_exit_hook()
-
-
-class EchoCache(CacheIO):
+class EchoCache:
     """A bounded, thread-safe data echoing buffer (native; all blocking calls release the GIL).
 
     Args:
@@ -139,6 +102,8 @@ class EchoCache(CacheIO):
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
         self._batch_size = int(batch_size) if batch_size is not None else 1
         self._mode = mode
+        # Copies per take: a whole echoed batch in batch mode.
+        self._unit = self._batch_size if mode == "batch" else 1
         self._native = core.EchoCache(
             capacity_bytes=int(capacity_bytes),
             capacity_samples=int(capacity_samples),
@@ -154,8 +119,8 @@ class EchoCache(CacheIO):
         self._name: str = self._native.name
         # Closes the native cache (waking blocked threads) at garbage collection; at interpreter
         # exit _close_all_caches closes it earlier, before non-daemon threads are joined.
-        self._finalizer = weakref.finalize(self, _close_native, self._native, self._name)
-        _OPEN_CACHES.add(self)
+        self._finalizer = weakref.finalize(self, lifetime.close_native, self._native, self._name)
+        lifetime.OPEN_CACHES.add(self)
 
     # ---- identity ----
     @property
@@ -212,13 +177,118 @@ class EchoCache(CacheIO):
         your own producer and consumer threads before the main thread returns.
         """
         self._finalizer()
-        _OPEN_CACHES.discard(self)
+        lifetime.OPEN_CACHES.discard(self)
 
     def __enter__(self) -> EchoCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ---- producers (see :mod:`.transfer`) ----
+    def put(self, sample: Any, timeout: float | None = None) -> None:
+        """Copies one sample in: an array, or a tuple/list of up to 4 arrays (its fields).
+
+        Blocks while the cache is full. Raises TimeoutError when ``timeout`` seconds pass first,
+        :class:`CacheClosedError` if the cache is (or gets) closed, :class:`InputEndedError` after
+        :meth:`end_of_input`, :class:`SampleTooLargeError` for a sample larger than the arena,
+        ValueError for a bad dtype.
+        """
+        transfer.put(self._native, sample, timeout)
+
+    def put_batch(self, samples: Any, timeout: float | None = None) -> int:
+        """Puts every row of an array (or of a tuple of arrays with equal first dimension) as
+        one sample, in one native call without the GIL (slots are reserved in chunks under one
+        allocator lock each). ``timeout`` applies to each wait for space.
+
+        Returns the number of rows put (all of them, unless an exception is raised: a
+        TimeoutError, :class:`CacheClosedError` or :class:`InputEndedError` then carries how many
+        rows went in before it as its ``rows_put`` attribute).
+        """
+        return transfer.put_batch(self._native, samples, timeout)
+
+    def wait_for_room(self, n: int, timeout: float | None = None) -> None:
+        """Blocks until at least ``n`` slots are free (``n <= capacity_samples``), without
+        polling; meanwhile the caller counts as a blocked producer (consumers may take short
+        batches and skip the warm-up). Raises TimeoutError, :class:`CacheClosedError`,
+        :class:`InputEndedError` after :meth:`end_of_input`, or ValueError for a bad ``n``."""
+        transfer.wait_for_room(self._native, n, timeout)
+
+    @property
+    def quota(self) -> int:
+        """Fresh samples a DALI sink may still store into this cache (-1: unlimited)."""
+        return int(self._native.quota)
+
+    @quota.setter
+    def quota(self, remaining: int) -> None:
+        self._native.quota = int(remaining)
+
+    @property
+    def layouts(self) -> list[str]:
+        """Tensor layout of each field as a DALI sink saw it (``""`` where none)."""
+        return list(self._native.layouts)
+
+    @layouts.setter
+    def layouts(self, value: Sequence[str]) -> None:
+        self._native.layouts = [str(v) for v in value]
+
+    def end_of_input(self) -> None:
+        """Declares the input finished: consumers drain the remaining copies, then stop."""
+        self._native.end_of_input()
+
+    def reset_input(self) -> None:
+        """Accepts puts again after :meth:`end_of_input` (a new epoch/stream)."""
+        self._native.reset_input()
+
+    # ---- consumers (see :mod:`.transfer`) ----
+    def take(self, n: int = 1, timeout: float | None = None) -> list[EchoSample]:
+        """Draws ``n`` random copies (a whole number of echoed batches in batch mode).
+
+        Returns fewer than ``n`` only for the partial last batch after :meth:`end_of_input`, and
+        an empty list once everything was emitted. Raises TimeoutError or CacheClosedError.
+        """
+        return transfer.take(self._native, n, self._unit, timeout)
+
+    def take_batch(self, n: int, timeout: float | None = None) -> EchoBatch | None:
+        """Like :meth:`take`, but gathers each field into one new contiguous array.
+
+        Returns None once everything was emitted. Strong guarantee: when the copies drawn cannot
+        be gathered (samples of one field with different dtypes or field counts: a ValueError
+        naming them; no memory: MemoryError), they are handed back to the cache before the error
+        is raised, so each is still emitted later (by :meth:`take`, say) and nothing is lost.
+        """
+        return transfer.take_batch(self._native, n, self._unit, timeout)
+
+    def take_batch_into(
+        self,
+        out: Sequence[Any],
+        n: int | None = None,
+        timeout: float | None = None,
+        start: int = 0,
+    ) -> int | None:
+        """Like :meth:`take_batch`, but copies into the caller's buffers: the one copy out.
+
+        ``out`` holds one buffer per field: a C-contiguous, writable numpy array or CPU torch
+        tensor (pinned or not) of shape ``(rows, ...)``. Field ``f`` of each copy drawn is
+        copied byte for byte into the next row of ``out[f]``, from row ``start`` on; every
+        sample's field ``f`` must have exactly the bytes of one row of ``out[f]`` (the dtypes are
+        not compared: a ``uint8`` buffer receives any field of that size). ``n`` (default: the
+        rows from ``start`` to the end) is the most copies to take.
+
+        Returns the number of rows written (fewer than ``n`` as :meth:`take_batch` returns
+        fewer), or None once everything was emitted. The buffers are checked before anything is
+        drawn (ValueError naming the buffer); a drawn copy whose fields do not fit the rows is
+        handed back to the cache before the ValueError is raised, so nothing is lost.
+        """
+        return transfer.take_batch_into(self._native, out, self._unit, n, timeout, start)
+
+    def __iter__(self) -> Iterator[EchoSample]:
+        """Yields copies one at a time until the input ended and everything was emitted."""
+        while True:
+            got = self.take(self._unit)
+            if not got:
+                return
+            yield from got
 
     # ---- introspection / checkpointing ----
     def gather_to_device(
@@ -267,46 +337,7 @@ class EchoCache(CacheIO):
                 pinned arena could not be mapped into the GPU's address space
                 (``cudaHostGetDevicePointer`` failed), or echopipe was built without CUDA.
         """
-        torch = torch_module()
-        if torch is None or not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if layout not in ("HWC", "CHW"):
-            raise ValueError(f"layout must be 'HWC' or 'CHW', got {layout!r}")
-        if layout == "CHW" and normalize is None:
-            raise ValueError("layout='CHW' needs normalize=(mean, std) (the fused kernel permutes)")
-        samples, field = device_gather.check_samples(samples, field, EchoSample)
-        if normalize is None:
-            device_gather.check_plain_out(torch, samples, field, out)
-        else:
-            mean, std = device_gather.check_normalize(torch, samples, field, out, normalize, layout)
-        if out.device.type != "cuda":
-            raise ValueError(f"out must be a CUDA tensor, got one on device '{out.device}'")
-        if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
-        if self.memory_kind not in ("pinned", "device"):
-            raise RuntimeError(
-                f"gather_to_device needs a pinned, GPU-mapped or a device cache, but cache "
-                f"{self._name!r} is {self.memory_kind!r} (create it with memory='pinned' or "
-                "'auto' on a GPU machine)"
-            )
-        if self.arena_device_ptr == 0:
-            raise RuntimeError(
-                f"cache {self._name!r} is pinned but not mapped into the GPU's address space: "
-                "cudaHostGetDevicePointer failed when its arena was allocated (no unified "
-                "addressing on this device?); gather on the host with take_batch instead"
-            )
-        stream_obj = device_gather.resolve_stream(torch, stream, out.device)
-        leases = [s._lease for s in samples]
-        with torch.cuda.device(out.device):
-            if normalize is None:
-                core.gather_to_device(leases, field, out.data_ptr(), stream_obj.cuda_stream)
-            else:
-                core.gather_normalize_to_device(
-                    leases, field, mean, std, layout == "CHW", out.data_ptr(),
-                    stream_obj.cuda_stream,
-                )  # fmt: skip
-            device_gather.keep_until_done(torch, stream_obj, out, leases)
-        return out
+        return device_gather.gather(self._native, samples, field, out, stream, normalize, layout)
 
     def stats(self) -> EchoStats:
         """A snapshot of the cache's counters."""

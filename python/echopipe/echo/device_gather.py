@@ -1,4 +1,4 @@
-"""Argument checks, stream choice and lease keeping of :meth:`echopipe.EchoCache.gather_to_device`.
+"""The device gather of :meth:`echopipe.EchoCache.gather_to_device`: checks, launch, leases.
 
 Everything here runs before or right after the native launch: bad arguments become one clear
 ``ValueError``/``TypeError`` naming the value before CUDA is touched, and after the launch the
@@ -14,7 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from ..native import core
 from . import inflight
+from .transfer import torch_module
+from .values import EchoSample
 
 
 def check_samples(samples: Sequence[Any], field: Any, sample_type: type) -> tuple[list[Any], int]:
@@ -132,3 +135,62 @@ def keep_until_done(torch: Any, stream: Any, out: Any, leases: list[Any]) -> Non
     event = torch.cuda.Event(blocking=True)
     event.record(stream)
     inflight.hold_until(event.synchronize, leases)
+
+
+def gather(
+    native: Any,
+    samples: Sequence[Any],
+    field: int,
+    out: Any,
+    stream: Any,
+    normalize: tuple[Sequence[float], Sequence[float]] | None,
+    layout: str,
+) -> Any:
+    """:meth:`EchoCache.gather_to_device <echopipe.echo.EchoCache.gather_to_device>` from the
+    arena of the native cache ``native``; returns ``out``."""
+    torch = torch_module()
+    if torch is None or not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if layout not in ("HWC", "CHW"):
+        raise ValueError(f"layout must be 'HWC' or 'CHW', got {layout!r}")
+    if layout == "CHW" and normalize is None:
+        raise ValueError("layout='CHW' needs normalize=(mean, std) (the fused kernel permutes)")
+    samples, field = check_samples(samples, field, EchoSample)
+    if normalize is None:
+        check_plain_out(torch, samples, field, out)
+    else:
+        mean, std = check_normalize(torch, samples, field, out, normalize, layout)
+    if out.device.type != "cuda":
+        raise ValueError(f"out must be a CUDA tensor, got one on device '{out.device}'")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    _check_mapped(native)
+    stream_obj = resolve_stream(torch, stream, out.device)
+    leases = [s._lease for s in samples]
+    with torch.cuda.device(out.device):
+        if normalize is None:
+            core.gather_to_device(leases, field, out.data_ptr(), stream_obj.cuda_stream)
+        else:
+            core.gather_normalize_to_device(
+                leases, field, mean, std, layout == "CHW", out.data_ptr(),
+                stream_obj.cuda_stream,
+            )  # fmt: skip
+        keep_until_done(torch, stream_obj, out, leases)
+    return out
+
+
+def _check_mapped(native: Any) -> None:
+    """The arena must be readable by the GPU: pinned and mapped, or device memory."""
+    kind = str(native.memory_kind)
+    if kind not in ("pinned", "device"):
+        raise RuntimeError(
+            f"gather_to_device needs a pinned, GPU-mapped or a device cache, but cache "
+            f"{native.name!r} is {kind!r} (create it with memory='pinned' or "
+            "'auto' on a GPU machine)"
+        )
+    if int(native.arena_device_ptr) == 0:
+        raise RuntimeError(
+            f"cache {native.name!r} is pinned but not mapped into the GPU's address space: "
+            "cudaHostGetDevicePointer failed when its arena was allocated (no unified "
+            "addressing on this device?); gather on the host with take_batch instead"
+        )

@@ -1,5 +1,8 @@
 """The data path of :class:`~echopipe.echo.EchoCache`: host arrays in, samples and batches out.
 
+Each function takes the native cache it works on (``EchoCache``'s ``core.EchoCache``); the
+:class:`~echopipe.echo.EchoCache` methods of the same names are these functions on its own.
+
 Puts read numpy arrays, torch CPU tensors, ``__dlpack__`` or buffer-protocol objects and Python
 scalars in place and hand raw pointers to the native cache, which copies once; takes return
 zero-copy :class:`EchoSample` views, an :class:`EchoBatch` gathered into fresh arrays, or copy
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +21,16 @@ import numpy as np
 from ..native import core
 from .values import CacheClosedError, EchoBatch, EchoCacheError, EchoSample, InputEndedError
 
-__all__ = ["CacheIO"]
+__all__ = [
+    "check_n",
+    "put",
+    "put_batch",
+    "take",
+    "take_batch",
+    "take_batch_into",
+    "torch_module",
+    "wait_for_room",
+]
 
 
 def _as_host_array(value: Any, index: int) -> tuple[Any, int, str, tuple[int, ...]]:
@@ -87,221 +99,144 @@ def _timeout_arg(timeout: float | None) -> float:
     return t
 
 
-class CacheIO:
-    """Mixin: the producer and consumer calls of :class:`~echopipe.echo.EchoCache`."""
+def put(native: Any, sample: Any, timeout: float | None = None) -> None:
+    """:meth:`EchoCache.put <echopipe.echo.EchoCache.put>` on the native cache ``native``."""
+    parts = sample if isinstance(sample, (tuple, list)) else (sample,)
+    if not 1 <= len(parts) <= 4:
+        raise ValueError(f"a sample has 1..4 fields, got {len(parts)}")
+    converted = [_as_host_array(p, i) for i, p in enumerate(parts)]
+    status = native.put_raw(
+        [c[1] for c in converted],
+        [c[2] for c in converted],
+        [list(c[3]) for c in converted],
+        _timeout_arg(timeout),
+    )
+    del converted  # keepalive until the native copy returned
+    _raise_put(native, status, timeout)
 
-    # Provided by EchoCache.
-    _native: Any
-    _name: str
-    _mode: str
-    _batch_size: int
 
-    # ---- producers ----
-    def put(self, sample: Any, timeout: float | None = None) -> None:
-        """Copies one sample in: an array, or a tuple/list of up to 4 arrays (its fields).
+def put_batch(native: Any, samples: Any, timeout: float | None = None) -> int:
+    """:meth:`EchoCache.put_batch <echopipe.echo.EchoCache.put_batch>` on ``native``."""
+    parts = samples if isinstance(samples, (tuple, list)) else (samples,)
+    if not 1 <= len(parts) <= 4:
+        raise ValueError(f"a sample has 1..4 fields, got {len(parts)}")
+    converted = [_as_host_array(p, i) for i, p in enumerate(parts)]
+    rows = {c[3][0] if c[3] else -1 for c in converted}
+    if len(rows) != 1 or -1 in rows:
+        shapes = [c[3] for c in converted]
+        raise ValueError(f"put_batch needs arrays with one common first dimension, got {shapes}")
+    n = rows.pop()
+    status, done = native.put_rows_raw(
+        [c[1] for c in converted],
+        [c[2] for c in converted],
+        [list(c[3][1:]) for c in converted],
+        n,
+        _timeout_arg(timeout),
+    )
+    del converted
+    try:
+        _raise_put(native, status, timeout)
+    except (TimeoutError, EchoCacheError) as exc:
+        exc.rows_put = int(done)  # type: ignore[attr-defined]
+        raise
+    return int(done)
 
-        Blocks while the cache is full. Raises TimeoutError when ``timeout`` seconds pass first,
-        :class:`CacheClosedError` if the cache is (or gets) closed, :class:`InputEndedError` after
-        :meth:`end_of_input`, :class:`SampleTooLargeError` for a sample larger than the arena,
-        ValueError for a bad dtype.
-        """
-        parts = sample if isinstance(sample, (tuple, list)) else (sample,)
-        if not 1 <= len(parts) <= 4:
-            raise ValueError(f"a sample has 1..4 fields, got {len(parts)}")
-        converted = [_as_host_array(p, i) for i, p in enumerate(parts)]
-        status = self._native.put_raw(
-            [c[1] for c in converted],
-            [c[2] for c in converted],
-            [list(c[3]) for c in converted],
-            _timeout_arg(timeout),
-        )
-        del converted  # keepalive until the native copy returned
-        self._raise_put(status, timeout)
 
-    def put_batch(self, samples: Any, timeout: float | None = None) -> int:
-        """Puts every row of an array (or of a tuple of arrays with equal first dimension) as
-        one sample, in one native call without the GIL (slots are reserved in chunks under one
-        allocator lock each). ``timeout`` applies to each wait for space.
+def wait_for_room(native: Any, n: int, timeout: float | None = None) -> None:
+    """:meth:`EchoCache.wait_for_room <echopipe.echo.EchoCache.wait_for_room>` on ``native``."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    status = native.wait_for_room(int(n), _timeout_arg(timeout))
+    if status == "timeout":
+        raise TimeoutError(f"EchoCache.wait_for_room: no room for {n} within {timeout}s")
+    _raise_put(native, status, timeout)
 
-        Returns the number of rows put (all of them, unless an exception is raised: a
-        TimeoutError, :class:`CacheClosedError` or :class:`InputEndedError` then carries how many
-        rows went in before it as its ``rows_put`` attribute).
-        """
-        parts = samples if isinstance(samples, (tuple, list)) else (samples,)
-        if not 1 <= len(parts) <= 4:
-            raise ValueError(f"a sample has 1..4 fields, got {len(parts)}")
-        converted = [_as_host_array(p, i) for i, p in enumerate(parts)]
-        rows = {c[3][0] if c[3] else -1 for c in converted}
-        if len(rows) != 1 or -1 in rows:
-            shapes = [c[3] for c in converted]
-            raise ValueError(
-                f"put_batch needs arrays with one common first dimension, got {shapes}"
-            )
-        n = rows.pop()
-        status, done = self._native.put_rows_raw(
-            [c[1] for c in converted],
-            [c[2] for c in converted],
-            [list(c[3][1:]) for c in converted],
-            n,
-            _timeout_arg(timeout),
-        )
-        del converted
-        try:
-            self._raise_put(status, timeout)
-        except (TimeoutError, EchoCacheError) as exc:
-            exc.rows_put = int(done)  # type: ignore[attr-defined]
-            raise
-        return int(done)
 
-    def wait_for_room(self, n: int, timeout: float | None = None) -> None:
-        """Blocks until at least ``n`` slots are free (``n <= capacity_samples``), without
-        polling; meanwhile the caller counts as a blocked producer (consumers may take short
-        batches and skip the warm-up). Raises TimeoutError, :class:`CacheClosedError`,
-        :class:`InputEndedError` after :meth:`end_of_input`, or ValueError for a bad ``n``."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be a non-negative integer, got {n!r}")
-        status = self._native.wait_for_room(int(n), _timeout_arg(timeout))
-        if status == "timeout":
-            raise TimeoutError(f"EchoCache.wait_for_room: no room for {n} within {timeout}s")
-        self._raise_put(status, timeout)
+def _raise_put(native: Any, status: str, timeout: float | None) -> None:
+    if status == "ok":
+        return
+    if status == "timeout":
+        raise TimeoutError(f"EchoCache.put: no space within timeout={timeout}s")
+    if status == "closed":
+        raise CacheClosedError(f"echo cache '{native.name}' is closed")
+    raise InputEndedError(
+        f"echo cache '{native.name}': put after end_of_input() (call reset_input() first)"
+    )
 
-    @property
-    def quota(self) -> int:
-        """Fresh samples a DALI sink may still store into this cache (-1: unlimited)."""
-        return int(self._native.quota)
 
-    @quota.setter
-    def quota(self, remaining: int) -> None:
-        self._native.quota = int(remaining)
+def check_n(n: int, unit: int) -> int:
+    """``n`` as a count of copies to take: positive, and in batch mode (``unit`` the echoed
+    batch's size, 1 in example mode) a whole number of echoed batches."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    if n % unit:
+        raise ValueError(f"batch mode: n must be a multiple of batch_size={unit}, got {n!r}")
+    return int(n)
 
-    @property
-    def layouts(self) -> list[str]:
-        """Tensor layout of each field as a DALI sink saw it (``""`` where none)."""
-        return list(self._native.layouts)
 
-    @layouts.setter
-    def layouts(self, value: Sequence[str]) -> None:
-        self._native.layouts = [str(v) for v in value]
+def _raise_take(native: Any, status: str, timeout: float | None) -> None:
+    if status == "timeout":
+        raise TimeoutError(f"EchoCache.take: no samples within timeout={timeout}s")
+    if status == "closed":
+        raise CacheClosedError(f"echo cache '{native.name}' is closed")
 
-    def _raise_put(self, status: str, timeout: float | None) -> None:
-        if status == "ok":
-            return
-        if status == "timeout":
-            raise TimeoutError(f"EchoCache.put: no space within timeout={timeout}s")
-        if status == "closed":
-            raise CacheClosedError(f"echo cache '{self._name}' is closed")
-        raise InputEndedError(
-            f"echo cache '{self._name}': put after end_of_input() (call reset_input() first)"
-        )
 
-    def end_of_input(self) -> None:
-        """Declares the input finished: consumers drain the remaining copies, then stop."""
-        self._native.end_of_input()
+def take(native: Any, n: int, unit: int, timeout: float | None = None) -> list[EchoSample]:
+    """:meth:`EchoCache.take <echopipe.echo.EchoCache.take>` on ``native`` (``unit``: see
+    :func:`check_n`)."""
+    n = check_n(n, unit)
+    status, leases = native.take(n, _timeout_arg(timeout))
+    if status in ("ok", "end"):
+        return [EchoSample(lease) for lease in leases]
+    _raise_take(native, status, timeout)
+    raise AssertionError(status)  # pragma: no cover
 
-    def reset_input(self) -> None:
-        """Accepts puts again after :meth:`end_of_input` (a new epoch/stream)."""
-        self._native.reset_input()
 
-    # ---- consumers ----
-    def _check_n(self, n: int) -> int:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"n must be a positive integer, got {n!r}")
-        if self._mode == "batch" and n % self._batch_size:
-            raise ValueError(
-                f"batch mode: n must be a multiple of batch_size={self._batch_size}, got {n!r}"
-            )
-        return int(n)
+def take_batch(native: Any, n: int, unit: int, timeout: float | None = None) -> EchoBatch | None:
+    """:meth:`EchoCache.take_batch <echopipe.echo.EchoCache.take_batch>` on ``native``."""
+    n = check_n(n, unit)
+    status, fields, dtypes, shapes, ids, emissions = native.take_batch(n, _timeout_arg(timeout))
+    if status == "end":
+        return None
+    if status != "ok":
+        _raise_take(native, status, timeout)
+    return EchoBatch(
+        fields=[f[0] for f in fields],
+        offsets=[f[1] for f in fields],
+        dtypes=list(dtypes),
+        shapes=shapes,  # already tuples; one shared tuple per sample when all agree
+        sample_ids=ids,
+        emissions=emissions,
+    )
 
-    def _raise_take(self, status: str, timeout: float | None) -> None:
-        if status == "timeout":
-            raise TimeoutError(f"EchoCache.take: no samples within timeout={timeout}s")
-        if status == "closed":
-            raise CacheClosedError(f"echo cache '{self._name}' is closed")
 
-    def take(self, n: int = 1, timeout: float | None = None) -> list[EchoSample]:
-        """Draws ``n`` random copies (a whole number of echoed batches in batch mode).
-
-        Returns fewer than ``n`` only for the partial last batch after :meth:`end_of_input`, and
-        an empty list once everything was emitted. Raises TimeoutError or CacheClosedError.
-        """
-        n = self._check_n(n)
-        status, leases = self._native.take(n, _timeout_arg(timeout))
-        if status in ("ok", "end"):
-            return [EchoSample(lease) for lease in leases]
-        self._raise_take(status, timeout)
-        raise AssertionError(status)  # pragma: no cover
-
-    def take_batch(self, n: int, timeout: float | None = None) -> EchoBatch | None:
-        """Like :meth:`take`, but gathers each field into one new contiguous array.
-
-        Returns None once everything was emitted. Strong guarantee: when the copies drawn cannot
-        be gathered (samples of one field with different dtypes or field counts: a ValueError
-        naming them; no memory: MemoryError), they are handed back to the cache before the error
-        is raised, so each is still emitted later (by :meth:`take`, say) and nothing is lost.
-        """
-        n = self._check_n(n)
-        status, fields, dtypes, shapes, ids, emissions = self._native.take_batch(
-            n, _timeout_arg(timeout)
-        )
-        if status == "end":
-            return None
-        if status != "ok":
-            self._raise_take(status, timeout)
-        return EchoBatch(
-            fields=[f[0] for f in fields],
-            offsets=[f[1] for f in fields],
-            dtypes=list(dtypes),
-            shapes=shapes,  # already tuples; one shared tuple per sample when all agree
-            sample_ids=ids,
-            emissions=emissions,
-        )
-
-    def take_batch_into(
-        self,
-        out: Sequence[Any],
-        n: int | None = None,
-        timeout: float | None = None,
-        start: int = 0,
-    ) -> int | None:
-        """Like :meth:`take_batch`, but copies into the caller's buffers: the one copy out.
-
-        ``out`` holds one buffer per field: a C-contiguous, writable numpy array or CPU torch
-        tensor (pinned or not) of shape ``(rows, ...)``. Field ``f`` of each copy drawn is
-        copied byte for byte into the next row of ``out[f]``, from row ``start`` on; every
-        sample's field ``f`` must have exactly the bytes of one row of ``out[f]`` (the dtypes are
-        not compared: a ``uint8`` buffer receives any field of that size). ``n`` (default: the
-        rows from ``start`` to the end) is the most copies to take.
-
-        Returns the number of rows written (fewer than ``n`` as :meth:`take_batch` returns
-        fewer), or None once everything was emitted. The buffers are checked before anything is
-        drawn (ValueError naming the buffer); a drawn copy whose fields do not fit the rows is
-        handed back to the cache before the ValueError is raised, so nothing is lost.
-        """
-        rows, ptrs, row_bytes, keep = _out_buffers(out)
-        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not (
-            0 <= start < rows):  # fmt: skip
-            raise ValueError(f"start must be a row of the buffers (0..{rows - 1}), got {start!r}")
-        n = self._check_n(rows - start if n is None else n)
-        if n > rows - start:
-            raise ValueError(f"n={n} copies do not fit in rows {start}..{rows - 1} of the buffers")
-        status, count = self._native.take_batch_into(
-            [p + start * b for p, b in zip(ptrs, row_bytes, strict=True)],
-            row_bytes, rows - start, n, _timeout_arg(timeout),
-        )  # fmt: skip
-        del keep  # the buffers stay alive until the copies are done
-        if status == "end" and count == 0:
-            return None
-        if status not in ("ok", "end"):
-            self._raise_take(status, timeout)
-        return int(count)
-
-    def __iter__(self) -> Iterator[EchoSample]:
-        """Yields copies one at a time until the input ended and everything was emitted."""
-        while True:
-            got = self.take(self._batch_size if self._mode == "batch" else 1)
-            if not got:
-                return
-            yield from got
+def take_batch_into(
+    native: Any,
+    out: Sequence[Any],
+    unit: int,
+    n: int | None = None,
+    timeout: float | None = None,
+    start: int = 0,
+) -> int | None:
+    """:meth:`EchoCache.take_batch_into <echopipe.echo.EchoCache.take_batch_into>` on
+    ``native``."""
+    rows, ptrs, row_bytes, keep = _out_buffers(out)
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not (
+        0 <= start < rows):  # fmt: skip
+        raise ValueError(f"start must be a row of the buffers (0..{rows - 1}), got {start!r}")
+    n = check_n(rows - start if n is None else n, unit)
+    if n > rows - start:
+        raise ValueError(f"n={n} copies do not fit in rows {start}..{rows - 1} of the buffers")
+    status, count = native.take_batch_into(
+        [p + start * b for p, b in zip(ptrs, row_bytes, strict=True)],
+        row_bytes, rows - start, n, _timeout_arg(timeout),
+    )  # fmt: skip
+    del keep  # the buffers stay alive until the copies are done
+    if status == "end" and count == 0:
+        return None
+    if status not in ("ok", "end"):
+        _raise_take(native, status, timeout)
+    return int(count)
 
 
 def _out_buffers(out: Sequence[Any]) -> tuple[int, list[int], list[int], list[Any]]:

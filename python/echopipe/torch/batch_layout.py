@@ -212,6 +212,15 @@ def _walk(treedef: Any, obj: Any, out: list[Any]) -> bool:
         _walk(c, v, out) for c, v in zip(children, obj, strict=True))  # fmt: skip
 
 
+def check_saved(layout: Layout, saved: str | None) -> None:
+    """Raises LayoutError when ``layout`` differs from the signature ``saved`` of a resumed
+    stream (None: nothing was saved)."""
+    if saved is not None and layout.signature() != saved:
+        raise LayoutError(
+            f"the batches differ from the saved state's: {layout.signature()} instead of {saved}"
+        )
+
+
 def check_same(layout: Layout, other: Layout) -> None:
     """Raises LayoutError naming the first difference between two batches' layouts."""
     if other is layout:

@@ -24,12 +24,11 @@ from typing import Any
 import torch
 
 from ..echo import CacheClosedError, EchoCache
-from ..echo.controller import EchoController
 from ..filecheck import memory_bytes
 from . import batch_layout as bl
 from . import passes, wrapped
 from .delivery import Assembler, next_batch
-from .loader_state import LoaderStateError, check_loader_state, check_position
+from .loader_state import STATE_VERSION, check_loader_state, check_position, restored_cache
 from .passes import EchoLoaderStats
 from .reader import LoaderError, Producer, Shared, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
@@ -37,8 +36,6 @@ from .wrapped import PassThrough, UnshardedLoaderError
 __all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "UnshardedLoaderError"]
 
 LayoutError = bl.LayoutError
-_STATE_VERSION = 1
-_COUNTS = passes.COUNTS
 
 
 class EchoLoader(PassThrough):
@@ -126,7 +123,7 @@ class EchoLoader(PassThrough):
         self._saved_layout: str | None = None  # signature a resumed stream must match
         self._cache_config: dict[str, int] | None = None
         self._epoch = 0
-        self._totals = dict.fromkeys(_COUNTS, 0)
+        self._totals = dict.fromkeys(passes.COUNTS, 0)
         self._last_epoch = (0, 0, 0, 0)
         self._delivered_epoch = [0, 0]  # batches, samples
         self._fresh_base = 0  # fresh samples of this epoch from before a resume
@@ -164,11 +161,7 @@ class EchoLoader(PassThrough):
             if stop.is_set() or self._closed:
                 raise CacheClosedError("EchoLoader is closed")
             if self._layout is None:
-                if self._saved_layout is not None and layout.signature() != self._saved_layout:
-                    raise bl.LayoutError(
-                        f"the batches differ from the saved state's: {layout.signature()} "
-                        f"instead of {self._saved_layout}"
-                    )
+                bl.check_saved(layout, self._saved_layout)
                 self._decode = Assembler(layout, self._pin)  # first: the consumer reads both
                 self._layout = layout
             else:
@@ -287,7 +280,7 @@ class EchoLoader(PassThrough):
             producer.shutdown(self._close_timeout)  # already ended: it ended the input
         self._shared.producer = None
         self._last_epoch = self._epoch_counts(producer)
-        for key, value in zip(_COUNTS, self._last_epoch, strict=True):
+        for key, value in zip(passes.COUNTS, self._last_epoch, strict=True):
             self._totals[key] += value
         self._epoch += 1
         expected = self._epoch_samples
@@ -308,7 +301,7 @@ class EchoLoader(PassThrough):
         producer = self._shared.producer
         epoch = self._epoch_counts(producer) if producer is not None else self._last_epoch
         totals = [self._totals[k] + (v if producer is not None else 0)
-                  for k, v in zip(_COUNTS, epoch, strict=True)]  # fmt: skip
+                  for k, v in zip(passes.COUNTS, epoch, strict=True)]  # fmt: skip
         cache = self._shared.cache
         return EchoLoaderStats(
             self._epoch, *totals, *epoch, echo_factor=self._factor,
@@ -330,7 +323,7 @@ class EchoLoader(PassThrough):
             counts = self._epoch_counts(producer) if producer is not None else (0, 0, 0, 0)
             position = (producer.batches_done, producer.rows_in_flight) if producer else (0, 0)
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "epoch": self._epoch,
             "mid_epoch": producer is not None,
             "batches_done": position[0],
@@ -362,28 +355,13 @@ class EchoLoader(PassThrough):
             raise RuntimeError("load_state_dict() during an epoch; call it before iter()")
         clean = check_loader_state(
             state,
-            version=_STATE_VERSION,
-            counts=_COUNTS,
+            version=STATE_VERSION,
+            counts=passes.COUNTS,
             auto=self._controller is not None,
             memory_bytes=memory_bytes(),
         )
         check_position(clean, self._loader)
-        cache = None
-        try:
-            if self._controller is not None:  # on a scratch one first: all or nothing
-                EchoController(1.0, e_max=self._controller.e_max).load_state_dict(
-                    clean["controller"]
-                )
-            if clean["cache"] is not None:
-                cache = EchoCache(
-                    echo_factor=clean["echo_factor"], memory="pageable", **clean["cache_config"]
-                )
-                cache.load_state_dict(clean["cache"])
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
-                RuntimeError) as exc:  # fmt: skip
-            if cache is not None:
-                cache.close()
-            raise LoaderStateError(f"EchoLoader state does not restore: {exc}") from None
+        cache = restored_cache(clean, self._controller)
         shutdown(self._shared, self._close_timeout)
         self._epoch = clean["epoch"]
         self._totals = dict(clean["totals"])

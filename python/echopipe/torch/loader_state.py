@@ -1,4 +1,4 @@
-"""The checks of a saved :class:`~echopipe.torch.EchoLoader` state, before it is restored.
+"""The checks of a saved :class:`~echopipe.torch.EchoLoader` state, and its restored cache.
 
 A state usually comes back from a file (``torch.load`` of a training checkpoint), so every
 field is checked for type, range and agreement with the others here, and
@@ -10,9 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..echo import EchoCache
 from ..echo.config import MAX_EPOCH_SIZE, EchoConfigError, check_factor
+from ..echo.controller import EchoController
 
-__all__ = ["LoaderStateError", "check_loader_state", "check_position"]
+__all__ = [
+    "STATE_VERSION",
+    "LoaderStateError",
+    "check_loader_state",
+    "check_position",
+    "restored_cache",
+]
+
+STATE_VERSION = 1
+"""The version of the state :meth:`EchoLoader.state_dict` writes."""
 
 _BIG = 1 << 62
 _POSITION = (
@@ -162,3 +173,24 @@ def check_position(clean: dict[str, Any], loader: Any) -> None:
         not clean["mid_epoch"] or clean["batches_done"] <= length,
         f"'batches_done' is {clean['batches_done']}, past the wrapped loader's {length} batches",
     )
+
+
+def restored_cache(clean: dict[str, Any], controller: EchoController | None) -> EchoCache | None:
+    """The cache of the checked state ``clean``, restored into a new one (None when the state
+    holds none), after the ``"auto"`` ``controller``'s state was tried on a scratch one: all or
+    nothing, so a refusal (:class:`LoaderStateError`) changes neither."""
+    cache = None
+    try:
+        if controller is not None:
+            EchoController(1.0, e_max=controller.e_max).load_state_dict(clean["controller"])
+        if clean["cache"] is not None:
+            cache = EchoCache(
+                echo_factor=clean["echo_factor"], memory="pageable", **clean["cache_config"]
+            )
+            cache.load_state_dict(clean["cache"])
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+            RuntimeError) as exc:  # fmt: skip
+        if cache is not None:
+            cache.close()
+        raise LoaderStateError(f"EchoLoader state does not restore: {exc}") from None
+    return cache

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["AMP_DTYPES", "Autocast", "LossScaler"]
+__all__ = ["AMP_DTYPES", "Autocast", "LossScaler", "scaler_note"]
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """``--amp`` values and the autocast dtype of each."""
@@ -128,3 +128,13 @@ def chain_hooks(*hooks: Callable[..., None] | None) -> Callable[..., None] | Non
             h(stage, params, grads)
 
     return hook
+
+
+def scaler_note(scaler: LossScaler | None) -> list[str]:
+    """The summary's line about fp16 loss scaling (none without a scaler)."""
+    if scaler is None:
+        return []
+    return [
+        f"amp: fp16, loss scale {scaler.scale:g}; {scaler.skipped} stage update(s) skipped on a "
+        "gradient overflow"
+    ]

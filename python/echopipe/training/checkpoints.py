@@ -40,7 +40,8 @@ import torch
 from ..filecheck import FileCheckError, check_stored_zip, check_tree, open_regular, read_exactly
 from ..models import build_model
 from ..pipeline.checkpoint import atomic_write
-from .checkpoint_schema import SchemaError, check_train_state, flat_weights
+from .checkpoint_schema import check_train_state, flat_weights
+from .schema_values import SchemaError
 
 __all__ = [
     "CHECKPOINT_MAGIC",

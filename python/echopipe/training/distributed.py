@@ -25,7 +25,23 @@ __all__ = [
     "average_buffers",
     "collective",
     "default_devices",
+    "stage_devices",
 ]
+
+
+def stage_devices(
+    balance: Any, stages: Any, devices: Sequence[str] | None
+) -> tuple[int, list[str]]:
+    """The default stage count and one device per stage, from ``--balance``, ``--stages`` and
+    ``--devices`` (``devices``; without it, the GPUs of :func:`default_devices`)."""
+    wanted = (
+        len(balance) if isinstance(balance, list) else (stages if isinstance(stages, int) else None)
+    )
+    count, found = default_devices(wanted)
+    if devices is not None:
+        found = list(devices)
+        count = wanted or (len(found) if len(found) > 1 else count)
+    return count, [found[i % len(found)] for i in range(count)]
 
 
 def default_devices(stages: int | None) -> tuple[int, list[str]]:

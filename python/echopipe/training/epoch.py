@@ -1,8 +1,8 @@
 """One epoch of the run: steps, the echo factor's retuning, validation and the epoch's row.
 
-:class:`EpochLoop` is the part of :class:`~.trainer.Trainer` that runs once training is set
-up; the trainer builds what it uses (``pipeline``, ``data``, ``clock``, ``progress``,
-``controller``) and owns the files.
+:class:`EpochLoop` runs once training is set up; the :class:`~.trainer.Trainer` builds what
+it is given (``pipeline``, ``data``, ``clock``, ``progress``, ``controller``...) and owns the
+files.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,36 +29,68 @@ __all__ = ["EpochLoop"]
 
 
 class EpochLoop:
-    """Training steps and epoch ends on the trainer's run state."""
+    """Training steps and epoch ends on the run state ``run_state``.
 
-    cfg: TrainConfig
-    ctx: DistContext
-    run_state: RunState
-    pipeline: Any
-    data: TrainInput
-    data_dir: Path
-    clock: EpochClock
-    lr_schedule: LrSchedule
-    progress: Progress
-    step_log: StepLog | None
-    epoch_times: list[float]
-    wall0: float
-    controller: EchoController | None
-    model: Any
-    stopped: str | None
-    losses: list[float]
-    epoch_samples: int
-    paused_s: float
-    _val: list[Any]
+    Given what the trainer built: the options, the distributed context, the run state, the
+    input (``data``, with its validation folder ``data_dir``), the stale pipeline and its
+    ``model``, the epoch clock and LR schedule, the progress display and step log, the echo
+    controller (None without ``--echo auto``), where to say things, the run's start time
+    ``wall0``, and the trainer's ``save`` (writes the checkpoint files; the loop drains the
+    pipeline first) and ``write_metrics`` (rewrites the run folder's metrics). It owns what
+    one epoch counts (``losses``, ``epoch_samples``, ``paused_s``) and ``stopped``, the reason
+    the run stopped early.
+    """
 
-    def say(self, message: str) -> None:  # replaced per instance by the trainer
-        raise NotImplementedError
+    def __init__(
+        self,
+        *,
+        cfg: TrainConfig,
+        ctx: DistContext,
+        run_state: RunState,
+        data: TrainInput,
+        data_dir: Path,
+        pipeline: Any,
+        model: Any,
+        clock: EpochClock,
+        lr_schedule: LrSchedule,
+        progress: Progress,
+        step_log: StepLog | None,
+        controller: EchoController | None,
+        say: Callable[[str], None],
+        wall0: float,
+        save: Callable[..., None],
+        write_metrics: Callable[[], None],
+    ) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.run_state = run_state
+        self.data = data
+        self.data_dir = data_dir
+        self.pipeline = pipeline
+        self.model = model
+        self.clock = clock
+        self.lr_schedule = lr_schedule
+        self.progress = progress
+        self.step_log = step_log
+        self.controller = controller
+        self.say = say
+        self.wall0 = wall0
+        self.save = save
+        self._write_metrics = write_metrics
+        self.stopped: str | None = None
+        self.losses: list[float] = []
+        self.epoch_samples = 0
+        self.paused_s = 0.0
+        self.epoch_times: list[float] = []
+        self._val: list[Any] = []  # the validation iterator, built on first use
 
     def checkpoint(self, *, best: bool) -> None:
-        raise NotImplementedError
-
-    def _write_metrics(self) -> None:
-        raise NotImplementedError
+        """Drain the pipeline (nothing in flight, its losses kept), then ``save``; the time
+        it takes is not training time."""
+        t0 = time.perf_counter()
+        self.drain()  # the pipeline's state_dict() would drain too, and drop the losses
+        self.save(best=best)
+        self.paused_s += time.perf_counter() - t0
 
     def run_epoch(self) -> None:
         cfg, st = self.cfg, self.run_state
@@ -101,7 +134,7 @@ class EpochLoop:
                 delivered=self.epoch_samples,
                 fresh=self.data.counters()["fresh"] - fresh0,
             )
-        self._drain()
+        self.drain()
         average_buffers(self.model, self.ctx)
         self.epoch_train_s = time.perf_counter() - t0 - self.paused_s
         self.epoch_fresh = self.data.counters()["fresh"] - fresh0
@@ -129,7 +162,7 @@ class EpochLoop:
         step, interval = self.run_state.global_step, self.cfg.echo_interval
         return self.controller is not None and (step < interval or step % interval == 0)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Finish every minibatch in flight and keep the losses they report."""
         losses = [r.value for r in self.pipeline.drain()]
         self._check_losses(losses)

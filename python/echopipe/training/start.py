@@ -1,6 +1,6 @@
 """The start of a run: its folder, the checkpoint it resumes and the options it runs with.
 
-:class:`RunStart` is the part of :class:`~.trainer.Trainer` that runs before anything heavy:
+:class:`RunStart`, which the :class:`~.trainer.Trainer` holds, runs before anything heavy:
 it picks and locks the run folder, removes what a killed write left, finds the checkpoint to
 resume (agreed by every rank), merges the options and checks the data folder. A start that is
 refused leaves nothing behind. It also writes ``config.json``: the first start's options and
@@ -31,24 +31,32 @@ __all__ = ["RunStart", "say_through", "signals_deferred"]
 
 
 class RunStart:
-    """Run folder, resume and the options of a run (see the module notes)."""
+    """Run folder, resume and the options of a run (see the module notes).
 
-    cfg: TrainConfig
-    ctx: DistContext
-    given: set[str]
-    run_state: RunState
-    saved: dict[str, Any] | None
-    decisions: list[str]
-    folder: RunFolder | None = None
-    resume_path: Path | None = None
-    changed: dict[str, list[Any]]
-    finished: str | None = None
-    last_saved: tuple[int, int, int] | None = None  # (epochs done, step in epoch, step)
-    clock: EpochClock
-    lr_schedule: LrSchedule
+    Given the options ``cfg``, the distributed context, the options the caller set (``given``)
+    and where to say things. :meth:`prepare` fills in what the run starts from: ``cfg`` (merged
+    with a resumed checkpoint's), ``folder``/``out``/``ckpts``, ``saved`` and ``resume_path``,
+    ``changed`` (options given anew on a resume), ``finished`` (a resumed run that has nothing
+    left to train), ``data_dir`` and ``classes``. ``last_saved`` is the last checkpoint written
+    (``(epochs done, step in epoch, step)``), which the trainer updates as it saves.
+    """
 
-    def say(self, message: str) -> None:  # replaced per instance by the trainer
-        raise NotImplementedError
+    def __init__(
+        self, cfg: TrainConfig, ctx: DistContext, given: set[str], say: Callable[[str], None]
+    ) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.given = given
+        self.say = say
+        self.saved: dict[str, Any] | None = None
+        self.folder: RunFolder | None = None
+        self.out: Path | None = None
+        self.resume_path: Path | None = None
+        self.changed: dict[str, list[Any]] = {}
+        self.finished: str | None = None
+        self.last_saved: tuple[int, int, int] | None = None
+        self.data_dir = Path()
+        self.classes: list[str] = []
 
     def prepare(self) -> None:
         """Run folder, lock, stale files, the checkpoint to resume, options, the data folder."""
@@ -139,10 +147,11 @@ class RunStart:
         summary.resumed_finished = True
         return summary
 
-    def write_config(self, resolved: dict[str, Any], notes: list[str]) -> None:
-        """``config.json``: a new run's options, command, resolution and decisions; on a resume
-        the same document with one more restart entry (the original is kept)."""
-        st = self.run_state
+    def write_config(
+        self, st: RunState, resolved: dict[str, Any], decisions: list[str], notes: list[str]
+    ) -> None:
+        """``config.json``: a new run's options, command, resolution and ``decisions``; on a
+        resume the same document with one more restart entry (the original is kept)."""
         doc = read_run_config(self.out) if self.saved is not None else None
         if doc is not None and str(doc.get("run_id", "")) == st.run_id:
             restarts = list(doc.get("restarts", []))
@@ -157,10 +166,11 @@ class RunStart:
         if self.saved is not None:  # resumed into a new folder: the history starts here
             assert self.resume_path is not None
             extra["restarts"] = [restart_entry(self.resume_path, st, self.changed, notes)]
-        write_config(self.out, self.cfg.as_json(), resolved, self.decisions, extra)
+        write_config(self.out, self.cfg.as_json(), resolved, decisions, extra)
 
-    def _named_rank(self, exc: Exception) -> Exception:
-        """A collective that failed, told as the rank it waited for (when one is silent)."""
+    def named_rank(self, exc: Exception, step: int) -> Exception:
+        """A collective that failed at ``step``, told as the rank it waited for (when one is
+        silent)."""
         failed = exc if isinstance(exc, CollectiveError) else exc.__cause__
         if not isinstance(failed, CollectiveError):
             return exc
@@ -170,20 +180,22 @@ class RunStart:
         ranks = ", ".join(map(str, silent))
         return DataError(
             f"rank {ranks} did not answer within --dist-timeout-s {self.cfg.dist_timeout_s:g} "
-            f"(stuck or stopped) at step {self.run_state.global_step}; the job stops here; "
+            f"(stuck or stopped) at step {step}; the job stops here; "
             "--resume auto continues from the last checkpoints"
         )
 
-    def _continue_schedule(self) -> list[str]:
+    def continue_schedule(
+        self, st: RunState, clock: EpochClock, lr_schedule: LrSchedule
+    ) -> list[str]:
         """On a resume with another ``--epochs``: the LR goes on from where it stood to its
         floor at the new end (no jump); the note says so."""
-        st, cfg = self.run_state, self.cfg
+        cfg = self.cfg
         if self.saved is None or "--epochs" not in self.changed:
             return []
         end = st.schedule_epochs or int(self.changed["--epochs"][0])
         st.schedule_epochs = end
-        now = self.clock.epochs_at(st.global_step)
-        lr = cfg.lr * self.lr_schedule.factor(st.global_step)
+        now = clock.epochs_at(st.global_step)
+        lr = cfg.lr * lr_schedule.factor(st.global_step)
         st.schedule_warp.append(stretch_schedule(st.schedule_warp, now, end, cfg.epochs))
         note = (
             f"lr: the schedule goes on from {lr:.4g} at epoch {now:.2f} to its floor at epoch "
@@ -195,7 +207,7 @@ class RunStart:
     def interrupted_line(self, step: int | None) -> str:
         """What Ctrl-C (or SIGTERM) says: where the run stopped and what ``--resume`` uses."""
         at = "during start-up" if step is None else f"at step {step}"
-        out = getattr(self, "out", None)
+        out = self.out
         if self.last_saved is None or out is None:
             where = f" in {out}" if out is not None else ""
             return f"interrupted {at}; no checkpoint{where} yet: there is nothing to resume"

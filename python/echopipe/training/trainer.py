@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from ..echo.controller import EchoController
-from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks
+from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks, scaler_note
 from .config import Interrupted, TrainConfig
 from .decide import choose_split
-from .distributed import DistContext, all_reduce_grads, default_devices
+from .distributed import DistContext, all_reduce_grads, stage_devices
 from .epoch import EpochLoop
 from .input import TrainInput
 from .progress import Progress, StepLog
@@ -62,29 +62,28 @@ def train(
         ctx.close()
 
 
-class Trainer(RunStart, EpochLoop):
-    """One run of ``echopipe train`` (see the module notes for its phases)."""
+class Trainer:
+    """One run of ``echopipe train`` (see the module notes for its phases).
+
+    It holds its parts, each given its inputs: the :class:`~.start.RunStart` (run folder,
+    resume, options), then what ``setup`` builds (input, model, pipeline), and the
+    :class:`~.epoch.EpochLoop` that trains on the one :class:`~.state.RunState`.
+    """
 
     def __init__(
         self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], given: set[str]
     ) -> None:
         self.cfg = cfg
         self.ctx = ctx
-        self.given = given
         self.log = log if ctx.is_main else (lambda m: None)
         self.say = self.log
         self.wall0 = time.perf_counter()
+        self.start = RunStart(cfg, ctx, given, self.log)
         self.run_state = RunState(world_size=ctx.world_size)
         self.decisions: list[str] = []
-        self.changed: dict[str, list[Any]] = {}
-        self.stopped: str | None = None
-        self.saved: dict[str, Any] | None = None
-        self.losses: list[float] = []
-        self.paused_s = 0.0
+        self.loop: EpochLoop | None = None
         self.step_log: StepLog | None = None
-        self.epoch_times: list[float] = []
         self.configured = False  # config.json written: the run has started
-        self._val: list[Any] = []  # the validation iterator, built on first use
         self._open: list[Any] = []  # what close() must close, in order
 
     # ---- phases --------------------------------------------------------------------------
@@ -92,36 +91,40 @@ class Trainer(RunStart, EpochLoop):
     def run(self) -> TrainSummary:
         """All phases; whatever was opened is closed, also on an error. A start refused before
         ``config.json`` was written leaves nothing behind."""
+        start = self.start
         try:
             try:
-                self.prepare()
-                if self.finished is not None:
-                    return self.finished_summary()
-                self.setup()
+                start.prepare()
+                if start.finished is not None:
+                    return start.finished_summary()
+                self.cfg, self.saved, self.out = start.cfg, start.saved, start.out
+                self.data_dir, self.classes = start.data_dir, start.classes
+                self.loop = self.setup()
             except BaseException:
-                if self.folder is not None and not self.configured:
-                    self.folder.discard()
+                if start.folder is not None and not self.configured:
+                    start.folder.discard()
                 raise
-            while self.run_state.epoch < self.cfg.epochs and self.stopped is None:
-                self.run_epoch()
-                self.end_epoch()
+            while self.run_state.epoch < self.cfg.epochs and self.loop.stopped is None:
+                self.loop.run_epoch()
+                self.loop.end_epoch()
         except KeyboardInterrupt:
             step = self.run_state.global_step if self.configured else None
-            raise Interrupted(self.interrupted_line(step)) from None
+            raise Interrupted(start.interrupted_line(step)) from None
         except Exception as exc:
-            named = self._named_rank(exc)
+            named = start.named_rank(exc, self.run_state.global_step)
             if named is exc:
                 raise
             raise named from None
         finally:
             for thing in reversed(self._open):
                 thing.close()
-            if self.folder is not None:
-                self.folder.release()
-        return self.finish()
+            if start.folder is not None:
+                start.folder.release()
+        return self.finish(self.loop.stopped)
 
-    def setup(self) -> None:
-        """Seeds, devices, input, model, the ``auto`` decisions, the pipeline, the state."""
+    def setup(self) -> EpochLoop:
+        """Seeds, devices, input, model, the ``auto`` decisions, the pipeline, the state; the
+        epoch loop given them."""
         cfg, ctx, saved = self.cfg, self.ctx, self.saved
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -130,7 +133,7 @@ class Trainer(RunStart, EpochLoop):
             was = torch.are_deterministic_algorithms_enabled()
             torch.use_deterministic_algorithms(True, warn_only=True)
             self._open.append(_Restore(lambda: torch.use_deterministic_algorithms(was)))
-        stages, devices = self._devices()
+        stages, devices = stage_devices(cfg.balance, cfg.stages, cfg.devices)
         if cfg.amp == "fp16" and all(d == "cpu" for d in devices):
             self.say(
                 "warning: --amp fp16 on the CPU is about 60x slower than --amp bf16 (the CPU "
@@ -138,18 +141,7 @@ class Trainer(RunStart, EpochLoop):
             )
         factor = self._build_input(devices)
         model = self._model()
-        if saved:
-            balance = list(saved["pipeline"]["balance"])
-        else:
-            sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
-            if not cfg.deterministic and cfg.balance == "auto":
-                self.say(
-                    "stages: timing the model's blocks"
-                    + (", then one stage against two," if cfg.stages == "auto" else "")
-                    + " on a copy of the model (a few seconds)..."
-                )
-            balance = choose_split(cfg, model, sample, stages, devices, self.decisions)
-            balance = ctx.broadcast_object(balance)  # timing-based: rank 0's choice for all
+        balance = self._balance(model, stages, devices)
         devices = [devices[i % len(devices)] for i in range(len(balance))]
         ctx.make_stage_groups(len(balance))
         if saved:
@@ -166,8 +158,49 @@ class Trainer(RunStart, EpochLoop):
             self.clock.plan(0, 0.0, st.steps_per_epoch, 1.0)
         st.epoch_clock = self.clock.segments
         self.lr_schedule = LrSchedule(cfg, self.clock, st)
-        notes = self._continue_schedule()
+        notes = self.start.continue_schedule(st, self.clock, self.lr_schedule)
         self._build_pipeline(model, balance, devices)
+        self._announce(factor, balance, devices, notes)
+        self.configured = True
+        return EpochLoop(
+            cfg=cfg,
+            ctx=ctx,
+            run_state=st,
+            data=self.data,
+            data_dir=self.data_dir,
+            pipeline=self.pipeline,
+            model=self.model,
+            clock=self.clock,
+            lr_schedule=self.lr_schedule,
+            progress=self.progress,
+            step_log=self.step_log,
+            controller=self.controller,
+            say=self.say,
+            wall0=self.wall0,
+            save=self.save_checkpoint,
+            write_metrics=self._write_metrics,
+        )
+
+    def _balance(self, model: nn.Sequential, stages: int, devices: list[str]) -> list[int]:
+        """Blocks per stage: the checkpoint's on resume, else ``choose_split``'s (rank 0's)."""
+        cfg, saved = self.cfg, self.saved
+        if saved:
+            return list(saved["pipeline"]["balance"])
+        sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+        if not cfg.deterministic and cfg.balance == "auto":
+            self.say(
+                "stages: timing the model's blocks"
+                + (", then one stage against two," if cfg.stages == "auto" else "")
+                + " on a copy of the model (a few seconds)..."
+            )
+        balance = choose_split(cfg, model, sample, stages, devices, self.decisions)
+        return self.ctx.broadcast_object(balance)  # timing-based: rank 0's choice for all
+
+    def _announce(
+        self, factor: float, balance: list[int], devices: list[str], notes: list[str]
+    ) -> None:
+        """The progress display, the run's first line, ``config.json`` and ``steps.csv``."""
+        cfg, ctx, st = self.cfg, self.ctx, self.run_state
         self.progress = Progress(
             ctx.is_main, cfg.progress, cfg.log_interval, cfg.epochs, self.log, self.out / "tb"
         )
@@ -192,10 +225,9 @@ class Trainer(RunStart, EpochLoop):
                 "classes": self.classes,
                 "data": str(self.data_dir),
             }
-            self.write_config(resolved, notes)
-            self.step_log = StepLog(self.out / "steps.csv", st.global_step if saved else None)
+            self.start.write_config(st, resolved, self.decisions, notes)
+            self.step_log = StepLog(self.out / "steps.csv", st.global_step if self.saved else None)
             self._open.append(self.step_log)
-        self.configured = True
 
     def _build_input(self, devices: list[str]) -> float:
         """The echo controller and the DALI input (restored on resume); the starting factor."""
@@ -260,21 +292,7 @@ class Trainer(RunStart, EpochLoop):
             self.pipeline.load_state_dict(saved["pipeline"])
             set_rng_state(saved["rng"])
             st = self.run_state
-            self.say(f"resume: {self.resume_path} (step {st.global_step}, epoch {st.epoch})")
-
-    def _devices(self) -> tuple[int, list[str]]:
-        """The default stage count and one device per stage (``--devices`` or the GPUs)."""
-        cfg = self.cfg
-        wanted = (
-            len(cfg.balance)
-            if isinstance(cfg.balance, list)
-            else (cfg.stages if isinstance(cfg.stages, int) else None)
-        )
-        stages, devices = default_devices(wanted)
-        if cfg.devices is not None:
-            devices = list(cfg.devices)
-            stages = wanted or (len(devices) if len(devices) > 1 else stages)
-        return stages, [devices[i % len(devices)] for i in range(stages)]
+            self.say(f"resume: {self.start.resume_path} (step {st.global_step}, epoch {st.epoch})")
 
     def _model(self) -> nn.Sequential:
         from ..models import build_model
@@ -304,11 +322,9 @@ class Trainer(RunStart, EpochLoop):
 
     # ---- files ---------------------------------------------------------------------------
 
-    def checkpoint(self, *, best: bool) -> None:
-        """Write ``last.pt`` (and ``best.pt``); the pipeline drains first (nothing in flight)."""
+    def save_checkpoint(self, *, best: bool) -> None:
+        """Write ``last.pt`` (and ``best.pt``); the epoch loop has drained the pipeline."""
         st = self.run_state
-        t0 = time.perf_counter()
-        self._drain()  # state_dict() would drain too, and drop the losses
         st.checkpoints_written += 1
         wall = st.wall_s
         st.wall_s = wall + time.perf_counter() - self.wall0
@@ -331,9 +347,8 @@ class Trainer(RunStart, EpochLoop):
         if self.step_log is not None:
             self.step_log.flush()  # every step the checkpoint holds is in steps.csv
         with signals_deferred():
-            self.ckpts.save(payload, best=best)
-        self.last_saved = (st.epoch, st.step_in_epoch, st.global_step)
-        self.paused_s += time.perf_counter() - t0
+            self.start.ckpts.save(payload, best=best)
+        self.start.last_saved = (st.epoch, st.step_in_epoch, st.global_step)
 
     def _write_metrics(self, summary: TrainSummary | None = None) -> None:
         history = (
@@ -341,9 +356,11 @@ class Trainer(RunStart, EpochLoop):
         )
         write_run_files(self.out, self.run_state.rows, history, summary)
 
-    def finish(self) -> TrainSummary:
-        """The summary (read from the run state and the last row), also into metrics.json."""
+    def finish(self, stopped: str | None) -> TrainSummary:
+        """The summary (read from the run state and the last row), also into metrics.json;
+        ``stopped`` says why the run stopped early (None: it trained all its epochs)."""
         st, ctx = self.run_state, self.ctx
+        notes = echo_verdict(st.rows, self.data.factor) + scaler_note(self.scaler)
         summary = summarize(
             st,
             echo_factor=self.data.factor,
@@ -352,21 +369,12 @@ class Trainer(RunStart, EpochLoop):
             devices=[str(d) for d in self.pipeline.devices],
             wall_s=st.wall_s + time.perf_counter() - self.wall0,
             output=self.out if ctx.is_main else None,
-            decisions=self.decisions + echo_verdict(st.rows, self.data.factor) + self._amp_note(),
-            stopped=self.stopped,
+            decisions=self.decisions + notes,
+            stopped=stopped,
         )
         if ctx.is_main:
             self._write_metrics(summary)
         return summary
-
-    def _amp_note(self) -> list[str]:
-        s = self.scaler
-        if s is None:
-            return []
-        return [
-            f"amp: fp16, loss scale {s.scale:g}; {s.skipped} stage update(s) skipped on a "
-            "gradient overflow"
-        ]
 
 
 def _stale_list(cfg: TrainConfig, stages: int) -> list[int]:
