@@ -318,12 +318,16 @@ def _check_small_parts(state: dict[str, Any], config: dict[str, Any]) -> None:
     c = state["controller"]
     _need((c is not None) == auto, "controller", "does not match the run's --echo")
     if c is not None:
-        _dict(c, "controller", {"factor", "observations", "t_up", "t_down", "history"}, {"below"})
+        _dict(c, "controller", {"factor", "observations", "t_up", "t_down", "history"},
+              {"below", "below_target", "above", "above_target", "t_aug"})  # fmt: skip
         _num(c["factor"], "controller 'factor'", 1.0, 65535.0)
         _int(c["observations"], "controller 'observations'")
         _int(c.get("below", 0), "controller 'below'")
-        for key in ("t_up", "t_down"):
-            _need(c[key] is None or _num(c[key], f"controller {key!r}", 0.0) >= 0, key, "")
+        _int(c.get("above", 0), "controller 'above'")
+        for key in ("below_target", "above_target"):
+            _num(c.get(key, 0.0), f"controller {key!r}", 0.0)
+        for key in ("t_up", "t_down", "t_aug"):
+            _need(c.get(key) is None or _num(c[key], f"controller {key!r}", 0.0) >= 0, key, "")
         for h in _list(c["history"], "controller 'history'"):
             _dict(h, "controller history entry", {"step", "factor", "ratio"}, set())
             _int(h["step"], "controller history 'step'")

@@ -23,8 +23,9 @@ from torch import nn
 from ..echo.controller import EchoController
 from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks
 from .config import Interrupted, TrainConfig
-from .decide import choose_split
+from .decide import choose_split, measure_step_seconds
 from .distributed import DistContext, all_reduce_grads, default_devices
+from .echo_start import prime_echo
 from .epoch import EpochLoop
 from .input import TrainInput
 from .progress import Progress, StepLog
@@ -148,8 +149,19 @@ class Trainer(RunStart, EpochLoop):
                     + (", then one stage against two," if cfg.stages == "auto" else "")
                     + " on a copy of the model (a few seconds)..."
                 )
-            balance = choose_split(cfg, model, sample, stages, devices, self.decisions)
+            timings: dict[str, float] = {}
+            balance = choose_split(cfg, model, sample, stages, devices, self.decisions, timings)
             balance = ctx.broadcast_object(balance)  # timing-based: rank 0's choice for all
+            if ctx.broadcast_object(timings.get("threads")) == 1:  # one thread won the trial
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                self._open.append(_Restore(lambda: torch.set_num_threads(threads)))
+            if self.controller is not None:  # --echo auto's step-0 decision
+                step_s = timings.get("step_s") or measure_step_seconds(
+                    model, sample, balance, devices
+                )
+                first = prime_echo(self.controller, self.data.pipe, step_s, self.decisions)
+                self.data.set_factor(factor := ctx.broadcast_object(first))
         devices = [devices[i % len(devices)] for i in range(len(balance))]
         ctx.make_stage_groups(len(balance))
         if saved:
@@ -209,11 +221,11 @@ class Trainer(RunStart, EpochLoop):
             # The controller acts on measured times, which differ from run to run.
             self.decisions.append("echo: e = 1 (--deterministic: no timing-based choice)")
         elif cfg.echo == "auto":
-            # One warm-up observation: t_down is the stages' busy time, available once each
-            # stage has run a forward and a backward (step 3 of a 2-stage pipeline), and only
-            # its first spans carry start-up costs. Every step at e = 1 before the first
-            # decision is an input-bound step (0.5 s each at R = 6 in bench/wallclock_train.py).
-            self.controller = EchoController(1.0, e_max=cfg.echo_max, warmup=1)
+            # Primed in setup (step 0); one warm-up observation: only the stages' first busy
+            # spans carry start-up costs. Readings scatter by ~20 % on a loaded machine: a
+            # slow average, and a raise asked three times.
+            kw = {"smoothing": 0.1, "raise_patience": 3}
+            self.controller = EchoController(1.0, e_max=cfg.echo_max, warmup=1, **kw)
         if saved and self.controller is not None:
             self.controller.load_state_dict(saved["controller"])
         if saved:

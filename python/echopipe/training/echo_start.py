@@ -1,0 +1,75 @@
+"""``--echo auto``'s first decision, taken before the first training step.
+
+The controller needs ``t_up`` (upstream seconds per batch of fresh samples) and ``t_down``
+(seconds per training step). ``t_down`` comes from the stage timing trial of :mod:`.decide`;
+``t_up`` from the upstream's own timers while it fills the echo cache, which it does before any
+step needs it. Without both, the run starts at ``e = 1`` and the controller decides from its
+first observations, as before.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from ..dali.base import per_batch_seconds
+from ..echo.controller import EchoController
+
+__all__ = ["fill_seconds_per_batch", "prime_echo"]
+
+_FILL_BATCHES = 3  # timed upstream iterations after the first (which carries start-up costs)
+_POLL_S = 0.02
+
+
+def fill_seconds_per_batch(pipe: Any, timeout_s: float) -> float | None:
+    """Starts ``pipe`` (an :class:`~echopipe.dali.EchoPipeline`) and returns its upstream
+    seconds per downstream batch of fresh samples over a few iterations after the first, or
+    ``None`` when the upstream did not run them within ``timeout_s`` (a full cache, a slow
+    reader) or ``pipe`` keeps no timers."""
+    if not hasattr(pipe, "upstream_time") or not hasattr(pipe, "start"):
+        return None
+    pipe.start()
+    deadline = time.monotonic() + timeout_s
+    first: tuple[int, float] | None = None
+    while True:
+        batches, seconds = pipe.upstream_time()
+        if first is None and batches >= 1:
+            first = (batches, seconds)
+        elif first is not None and batches - first[0] >= _FILL_BATCHES:
+            return per_batch_seconds(
+                batches - first[0], seconds - first[1], pipe.batch_size, pipe.upstream_batch_size
+            )
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(_POLL_S)  # the runner's counters have no event to wait on
+
+
+def prime_echo(
+    controller: EchoController,
+    pipe: Any,
+    t_down: float | None,
+    decisions: list[str],
+    timeout_s: float = 30.0,
+) -> float:
+    """The step-0 echo factor: ``controller.prime`` from the fill's ``t_up`` and ``t_down``
+    (seconds per training step, timed before the fill started so the upstream thread did not
+    slow it; ``None`` when not measured); the decision is appended to ``decisions``. Returns
+    the factor to start with (1 when either time is missing)."""
+    down = t_down
+    t_up = fill_seconds_per_batch(pipe, timeout_s)
+    if t_up is None or down is None or not math.isfinite(t_up) or down <= 0:
+        decisions.append(
+            "echo: starts at e = 1: no estimate of t_up before the first step (the upstream "
+            f"did not time {_FILL_BATCHES + 1} batches within {timeout_s:g} s)"
+            if t_up is None
+            else "echo: starts at e = 1: the step time was not measured"
+        )
+        return 1.0
+    factor = controller.prime(t_up, down)
+    decisions.append(
+        f"echo: e = {factor:g} from step 0 (R = {controller.ratio:.2f}: t_up "
+        f"{1000 * t_up:.1f} ms per batch while the pipeline filled, t_down {1000 * down:.1f} "
+        "ms per step in the stage trial)"
+    )
+    return factor
