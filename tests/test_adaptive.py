@@ -189,3 +189,10 @@ def test_a_raise_waits_for_raise_patience_and_takes_the_lowest_target() -> None:
     assert c.observe(0.2, 0.1, 2) is None and c.above == 0
     assert c.observe(0.8, 0.1, 3) is None
     assert c.observe(0.5, 0.1, 4) == 5.0
+
+
+def test_an_unprimed_controller_takes_its_first_decision_at_once() -> None:
+    c = EchoController(e_max=8, smoothing=1.0, warmup=0, raise_patience=3)
+    assert c.observe(0.4, 0.1, 0) == 4.0  # no estimate before step 1: no waiting either
+    assert c.observe(0.8, 0.1, 1) is None and c.observe(0.8, 0.1, 2) is None
+    assert c.observe(0.8, 0.1, 3) == 8.0

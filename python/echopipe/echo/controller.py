@@ -89,10 +89,13 @@ class EchoController:
             include start-up costs, which would bias the averages for many steps).
         quantum: factors are rounded to multiples of this (``> 0``), and never below 1.
         patience: observations in a row that must ask for a *lower* factor before it is lowered
-            (a raise is immediate). Too little echo leaves the accelerator waiting for input,
-            while a little too much only repeats samples a bit more; a short slowdown of the
-            downstream (another process, a validation pass) lowers the measured ``R`` for a few
-            steps and should not drop ``e``.
+            (to the highest target among them). Too little echo leaves the accelerator waiting
+            for input, while a little too much only repeats samples a bit more; a short
+            slowdown of the downstream (another process, a validation pass) lowers the measured
+            ``R`` for a few steps and should not drop ``e``.
+        raise_patience: observations in a row that must ask for a *higher* factor before it is
+            raised (to the lowest target among them), in ``[1, patience]``; 1 raises at once.
+            The first decision of a controller that was not primed is always taken at once.
 
     Example::
 
@@ -215,7 +218,9 @@ class EchoController:
             self.below = 0
             self.above_target = target if self.above == 0 else min(self.above_target, target)
             self.above += 1
-            if self.above < self.raise_patience:
+            # The first decision of a controller that was not primed is taken at once.
+            first = len(self.history) == 1 and math.isnan(self.history[0].ratio)
+            if self.above < self.raise_patience and not first:
                 return None
             target = self.above_target
         else:

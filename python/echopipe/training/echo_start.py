@@ -16,7 +16,9 @@ from typing import Any
 from ..dali.base import per_batch_seconds
 from ..echo.controller import EchoController
 
-__all__ = ["fill_seconds_per_batch", "prime_echo"]
+__all__ = ["FILL_TIMEOUT_S", "fill_seconds_per_batch", "prime_echo"]
+
+FILL_TIMEOUT_S = 30.0  # how long the step-0 decision waits for the upstream's timed batches
 
 _FILL_BATCHES = 3  # timed upstream iterations after the first (which carries start-up costs)
 _POLL_S = 0.02
@@ -50,14 +52,16 @@ def prime_echo(
     pipe: Any,
     t_down: float | None,
     decisions: list[str],
-    timeout_s: float = 30.0,
+    timeout_s: float | None = None,
 ) -> float:
     """The step-0 echo factor: ``controller.prime`` from the fill's ``t_up`` and ``t_down``
     (seconds per training step, timed before the fill started so the upstream thread did not
     slow it; ``None`` when not measured); the decision is appended to ``decisions``. Returns
-    the factor to start with (1 when either time is missing)."""
+    the factor to start with (1 when either time is missing; the wait for ``t_up`` is
+    ``timeout_s``, by default :data:`FILL_TIMEOUT_S`)."""
     down = t_down
-    t_up = fill_seconds_per_batch(pipe, timeout_s)
+    timeout_s = FILL_TIMEOUT_S if timeout_s is None else timeout_s
+    t_up = fill_seconds_per_batch(pipe, timeout_s) if timeout_s > 0 else None
     if t_up is None or down is None or not math.isfinite(t_up) or down <= 0:
         decisions.append(
             "echo: starts at e = 1: no estimate of t_up before the first step (the upstream "
