@@ -13,7 +13,6 @@ import math
 import time
 from typing import Any
 
-from ..dali.base import per_batch_seconds
 from ..echo.controller import EchoController
 
 __all__ = ["FILL_TIMEOUT_S", "fill_seconds_per_batch", "prime_echo"]
@@ -29,6 +28,8 @@ def fill_seconds_per_batch(pipe: Any, timeout_s: float) -> float | None:
     seconds per downstream batch of fresh samples over a few iterations after the first, or
     ``None`` when the upstream did not run them within ``timeout_s`` (a full cache, a slow
     reader) or ``pipe`` keeps no timers."""
+    from ..dali.base import per_batch_seconds  # DALI only once a pipeline exists
+
     if not hasattr(pipe, "upstream_time") or not hasattr(pipe, "start"):
         return None
     pipe.start()
