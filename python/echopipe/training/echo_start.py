@@ -21,6 +21,7 @@ FILL_TIMEOUT_S = 30.0  # how long the step-0 decision waits for the upstream's t
 
 _FILL_BATCHES = 3  # timed upstream iterations after the first (which carries start-up costs)
 _POLL_S = 0.02
+_STALL_S = 1.0  # no upstream iteration for this long (or 5 of its iterations): it is blocked
 
 
 def fill_seconds_per_batch(pipe: Any, timeout_s: float) -> float | None:
@@ -33,17 +34,26 @@ def fill_seconds_per_batch(pipe: Any, timeout_s: float) -> float | None:
     if not hasattr(pipe, "upstream_time") or not hasattr(pipe, "start"):
         return None
     pipe.start()
-    deadline = time.monotonic() + timeout_s
+    now = time.monotonic()
+    deadline, moved = now + timeout_s, now
     first: tuple[int, float] | None = None
+    last = -1
     while True:
         batches, seconds = pipe.upstream_time()
+        now = time.monotonic()
+        if batches != last:
+            last, moved = batches, now
         if first is None and batches >= 1:
             first = (batches, seconds)
-        elif first is not None and batches - first[0] >= _FILL_BATCHES:
+        timed = 0 if first is None else batches - first[0]
+        # A cache too small for the fill stops the upstream early: use what it timed.
+        stalled = timed >= 1 and now - moved > max(_STALL_S, 5 * (seconds - first[1]) / timed)
+        if timed >= _FILL_BATCHES or stalled:
+            assert first is not None
             return per_batch_seconds(
-                batches - first[0], seconds - first[1], pipe.batch_size, pipe.upstream_batch_size
+                timed, seconds - first[1], pipe.batch_size, pipe.upstream_batch_size
             )
-        if time.monotonic() >= deadline:
+        if now >= deadline:
             return None
         time.sleep(_POLL_S)  # the runner's counters have no event to wait on
 
@@ -60,10 +70,9 @@ def prime_echo(
     slow it; ``None`` when not measured); the decision is appended to ``decisions``. Returns
     the factor to start with (1 when either time is missing; the wait for ``t_up`` is
     ``timeout_s``, by default :data:`FILL_TIMEOUT_S`)."""
-    down = t_down
     timeout_s = FILL_TIMEOUT_S if timeout_s is None else timeout_s
     t_up = fill_seconds_per_batch(pipe, timeout_s) if timeout_s > 0 else None
-    if t_up is None or down is None or not math.isfinite(t_up) or down <= 0:
+    if t_up is None or t_down is None or not math.isfinite(t_up) or t_down <= 0:
         decisions.append(
             "echo: starts at e = 1: no estimate of t_up before the first step (the upstream "
             f"did not time {_FILL_BATCHES + 1} batches within {timeout_s:g} s)"
@@ -71,10 +80,10 @@ def prime_echo(
             else "echo: starts at e = 1: the step time was not measured"
         )
         return 1.0
-    factor = controller.prime(t_up, down)
+    factor = controller.prime(t_up, t_down)
     decisions.append(
         f"echo: e = {factor:g} from step 0 (R = {controller.ratio:.2f}: t_up "
-        f"{1000 * t_up:.1f} ms per batch while the pipeline filled, t_down {1000 * down:.1f} "
+        f"{1000 * t_up:.1f} ms per batch while the pipeline filled, t_down {1000 * t_down:.1f} "
         "ms per step in the stage trial)"
     )
     return factor
