@@ -115,6 +115,8 @@ def test_state_roundtrip_continues_identically() -> None:
         ({"warmup": -1}, "warmup"),
         ({"patience": 0}, "patience"),
         ({"quantum": 0.0}, "quantum"),
+        ({"raise_patience": 0}, "raise_patience"),
+        ({"raise_patience": 11, "patience": 10}, "raise_patience"),
     ],
 )
 def test_bad_settings_are_named(kwargs: dict[str, float], match: str) -> None:
