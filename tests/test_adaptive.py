@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
-from echopipe.echo.controller import EchoChange, EchoController
+from echopipe.echo.controller import EchoChange, EchoController, model_ratio
 
 
 def feed(controller: EchoController, t_up: float, t_down: float, steps: range) -> list[float]:
@@ -114,6 +115,8 @@ def test_state_roundtrip_continues_identically() -> None:
         ({"warmup": -1}, "warmup"),
         ({"patience": 0}, "patience"),
         ({"quantum": 0.0}, "quantum"),
+        ({"raise_patience": 0}, "raise_patience"),
+        ({"raise_patience": 11, "patience": 10}, "raise_patience"),
     ],
 )
 def test_bad_settings_are_named(kwargs: dict[str, float], match: str) -> None:
@@ -131,3 +134,67 @@ def test_bad_observations_are_named() -> None:
         c.observe("0.1", 0.1, 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="outside"):
         c.load_state_dict({**c.state_dict(), "factor": 100.0})
+
+
+def test_prime_is_the_step_0_decision_before_any_step() -> None:
+    c = EchoController(e_max=8, warmup=1, quantum=0.25)
+    assert c.prime(0.6, 0.1) == 6.0  # t_up from the pipeline's fill, t_down from the trial
+    assert c.factor == 6.0 and c.history == [EchoChange(0, 6.0, c.history[0].ratio)]
+    assert math.isclose(c.history[0].ratio, 6.0)
+    # The first observations refine the primed averages instead of starting at e = 1.
+    assert feed(c, 0.6, 0.1, range(1, 20)) == []
+    with pytest.raises(RuntimeError, match="first decision"):
+        c.prime(0.6, 0.1)
+
+
+def test_augmentation_after_the_echo_point_raises_the_factor() -> None:
+    # Input workers: t_up / e on fresh data plus t_aug per delivered batch, for every copy.
+    assert math.isclose(model_ratio(0.6, 0.1), 6.0)
+    assert math.isclose(model_ratio(0.6, 0.1, 0.04), 10.0)
+    assert model_ratio(0.6, 0.1, 0.1) == math.inf  # nothing keeps up: the most echo
+    c = EchoController(e_max=16, warmup=0, smoothing=1.0)
+    assert c.prime(0.6, 0.1, t_aug=0.04) == 10.0
+    capped = EchoController(e_max=8)
+    assert capped.prime(0.6, 0.1, t_aug=0.2) == 8.0 and capped.history[0].ratio == 1e9
+    # Observed timings carry the augmentation cost too: at e = 10 it keeps up, at 6 it does not.
+    c2 = EchoController(e_max=16, warmup=0, smoothing=1.0)
+    assert c2.observe(0.6, 0.1, 0, t_aug=0.04) == 10.0
+    assert 0.6 / c2.factor + 0.04 <= 0.1 + 1e-12 < 0.6 / 6.0 + 0.04
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_factor_stays_steady_under_noisy_timings(seed: int) -> None:
+    """R = 6 with 20 % log-normal noise on both sides (a loaded 2-core machine): the trainer's
+    settings keep e within one quantum band of R instead of walking between 5 and 8."""
+    rng = random.Random(seed)
+    c = EchoController(e_max=8, warmup=1, smoothing=0.1, raise_patience=3, patience=10)
+    c.prime(0.6, 0.1)
+    for step in range(1, 300):
+        c.observe(0.6 * rng.lognormvariate(0, 0.2), 0.1 * rng.lognormvariate(0, 0.2), step)
+    factors = [h.factor for h in c.history]
+    assert len(factors) <= 3, c.history
+    assert all(6.0 <= f <= 7.5 for f in factors), c.history
+
+
+def test_a_lowering_goes_only_as_far_as_the_whole_run_agrees() -> None:
+    c = EchoController(e_max=8, smoothing=1.0, hysteresis=0.1, warmup=0, patience=3)
+    c.prime(0.8, 0.1)
+    # Three readings below the band (R = 6, 4, 5): lowered to 6, the highest of them.
+    assert feed(c, 0.6, 0.1, range(1, 2)) + feed(c, 0.4, 0.1, range(2, 3)) == []
+    assert c.observe(0.5, 0.1, 3) == 6.0
+
+
+def test_a_raise_waits_for_raise_patience_and_takes_the_lowest_target() -> None:
+    c = EchoController(e_max=8, smoothing=1.0, warmup=0, patience=5, raise_patience=2)
+    c.prime(0.2, 0.1)
+    assert c.observe(0.8, 0.1, 1) is None  # one spike: no raise
+    assert c.observe(0.2, 0.1, 2) is None and c.above == 0
+    assert c.observe(0.8, 0.1, 3) is None
+    assert c.observe(0.5, 0.1, 4) == 5.0
+
+
+def test_an_unprimed_controller_takes_its_first_decision_at_once() -> None:
+    c = EchoController(e_max=8, smoothing=1.0, warmup=0, raise_patience=3)
+    assert c.observe(0.4, 0.1, 0) == 4.0  # no estimate before step 1: no waiting either
+    assert c.observe(0.8, 0.1, 1) is None and c.observe(0.8, 0.1, 2) is None
+    assert c.observe(0.8, 0.1, 3) == 8.0

@@ -15,6 +15,14 @@ for ``patience`` observations in a row: too little echo leaves the accelerator i
 dip of ``R`` (measured in ``echopipe train``: a busy machine dropped ``e`` from 7.25 to 3.75 for
 20 steps) must not cost input-bound steps. Each real change is recorded with the step, the
 measured ratio and the new factor, so a run can report the ``e`` it used over time.
+
+:meth:`EchoController.prime` takes the first decision before the first step from estimates
+(the upstream's rate while the pipeline fills, the downstream step of a timing trial), so a
+run does not spend its first steps input-bound at ``e = 1``. Augmentation placed after the echo
+point runs once per *delivered* sample, so ``e`` times per fresh one; where it shares the input
+workers with the upstream, :func:`model_ratio` counts it: the input side keeps up when
+``t_up / e + t_aug <= t_down``. A lowering goes only as far as every observation of the run
+that asked for it agrees (the highest target among them), so noise does not drop ``e`` deep.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["EchoChange", "EchoController"]
+__all__ = ["EchoChange", "EchoController", "model_ratio"]
+
+_RATIO_CAP = 1e9  # recorded instead of inf (checkpoints and JSON files hold finite numbers)
 
 
 @dataclass(frozen=True)
@@ -33,12 +43,27 @@ class EchoChange:
     Attributes:
         step: downstream step at which the factor took effect.
         factor: the echo factor chosen.
-        ratio: the smoothed ``R = t_up / t_down`` that led to it (``nan`` for the initial value).
+        ratio: the modelled ``R`` (:func:`model_ratio`) that led to it (``nan`` for an initial
+            value that was not primed; capped at ``1e9`` where no factor keeps up).
     """
 
     step: int
     factor: float
     ratio: float
+
+
+def model_ratio(t_up: float, t_down: float, t_aug: float = 0.0) -> float:
+    """The echo factor at which the input side just keeps up with the downstream.
+
+    Per delivered batch the input workers spend ``t_up / e`` on fresh data (read, decode: the
+    part before the echo point) and ``t_aug`` on the augmentation after it, which runs for every
+    copy. They keep up with a downstream step of ``t_down`` when ``t_up / e + t_aug <= t_down``,
+    so at ``e = t_up / (t_down - t_aug)``; ``inf`` when ``t_aug >= t_down`` (no factor makes
+    the input keep up; the most echo loses least). ``t_aug = 0`` gives ``R = t_up / t_down``.
+    """
+    if t_aug >= t_down:
+        return math.inf
+    return t_up / (t_down - t_aug)
 
 
 def _check_positive_finite(name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -64,10 +89,13 @@ class EchoController:
             include start-up costs, which would bias the averages for many steps).
         quantum: factors are rounded to multiples of this (``> 0``), and never below 1.
         patience: observations in a row that must ask for a *lower* factor before it is lowered
-            (a raise is immediate). Too little echo leaves the accelerator waiting for input,
-            while a little too much only repeats samples a bit more; a short slowdown of the
-            downstream (another process, a validation pass) lowers the measured ``R`` for a few
-            steps and should not drop ``e``.
+            (to the highest target among them). Too little echo leaves the accelerator waiting
+            for input, while a little too much only repeats samples a bit more; a short
+            slowdown of the downstream (another process, a validation pass) lowers the measured
+            ``R`` for a few steps and should not drop ``e``.
+        raise_patience: observations in a row that must ask for a *higher* factor before it is
+            raised (to the lowest target among them), in ``[1, patience]``; 1 raises at once.
+            The first decision of a controller that was not primed is always taken at once.
 
     Example::
 
@@ -88,6 +116,7 @@ class EchoController:
         warmup: int = 3,
         quantum: float = 0.25,
         patience: int = 10,
+        raise_patience: int = 1,
     ) -> None:
         self.e_max = _check_positive_finite("e_max", e_max)
         if self.e_max < 1:
@@ -106,19 +135,29 @@ class EchoController:
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be an int >= 1, got {patience!r}")
         self.patience = patience
+        if isinstance(raise_patience, bool) or not isinstance(raise_patience, int):
+            raise ValueError(f"raise_patience must be an int >= 1, got {raise_patience!r}")
+        if not 1 <= raise_patience <= patience:
+            raise ValueError(f"raise_patience must be in [1, patience], got {raise_patience!r}")
+        self.raise_patience = raise_patience
+        self.above = 0  # observations in a row whose target was above the band
+        self.above_target = 0.0  # the lowest target among them
         self.below = 0  # observations in a row whose target was below the band
+        self.below_target = 0.0  # the highest target among them
         self.factor = initial_v
         self.observations = 0
         self.t_up: float | None = None
         self.t_down: float | None = None
+        self.t_aug: float | None = None
         self.history: list[EchoChange] = [EchoChange(0, initial_v, math.nan)]
 
     @property
     def ratio(self) -> float:
-        """The smoothed ``R = t_up / t_down`` (``nan`` before the first observation)."""
+        """The modelled ``R`` from the smoothed times (:func:`model_ratio`; ``nan`` before the
+        first observation)."""
         if self.t_up is None or self.t_down is None or self.t_down <= 0:
             return math.nan
-        return self.t_up / self.t_down
+        return model_ratio(self.t_up, self.t_down, self.t_aug or 0.0)
 
     def target(self, ratio: float) -> float:
         """The factor the controller aims at for ``ratio``: clamped to ``[1, e_max]``, rounded."""
@@ -126,34 +165,76 @@ class EchoController:
         rounded = round(clamped / self.quantum) * self.quantum
         return min(max(rounded, 1.0), self.e_max)
 
-    def observe(self, t_up: float, t_down: float, step: int) -> float | None:
+    def prime(self, t_up: float, t_down: float, t_aug: float = 0.0) -> float:
+        """The step-0 decision from estimates taken before the first step; returns the factor.
+
+        Seeds the averages with the estimates (so the first observations refine them rather
+        than start from nothing) and replaces the initial entry of :attr:`history` with
+        ``EchoChange(0, factor, ratio)``. Only before any observation.
+
+        Args:
+            t_up: estimated upstream seconds per batch of fresh samples, ``>= 0``.
+            t_down: estimated downstream seconds per step, ``> 0``.
+            t_aug: estimated seconds per delivered batch of the augmentation after the echo
+                point that runs on the input workers, ``>= 0``.
+        """
+        up = _check_positive_finite("t_up", t_up, allow_zero=True)
+        down = _check_positive_finite("t_down", t_down)
+        aug = _check_positive_finite("t_aug", t_aug, allow_zero=True)
+        if self.observations or len(self.history) > 1:
+            raise RuntimeError("prime() is the first decision: the controller already observed")
+        self.t_up, self.t_down, self.t_aug = up, down, aug
+        ratio = self.ratio
+        self.factor = self.target(ratio)
+        self.history = [EchoChange(0, self.factor, min(ratio, _RATIO_CAP))]
+        return self.factor
+
+    def observe(self, t_up: float, t_down: float, step: int, t_aug: float = 0.0) -> float | None:
         """Feed one measurement; returns the new factor when it changes, else ``None``.
 
         Args:
             t_up: upstream seconds per batch (reading and decoding), ``>= 0``.
             t_down: downstream seconds per batch (augmenting and training), ``> 0``.
             step: the current downstream step (recorded with a change).
+            t_aug: seconds per delivered batch of augmentation after the echo point that runs
+                on the input workers (:func:`model_ratio`), ``>= 0``.
         """
         up = _check_positive_finite("t_up", t_up, allow_zero=True)
         down = _check_positive_finite("t_down", t_down)
+        aug = _check_positive_finite("t_aug", t_aug, allow_zero=True)
         self.observations += 1
         if self.observations <= self.warmup:
             return None  # start-up costs: kept out of the averages, not only out of decisions
         a = self.smoothing
         self.t_up = up if self.t_up is None else (1 - a) * self.t_up + a * up
         self.t_down = down if self.t_down is None else (1 - a) * self.t_down + a * down
+        self.t_aug = aug if self.t_aug is None else (1 - a) * self.t_aug + a * aug
         ratio = self.ratio
         target = self.target(ratio)
         if abs(target - self.factor) <= self.hysteresis * self.factor:
-            self.below = 0
+            self.below = self.above = 0
             return None
-        if target < self.factor:
+        if target > self.factor:
+            self.below = 0
+            self.above_target = target if self.above == 0 else min(self.above_target, target)
+            self.above += 1
+            # The first decision of a controller that was not primed is taken at once.
+            first = len(self.history) == 1 and math.isnan(self.history[0].ratio)
+            if self.above < self.raise_patience and not first:
+                return None
+            target = self.above_target
+        else:
+            self.above = 0
+            # Lowered only as far as every observation of this run agrees: under noise the
+            # run's lowest readings are not what the machine does (bench/README.md, 2b).
+            self.below_target = target if self.below == 0 else max(self.below_target, target)
             self.below += 1
             if self.below < self.patience:
                 return None
-        self.below = 0
+            target = self.below_target
+        self.below = self.above = 0
         self.factor = target
-        self.history.append(EchoChange(int(step), target, ratio))
+        self.history.append(EchoChange(int(step), target, min(ratio, _RATIO_CAP)))
         return target
 
     def state_dict(self) -> dict[str, Any]:
@@ -162,8 +243,12 @@ class EchoController:
             "factor": self.factor,
             "observations": self.observations,
             "below": self.below,
+            "below_target": self.below_target,
+            "above": self.above,
+            "above_target": self.above_target,
             "t_up": self.t_up,
             "t_down": self.t_down,
+            "t_aug": self.t_aug,
             "history": [asdict(c) for c in self.history],
         }
 
@@ -175,8 +260,13 @@ class EchoController:
         self.factor = factor
         self.observations = int(state["observations"])
         self.below = int(state.get("below", 0))
+        self.below_target = float(state.get("below_target", 0.0))
+        self.above = int(state.get("above", 0))
+        self.above_target = float(state.get("above_target", 0.0))
         self.t_up = None if state["t_up"] is None else float(state["t_up"])
         self.t_down = None if state["t_down"] is None else float(state["t_down"])
+        aug = state.get("t_aug")
+        self.t_aug = None if aug is None else float(aug)
         self.history = [EchoChange(int(c["step"]), float(c["factor"]), float(c["ratio"]))
                         for c in state["history"]]  # fmt: skip
 

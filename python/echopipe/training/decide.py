@@ -1,8 +1,9 @@
 """The ``auto`` choices of a run, each taken on a measurement and recorded with its reason.
 
 ``--stages auto`` pipelines only where a short timed run shows the stale pipeline faster than
-one stage that has all the threads; ``--balance auto`` splits by the blocks' measured forward
-times (or, with ``--deterministic``, by the cost model of
+one stage, which on the CPU is timed with one thread and with all threads
+(:mod:`.cpu_choice`, which also says when replicas would be faster); ``--balance auto``
+splits by the blocks' measured forward times (or, with ``--deterministic``, by the cost model of
 :mod:`echopipe.pipeline.cost_model`: FLOPs and bytes from the shapes, which do not depend on
 timing).
 """
@@ -10,18 +11,23 @@ timing).
 from __future__ import annotations
 
 import copy
+import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .config import TrainConfig
+from .cpu_choice import CpuTrial, choose_cpu_setting
 
 __all__ = [
     "balance_by_parameters",
     "balance_by_weights",
     "block_seconds",
     "choose_split",
+    "measure_copy_bytes_per_s",
     "measure_step_seconds",
 ]
 
@@ -60,6 +66,18 @@ def measure_step_seconds(
         pipe.close()
 
 
+def measure_copy_bytes_per_s(nbytes: int, repeats: int = 3) -> float:
+    """Memory-copy rate of a tensor of ``nbytes`` (the best of ``repeats`` copies)."""
+    src = torch.ones(max(1, nbytes // 4))
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * 4 / max(best, 1e-9)
+
+
 def choose_split(
     cfg: TrainConfig,
     model: nn.Sequential,
@@ -67,12 +85,15 @@ def choose_split(
     default: int,
     devices: list[str],
     decisions: list[str],
+    timings: dict[str, float] | None = None,
 ) -> list[int]:
     """The balance (blocks per stage; its length is the number of stages).
 
     ``--balance`` when given. Otherwise the stage count is ``--stages``, one per GPU, or, with
     ``--stages auto`` on one device, 2 only when a timed run of the 2-stage pipeline beats one
-    stage using all the threads; the split is profiled (modelled with ``--deterministic``).
+    stage (on the CPU: the faster of one thread and all threads); the split is profiled
+    (modelled with ``--deterministic``). ``timings`` receives what the trial measured of the
+    chosen setting: ``step_s`` (seconds per step) and, where one thread won, ``threads`` = 1.
     """
     if isinstance(cfg.balance, list):
         return list(cfg.balance)
@@ -87,6 +108,10 @@ def choose_split(
     two = _split(cfg, model, sample, 2, devices, [])
     t1 = measure_step_seconds(model, sample, [len(model)], devices)
     t2 = measure_step_seconds(model, sample, two, devices)
+    if all(d == "cpu" for d in devices) and torch.get_num_threads() > 1:
+        return _cpu_choice(model, sample, two, devices, (t1, t2), decisions, timings)
+    if timings is not None:
+        timings["step_s"] = min(t1, t2)
     speed = (
         f"{t1 / t2:.2f}x the speed of one stage with all threads ({1000 * t2:.0f} vs "
         f"{1000 * t1:.0f} ms/step)"
@@ -96,6 +121,76 @@ def choose_split(
         return two
     decisions.append(f"stages: 1: the 2-stage pipeline (balance {two}) measured only {speed}")
     return [len(model)]
+
+
+def choose_balance(
+    cfg: TrainConfig,
+    ctx: Any,
+    model: nn.Sequential,
+    stages: int,
+    devices: list[str],
+    decisions: list[str],
+    say: Callable[[str], None],
+    timings: dict[str, float],
+) -> list[int]:
+    """Blocks per stage from :func:`choose_split`, rank 0's choice for every rank (it is
+    timing-based); the trial's times go into ``timings``."""
+    sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+    if not cfg.deterministic and cfg.balance == "auto":
+        say(
+            "stages: timing the model's blocks"
+            + (", then one stage against two," if cfg.stages == "auto" else "")
+            + " on a copy of the model (a few seconds)..."
+        )
+    balance = choose_split(cfg, model, sample, stages, devices, decisions, timings)
+    return ctx.broadcast_object(balance)
+
+
+def _cpu_choice(
+    model: nn.Sequential,
+    sample: torch.Tensor,
+    two: list[int],
+    devices: list[str],
+    measured: tuple[float, float],
+    decisions: list[str],
+    timings: dict[str, float] | None,
+) -> list[int]:
+    """One thread, all threads or the stale pipeline, timed in the same trial (the stages'
+    line says how the pipeline compared; the ``cpu:`` line which of all was fastest)."""
+    t_all, t_pipe = measured
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t_one = measure_step_seconds(model, sample, [len(model)], devices)
+    finally:
+        torch.set_num_threads(threads)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    trial = CpuTrial(
+        one_thread_s=t_one,
+        all_threads_s=t_all,
+        pipeline_s=t_pipe,
+        threads=threads,
+        batch_size=int(sample.shape[0]),
+        grad_bytes=grad_bytes,
+        copy_bytes_per_s=measure_copy_bytes_per_s(grad_bytes),
+    )
+    one_replica = int(os.environ.get("WORLD_SIZE", "1")) <= 1
+    chosen, line = choose_cpu_setting(trial, replicas_possible=one_replica)
+    t_single = min(t_one, t_all)
+    speed = (
+        f"{t_single / t_pipe:.2f}x the speed of one stage ({1000 * t_pipe:.0f} vs "
+        f"{1000 * t_single:.0f} ms/step)"
+    )
+    if chosen == "stale pipeline":
+        decisions.append(f"stages: 2, balance {two}: the stale pipeline measured {speed}")
+    else:
+        decisions.append(f"stages: 1: the 2-stage pipeline (balance {two}) measured only {speed}")
+    decisions.append(line)
+    if timings is not None:
+        timings["step_s"] = {"one thread": t_one, "all threads": t_all}.get(chosen, t_pipe)
+        if chosen == "one thread":
+            timings["threads"] = 1
+    return two if chosen == "stale pipeline" else [len(model)]
 
 
 def balance_by_parameters(model: nn.Sequential, stages: int) -> list[int]:

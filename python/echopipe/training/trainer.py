@@ -23,8 +23,9 @@ from torch import nn
 from ..echo.controller import EchoController
 from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks, scaler_note
 from .config import Interrupted, TrainConfig
-from .decide import choose_split
+from .decide import choose_balance
 from .distributed import DistContext, all_reduce_grads, stage_devices
+from .echo_start import start_factor
 from .epoch import EpochLoop
 from .input import TrainInput
 from .progress import Progress, StepLog
@@ -141,7 +142,19 @@ class Trainer:
             )
         factor = self._build_input(devices)
         model = self._model()
-        balance = self._balance(model, stages, devices)
+        timings: dict[str, float] = {}
+        if saved:
+            balance = list(saved["pipeline"]["balance"])
+        else:
+            balance = choose_balance(cfg, ctx, model, stages, devices, self.decisions, self.say,
+                                     timings)  # fmt: skip
+            if ctx.broadcast_object(timings.get("threads")) == 1:  # one thread won the trial
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                self._open.append(_Restore(lambda: torch.set_num_threads(threads)))
+            if self.controller is not None:  # --echo auto's step-0 decision
+                factor = start_factor(cfg, ctx, self.controller, self.data, model, balance,
+                                      devices, timings, self.decisions)  # fmt: skip
         devices = [devices[i % len(devices)] for i in range(len(balance))]
         ctx.make_stage_groups(len(balance))
         if saved:
@@ -180,21 +193,6 @@ class Trainer:
             save=self.save_checkpoint,
             write_metrics=self._write_metrics,
         )
-
-    def _balance(self, model: nn.Sequential, stages: int, devices: list[str]) -> list[int]:
-        """Blocks per stage: the checkpoint's on resume, else ``choose_split``'s (rank 0's)."""
-        cfg, saved = self.cfg, self.saved
-        if saved:
-            return list(saved["pipeline"]["balance"])
-        sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
-        if not cfg.deterministic and cfg.balance == "auto":
-            self.say(
-                "stages: timing the model's blocks"
-                + (", then one stage against two," if cfg.stages == "auto" else "")
-                + " on a copy of the model (a few seconds)..."
-            )
-        balance = choose_split(cfg, model, sample, stages, devices, self.decisions)
-        return self.ctx.broadcast_object(balance)  # timing-based: rank 0's choice for all
 
     def _announce(
         self, factor: float, balance: list[int], devices: list[str], notes: list[str]
@@ -241,11 +239,11 @@ class Trainer:
             # The controller acts on measured times, which differ from run to run.
             self.decisions.append("echo: e = 1 (--deterministic: no timing-based choice)")
         elif cfg.echo == "auto":
-            # One warm-up observation: t_down is the stages' busy time, available once each
-            # stage has run a forward and a backward (step 3 of a 2-stage pipeline), and only
-            # its first spans carry start-up costs. Every step at e = 1 before the first
-            # decision is an input-bound step (0.5 s each at R = 6 in bench/wallclock_train.py).
-            self.controller = EchoController(1.0, e_max=cfg.echo_max, warmup=1)
+            # Primed in setup (step 0); one warm-up observation: only the stages' first busy
+            # spans carry start-up costs. Readings scatter by ~20 % on a loaded machine: a
+            # slow average, and a raise asked three times.
+            kw = {"smoothing": 0.1, "raise_patience": 3}
+            self.controller = EchoController(1.0, e_max=cfg.echo_max, warmup=1, **kw)
         if saved and self.controller is not None:
             self.controller.load_state_dict(saved["controller"])
         if saved:

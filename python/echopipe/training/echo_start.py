@@ -1,0 +1,113 @@
+"""``--echo auto``'s first decision, taken before the first training step.
+
+The controller needs ``t_up`` (upstream seconds per batch of fresh samples) and ``t_down``
+(seconds per training step). ``t_down`` comes from the stage timing trial of :mod:`.decide`;
+``t_up`` from the upstream's own timers while it fills the echo cache, which it does before any
+step needs it. Without both, the run starts at ``e = 1`` and the controller decides from its
+first observations, as before.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from ..echo.controller import EchoController
+from .decide import measure_step_seconds
+
+__all__ = ["FILL_TIMEOUT_S", "fill_seconds_per_batch", "prime_echo"]
+
+FILL_TIMEOUT_S = 30.0  # how long the step-0 decision waits for the upstream's timed batches
+
+_FILL_BATCHES = 3  # timed upstream iterations after the first (which carries start-up costs)
+_POLL_S = 0.02
+_STALL_S = 1.0  # no upstream iteration for this long (or 5 of its iterations): it is blocked
+
+
+def fill_seconds_per_batch(pipe: Any, timeout_s: float) -> float | None:
+    """Starts ``pipe`` (an :class:`~echopipe.dali.EchoPipeline`) and returns its upstream
+    seconds per downstream batch of fresh samples over a few iterations after the first, or
+    ``None`` when the upstream did not run them within ``timeout_s`` (a full cache, a slow
+    reader) or ``pipe`` keeps no timers."""
+    from ..dali.base import per_batch_seconds  # DALI only once a pipeline exists
+
+    if not hasattr(pipe, "upstream_time") or not hasattr(pipe, "start"):
+        return None
+    pipe.start()
+    now = time.monotonic()
+    deadline, moved = now + timeout_s, now
+    first: tuple[int, float] | None = None
+    last = -1
+    while True:
+        batches, seconds = pipe.upstream_time()
+        now = time.monotonic()
+        if batches != last:
+            last, moved = batches, now
+        if first is None and batches >= 1:
+            first = (batches, seconds)
+        timed = 0 if first is None else batches - first[0]
+        # A cache too small for the fill stops the upstream early: use what it timed.
+        stalled = timed >= 1 and now - moved > max(_STALL_S, 5 * (seconds - first[1]) / timed)
+        if timed >= _FILL_BATCHES or stalled:
+            assert first is not None
+            return per_batch_seconds(
+                timed, seconds - first[1], pipe.batch_size, pipe.upstream_batch_size
+            )
+        if now >= deadline:
+            return None
+        time.sleep(_POLL_S)  # the runner's counters have no event to wait on
+
+
+def prime_echo(
+    controller: EchoController,
+    pipe: Any,
+    t_down: float | None,
+    decisions: list[str],
+    timeout_s: float | None = None,
+) -> float:
+    """The step-0 echo factor: ``controller.prime`` from the fill's ``t_up`` and ``t_down``
+    (seconds per training step, timed before the fill started so the upstream thread did not
+    slow it; ``None`` when not measured); the decision is appended to ``decisions``. Returns
+    the factor to start with (1 when either time is missing; the wait for ``t_up`` is
+    ``timeout_s``, by default :data:`FILL_TIMEOUT_S`)."""
+    timeout_s = FILL_TIMEOUT_S if timeout_s is None else timeout_s
+    t_up = fill_seconds_per_batch(pipe, timeout_s) if timeout_s > 0 else None
+    if t_up is None or t_down is None or not math.isfinite(t_up) or t_down <= 0:
+        decisions.append(
+            "echo: starts at e = 1: no estimate of t_up before the first step (the upstream "
+            f"did not time {_FILL_BATCHES + 1} batches within {timeout_s:g} s)"
+            if t_up is None
+            else "echo: starts at e = 1: the step time was not measured"
+        )
+        return 1.0
+    factor = controller.prime(t_up, t_down)
+    decisions.append(
+        f"echo: e = {factor:g} from step 0 (R = {controller.ratio:.2f}: t_up "
+        f"{1000 * t_up:.1f} ms per batch while the pipeline filled, t_down {1000 * t_down:.1f} "
+        "ms per step in the stage trial)"
+    )
+    return factor
+
+
+def start_factor(
+    cfg: Any,
+    ctx: Any,
+    controller: EchoController,
+    data: Any,
+    model: Any,
+    balance: list[int],
+    devices: list[str],
+    timings: dict[str, float],
+    decisions: list[str],
+) -> float:
+    """``--echo auto``'s factor before step 1, the same on every rank: the fill's ``t_up``
+    over the stage trial's step time (measured on ``balance`` when the trial did not run);
+    the input starts at it."""
+    sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+    step_s = timings.get("step_s") or measure_step_seconds(model, sample, balance, devices)
+    factor = ctx.broadcast_object(prime_echo(controller, data.pipe, step_s, decisions))
+    data.set_factor(factor)
+    return factor
