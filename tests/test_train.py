@@ -684,18 +684,19 @@ def test_log_line_rates_span_epoch_ends_without_the_pause() -> None:
     from echopipe.training.progress import Progress
 
     lines: list[str] = []
-    p = Progress(True, False, 4, 2, lines.append, None, warmup_steps=0)
+    now = [0.0]  # an injected clock: the test says how long each step and the pause took
+    p = Progress(True, False, 4, 2, lines.append, None, warmup_steps=0, clock=lambda: now[0])
     p.start_epoch(0, 3, 0)
     for k in range(1, 4):  # 0.1 s per step of 8 images
-        time.sleep(0.1)
+        now[0] += 0.1
         p.step(k, 1.0, 1.0, delivered=8 * k, fresh=8.0 * k)
-    time.sleep(0.5)  # validation: not training time
+    now[0] += 0.5  # validation: not training time
     p.start_epoch(1, 3, 0)
     p.step(4, 1.0, 1.0, delivered=8, fresh=8.0)  # at once: a step that only enqueued work
     (line,) = lines
     rate = float(re.search(r"img/s ([0-9.e+]+)", line).group(1))
-    # 32 images over at least 0.3 s of steps (sleeps only last longer): at most ~107 img/s.
-    assert rate <= 32 / 0.3 * 1.01, line
+    # 32 images over the 0.3 s of steps; the 0.5 s pause would have made it 40 img/s.
+    assert rate == pytest.approx(32 / 0.3, rel=0.01), line
 
 
 # --------------------------------------------------------------------------------------------
