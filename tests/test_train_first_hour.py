@@ -164,6 +164,8 @@ def test_bench_writes_a_new_folder_unless_told_to_update_the_committed_results(
     assert fresh.parent == Path("bench-results") and re.fullmatch(r"\d{8}-\d{6}", fresh.name)
     fresh.mkdir(parents=True)
     assert bench_results_dir(parser.parse_args(["bench"])) != fresh  # never an existing one
+    # An installed echopipe finds the suites through the checkout it is run in.
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
     checkout = bench_dir()
     assert checkout is not None
     updated = bench_results_dir(parser.parse_args(["bench", "--update-results"]))
