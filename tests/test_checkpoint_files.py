@@ -140,25 +140,22 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = data[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, pos
+
+
 def _parse(data: bytes) -> list[tuple[int, int, Any]]:
     out, pos = [], 0
     while pos < len(data):
-        tag = shift = 0
-        while True:
-            b = data[pos]
-            pos += 1
-            tag |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
-        value = shift = 0
-        while True:
-            b = data[pos]
-            pos += 1
-            value |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
+        tag, pos = _read_varint(data, pos)
+        value, pos = _read_varint(data, pos)
         if tag & 7 == 2:
             out.append((tag >> 3, 2, data[pos : pos + value]))
             pos += value

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,9 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_support.known_samples import KnownSource, known_image
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -703,24 +707,6 @@ def test_dali_mixed_decode_echo_gpu_augment(tiny_imagenet: Path) -> None:
     assert stats.fresh == 32 and stats.echoed == 32
 
 
-def _known_image(k: int) -> np.ndarray:
-    """Sample k: random bytes from seed k, of a height that depends on k (ragged batches)."""
-    return np.random.default_rng(k).integers(0, 256, size=(16 + k % 7, 24, 3), dtype=np.uint8)
-
-
-class _KnownSource:
-    """Batches of known samples for ``fn.external_source``: image k goes with label k."""
-
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
-        self.next = 0
-
-    def __call__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        ks = range(self.next, self.next + self.batch)
-        self.next += self.batch
-        return [_known_image(k) for k in ks], [np.array([k], dtype=np.int32) for k in ks]
-
-
 def _check_emissions(batches: list[tuple[Any, Any, np.ndarray]], expected: Any) -> dict[int, int]:
     """Every valid emission byte-exact against ``expected(label)``; one label per sample id."""
     label_of: dict[int, int] = {}
@@ -764,7 +750,7 @@ def test_dali_gpu_echo_returns_known_arrays_byte_exact(
     )  # fmt: skip
     def known() -> tuple[Any, Any]:
         images, labels = fn.external_source(
-            source=_KnownSource(8), num_outputs=2, batch=True, device="gpu", layout=["HWC", ""]
+            source=KnownSource(8), num_outputs=2, batch=True, device="gpu", layout=["HWC", ""]
         )
         images = fn.flip(images, horizontal=1)
         images, labels = edali.echo(images, labels)
@@ -777,7 +763,7 @@ def test_dali_gpu_echo_returns_known_arrays_byte_exact(
             assert outputs[0].__class__.__name__ == "TensorListGPU"
             batches.append((outputs[0].as_cpu(), outputs[1].as_cpu(), info.copy()))
         assert pipe.cache.memory_kind == ("device" if memory == "auto" else memory)
-    label_of = _check_emissions(batches, lambda k: _known_image(k)[:, ::-1])
+    label_of = _check_emissions(batches, lambda k: known_image(k)[:, ::-1])
     emissions = np.concatenate([info[info[:, 0] == 1] for _, _, info in batches])
     assert len(emissions) == 16 * 8 and set(emissions[:, 2]) <= {0, 1}
     assert len(label_of) >= 40  # a cache of 48 slots was cycled through, not a few samples
@@ -796,7 +782,7 @@ def test_dali_cpu_source_refuses_a_device_cache_in_one_line() -> None:
     )  # fmt: skip
     def to_cpu() -> tuple[Any, Any]:
         images, labels = fn.external_source(
-            source=_KnownSource(4), num_outputs=2, batch=True, device="gpu", layout=["HWC", ""]
+            source=KnownSource(4), num_outputs=2, batch=True, device="gpu", layout=["HWC", ""]
         )
         return edali.echo(images, labels, device="cpu")
 

@@ -21,11 +21,16 @@ each test can fail. Everything here skips without a CUDA device; ``bench/gpu/run
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_support.known_samples import KnownSource, known_image
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -45,24 +50,6 @@ def _dali_or_skip() -> Any:
     return pytest.importorskip("echopipe.dali", exc_type=ImportError)
 
 
-def _image(k: int) -> np.ndarray:
-    """Sample k: random bytes from seed k, ragged heights."""
-    return np.random.default_rng(k).integers(0, 256, size=(16 + k % 5, 24, 3), dtype=np.uint8)
-
-
-class _Counting:
-    """Batches for ``fn.external_source``: image k with label k, k counting up."""
-
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
-        self.next = 0
-
-    def __call__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        ks = range(self.next, self.next + self.batch)
-        self.next += self.batch
-        return [_image(k) for k in ks], [np.array([k], dtype=np.int32) for k in ks]
-
-
 def _run_echo(memory: str, echo_factor: float, cache_samples: int, steps: int) -> list[Any]:
     """GPU external source -> GPU sink -> GPU source; every output copied to the host."""
     from nvidia.dali import fn
@@ -75,7 +62,7 @@ def _run_echo(memory: str, echo_factor: float, cache_samples: int, steps: int) -
     )  # fmt: skip
     def known() -> tuple[Any, Any]:
         images, labels = fn.external_source(
-            source=_Counting(8), num_outputs=2, batch=True, device="gpu", layout=["HWC", ""]
+            source=KnownSource(8), num_outputs=2, batch=True, device="gpu", layout=["HWC", ""]
         )
         return edali.echo(images, labels)
 
@@ -93,7 +80,7 @@ def _assert_every_emission_exact(batches: list[Any]) -> int:
         for i in np.flatnonzero(info[:, 0] == 1):
             label = int(np.array(labels.at(i)).reshape(-1)[0])
             np.testing.assert_array_equal(
-                np.array(images.at(i)), _image(label), err_msg=f"sample id {info[i, 1]}"
+                np.array(images.at(i)), known_image(label), err_msg=f"sample id {info[i, 1]}"
             )
             checked += 1
     return checked
