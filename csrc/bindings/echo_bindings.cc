@@ -227,6 +227,7 @@ py::tuple take_batch_into(EchoCache& c, const std::vector<uintptr_t>& dst,
   const int nf = static_cast<int>(dst.size());
   TakeStatus st;
   std::vector<SampleLease> leases = take_leases(c, n, timeout, &st);
+  const size_t count = leases.size();
   try {
     for (const auto& l : leases) {
       const SampleDesc& d = l.desc();
@@ -244,15 +245,16 @@ py::tuple take_batch_into(EchoCache& c, const std::vector<uintptr_t>& dst,
         }
       }
     }
+    // The release wakes a producer blocked on space: done without the GIL, that producer
+    // does not find it taken. (A gather that throws leaves the leases to the handler below.)
     without_gil([&] {
       for (int f = 0; f < nf; ++f) gather(leases, f, reinterpret_cast<void*>(dst[f]), nullptr);
+      release_leases(leases);
     });
   } catch (...) {
     c.give_back(leases);
     throw;
   }
-  const size_t count = leases.size();
-  release_leases(leases);
   return py::make_tuple(std::string(take_status_name(st)), count);
 }
 

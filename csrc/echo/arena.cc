@@ -45,6 +45,8 @@ namespace detail {
 
 namespace {
 
+constexpr size_t kHugePageArenaBytes = size_t{64} << 20;
+
 std::string no_device_reason() {
   return built_with_cuda() ? "the CUDA runtime found none" : "echopipe was built without CUDA";
 }
@@ -127,6 +129,13 @@ Arena arena_allocate(size_t bytes, MemoryKind requested) {
     throw std::runtime_error("could not map " + std::to_string(bytes) +
                              " bytes of pageable memory for the echo cache arena");
   }
+#if defined(MADV_HUGEPAGE)
+  // Takes read samples at random across the whole arena: in an arena far beyond the TLB's
+  // reach of 4 KB pages nearly every sample costs a TLB miss and a page walk, so large arenas
+  // ask for huge pages (a hint: ignored when transparent huge pages are off). Small ones do
+  // not: the TLB covers them anyway, and a huge page's fault may compact memory first.
+  if (bytes >= kHugePageArenaBytes) (void)madvise(p, bytes, MADV_HUGEPAGE);
+#endif
   a.host = p;
   a.kind = MemoryKind::kPageable;
   return a;

@@ -262,6 +262,9 @@ class ECHOPIPE_API SampleLease {
   void release();
 
   const SampleDesc& desc() const;
+  /// A hint that desc(), data() and nbytes() are about to be read: starts the lease's slot
+  /// record on its way to the cache.
+  void prefetch_record() const noexcept;
   /// Host pointer to field `i` (0 <= i < desc().num_fields); 64-byte aligned.
   const void* data(int field) const;
   /// Device pointer to field `i` when the arena is pinned and mapped, or a device arena (then

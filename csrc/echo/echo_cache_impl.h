@@ -116,14 +116,16 @@ class ExtentAllocator {
 };
 
 struct CacheImpl {
-  struct Slot {
-    SampleDesc desc;
+  // Slots are read at random (one per emitted copy), so what a take and a gather read sits in
+  // the first two lines: the extent, then the descriptor's count and first field's shape.
+  struct alignas(64) Slot {
     uint64_t offset = 0;  // extent start in the arena
     uint64_t extent = 0;  // extent bytes
     uint64_t sample_id = 0;
     uint32_t next = kNone;  // next member of the same unit (batch mode), put order
     uint32_t unit = kNone;  // first member's slot id
     uint32_t index_in_unit = 0;
+    SampleDesc desc;
   };
   // A unit is identified by its first member's slot id. Its fields are written by the publisher
   // before the release store of its state word and read by drawers after an acquire load of it;

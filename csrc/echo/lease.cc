@@ -1,5 +1,6 @@
 // Leases (read access to one emitted copy), reservations (zero-copy put), gathers and the
 // batched release of leases (algorithm: echo_cache.h).
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <utility>
@@ -42,7 +43,20 @@ void SampleLease::release() {
 
 const SampleDesc& SampleLease::desc() const { return cache_->impl_->slots[slot_].desc; }
 
+void SampleLease::prefetch_record() const noexcept {
+  const auto* rec = reinterpret_cast<const char*>(&cache_->impl_->slots[slot_]);
+  __builtin_prefetch(rec, 0, 1);
+  __builtin_prefetch(rec + 64, 0, 1);
+}
+
 namespace {
+// The first lines of a sample about to be copied (at most 1 KB: the rest follows as a stream).
+void prefetch_lines(const void* p, size_t nbytes) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  const size_t n = std::min<size_t>(nbytes, 1024);
+  for (size_t i = 0; i < n; i += 64) __builtin_prefetch(b + i, 0, 0);
+}
+
 void check_field(const SampleDesc& d, int field) {
   if (field < 0 || field >= d.num_fields) {
     throw std::invalid_argument("field index " + std::to_string(field) + " out of range for a " +
@@ -120,23 +134,39 @@ size_t gather_bytes(const std::vector<SampleLease>& leases, int field) {
 void gather(const std::vector<SampleLease>& leases, int field, void* dst, int64_t* offsets) {
   auto* out = static_cast<uint8_t*>(dst);
   int64_t off = 0;
-  const bool host = !leases.empty() && leases[0].cache()->memory_kind() != MemoryKind::kDevice;
-  const void* next = leases.empty() ? nullptr : leases[0].data(field);
-  for (size_t i = 0; i < leases.size(); ++i) {
-    const void* src = next;  // leases[i].data(field): checks the field index
-    const size_t nb = leases[i].nbytes(field);
-    if (i + 1 < leases.size()) {
-      next = leases[i + 1].data(field);
-      // Samples lie scattered in the arena: start the next one's first lines on their way while
-      // this one copies (the hardware prefetcher only follows within a stream).
-      if (host) {
-        __builtin_prefetch(next, 0, 0);
-        __builtin_prefetch(static_cast<const uint8_t*>(next) + 64, 0, 0);
-      }
+  if (leases.empty()) {
+    if (offsets) offsets[0] = 0;
+    return;
+  }
+  const bool host = leases[0].cache()->memory_kind() != MemoryKind::kDevice;
+  // Chunks of samples, each in two passes. The slots' records lie scattered like the samples
+  // themselves: asking for every record of the chunk first lets their misses overlap, where
+  // resolving one sample per copy would wait for each miss in turn. The copy pass then starts
+  // a sample's first lines on their way a few samples ahead (the hardware prefetcher only
+  // follows within a stream).
+  constexpr size_t kChunk = 32;
+  constexpr size_t kAhead = 2;
+  const void* src[kChunk];
+  size_t nbytes[kChunk];
+  MemoryKind kinds[kChunk];
+  for (size_t begin = 0; begin < leases.size(); begin += kChunk) {
+    const size_t n = std::min(kChunk, leases.size() - begin);
+    for (size_t j = 0; j < n; ++j) leases[begin + j].prefetch_record();
+    for (size_t j = 0; j < n; ++j) {
+      const SampleLease& l = leases[begin + j];
+      src[j] = l.data(field);  // checks the field index
+      nbytes[j] = l.nbytes(field);
+      kinds[j] = l.cache()->memory_kind();
     }
-    if (offsets) offsets[i] = off;
-    detail::arena_copy(leases[i].cache()->memory_kind(), out + off, src, nb);
-    off += static_cast<int64_t>(nb);
+    if (host) {
+      for (size_t j = 0; j < std::min(kAhead, n); ++j) prefetch_lines(src[j], nbytes[j]);
+    }
+    for (size_t j = 0; j < n; ++j) {
+      if (host && j + kAhead < n) prefetch_lines(src[j + kAhead], nbytes[j + kAhead]);
+      if (offsets) offsets[begin + j] = off;
+      detail::arena_copy(kinds[j], out + off, src[j], nbytes[j]);
+      off += static_cast<int64_t>(nbytes[j]);
+    }
   }
   if (offsets) offsets[leases.size()] = off;
 }

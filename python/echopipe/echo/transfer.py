@@ -221,16 +221,15 @@ def take_batch_into(
     """:meth:`EchoCache.take_batch_into <echopipe.echo.EchoCache.take_batch_into>` on
     ``native``."""
     rows, ptrs, row_bytes, keep = _out_buffers(out)
-    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not (
-        0 <= start < rows):  # fmt: skip
-        raise ValueError(f"start must be a row of the buffers (0..{rows - 1}), got {start!r}")
+    if start != 0 or type(start) is not int:
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not (
+            0 <= start < rows):  # fmt: skip
+            raise ValueError(f"start must be a row of the buffers (0..{rows - 1}), got {start!r}")
+        ptrs = [p + start * b for p, b in zip(ptrs, row_bytes, strict=True)]
     n = check_n(rows - start if n is None else n, unit)
     if n > rows - start:
         raise ValueError(f"n={n} copies do not fit in rows {start}..{rows - 1} of the buffers")
-    status, count = native.take_batch_into(
-        [p + start * b for p, b in zip(ptrs, row_bytes, strict=True)],
-        row_bytes, rows - start, n, _timeout_arg(timeout),
-    )  # fmt: skip
+    status, count = native.take_batch_into(ptrs, row_bytes, rows - start, n, _timeout_arg(timeout))
     del keep  # the buffers stay alive until the copies are done
     if status == "end" and count == 0:
         return None
@@ -244,16 +243,16 @@ def _out_buffers(out: Sequence[Any]) -> tuple[int, list[int], list[int], list[An
     if not isinstance(out, (list, tuple)) or not 1 <= len(out) <= 4:
         raise ValueError(f"out must be a list of 1..4 buffers (one per field), got {out!r:.80}")
     torch = torch_module()
-    rows: set[int] = set()
+    rows = None
     ptrs, row_bytes = [], []
     for i, buf in enumerate(out):
         if torch is not None and isinstance(buf, torch.Tensor):
-            if buf.device.type != "cpu" or not buf.is_contiguous() or buf.dim() == 0:
+            if not buf.is_cpu or not buf.is_contiguous() or buf.dim() == 0:
                 raise ValueError(
                     f"out[{i}]: needs a contiguous CPU tensor with a row dimension, got "
                     f"{tuple(buf.shape)} on {buf.device}"
                 )
-            ptr, count, nbytes = buf.data_ptr(), buf.shape[0], buf.numel() * buf.element_size()
+            ptr, count, nbytes = buf.data_ptr(), len(buf), buf.nbytes
         elif isinstance(buf, np.ndarray):
             if not buf.flags.c_contiguous or not buf.flags.writeable or buf.ndim == 0:
                 raise ValueError(
@@ -265,9 +264,11 @@ def _out_buffers(out: Sequence[Any]) -> tuple[int, list[int], list[int], list[An
             raise ValueError(f"out[{i}]: needs a numpy array or torch tensor, got {type(buf)}")
         if count == 0:
             raise ValueError(f"out[{i}] has no rows")
-        rows.add(int(count))
-        ptrs.append(int(ptr))
-        row_bytes.append(int(nbytes) // int(count))
-    if len(rows) != 1:
-        raise ValueError(f"the out buffers have different numbers of rows: {sorted(rows)}")
-    return rows.pop(), ptrs, row_bytes, list(out)
+        if rows is not None and count != rows:
+            counts = [len(b) for b in out]
+            raise ValueError(f"the out buffers have different numbers of rows: {counts}")
+        rows = count
+        ptrs.append(ptr)
+        row_bytes.append(nbytes // count)
+    assert rows is not None
+    return rows, ptrs, row_bytes, list(out)
