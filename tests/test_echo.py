@@ -481,18 +481,27 @@ import sys, threading, time
 import numpy as np
 from echopipe.echo import CacheClosedError, EchoCache
 cache = EchoCache(1 << 16, 8, echo_factor=2, memory="pageable")
+def until(condition):
+    # Waits for a state the cache counts (a thread inside a call), failing after 30 s.
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "the threads never got inside the cache"
+        time.sleep(0.001)
 """
 
 _EXIT_CASES = {
     # Daemon threads looping in take/put with short timeouts: exit must not abort (rc 134).
     "daemon_polling": """
+looping = threading.Barrier(6)
 def takes():
+    looping.wait()
     while True:
         try:
             cache.take(4, timeout=0.05)
         except Exception:
             pass
 def puts():
+    looping.wait()
     while True:
         try:
             cache.put(np.zeros(16, np.uint8), timeout=0.05)
@@ -501,12 +510,13 @@ def puts():
 for _ in range(4):
     threading.Thread(target=takes, daemon=True).start()
 threading.Thread(target=puts, daemon=True).start()
-time.sleep(0.3)
+looping.wait()
+until(lambda: cache.stats().emitted >= 16)  # puts and takes are both going round
 """,
     # A daemon thread blocked in take() with no timeout when the main thread ends.
     "daemon_blocked": """
 threading.Thread(target=lambda: cache.take(1), daemon=True).start()
-time.sleep(0.2)
+until(lambda: cache.stats().takes_waited == 1)
 """,
     # Non-daemon threads blocked in take() and put() with no timeout: Python joins them at exit,
     # so the cache must be closed (and they woken) before that join.
@@ -520,7 +530,7 @@ def wait(fn):
         print("woken", flush=True)
 threading.Thread(target=wait, args=(lambda: cache.take(1),)).start()
 threading.Thread(target=wait, args=(lambda: full.put(np.zeros(4, np.uint8)),)).start()
-time.sleep(0.2)
+until(lambda: cache.stats().takes_waited == 1 and full.stats().puts_blocked == 1)
 """,
 }
 
