@@ -36,6 +36,7 @@ ORDER = (
     "dali_echo.json",
     "echo_cache.json",
     "echo_loader.json",
+    "versions.json",
     "pipeline.json",
     "staleness.json",
     "staleness_remedies.json",
