@@ -15,6 +15,9 @@ one run:
   GB/s / memcpy GB/s for the same bytes; 1.0 = the cache costs nothing beyond its copies), with
   their interquartile range, worst round, every round's ratio and the 1-minute load average
   before each pair.
+* the layout's limits (rows with a core per thread): memcpy of the consumers' share (e of every
+  1 + e bytes) by the consumer threads alone, read in order and read from random positions as
+  takes read, each against the baseline (:func:`layout_limit`).
 * ``python``: a pure-Python shuffle buffer (list + random swap-pop, numpy copies in and out), the
   peer, single thread, same e and buffer size, reading fresh samples from the same 64 MB pool;
 * ``api``: the Python batch API (one thread ``put_batch`` of ``--batch`` rows, one thread
@@ -231,21 +234,29 @@ def layout_limit(
     sample), so with a core per thread the consumers set the pace: at e = 2 they copy 2 of
     every 3 bytes, where the memcpy baseline spreads all of them evenly over the same number of
     threads. The layout's limit is memcpy of the consumers' share by the consumers' threads
-    alone (the producers' share copied meanwhile on the other cores), against the baseline.
+    alone, against the baseline; the random-read limit is the same with every sample read from
+    a uniformly drawn position of the region, as takes read them (the baseline reads in order).
     With more threads than cores the scheduler gives the busier side more time: no such limit.
     """
     if 2 * threads > (os.cpu_count() or 1):
-        return {"layout_limit_vs_memcpy": None, "ratio_vs_layout_limit": None}
+        keys = ("layout_limit_vs_memcpy", "ratio_vs_layout_limit", "random_read_limit_vs_memcpy",
+                "ratio_vs_random_read_limit")  # fmt: skip
+        return dict.fromkeys(keys)
     copies = round(n_fresh * args.echo)
     moved = (n_fresh + copies) * size
-    rates = []
-    for _ in range(3):
-        m = driver.memcpy(size, copies, threads, arena, args.batch)
-        rates.append(moved / m["seconds"])
-    limit = statistics.median(rates) / statistics.median(pairs["round_baseline_rates"])
+    base = statistics.median(pairs["round_baseline_rates"])
+    limits = {}
+    for name, random_order in (("layout", False), ("random_read", True)):
+        rates = []
+        for _ in range(3):
+            m = driver.memcpy(size, copies, threads, arena, args.batch, random_order)
+            rates.append(moved / m["seconds"])
+        limits[name] = statistics.median(rates) / base
     return {
-        "layout_limit_vs_memcpy": limit,
-        "ratio_vs_layout_limit": pairs["median_ratio"] / limit,
+        "layout_limit_vs_memcpy": limits["layout"],
+        "ratio_vs_layout_limit": pairs["median_ratio"] / limits["layout"],
+        "random_read_limit_vs_memcpy": limits["random_read"],
+        "ratio_vs_random_read_limit": pairs["median_ratio"] / limits["random_read"],
     }
 
 
@@ -290,8 +301,11 @@ def check_aims(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         if limit is None:
             return ""
         share = row["ratio_vs_layout_limit"]
+        rnd, rnd_share = row["random_read_limit_vs_memcpy"], row["ratio_vs_random_read_limit"]
         return (f"; this layout's limit (the consumer copies e of every 1 + e bytes) is "
-                f"{limit:.3f}x memcpy, of which this is {share:.2f}")  # fmt: skip
+                f"{limit:.3f}x memcpy, of which this is {share:.2f}; with the consumer's reads "
+                f"at random positions, as takes read, {rnd:.3f}x, of which this is "
+                f"{rnd_share:.2f}")  # fmt: skip
 
     big_row = min((row for _, row in big), key=lambda row: row["ratio_vs_memcpy"])
     return [
@@ -363,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
             table.append(
                 [label, t, f["cache_samples_s"], f["cache_GBps_moved"], f["memcpy_GBps"],
                  f["ratio_vs_memcpy"], f["iqr_ratio_vs_memcpy"], f["worst_ratio_vs_memcpy"],
-                 f["layout_limit_vs_memcpy"], row["python_buffer_samples_s"],
+                 f["layout_limit_vs_memcpy"], f["random_read_limit_vs_memcpy"],
+                 row["python_buffer_samples_s"],
                  row["api_samples_s"], row["api_ratio_vs_memcpy"]]
             )  # fmt: skip
             ratios[f"{label}_{t}t_vs_memcpy_same_bytes"] = f["ratio_vs_memcpy"]
@@ -372,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             if f["layout_limit_vs_memcpy"] is not None:
                 ratios[f"{label}_{t}t_layout_limit_vs_memcpy"] = f["layout_limit_vs_memcpy"]
                 ratios[f"{label}_{t}t_vs_layout_limit"] = f["ratio_vs_layout_limit"]
+                ratios[f"{label}_{t}t_random_read_limit_vs_memcpy"] = f[
+                    "random_read_limit_vs_memcpy"
+                ]
         ratios[f"{label}_2t_vs_1t"] = (
             row["threads"][2]["cache_samples_s"] / row["threads"][1]["cache_samples_s"]
         )
@@ -383,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         bu.format_table(
             ["size", "thr/side", "cache/s", "cache GB/s (in+out)", "memcpy GB/s",
              "vs memcpy (median pair)", "IQR", "vs memcpy (worst)", "layout limit",
+             "random-read limit",
              "python/s", "api/s",
              "api vs memcpy"],
             table,
