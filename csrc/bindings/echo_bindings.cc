@@ -225,36 +225,40 @@ py::tuple take_batch_into(EchoCache& c, const std::vector<uintptr_t>& dst,
         " must be in [1, rows free in the buffers=" + std::to_string(rows_free) + "]");
   }
   const int nf = static_cast<int>(dst.size());
-  TakeStatus st;
-  std::vector<SampleLease> leases = take_leases(c, n, timeout, &st);
-  const size_t count = leases.size();
-  try {
-    for (const auto& l : leases) {
-      const SampleDesc& d = l.desc();
-      if (d.num_fields != nf) {
-        throw std::invalid_argument("take_batch_into: a sample has " +
-                                    std::to_string(d.num_fields) + " fields, the output " +
-                                    std::to_string(nf) + " buffers");
-      }
-      for (int f = 0; f < nf; ++f) {
-        if (static_cast<int64_t>(d.fields[f].nbytes()) != row_bytes[f]) {
-          throw std::invalid_argument("take_batch_into: field " + std::to_string(f) +
-                                      " of a sample has " + std::to_string(d.fields[f].nbytes()) +
-                                      " bytes, a row of output buffer " + std::to_string(f) + " " +
-                                      std::to_string(row_bytes[f]));
+  // One GIL-free section from the draw to the release (each release of the GIL is a hand-over
+  // when the reader thread waits for it). The release wakes a producer blocked on space. A
+  // copy that does not fit its row throws after the draw: the handler hands the drawn copies
+  // back (a gather that throws leaves them to it too), and the exception leaves with the GIL.
+  std::vector<SampleLease> leases;
+  size_t count = 0;
+  const TakeStatus st = without_gil([&] {
+    const TakeStatus got = c.take(static_cast<size_t>(n), leases, timeout);
+    try {
+      for (const auto& l : leases) {
+        const SampleDesc& d = l.desc();
+        if (d.num_fields != nf) {
+          throw std::invalid_argument("take_batch_into: a sample has " +
+                                      std::to_string(d.num_fields) + " fields, the output " +
+                                      std::to_string(nf) + " buffers");
+        }
+        for (int f = 0; f < nf; ++f) {
+          if (static_cast<int64_t>(d.fields[f].nbytes()) != row_bytes[f]) {
+            throw std::invalid_argument("take_batch_into: field " + std::to_string(f) +
+                                        " of a sample has " + std::to_string(d.fields[f].nbytes()) +
+                                        " bytes, a row of output buffer " + std::to_string(f) +
+                                        " " + std::to_string(row_bytes[f]));
+          }
         }
       }
-    }
-    // The release wakes a producer blocked on space: done without the GIL, that producer
-    // does not find it taken. (A gather that throws leaves the leases to the handler below.)
-    without_gil([&] {
       for (int f = 0; f < nf; ++f) gather(leases, f, reinterpret_cast<void*>(dst[f]), nullptr);
-      release_leases(leases);
-    });
-  } catch (...) {
-    c.give_back(leases);
-    throw;
-  }
+    } catch (...) {
+      c.give_back(leases);
+      throw;
+    }
+    count = leases.size();
+    release_leases(leases);
+    return got;
+  });
   return py::make_tuple(std::string(take_status_name(st)), count);
 }
 

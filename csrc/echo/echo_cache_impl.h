@@ -225,7 +225,8 @@ struct CacheImpl {
   // Smallest ticket count a waiting taker needs; publishes below it do not wake anybody.
   std::atomic<int64_t> want_hint{std::numeric_limits<int64_t>::max()};
   // Retired samples (or bytes) that wake blocked producers: one wakeup per 1/16 of the cache
-  // instead of one per retired sample.
+  // (in a small cache per put chunk of 64 rows, at most a quarter of it) instead of one per
+  // retired sample.
   const int64_t wake_slots;
   const int64_t wake_bytes;
   std::atomic<uint64_t> puts_blocked{0}, put_blocked_ns{0};

@@ -141,6 +141,14 @@ void ExtentAllocator::coalesce_into_tree(uint64_t off, uint64_t size) {
 // ---- the cache internals ---------------------------------------------------------------------
 
 namespace {
+// Retired samples that wake a blocked producer: 1/16 of the cache, but in a small cache at least
+// one put chunk (64 rows, at most a quarter of the cache), so that a woken producer finds room
+// for a whole chunk rather than waking again after a few rows (each wake is a syscall and a
+// context switch on both sides).
+size_t wake_slots_for(size_t capacity) {
+  return std::max<size_t>({1, capacity / 16, std::min<size_t>(64, capacity / 4)});
+}
+
 uint32_t unit_samples_of(const EchoConfig& c) {
   return c.mode == EchoMode::kBatch ? static_cast<uint32_t>(c.batch_size) : 1;
 }
@@ -160,8 +168,10 @@ CacheImpl::CacheImpl(const EchoConfig& c)
       state(new std::atomic<uint64_t>[c.capacity_samples]),
       info(new UnitInfo[c.capacity_samples]),
       extents(usable_bytes, c.capacity_samples),
-      wake_slots(static_cast<int64_t>(std::max<size_t>(1, c.capacity_samples / 16))),
-      wake_bytes(static_cast<int64_t>(usable_bytes / 16)) {
+      wake_slots(static_cast<int64_t>(wake_slots_for(c.capacity_samples))),
+      wake_bytes(static_cast<int64_t>(static_cast<double>(usable_bytes) *
+                                      static_cast<double>(wake_slots_for(c.capacity_samples)) /
+                                      static_cast<double>(c.capacity_samples))) {
   for (uint32_t i = 0; i < capacity; ++i) state[i].store(0, std::memory_order_relaxed);
   echo_factor.store(cfg.echo_factor, std::memory_order_relaxed);
   seed = cfg.seed;
