@@ -65,7 +65,8 @@ def revision(tree: Path) -> str:
         cmd = ["git", "-C", str(tree), *args]
         return subprocess.run(cmd, capture_output=True, text=True).stdout
 
-    dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+    # The code measured is the package and its native parts (not results, docs or the README).
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "python", "csrc").strip()
     return git("rev-parse", "HEAD").strip() + (" (with uncommitted changes)" if dirty else "")
 
 
