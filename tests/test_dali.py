@@ -23,6 +23,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator  # noqa: E402
 
 import echopipe.dali as edali  # noqa: E402
 from echopipe.dali import plugin  # noqa: E402
+from pipeline_support.jpegs import solid_jpegs  # noqa: E402
 
 LBP = edali.LastBatchPolicy
 
@@ -30,15 +31,8 @@ LBP = edali.LastBatchPolicy
 @pytest.fixture(scope="module")
 def jpegs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """24 small real JPEGs of different sizes; file i is filled with value 10 * i."""
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("dali_jpegs")
-    files = []
-    for i in range(24):
-        path = root / f"img_{i:02d}.jpg"
-        Image.fromarray(np.full((12 + i % 5, 16, 3), 10 * i, np.uint8)).save(path, quality=95)
-        files.append(str(path))
-    return files
+    return solid_jpegs(root, 24, lambda i: (12 + i % 5, 16), lambda i: 10 * i)
 
 
 def _labels_of(it: edali.EchoIterator) -> list[int]:

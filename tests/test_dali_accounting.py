@@ -19,6 +19,7 @@ pytestmark = pytest.mark.dali
 from nvidia.dali import fn  # noqa: E402
 
 import echopipe.dali as edali  # noqa: E402
+from pipeline_support.jpegs import solid_jpegs  # noqa: E402
 
 LBP = edali.LastBatchPolicy
 N_FILES = 60
@@ -26,15 +27,8 @@ N_FILES = 60
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("jpegs60")
-    out = []
-    for i in range(N_FILES):
-        path = root / f"img_{i:02d}.jpg"
-        Image.fromarray(np.full((8, 8, 3), 4 * i, np.uint8)).save(path, quality=95)
-        out.append(str(path))
-    return out
+    return solid_jpegs(root, N_FILES, lambda i: (8, 8), lambda i: 4 * i)
 
 
 def _pipe(files: list[str], **opts):

@@ -21,21 +21,15 @@ from nvidia.dali.plugin.pytorch import (  # noqa: E402
 )
 
 import echopipe.dali as edali  # noqa: E402
+from pipeline_support.jpegs import solid_jpegs  # noqa: E402
 
 N = 24
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("drop_in_jpegs")
-    out = []
-    for i in range(N):
-        path = root / f"img_{i:02d}.jpg"
-        Image.fromarray(np.full((10 + i % 3, 12, 3), 10 * i, np.uint8)).save(path, quality=95)
-        out.append(str(path))
-    return out
+    return solid_jpegs(root, N, lambda i: (10 + i % 3, 12), lambda i: 10 * i)
 
 
 @edali.echo_pipeline_def(echo_factor=2)

@@ -28,6 +28,7 @@ from nvidia.dali.plugin.pytorch import (  # noqa: E402
 
 import echopipe.dali as edali  # noqa: E402
 from echopipe.echo import copies_per_epoch  # noqa: E402
+from pipeline_support.jpegs import solid_jpegs  # noqa: E402
 
 LBP = LastBatchPolicy
 N = 20  # over 3 shards: DALI's shards hold 6, 7 and 7 files
@@ -36,15 +37,9 @@ BATCH = 4
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("epoch_jpegs")
-    out = []
-    for i in range(N):
-        path = root / f"img_{i:02d}.jpg"
-        Image.fromarray(np.full((8, 8, 3), 10 * i, np.uint8)).save(path, quality=95)
-        out.append(str(path))
-    return out
+    return solid_jpegs(
+        tmp_path_factory.mktemp("epoch_jpegs"), N, lambda i: (8, 8), lambda i: 10 * i
+    )
 
 
 def _reader(files, shard_id=0, num_shards=1, **kw):

@@ -19,21 +19,15 @@ from nvidia.dali import fn  # noqa: E402
 
 import echopipe.dali as edali  # noqa: E402
 from echopipe.dali.config import DEFAULT_SHUFFLE_BATCHES  # noqa: E402
+from pipeline_support.jpegs import solid_jpegs  # noqa: E402
 
 N, B = 60, 16
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("spread_jpegs")
-    out = []
-    for i in range(N):
-        path = root / f"img_{i:02d}.jpg"
-        Image.fromarray(np.full((8, 8, 3), 4 * i, np.uint8)).save(path)
-        out.append(str(path))
-    return out
+    return solid_jpegs(root, N, lambda i: (8, 8), lambda i: 4 * i, quality=None)
 
 
 def _pipe(files: list[str], **opts):

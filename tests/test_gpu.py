@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_support.jpegs import solid_jpegs
 from pipeline_support.known_samples import KnownSource, known_image
 
 pytestmark = pytest.mark.skipif(
@@ -794,17 +793,8 @@ def test_dali_cpu_source_refuses_a_device_cache_in_one_line() -> None:
 @pytest.fixture(scope="module")
 def flat_jpegs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """16 JPEGs, file i filled with the value 12 * i + 20 (decodes to within a few levels)."""
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("flat_jpegs")
-    files = []
-    for i in range(16):
-        path = root / f"img_{i:02d}.jpg"
-        Image.fromarray(np.full((40 + 8 * (i % 3), 48, 3), 12 * i + 20, np.uint8)).save(
-            path, quality=95
-        )
-        files.append(str(path))
-    return files
+    return solid_jpegs(root, 16, lambda i: (40 + 8 * (i % 3), 48), lambda i: 12 * i + 20)
 
 
 def test_dali_mixed_decode_echo_keeps_each_image_with_its_label(flat_jpegs: list[str]) -> None:

@@ -21,15 +21,12 @@ each test can fail. Everything here skips without a CUDA device; ``bench/gpu/run
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_support.known_samples import KnownSource, known_image
 
 pytestmark = pytest.mark.skipif(

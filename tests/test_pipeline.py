@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import random
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,8 +24,6 @@ from echopipe.pipeline import (
 )
 from echopipe.pipeline.checkpoint import atomic_save
 from echopipe.pipeline.partition import min_max_partition
-
-sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_support.models import BALANCES, adam, loss_fn, make_batches, sgd, small_cnn
 from pipeline_support.reference import ReferencePipeline
 from pipeline_support.timing import FakeClock, Timed

@@ -3,9 +3,6 @@ timings (a fake clock that layers advance), never from a machine's measured spee
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -17,8 +14,6 @@ from echopipe.pipeline import (
     partition_balance,
     profile_layers,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_support.models import sgd
 from pipeline_support.timing import FakeClock, Timed
 

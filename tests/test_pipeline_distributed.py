@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from echopipe.pipeline import DistributedStalePipeline, HybridSchedule, StalePipeline
-
-sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_support.models import loss_fn, make_batches, sgd, small_cnn
 
 WORKER = Path(__file__).parent / "pipeline_support" / "dist_worker.py"
