@@ -5,7 +5,6 @@
 // limit over the same bytes) run here in C++, with the GIL released.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <sys/mman.h>
 
 #include <atomic>
 #include <chrono>
@@ -17,6 +16,7 @@
 
 #include "bindings/gil.h"
 #include "echo/echo_cache.h"
+#include "echo/echo_cache_impl.h"  // detail::splitmix64
 
 namespace py = pybind11;
 using namespace echopipe;
@@ -102,32 +102,6 @@ py::dict bench_put_take(size_t sample_bytes, size_t n_fresh, int producers, int 
   return r;
 }
 
-// The memcpy limit's source region: mapped like the cache's pageable arena (huge pages from
-// 64 MB on), so that both sides read through the same kind of pages.
-struct SourceRegion {
-  explicit SourceRegion(size_t bytes) : size(bytes) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::runtime_error("bench_memcpy: could not map the source");
-#if defined(MADV_HUGEPAGE)
-    if (bytes >= (size_t{64} << 20)) (void)madvise(p, bytes, MADV_HUGEPAGE);
-#endif
-    data = static_cast<uint8_t*>(p);
-    std::memset(data, 1, bytes);
-  }
-  ~SourceRegion() { munmap(data, size); }
-  SourceRegion(const SourceRegion&) = delete;
-  SourceRegion& operator=(const SourceRegion&) = delete;
-  uint8_t* data = nullptr;
-  size_t size = 0;
-};
-
-uint64_t mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
 // memcpy of `n_copies` samples out of a `src_bytes` region into a per-thread batch buffer, split
 // over `threads`: the same copy-out work the consumers do. The region is walked in order
 // (wrapping), or with `random_order` each sample comes from a uniformly drawn position, as a
@@ -137,7 +111,16 @@ py::dict bench_memcpy(size_t sample_bytes, size_t n_copies, int threads, size_t 
   if (sample_bytes == 0 || threads < 1 || src_bytes < sample_bytes || batch < 1) {
     throw std::invalid_argument("bench_memcpy: bad sizes");
   }
-  SourceRegion src(src_bytes);
+  // The source is an echo cache's own (empty) arena: both sides read through the same kind of
+  // pages (huge ones for a large pageable arena).
+  EchoConfig cfg;
+  cfg.capacity_bytes = src_bytes;
+  cfg.capacity_samples = 1;
+  cfg.min_fill = 0;
+  cfg.memory = MemoryKind::kPageable;
+  auto region = EchoCache::create(cfg, "bench-memcpy-source");
+  auto* src = static_cast<uint8_t*>(const_cast<void*>(region->arena_host()));
+  std::memset(src, 1, src_bytes);
   const size_t src_samples = src_bytes / sample_bytes;
   double seconds = 0;
   std::atomic<uint64_t> sink{0};
@@ -149,11 +132,12 @@ py::dict bench_memcpy(size_t sample_bytes, size_t n_copies, int threads, size_t 
         std::vector<uint8_t> dst(batch * sample_bytes);
         size_t share = n_copies / threads + (static_cast<size_t>(t) < n_copies % threads);
         size_t pos = static_cast<size_t>(t) * (src_samples / threads);
-        const uint64_t key = mix(static_cast<uint64_t>(t) + 1);
+        const uint64_t key = detail::splitmix64(static_cast<uint64_t>(t) + 1);
         uint64_t s = 0;
         for (size_t i = 0; i < share; ++i) {
-          const size_t at = random_order ? mix(key + i) % src_samples : pos++ % src_samples;
-          std::memcpy(dst.data() + (i % batch) * sample_bytes, src.data + at * sample_bytes,
+          const size_t at =
+              random_order ? detail::splitmix64(key + i) % src_samples : pos++ % src_samples;
+          std::memcpy(dst.data() + (i % batch) * sample_bytes, src + at * sample_bytes,
                       sample_bytes);
           if (i % batch == batch - 1) s += dst[0];
         }
