@@ -82,7 +82,7 @@ class DelayedProducer(threading.Thread):
                         cache.put_batch(batch, timeout=0.05)
                         break
                     except TimeoutError as exc:
-                        done = exc.args[-1]  # rows that went in before the timeout
+                        done = exc.rows_put  # rows that went in before the timeout
                         batch = (batch[0][done:], batch[1][done:])
                     except (InputEndedError, CacheClosedError):
                         if cache is self.cache:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from echopipe.echo import EchoConfigError
 from echopipe.echo.config import MAX_CAPACITY_SAMPLES, MIN_CAPACITY_BYTES
-from echopipe.torch import EchoLoader, LayoutError, LoaderError
+from echopipe.torch import EchoLoader, LayoutError, LoaderError, reader
 
 
 class Indexed(Dataset):
@@ -97,6 +97,30 @@ def test_epochs_repeat_with_exact_counts_and_labels_kept() -> None:
             s = el.stats()
             assert (s.epoch, s.delivered_samples_epoch, s.fresh_samples) == (
                 epoch + 1, 192, 64 * (epoch + 1))  # fmt: skip
+
+
+def test_a_trainer_slower_than_the_readers_put_timeout_loses_nothing(monkeypatch) -> None:
+    """The trainer is the bottleneck (e >= R) and holds its batch longer than one of the reader's
+    bounded waits for space: each timed-out put is retried with the rows it had not put yet."""
+    monkeypatch.setattr(reader, "POLL_S", 0.001)  # every wait on the full cache times out
+    batches = [(torch.full((8, 4), i, dtype=torch.uint8), torch.arange(8) + 8 * i)
+               for i in range(12)]  # fmt: skip
+    with EchoLoader(batches, 2.0, seed=1, shuffle_buffer=16) as el:
+        it = iter(el)
+        first = [next(it)]
+        deadline = time.monotonic() + 20
+        # The first batch is held: the reader fills the cache and its puts time out, again and
+        # again (waiting on the counter; the deadline only ends a reader that died).
+        while el.stats().cache.puts_blocked < 5 and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.002)
+        delivered = first + list(it)  # a reader that failed raises its error here
+        stats = el.stats()
+    assert stats.cache is not None and stats.cache.puts_blocked >= 5
+    labels = collections.Counter(torch.cat([y for _, y in delivered]).tolist())
+    assert labels == {i: 2 for i in range(96)}
+    assert all(torch.equal(x, (y // 8).to(torch.uint8).view(-1, 1).expand_as(x))
+               for x, y in delivered)  # fmt: skip
+    assert stats.fresh_samples == 96 and stats.delivered_samples == 192
 
 
 class Pair(NamedTuple):

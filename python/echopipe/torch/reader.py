@@ -142,8 +142,8 @@ class Producer(threading.Thread):
                 else:
                     try:
                         done += cache.put_batch([f[done:] for f in fields], timeout=POLL_S)
-                    except TimeoutError as exc:
-                        done += int(exc.args[-1])
+                    except TimeoutError as exc:  # the cache stayed full: retry the rest
+                        done += exc.rows_put
                 self.samples_put += done - before
                 self.rows_in_flight = done
                 if done == rows:
