@@ -465,3 +465,118 @@ def test_interpreter_exit_mid_epoch_is_clean(tmp_path) -> None:
     pids = [int(p) for p in done.stdout.split()]
     assert pids and all(gone(p) for p in pids)
     assert "Traceback" not in done.stderr, done.stderr
+
+
+class Gated:
+    """Batches of ``batch`` consecutive ids as float tensors; one chosen read of one chosen
+    epoch waits for ``gate`` first (a slow read held by the test), then yields or raises."""
+
+    def __init__(self, n: int, batch: int, hold: tuple[int, int] | None = None,
+                 fail: bool = False) -> None:  # fmt: skip
+        self.n, self.batch_size, self.hold, self.fail = n, batch, hold, fail
+        self.gate, self.held, self.epoch = threading.Event(), threading.Event(), 0
+
+    def __len__(self) -> int:
+        return self.n // self.batch_size
+
+    def __iter__(self):
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        for i in range(len(self)):
+            if self.hold == (epoch, i):
+                self.held.set()
+                assert self.gate.wait(60), "the test never opened the gate"
+                if self.fail:
+                    raise OSError("read timed out")
+            yield torch.arange(i * self.batch_size, (i + 1) * self.batch_size, dtype=torch.float32)
+
+
+def copies(batches) -> collections.Counter:
+    return collections.Counter(int(v) for b in batches for v in b.tolist())
+
+
+def test_a_resumed_epoch_saved_again_before_its_reader_catches_up_keeps_the_partial_batch() -> None:
+    """Saved mid-batch (rows of batch k already in the cache), resumed, and saved again while
+    the resumed reader is still re-reading the batches before k: the second state keeps those
+    rows, so resuming it puts none of them twice."""
+    first = EchoLoader(Gated(64, 8), 2.0, shuffle_buffer=20)
+    it = iter(first)
+    got = [next(it)]
+    deadline = time.monotonic() + 20
+    while first.stats().cache.puts_blocked < 1 and time.monotonic() < deadline:  # type: ignore[union-attr]
+        time.sleep(0.002)
+    s1 = first.state_dict()
+    first.close()
+    # The set-up: the reader stopped inside a batch after at least two whole ones.
+    assert s1["rows_in_flight"] > 0 and s1["batches_done"] >= 2
+    source = Gated(64, 8, hold=(0, 1))  # the resumed reader's second re-read waits
+    second = EchoLoader(source, 2.0, shuffle_buffer=20)
+    second.load_state_dict(s1)
+    it = iter(second)
+    got.append(next(it))  # from the restored cache, while the reader waits at batch 1
+    assert source.held.wait(20)
+    s2 = second.state_dict()
+    source.gate.set()
+    second.close()
+    assert (s2["batches_done"], s2["rows_in_flight"]) == (s1["batches_done"], s1["rows_in_flight"])
+    third = EchoLoader(Gated(64, 8), 2.0, shuffle_buffer=20)
+    third.load_state_dict(s2)
+    got += list(third)
+    assert copies(got) == {i: 2 for i in range(64)}
+
+
+def test_state_saved_before_the_first_batch_of_a_restored_epoch_is_the_restored_one() -> None:
+    first = EchoLoader(Gated(64, 8), 2.0)
+    it = iter(first)
+    got = [next(it) for _ in range(5)]
+    s1 = first.state_dict()
+    first.close()
+    second = EchoLoader(Gated(64, 8), 2.0)
+    second.load_state_dict(s1)
+    s2 = second.state_dict()  # a checkpoint written at restart, before the first step
+    second.close()
+    keys = ("mid_epoch", "batches_done", "rows_in_flight", "fresh_samples_epoch",
+            "delivered_batches_epoch", "delivered_samples_epoch", "echo_history")  # fmt: skip
+    assert {k: s2[k] for k in keys} == {k: s1[k] for k in keys} and s2["cache"] == s1["cache"]
+    third = EchoLoader(Gated(64, 8), 2.0)
+    third.load_state_dict(s2)
+    got += list(third)
+    assert copies(got) == {i: 2 for i in range(64)}
+
+
+def test_a_reader_left_behind_by_close_does_not_end_the_next_epoch() -> None:
+    """Epoch 0 is ended while its reader is inside a read that outlasts close_timeout; that read
+    fails later, during epoch 1, which still gets every sample."""
+    source = Gated(40, 4, hold=(0, 1), fail=True)
+    el = EchoLoader(source, 1.0, shuffle_buffer=8, close_timeout=0.05)
+    it = iter(el)
+    got = [next(it)]
+    assert source.held.wait(20)
+    with pytest.warns(RuntimeWarning, match="did not return within"):
+        it = iter(el)  # ends epoch 0; its reader stays behind in the held read
+    got = [next(it)]
+    zombie = [t for t in threading.enumerate() if t.name == "echopipe-echoloader-0"]
+    source.gate.set()  # the left-behind read fails now, while epoch 1 runs
+    for t in zombie:
+        t.join(20)
+    got += list(it)
+    el.close()
+    assert copies(got) == {i: 1 for i in range(40)}
+
+
+def test_echo_history_steps_count_each_batch_once_between_epochs_and_after_a_restore() -> None:
+    el = EchoLoader(Gated(64, 8), 2.0)
+    assert len(list(el)) == 16
+    el.set_echo_factor(3.0)  # a per-epoch schedule, between epochs
+    it = iter(el)
+    next(it), next(it)
+    el.set_echo_factor(2.5)
+    state = el.state_dict()
+    el.close()
+    assert state["echo_history"] == [[0, 2.0], [16, 3.0], [18, 2.5]]
+    restored = EchoLoader(Gated(64, 8), 2.0)
+    restored.load_state_dict(state)
+    restored.set_echo_factor(2.0)  # before the restored epoch's first batch
+    again = restored.state_dict()
+    restored.close()
+    assert again["echo_history"] == [[0, 2.0], [16, 3.0], [18, 2.5], [18, 2.0]]
+    EchoLoader(Gated(64, 8), 2.0).load_state_dict(again)  # accepted: steps never go back

@@ -153,7 +153,7 @@ class EchoLoader(PassThrough):
         cache = self._shared.cache
         if cache is not None:
             cache.echo_factor = e
-        self._history.append((self._totals["delivered_batches"] + self._delivered_epoch[0], e))
+        self._history.append((self._delivered_batches(), e))
 
     def _accept_layout(self, layout: bl.Layout, rows: int, stop: threading.Event) -> EchoCache:
         """Called by the reader for every batch: checks it and returns the cache (made once)."""
@@ -289,6 +289,16 @@ class EchoLoader(PassThrough):
                           f"in epoch {self._epoch - 1}, not the {expected} its length said: "
                           "len() was off", RuntimeWarning, stacklevel=3)  # fmt: skip
 
+    def _delivered_batches(self) -> int:
+        """Batches delivered so far, in all epochs: a running epoch's count, or the count of a
+        restored epoch not started yet (between epochs the totals hold the last one)."""
+        done = self._totals["delivered_batches"]
+        if self._shared.producer is not None:
+            return done + self._delivered_epoch[0]
+        if self._resume is not None:
+            return done + self._resume["delivered_batches_epoch"]
+        return done
+
     def _epoch_counts(self, producer: Producer | None) -> tuple[int, int, int, int]:
         if producer is None:
             return (0, self._fresh_base, *self._delivered_epoch)  # type: ignore[return-value]
@@ -316,16 +326,25 @@ class EchoLoader(PassThrough):
         and bytes (``torch.save`` it with the model).
         """
         producer = self._shared.producer
+        resume = self._resume if producer is None else None  # restored, not started yet
         guard = producer.lock if producer is not None else threading.Lock()
         with guard:  # the reader is between two puts: the cache matches its position
             cache = self._shared.cache
-            blob = cache.state_dict() if producer is not None and cache is not None else None
-            counts = self._epoch_counts(producer) if producer is not None else (0, 0, 0, 0)
-            position = (producer.batches_done, producer.rows_in_flight) if producer else (0, 0)
+            mid_epoch = producer is not None or resume is not None
+            blob = cache.state_dict() if mid_epoch and cache is not None else None
+            if producer is not None:
+                counts = self._epoch_counts(producer)
+                position = (producer.batches_done, producer.rows_in_flight)
+            elif resume is not None:  # the restored position, unchanged
+                counts = tuple(resume[k] for k in ("batches_done", "fresh_samples_epoch",
+                               "delivered_batches_epoch", "delivered_samples_epoch"))  # fmt: skip
+                position = (resume["batches_done"], resume["rows_in_flight"])
+            else:
+                counts, position = (0, 0, 0, 0), (0, 0)
         return {
             "version": STATE_VERSION,
             "epoch": self._epoch,
-            "mid_epoch": producer is not None,
+            "mid_epoch": mid_epoch,
             "batches_done": position[0],
             "rows_in_flight": position[1],
             "fresh_samples_epoch": counts[1],

@@ -43,7 +43,9 @@ class Producer(threading.Thread):
         self.lock = threading.Lock()  # held while samples go in: state_dict() waits on it
         self.error: BaseException | None = None
         self.batches_done = skip_batches  # whole batches in the cache (this epoch)
-        self.rows_in_flight = 0  # rows of the next batch already in the cache
+        # Rows of the next batch already in the cache: a resumed epoch starts with the saved
+        # ones (a state saved while the reader still skips the batches before them keeps them).
+        self.rows_in_flight = skip_rows
         self.samples_put = 0
         self.up_seconds = 0.0  # time in the wrapped loader, for batches it had to make
         self.up_batches = 0
@@ -96,8 +98,10 @@ class Producer(threading.Thread):
             pass  # closed by close() or an aborted epoch
         except BaseException as exc:
             self.error = exc
+            # A reader left behind by close() (its wrapped loader did not return in time) must
+            # not end the input of the cache a later epoch made.
             cache = self.shared.cache
-            if cache is not None:
+            if cache is not None and not self.stop.is_set():
                 cache.end_of_input()  # wakes the consumer, which raises self.error
         finally:
             _release_iterator(it, finished)
