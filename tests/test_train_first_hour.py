@@ -153,6 +153,44 @@ def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(
     assert not run.exists()
 
 
+@pytest.mark.dali
+def test_sigterm_while_the_summary_is_written_names_the_step_and_the_resume(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """A real SIGTERM arriving after the last epoch, while the summary is written: the run's
+    interrupt line (its step and the --resume command), status 143, not the start-up line."""
+    import echopipe
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
+    )
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(tiny_imagenet), *TINY, "--epochs", "1", "--echo", "1",
+            "--stages", "1", "--output", str(run)]  # fmt: skip
+    program = (
+        "import os, signal, sys\n"
+        "import echopipe.training.trainer as trainer\n"
+        "real = trainer.summarize\n"
+        "def summarize(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(*a, **k)\n"
+        "trainer.summarize = summarize\n"
+        "from echopipe.cli import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 143, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"echopipe train: interrupted at step 4; --resume --output {re.escape(str(run))} "
+        r"continues from .*last\.pt \(step 4, end of epoch 1\)",
+        last,
+    ), last
+    assert "Traceback" not in proc.stderr
+
+
 def test_bench_writes_a_new_folder_unless_told_to_update_the_committed_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -108,6 +108,9 @@ class Trainer:
             while self.run_state.epoch < self.cfg.epochs and self.loop.stopped is None:
                 self.loop.run_epoch()
                 self.loop.end_epoch()
+            # Inside the try: Ctrl-C or SIGTERM while the summary is written is an interrupt at
+            # this step too, with its --resume line.
+            return self.finish(self.loop.stopped)
         except KeyboardInterrupt:
             step = self.run_state.global_step if self.configured else None
             raise Interrupted(start.interrupted_line(step)) from None
@@ -121,7 +124,6 @@ class Trainer:
                 thing.close()
             if start.folder is not None:
                 start.folder.release()
-        return self.finish(self.loop.stopped)
 
     def setup(self) -> EpochLoop:
         """Seeds, devices, input, model, the ``auto`` decisions, the pipeline, the state; the
