@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import Counter
 
 import numpy as np
@@ -143,6 +144,25 @@ def test_each_epoch_holds_each_shard_sample_e_times(files, e, policy, shard) -> 
             else:
                 assert len(labels) == steps * BATCH and max(counts.values()) <= e
         assert pipe.copies_discarded == pipe.stats().copies_discarded == 0
+
+
+def test_the_next_epoch_reopens_the_cache_before_the_upstream_steps(
+    files: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At an epoch's end the cache takes puts again before the upstream runner resumes; with the
+    reopening made slow, a runner resumed first would meet an ended cache and fail the epoch."""
+    from echopipe.echo import EchoCache
+
+    reset = EchoCache.reset_input
+    monkeypatch.setattr(EchoCache, "reset_input", lambda self: (time.sleep(0.05), reset(self)))
+    pipe = echo_pipe(files, batch_size=BATCH, echo_factor=2)
+    with pipe:
+        it = DALIGenericIterator(
+            pipe, ["data", "label"], reader_name="Reader", last_batch_policy=LBP.PARTIAL,
+            auto_reset=True,
+        )  # fmt: skip
+        for epoch in _epochs(it, 4):
+            assert Counter(_flat(epoch)) == {i: 2 for i in range(N)}
 
 
 @pytest.mark.parametrize("policy", [LBP.PARTIAL, LBP.FILL, LBP.DROP])

@@ -236,8 +236,10 @@ class EchoPair(EchoPipelineBase):
             closed=lambda: self._closed,
         )
         queue.end_pass()
-        runner.next_pass()
+        # The cache takes puts again before the runner may step: a runner that stepped first
+        # would put into an ended cache (InputEndedError ends the upstream for good).
         self.cache.reset_input()
+        runner.next_pass()
 
     # -- checkpoints --
 
