@@ -188,3 +188,20 @@ def test_a_stop_during_a_checkpoint_write_waits_for_the_write() -> None:
         done.append("the write went on")
     assert done == ["the write went on"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_checkpoints_while_the_cache_is_full_by_bytes(tmp_path: Path) -> None:
+    """A cache that fills by bytes before its slots run out (as ImageNet-size images do with
+    the default --cache-mb) leaves the free-running upstream iteration blocked inside DALI's
+    sink: each checkpoint draws batches into its stash until that iteration ends, instead of
+    waiting for it (60 s, then the run failed), and a resume from one trains to the end."""
+    run = tmp_path / "run"
+    argv = ["train", "--model", "resnet_small", "--image-size", "32", "--synthetic-classes", "4",
+            "--synthetic-per-class", "16", "-b", "16", "--no-progress", "--stages", "1",
+            "--echo", "2", "--cache-mb", "2", "--checkpoint-every", "3", "--epochs", "2",
+            "--output", str(run)]  # fmt: skip
+    assert main([*argv, "--max-steps", "7"]) == 0
+    assert main([*argv, "--resume"]) == 0
+    summary = json.loads((run / "metrics.json").read_text())["summary"]
+    assert summary["steps"] == 16 and summary["checkpoints_written"] >= 3
+    assert sorted(_lrs(run)) == list(range(1, 17))  # each step once

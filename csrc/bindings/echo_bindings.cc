@@ -105,6 +105,7 @@ py::dict stats_dict(const EchoStats& s) {
   d["reuse_pairs"] = s.reuse_pairs;
   d["memory_kind"] = memory_kind_name(s.memory_kind);
   d["puts_blocked"] = s.puts_blocked;
+  d["producers_waiting"] = s.producers_waiting;
   d["put_blocked_seconds"] = s.put_blocked_seconds;
   d["takes_waited"] = s.takes_waited;
   d["take_wait_seconds"] = s.take_wait_seconds;

@@ -581,6 +581,7 @@ EchoStats EchoCache::stats() const {
       pairs ? static_cast<double>(sum) / static_cast<double>(pairs) * I.unit_samples : 0.0;
   st.memory_kind = I.arena.kind;
   st.puts_blocked = I.puts_blocked.load();
+  st.producers_waiting = static_cast<uint64_t>(std::max(0, I.put_waiters.load()));
   st.put_blocked_seconds = static_cast<double>(I.put_blocked_ns.load()) * 1e-9;
   st.takes_waited = I.takes_waited.load();
   st.take_wait_seconds = static_cast<double>(I.take_wait_ns.load()) * 1e-9;

@@ -41,9 +41,16 @@ def capture_state(
 ) -> dict[str, Any]:
     """The echo state of a started pipeline, aligned with the batches handed out so far;
     ``dali_pipelines`` (upstream, downstream) adds DALI's own checkpoints of both."""
-    # Take DALI's prepared batches out first, while the upstream still feeds the cache.
+    # Take DALI's prepared batches out first, while the upstream still feeds the cache. An
+    # upstream iteration blocked on a cache full by bytes reaches its end only after more draws:
+    # while it is, downstream batches go into the stash too.
     queue.take_prepared()
-    runner.pause()
+
+    def draw_if_blocked() -> None:
+        if cache.stats().producers_waiting:
+            queue.stash_one()
+
+    runner.pause(while_waiting=draw_if_blocked)
     try:
         state: dict[str, Any] = {
             "version": _STATE_VERSION,

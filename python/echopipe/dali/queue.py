@@ -181,6 +181,19 @@ class DownstreamQueue:
             if int(info[:, 0].sum()) > 0:
                 self.stash.append(([to_numpy(o) for o in outputs[:-1]], info))
 
+    def stash_one(self) -> None:
+        """Runs one more downstream iteration into the stash, for a checkpoint whose upstream
+        iteration is blocked on a full cache: its draws free the space the sink waits for."""
+        if self.input_done:
+            return
+        self._downstream.schedule_run()
+        if self._dali_prefetched:
+            self._scheduled += 1
+        else:  # (after a restore) DALI's first schedule_run() prefetches its whole queue
+            self._dali_prefetched = True
+            self._scheduled += self._prefetch
+        self.take_prepared()
+
     def end_pass(self) -> None:
         """Clears the ended pass: the iterations scheduled after its end hold padding only
         (a real copy among them is counted in :attr:`copies_discarded`)."""

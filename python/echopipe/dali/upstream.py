@@ -6,6 +6,7 @@ import contextlib
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,9 @@ from .epochs import ReaderEpochs
 from .host_copy import host_dense
 
 _POLL_S = 0.005
+# How long pause() waits for an iteration boundary before it asks the caller to draw: longer
+# than the loop's own waits (wait_for_room's 0.05 s), so a runner between iterations pauses first.
+_PAUSE_SLICE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -199,17 +203,32 @@ class UpstreamRunner:
         finally:
             self._paused.set()
 
-    def pause(self, timeout_s: float = 60.0) -> None:
-        """Stops the thread between two iterations (returns at once in deterministic mode)."""
+    def pause(
+        self, timeout_s: float = 60.0, while_waiting: Callable[[], None] | None = None
+    ) -> None:
+        """Stops the thread between two iterations (returns at once in deterministic mode).
+
+        An iteration may be blocked inside the sink on a cache full by bytes, which only draws
+        free again: ``while_waiting`` is called every ``_PAUSE_SLICE_S`` the boundary is not
+        reached, so that the caller can draw (a checkpoint stashes a downstream batch). On a
+        timeout the thread is let run again before the TimeoutError.
+        """
         if self._thread is None:
             return
         self._paused.clear()
         self._pause_requested.set()
-        if not self._paused.wait(timeout_s):
-            raise TimeoutError(
-                f"the upstream pipeline did not reach an iteration boundary within {timeout_s} s "
-                "(is the cache full by bytes? raise cache_bytes)"
-            )
+        deadline = time.monotonic() + timeout_s
+        while not self._paused.wait(min(_PAUSE_SLICE_S, max(deadline - time.monotonic(), 0))):
+            if time.monotonic() >= deadline or self.error is not None:
+                self._pause_requested.clear()
+                if self.error is not None:
+                    raise self.error
+                raise TimeoutError(
+                    f"the upstream pipeline did not reach an iteration boundary within "
+                    f"{timeout_s} s"
+                )
+            if while_waiting is not None:
+                while_waiting()
 
     def resume(self) -> None:
         self._pause_requested.clear()

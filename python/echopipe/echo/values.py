@@ -78,6 +78,7 @@ class EchoStats:
     reuse_pairs: int
     memory_kind: str
     puts_blocked: int
+    producers_waiting: int
     put_blocked_seconds: float
     takes_waited: int
     take_wait_seconds: float
