@@ -90,6 +90,12 @@ def _too_big_for_the_cache(root: Path) -> None:
     _jpeg(root / "train" / "ant" / "huge.JPEG", size=(1000, 1000))
 
 
+def _fewer_than_a_draw_fit_the_cache(root: Path) -> None:
+    _dataset(root, per_class=0)
+    for i in range(16):
+        _jpeg(root / "train" / ("ant", "cat")[i % 2] / f"big{i}.JPEG", size=(300, 300), seed=i)
+
+
 BAD_DATA = {
     "only non-images": (_only_non_images, [], 1, "has no images"),
     "empty JPEG": (_empty_jpeg, [], 1, "empty.JPEG"),
@@ -103,6 +109,13 @@ BAD_DATA = {
         1,
         # The file is named (found from the image headers), and the flag that fixes it.
         "huge.JPEG, 1000x1000) needs 2.9 MiB, more than the echo cache holds (--cache-mb 1)",
+    ),
+    "deterministic draw larger than the cache": (
+        _fewer_than_a_draw_fit_the_cache,
+        ["--cache-mb", "1", "--echo", "2", "--deterministic"],
+        1,
+        "--deterministic: the echo cache (--cache-mb 1) holds only 3 decoded training images, "
+        "but the first draw waits for 16",
     ),
 }
 
@@ -221,7 +234,8 @@ def test_bad_data_gives_one_line_and_exit_1(
     ]
     code, line = _fails(argv, capsys)
     assert code == status and needle in line, line
-    if case != "image larger than the cache":  # refused before the input and model are built
+    # These two are found by the first batch, once the input and model are built.
+    if case not in ("image larger than the cache", "deterministic draw larger than the cache"):
         # A refused start leaves nothing behind: not even the run folder it made (a corrupt
         # val/ image is found with the same header check as train/, before any training).
         assert not (tmp_path / "run").exists()

@@ -14,9 +14,25 @@ from .epochs import ReaderEpochs
 from .host_copy import host_dense
 
 _POLL_S = 0.005
+
+
+class CacheTooSmallError(ValueError):
+    """A deterministic pipeline's cache, full by bytes, holds fewer samples than its first draw
+    waits for; ``resident``, ``wanted`` and ``need_bytes`` (the ``cache_bytes`` that would do)
+    say by how much."""
+
+    def __init__(self, message: str, resident: int, wanted: int, need_bytes: int) -> None:
+        super().__init__(message)
+        self.resident, self.wanted, self.need_bytes = resident, wanted, need_bytes
+
+
 # How long pause() waits for an iteration boundary before it asks the caller to draw: longer
 # than the loop's own waits (wait_for_room's 0.05 s), so a runner between iterations pauses first.
 _PAUSE_SLICE_S = 0.2
+# A deterministic fill's sink that waits for space this long while nothing is drawn never gets
+# it (the drawing thread is the one waiting): checked every _WATCH_S.
+_STUCK_S = 1.0
+_WATCH_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -155,20 +171,60 @@ class UpstreamRunner:
 
     def _fill(self) -> None:
         while not self._ended and self.room_for_batch() and self.bytes_for_batch():
-            self.step()
+            self._watched_step()
         if self._ended or self.bytes_for_batch():
             return  # stopped by slots, which always leave room for the first draw
-        plan = self._plan
         stats = self._cache.stats()
+        if stats.resident_with_tickets < max(self._plan.shuffle_buffer, self._plan.batch_size):
+            raise self._too_small(stats)
+
+    def _watched_step(self) -> None:
+        """One deterministic iteration, watched: before the first batch (or one of larger
+        samples than any so far) the bytes it needs are unknown, and a sink blocked on a full
+        cache would wait forever for this thread to draw. A producer waiting with no copy
+        drawn for ``_STUCK_S`` closes the cache, which ends the iteration; CacheTooSmallError
+        then says by how much the cache is too small."""
+        done = threading.Event()
+        stuck = threading.Event()
+        cache = self._cache
+
+        def watch() -> None:
+            last, since = -1, time.monotonic()
+            while not done.wait(_WATCH_S):
+                stats = cache.stats()
+                if not stats.producers_waiting or stats.emitted != last:
+                    last, since = stats.emitted, time.monotonic()
+                elif time.monotonic() - since > _STUCK_S:
+                    stuck.set()
+                    cache.close()
+                    return
+
+        watcher = threading.Thread(target=watch, name="echopipe-fill-watch", daemon=True)
+        watcher.start()
+        try:
+            self.step()
+        except Exception:
+            if stuck.is_set():
+                raise self._too_small(cache.stats()) from None
+            raise
+        finally:
+            done.set()
+            watcher.join()
+
+    def _too_small(self, stats: Any) -> CacheTooSmallError:
+        plan = self._plan
         wanted = max(plan.shuffle_buffer, plan.batch_size)
-        if stats.resident_with_tickets < wanted:
-            raise ValueError(
-                f"cache_bytes={stats.capacity_bytes} holds only {stats.resident} samples of up "
-                f"to {self.max_sample_bytes} bytes, but a deterministic pipeline's first draw "
-                f"needs {wanted} (max(shuffle_buffer, batch_size)); raise cache_bytes to at "
-                f"least {(wanted + plan.upstream_batch_size) * self.max_sample_bytes} or lower "
-                "shuffle_buffer"
-            )
+        largest = max(self.max_sample_bytes, math.ceil(stats.bytes_used / max(stats.resident, 1)))
+        need = (wanted + plan.upstream_batch_size) * largest
+        return CacheTooSmallError(
+            f"cache_bytes={stats.capacity_bytes} holds only {stats.resident} samples of up to "
+            f"{largest} bytes, but a deterministic pipeline's first draw needs {wanted} "
+            f"(max(shuffle_buffer, batch_size)); raise cache_bytes to at least {need} or lower "
+            "shuffle_buffer",
+            stats.resident,
+            wanted,
+            need,
+        )
 
     # -- free-running thread --
 

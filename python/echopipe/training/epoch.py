@@ -201,6 +201,16 @@ class EpochLoop:
             )
 
     def _input_error(self, exc: RuntimeError) -> Exception:
+        from ..dali.upstream import CacheTooSmallError  # (the trainer's input is DALI's)
+
+        small = exc.__cause__
+        if isinstance(small, CacheTooSmallError):
+            return DataError(
+                f"--deterministic: the echo cache (--cache-mb {self.cfg.cache_mb}) holds only "
+                f"{small.resident} decoded training images, but the first draw waits for "
+                f"{small.wanted} (the shuffle buffer or the batch); raise --cache-mb to at least "
+                f"{math.ceil(small.need_bytes / 2**20)} or lower --shuffle-buffer"
+            )
         # DALI passes the sink's SampleTooLargeError on as text; the cache keeps the typed one.
         cache = getattr(self.data.pipe, "cache", None)
         too_large = cache.refused_sample if cache is not None else None
