@@ -705,3 +705,85 @@ def test_intra_op_threads_are_divided_among_cpu_stages() -> None:
         pipe.drain()
     assert seen == {0: 1, 1: 1}
     assert torch.get_num_threads() == before
+
+
+# Scheduler steps, start-up failures and interrupted drains ----------------------------------
+
+
+def test_a_scheduler_step_requested_on_an_idle_pipeline_is_in_the_next_checkpoint(one_thread):
+    with StalePipeline(
+        small_cnn(), balance=BALANCES[3], optimizer=sgd, loss_fn=loss_fn,
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+    ) as pipe:  # fmt: skip
+        for x, y in make_batches(3):
+            pipe.train_step(x, y)
+        pipe.drain()
+        pipe.step_schedulers()  # queued for the stage threads; nothing else in flight
+        state = pipe.state_dict()
+    assert state["scheduler_steps"] == [1, 1, 1]
+    assert [s["last_epoch"] for s in state["schedulers"]] == [1, 1, 1]
+
+
+def test_a_stage_that_fails_to_start_raises_its_own_error(monkeypatch) -> None:
+    import echopipe.pipeline.worker as worker
+
+    real = worker.DeviceStream
+
+    def failing(device):
+        if threading.current_thread().name == "echopipe-stage-1":
+            raise RuntimeError("no memory for a stream (injected)")
+        return real(device)
+
+    monkeypatch.setattr(worker, "DeviceStream", failing)
+    unhandled: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: unhandled.append(args.exc_value))
+    with pytest.raises(PipelineError, match=r"stage 1 failed: .*no memory for a stream"):
+        StalePipeline(small_cnn(), balance=BALANCES[2], optimizer=sgd, loss_fn=loss_fn)
+    assert unhandled == []  # the other stage ended quietly
+
+
+def test_a_drain_interrupted_by_ctrl_c_leaves_the_next_drain_complete(
+    monkeypatch, one_thread
+) -> None:
+    """Ctrl-C while the caller waits in drain(): the next drain (a handler that saves a
+    checkpoint) must still wait for every stage, not take the interrupted one's tokens."""
+    import signal
+
+    import echopipe.pipeline.stage as stage
+
+    gate = threading.Event()
+    blocked = threading.Event()
+    real = stage.StageCore.backward
+
+    def held_backward(self, index, grad):
+        if index == 5 and not gate.is_set():
+            blocked.set()
+            gate.wait(30)
+        return real(self, index, grad)
+
+    monkeypatch.setattr(stage.StageCore, "backward", held_backward)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with StalePipeline(
+            small_cnn(), balance=BALANCES[3], optimizer=sgd, loss_fn=loss_fn
+        ) as pipe:
+            batches = make_batches(12)
+            for x, y in batches[:6]:
+                pipe.train_step(x, y)
+            assert blocked.wait(30)
+            signal.setitimer(signal.ITIMER_REAL, 0.05)  # arrives while drain() waits
+            with pytest.raises(KeyboardInterrupt):
+                pipe.drain()  # cannot finish: a stage's backward is held
+            gate.set()
+            for x, y in batches[6:]:
+                pipe.train_step(x, y)
+            state = pipe.state_dict()  # drains again
+            assert state["steps_fed"] == 12
+            assert state["updates_per_stage"] == [12, 12, 12]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -231,6 +231,7 @@ class StalePipeline:
         """
         self._workers.check()
         self._workers.put(SchedulerStep())
+        self._idle = False  # a checkpoint or evaluation drains first, so the step is in it
 
     def run_epoch(
         self,

@@ -60,6 +60,7 @@ class _Grad:
 @dataclass
 class Drain:
     staleness: list[int]
+    serial: int  # which drain_to() call: a stage's done-token names it
 
 
 class SchedulerStep:
@@ -130,7 +131,8 @@ class StageWorkers:
             for k in range(self.num_stages)
         ]
         self._bwd_queues: list[queue.Queue[Any]] = [queue.Queue() for _ in range(self.num_stages)]
-        self._drained: queue.Queue[int] = queue.Queue()
+        self._drained: queue.Queue[int] = queue.Queue()  # the serial of each stage's drain
+        self._drains = 0
         self._losses: queue.Queue[LossRecord] = queue.Queue()
         self._stop = threading.Event()
         self._error: PipelineError | None = None
@@ -149,7 +151,14 @@ class StageWorkers:
         ]
         for t in self.threads:
             t.start()
-        started.wait(timeout=60)
+        try:
+            started.wait(timeout=60)
+        except threading.BrokenBarrierError:  # a stage failed to start (or none in 60 s)
+            torch.set_num_threads(caller_threads)
+            self.shutdown()
+            if self._error is not None:
+                raise self._error from None
+            raise RuntimeError("the pipeline's stage threads did not start within 60 s") from None
         # torch.set_num_threads acts per OS thread for OpenMP/MKL, but the value that
         # torch.get_num_threads() reports is global; restore the caller's view.
         torch.set_num_threads(caller_threads)
@@ -185,13 +194,16 @@ class StageWorkers:
     def drain_to(self, staleness: list[int]) -> None:
         """Finish every in-flight minibatch, then give each stage its new staleness."""
         self.check()
-        self.put(Drain(list(staleness)))
+        self._drains += 1
+        serial = self._drains
+        self.put(Drain(list(staleness), serial))
         done = 0
         while done < self.num_stages:
             self.check()
             try:
-                self._drained.get(timeout=POLL_S)
-                done += 1
+                # Tokens of an earlier drain whose wait was interrupted (Ctrl-C) do not count.
+                if self._drained.get(timeout=POLL_S) == serial:
+                    done += 1
             except queue.Empty:
                 continue
 
@@ -237,11 +249,14 @@ class StageWorkers:
             compute = DeviceStream(device)
             copy = DeviceStream(device)
             self._busy[k] = (BusyTimer(compute, self._clock), BusyTimer(compute, self._clock))
-        except BaseException as exc:  # pragma: no cover - stream creation failure
+        except BaseException as exc:  # stream creation failure: the constructor raises it
             self._fail(k, exc)
             started.abort()
             return
-        started.wait()
+        try:
+            started.wait()
+        except threading.BrokenBarrierError:  # another stage failed to start
+            return
         try:
             with compute.use():
                 self._stage_loop(k, core, compute, copy)
@@ -300,8 +315,8 @@ class StageWorkers:
                 compute.synchronize()
                 copy.synchronize()
                 core.staleness = draining.staleness[k]
+                self._drained.put(draining.serial)
                 draining = None
-                self._drained.put(k)
 
     def _fail(self, k: int, exc: BaseException) -> None:
         with self._error_lock:
