@@ -172,3 +172,22 @@ def test_two_ranks_on_one_gpu_are_refused_with_one_line(monkeypatch: pytest.Monk
         assert not torch.distributed.is_initialized()
     with pytest.raises(ValueError, match="backend must be"):
         init_distributed("mpi")  # type: ignore[arg-type]
+
+
+@pytest.mark.distributed
+def test_init_distributed_joins_again_after_a_torchrun_restart(tmp_path: Path) -> None:
+    """torchrun keeps one store over restarts; ``init_distributed`` keys each attempt apart, so
+    the restarted ranks do not read the killed attempt's addresses (they failed to connect)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    python_dir = Path(__file__).resolve().parent.parent / "python"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [str(python_dir), env.get("PYTHONPATH", "")] if p
+    )
+    worker = Path(__file__).parent / "pipeline_support" / "dist_restart_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+           "--monitor-interval=0.2", str(worker), str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = sorted(p.name for p in tmp_path.iterdir())
+    assert done == ["attempt1_rank0", "attempt1_rank1"]

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_gpus_per_rank", "init_distributed"]
+__all__ = ["attempt_store", "check_gpus_per_rank", "init_distributed"]
 
 
 def _local_ranks() -> tuple[int, int]:
@@ -67,7 +67,29 @@ def init_distributed(
         return dist.get_backend(), device
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device, **attempt_store(timeout))
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **attempt_store(timeout))
     return backend, device
+
+
+def attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """Under a restarted torchrun job: the job's store under a prefix of this attempt.
+
+    torchrun's agent keeps one store over restarts, and the process groups' keys (each rank's
+    address) are named alike in every attempt, so a rank of the restarted job could read the
+    address of a rank of the killed one and fail to connect. ``{}`` (the usual ``env://``
+    rendezvous) outside an agent-store torchrun job.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout,
+    )  # fmt: skip
+    return {
+        "store": dist.PrefixStore(f"echopipe/attempt{attempt}", client),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }

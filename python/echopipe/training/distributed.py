@@ -100,7 +100,7 @@ class DistContext:
             return cls()
         import torch.distributed as dist
 
-        from ..pipeline.dist_setup import check_gpus_per_rank
+        from ..pipeline.dist_setup import attempt_store, check_gpus_per_rank
 
         backend = "gloo"
         if torch.cuda.is_available():
@@ -122,10 +122,10 @@ class DistContext:
                 # and objects) over Gloo, which a pure NCCL group would reject.
                 dist.init_process_group(
                     backend="cpu:gloo,cuda:nccl", timeout=timeout, device_id=device,
-                    **_attempt_store(timeout),
+                    **attempt_store(timeout),
                 )  # fmt: skip
             else:
-                dist.init_process_group(backend="gloo", timeout=timeout, **_attempt_store(timeout))
+                dist.init_process_group(backend="gloo", timeout=timeout, **attempt_store(timeout))
         return cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
 
     def make_stage_groups(self, num_stages: int) -> None:
@@ -230,30 +230,6 @@ def collective(what: str) -> Iterator[None]:
         yield
     except RuntimeError as exc:
         raise CollectiveError(f"a collective with the other ranks failed ({what}): {exc}") from exc
-
-
-def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
-    """Under a restarted torchrun job: the job's store under a prefix of this attempt.
-
-    torchrun's agent keeps one store over restarts, and the process groups' keys (each rank's
-    address) are named alike in every attempt, so a rank of the restarted job could read the
-    address of a rank of the killed one and fail to connect. ``{}`` (the usual ``env://``
-    rendezvous) outside an agent-store torchrun job.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    import torch.distributed as dist
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=timeout,
-    )  # fmt: skip
-    return {
-        "store": dist.PrefixStore(f"echopipe/attempt{attempt}", client),
-        "rank": int(os.environ["RANK"]),
-        "world_size": int(os.environ["WORLD_SIZE"]),
-    }
 
 
 def all_reduce_grads(
