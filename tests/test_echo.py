@@ -720,3 +720,38 @@ def test_take_batch_hands_back_under_concurrent_takers() -> None:
     assert raised[0] > 0
     assert sorted(delivered) == sorted(list(range(202)) * 2)
     assert cache.stats().emitted == len(delivered) == 404
+
+
+def _as_open_unit(blob: bytes, capacity: int) -> bytes:
+    """The state of a cache holding one published unit, with that unit's members moved to the
+    open (still filling) unit: the layout of echo_state.cc's header (magic, version, factor,
+    mode, batch size, capacity, 8 counters, the histogram), the unit count, the unit (tickets
+    left and total, last emission, members), the open flag, then the free list."""
+    import struct
+
+    head = 8 + 4 + 8 + 1 + 8 + 4 + 8 * 8
+    (bins,) = struct.unpack_from("<I", blob, head)
+    units_at = head + 4 + 8 * bins
+    assert struct.unpack_from("<I", blob, units_at) == (1,)
+    for free in range(capacity + 1):  # the open flag (0) sits before the free list's count
+        at = len(blob) - 4 - 4 * free - 4
+        if struct.unpack_from("<I", blob, at) == (free,) and blob[at - 1] == 0:
+            break
+    members = blob[units_at + 4 + 16 : at - 1]
+    return blob[:units_at] + struct.pack("<I", 0) + b"\x01" + members + blob[at:]
+
+
+@pytest.mark.parametrize("mode", ["example", "batch"])
+def test_a_state_whose_open_unit_could_never_close_is_refused(mode: str) -> None:
+    """A batch is closed the moment it is full, and example mode has no open unit: a state
+    that says otherwise (crafted) would make every later put join one unit that takes hand
+    out more copies than asked for, past the end of the caller's buffer."""
+    kw = dict(capacity_bytes=1 << 16, capacity_samples=16, echo_factor=1.0, seed=1, mode=mode,
+              batch_size=2 if mode == "batch" else None)  # fmt: skip
+    source = EchoCache(**kw)
+    source.put_batch(np.array([[0], [10]] if mode == "batch" else [[5]], dtype=np.int64))
+    crafted = _as_open_unit(source.state_dict(), 16)
+    target = EchoCache(**kw)
+    with pytest.raises(echo.CacheStateError, match="corrupt"):
+        target.load_state_dict(crafted)
+    assert target.stats().resident == 0

@@ -230,9 +230,12 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
   // ---- parse and place everything privately ----
   detail::ExtentAllocator extents(I.usable_bytes, config_.capacity_samples);
   std::vector<uint8_t> used(I.capacity, 0);
-  auto read_members = [&](ParsedUnit& unit) {
+  // A unit holds 1..unit_samples members; the open one (a batch still being filled) fewer than
+  // unit_samples, since a full batch is closed at once (one that is not would never close, and
+  // every later put would join it), and example mode has none.
+  auto read_members = [&](ParsedUnit& unit, uint32_t most) {
     const uint32_t k = r.get<uint32_t>();
-    if (k == 0 || k > I.unit_samples) throw corrupt("unit of " + std::to_string(k) + " samples");
+    if (k == 0 || k > most) throw corrupt("unit of " + std::to_string(k) + " samples");
     for (uint32_t i = 0; i < k; ++i) {
       ParsedMember m{};
       m.slot = r.get<uint32_t>();
@@ -264,12 +267,12 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
     if (unit.left == 0 || unit.left > unit.total || unit.total > detail::kMaxTickets) {
       throw corrupt("tickets " + std::to_string(unit.left) + "/" + std::to_string(unit.total));
     }
-    read_members(unit);
+    read_members(unit, I.unit_samples);
     tickets += unit.left;
     live += static_cast<int64_t>(unit.members.size());
   }
   ParsedUnit open;
-  if (r.get<uint8_t>() != 0) read_members(open);
+  if (r.get<uint8_t>() != 0) read_members(open, I.unit_samples - 1);
   const uint32_t nfree = r.get<uint32_t>();
   if (nfree > I.capacity) throw corrupt(std::to_string(nfree) + " free slots");
   std::vector<uint32_t> free_order;
