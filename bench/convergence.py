@@ -173,7 +173,12 @@ def run_one(cfg: RunConfig, data: bu.Dataset) -> dict[str, Any]:
             # Top the buffer up with whole upstream batches (batch mode echoes whole batches).
             while cache.stats().resident + cfg.batch <= cfg.buffer:
                 cache.put_batch(upstream_batch(cfg, data, reader, gen), timeout=10)
-            got = cache.take_batch(cfg.batch, timeout=10)
+            # A fractional e can leave fewer tickets than a batch (example mode: a ticket is a
+            # sample) while the buffer is not low enough for another put: take what there is.
+            n = cfg.batch
+            if cfg.mode == "example":
+                n = min(n, max(cache.stats().tickets_left, 1))
+            got = cache.take_batch(n, timeout=10)
             assert got is not None  # input never ends here
             ids = got.sample_ids
             new = ~seen[ids]

@@ -84,9 +84,12 @@ class DelayedProducer(threading.Thread):
                     except TimeoutError as exc:
                         done = exc.rows_put  # rows that went in before the timeout
                         batch = (batch[0][done:], batch[1][done:])
-                    except (InputEndedError, CacheClosedError):
+                    except (InputEndedError, CacheClosedError) as exc:
                         if cache is self.cache:
                             return  # closed for good
+                        # The trainer swapped caches mid-put: the rest goes into the new one.
+                        done = exc.rows_put
+                        batch = (batch[0][done:], batch[1][done:])
         except BaseException as exc:  # surfaced by the trainer
             self.error = exc
 

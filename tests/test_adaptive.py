@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 
 import pytest
 
@@ -198,3 +199,15 @@ def test_an_unprimed_controller_takes_its_first_decision_at_once() -> None:
     assert c.observe(0.4, 0.1, 0) == 4.0  # no estimate before step 1: no waiting either
     assert c.observe(0.8, 0.1, 1) is None and c.observe(0.8, 0.1, 2) is None
     assert c.observe(0.8, 0.1, 3) == 8.0
+
+
+def test_times_at_the_ends_of_the_float_range_keep_a_factor() -> None:
+    """A smoothed t_down that underflows to 0 leaves R undefined (nan): the factor stays; a
+    quantum too small to count in gives the clamped ratio itself. No exception either way."""
+    tiny = EchoController(warmup=0, smoothing=0.5)
+    for step in range(3):
+        tiny.observe(sys.float_info.max, 5e-324, step)
+    assert math.isnan(tiny.ratio) and 1.0 <= tiny.factor <= tiny.e_max
+    fine = EchoController(warmup=0, quantum=1e-310)
+    fine.observe(3.0, 1.0, 0)
+    assert fine.factor == pytest.approx(3.0)

@@ -416,8 +416,9 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   /// No more input: consumers drain the remaining tickets and then get kEnd; new puts get kEnded.
   /// Reservations made before still commit. In batch mode a partial open batch is published.
   void end_of_input();
-  /// Starts a new input stream after end_of_input(): puts are accepted again and resident
-  /// samples that still hold tickets stay drawable. No-op if end_of_input() was not called.
+  /// Starts a new input stream: puts are accepted again after end_of_input(), resident samples
+  /// that still hold tickets stay drawable, and the units put from now on start a new block of
+  /// epoch_size (also without a prior end_of_input(): EchoLoader starts its epochs so).
   void reset_input();
   /// Wakes every blocked put/take (they return kClosed within 100 ms) and rejects new ones.
   /// Idempotent, callable from any thread, including destructors and interpreter exit.

@@ -160,10 +160,18 @@ class EchoController:
         return model_ratio(self.t_up, self.t_down, self.t_aug or 0.0)
 
     def target(self, ratio: float) -> float:
-        """The factor the controller aims at for ``ratio``: clamped to ``[1, e_max]``, rounded."""
+        """The factor the controller aims at for ``ratio``: clamped to ``[1, e_max]``, rounded.
+
+        A ratio the times cannot define (``nan``: a smoothed ``t_down`` that underflowed to 0)
+        keeps the current factor.
+        """
+        if math.isnan(ratio):
+            return self.factor
         clamped = min(max(ratio, 1.0), self.e_max)
-        rounded = round(clamped / self.quantum) * self.quantum
-        return min(max(rounded, 1.0), self.e_max)
+        steps = clamped / self.quantum
+        if not math.isfinite(steps):  # a quantum too small to count in
+            return clamped
+        return min(max(round(steps) * self.quantum, 1.0), self.e_max)
 
     def prime(self, t_up: float, t_down: float, t_aug: float = 0.0) -> float:
         """The step-0 decision from estimates taken before the first step; returns the factor.
