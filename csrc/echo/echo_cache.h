@@ -337,7 +337,7 @@ struct EchoStats {
   double mean_reuse_distance = 0.0;
   uint64_t reuse_pairs = 0;  ///< how many copy pairs the mean is over
   MemoryKind memory_kind = MemoryKind::kPageable;
-  uint64_t puts_blocked = 0;  ///< puts that had to wait for space
+  uint64_t puts_blocked = 0;       ///< puts that had to wait for space
   uint64_t producers_waiting = 0;  ///< puts (and wait_for_room calls) blocked for space now
   double put_blocked_seconds = 0.0;
   uint64_t takes_waited = 0;  ///< takes that had to wait for samples
