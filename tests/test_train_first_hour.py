@@ -114,6 +114,28 @@ def test_messages_go_above_a_live_bar(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 @pytest.mark.dali
+def test_each_line_of_steps_csv_has_its_own_steps_loss_also_when_pipelined(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """Two stages: a step's loss is known only steps later (at the latest at the drain), and
+    its line waits for it. Every line has a loss, and each epoch's lines average to the
+    epoch's train loss in metrics.json (the same minibatches)."""
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(tiny_imagenet), *TINY, "--epochs", "2", "--echo", "2",
+            "--stages", "2", "--checkpoint-every", "3", "--output", str(run)]  # fmt: skip
+    assert main(argv) == 0
+    with open(run / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, 17))  # 32 images, e = 2, batch 8
+    assert all(r["train_loss"] for r in rows), rows
+    epochs = json.loads((run / "metrics.json").read_text())["epochs"]
+    assert [e["step"] for e in epochs] == [8, 16]
+    for k, epoch in enumerate(epochs):
+        mine = [float(r["train_loss"]) for r in rows[8 * k : 8 * (k + 1)]]
+        assert sum(mine) / 8 == pytest.approx(epoch["train_loss"], rel=1e-5)
+
+
+@pytest.mark.dali
 def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(
     tiny_imagenet: Path, tmp_path: Path
 ) -> None:

@@ -79,6 +79,7 @@ class EpochLoop:
         self._write_metrics = write_metrics
         self.stopped: str | None = None
         self.losses: list[float] = []
+        self._step_of: dict[int, int] = {}  # pipeline minibatch index -> training step
         self.epoch_samples = 0
         self.paused_s = 0.0
         self.epoch_times: list[float] = []
@@ -115,10 +116,9 @@ class EpochLoop:
             if cfg.max_steps is not None and st.global_step >= cfg.max_steps:
                 self.stopped = f"--max-steps {cfg.max_steps} reached"
                 break
-            reported = len(self.losses)
             self._step()
             fault_exit(self.ctx.rank, st.global_step)
-            self._log_step(self.losses[reported:])
+            self._log_step()
             if self._retune_due() and st.step_in_epoch < st.steps_per_epoch:
                 self._retune_echo(within_epoch=True)
             if (
@@ -141,14 +141,13 @@ class EpochLoop:
         st.train_s += self.epoch_train_s
         st.samples_trained += self.epoch_samples
 
-    def _log_step(self, losses: list[float]) -> None:
+    def _log_step(self) -> None:
         if self.step_log is None:
             return
         st = self.run_state
         self.step_log.add(
             st.global_step,
             self.clock.epochs_at(st.global_step),
-            float(np.mean(losses)) if losses else None,
             self.cfg.lr * self.lr_schedule.factor(st.global_step),
             self.data.factor,
             st.wall_s + time.perf_counter() - self.wall0,
@@ -164,9 +163,17 @@ class EpochLoop:
 
     def drain(self) -> None:
         """Finish every minibatch in flight and keep the losses they report."""
-        losses = [r.value for r in self.pipeline.drain()]
+        self._keep_losses(self.pipeline.drain())
+
+    def _keep_losses(self, finished: list[Any]) -> None:
+        """The losses of finished minibatches: into the epoch's mean and each step's line."""
+        losses = [r.value for r in finished]
         self._check_losses(losses)
         self.losses.extend(losses)
+        for record, value in zip(finished, losses, strict=True):
+            step = self._step_of.pop(record.index, None)
+            if step is not None and self.step_log is not None:
+                self.step_log.loss(step, value)
 
     def _step(self) -> None:
         cfg, st = self.cfg, self.run_state
@@ -178,8 +185,8 @@ class EpochLoop:
         if cfg.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         result = self.pipeline.train_step(x, y)
-        self._check_losses(result.losses)
-        self.losses.extend(result.losses)
+        self._step_of[result.index] = st.global_step + 1
+        self._keep_losses(result.finished)
         st.global_step += 1
         st.step_in_epoch += 1
         st.epoch_fresh += cfg.batch_size / self.data.factor

@@ -178,8 +178,12 @@ class Progress:
 class StepLog:
     """``steps.csv``: one line per training step, written by rank 0.
 
-    A resumed run keeps the lines up to the step it resumes from and appends; lines are
-    flushed at each checkpoint, so every step a checkpoint holds is in the file.
+    A step's ``train_loss`` is that step's own minibatch loss. A pipelined step's loss is known
+    some steps later (at the latest when the pipeline drains), so a line waits until its loss
+    arrived and the lines before it were written; :meth:`flush` (at each checkpoint, after the
+    drain) and :meth:`close` write every waiting line, with an empty loss where none came (a
+    rank whose replica has no last stage). A resumed run keeps the lines up to the step it
+    resumes from and appends, so every step a checkpoint holds is in the file.
     """
 
     FIELDS = ("step", "epoch", "train_loss", "lr", "echo_factor", "wall_s")
@@ -191,19 +195,43 @@ class StepLog:
         else:
             path.write_text(",".join(self.FIELDS) + "\n")
         self.file: TextIO | None = open(path, "a")  # noqa: SIM115 (open for the whole run)
+        # step -> [epoch, loss, lr, e, wall_s], in step order, until written
+        self._waiting: dict[int, list[Any]] = {}
+        self._early: dict[int, float] = {}  # losses known before their step's line
 
-    def add(self, step: int, epoch: float, loss: float | None, lr: float, e: float,
-            wall_s: float) -> None:  # fmt: skip
-        if self.file is None:
+    def add(self, step: int, epoch: float, lr: float, e: float, wall_s: float) -> None:
+        """A step's line; it is written once the step's loss (:meth:`loss`) is known."""
+        self._waiting[step] = [epoch, self._early.pop(step, None), lr, e, wall_s]
+        self._write(every=False)
+
+    def loss(self, step: int, value: float) -> None:
+        """The loss of step ``step`` (its own minibatch's)."""
+        line = self._waiting.get(step)
+        if line is None:
+            self._early[step] = value
             return
-        shown = "" if loss is None else f"{loss:.6g}"
-        self.file.write(f"{step},{epoch:.4f},{shown},{lr:.6g},{e:g},{wall_s:.3f}\n")
+        line[1] = value
+        self._write(every=False)
+
+    def _write(self, every: bool) -> None:
+        while self._waiting:
+            step = next(iter(self._waiting))
+            epoch, loss, lr, e, wall_s = self._waiting[step]
+            if loss is None and not every:
+                return
+            del self._waiting[step]
+            if self.file is not None:
+                shown = "" if loss is None else f"{loss:.6g}"
+                self.file.write(f"{step},{epoch:.4f},{shown},{lr:.6g},{e:g},{wall_s:.3f}\n")
 
     def flush(self) -> None:
+        """Writes every waiting line (after a drain their losses are all known) to the disk."""
+        self._write(every=True)
         if self.file is not None:
             self.file.flush()
 
     def close(self) -> None:
+        self._write(every=True)
         if self.file is not None:
             self.file.close()
             self.file = None
