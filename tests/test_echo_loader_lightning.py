@@ -139,3 +139,34 @@ def test_ddp_needs_the_sampler_in_the_wrapped_loader_and_says_so(tmp_path, build
     for epoch in range(2):  # the two processes read disjoint shares (but the padded sample)
         first, second = set(shares[0][epoch]), set(shares[1][epoch])
         assert first | second == set(range(45)) and len(first & second) <= 1
+
+
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+def test_a_checkpoint_at_an_epochs_last_batch_resumes_into_the_next_epoch(tmp_path) -> None:
+    """Lightning knows the length and never asks for the batch that would end the epoch, so a
+    checkpoint written after its last batch holds the state after that epoch: the resumed fit
+    trains the whole second epoch (it skipped it, the restored epoch having nothing left)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(**kw) -> lightning.Trainer:
+        return lightning.Trainer(
+            accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, **kw,
+        )  # fmt: skip
+
+    def saving() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=15, save_top_k=-1,
+                               filename="{step}")  # fmt: skip
+
+    first = Module(2.0, 0, False)
+    trainer(callbacks=[saving()]).fit(first)
+    assert first.steps == {0: 15, 1: 15}  # 45 samples, e = 2, batches of 6
+    resumed = Module(2.0, 0, False)
+    again = trainer(callbacks=[saving()])
+    again.fit(resumed, ckpt_path=tmp_path / "step=15.ckpt")
+    assert resumed.steps == {1: 15} and again.global_step == 30
+    assert sorted(resumed.seen[1]) == list(range(45)) and set(resumed.seen[1].values()) == {2}
+    assert resumed.loader is not None
+    resumed.loader.close()
+    assert first.loader is not None
+    first.loader.close()

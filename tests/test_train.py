@@ -296,9 +296,13 @@ def test_train_end_to_end_writes_the_run_folder(tiny_imagenet: Path, tmp_path: P
         "echo factor",
         "staleness",
         "decision",
-        "echo does not help here",
     ):
         assert needle in text, needle
+    # The verdict follows the R the run measured (the last epoch's), whichever way it went on
+    # this machine's load: no read delay usually makes it < 1.
+    last_r = json.loads((out / "metrics.json").read_text())["epochs"][-1]["R"]
+    verdict = "echo helps" if last_r > 1 else "echo does not help here"
+    assert verdict in text, (verdict, last_r)
 
     # The exported weights load into the plain model under its own names and give the
     # checkpoint's validation result.

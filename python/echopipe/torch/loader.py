@@ -26,9 +26,9 @@ import torch
 from ..echo import CacheClosedError, EchoCache
 from ..filecheck import memory_bytes
 from . import batch_layout as bl
+from . import loader_state as ls
 from . import passes, wrapped
 from .delivery import Assembler, next_batch
-from .loader_state import STATE_VERSION, check_loader_state, check_position, restored_cache
 from .passes import EchoLoaderStats
 from .reader import LoaderError, Producer, Shared, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
@@ -105,18 +105,10 @@ class EchoLoader(PassThrough):
         self._seed = passes.check_count("seed", seed, minimum=0) or 0
         self._capacity_bytes = passes.check_count("capacity_bytes", capacity_bytes)
         self._interval = passes.check_count("echo_interval", echo_interval) or 1
-        for name, value in (("timeout", timeout), ("close_timeout", close_timeout)):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        self._timeout = None if timeout is None else float(timeout)
-        self._close_timeout = float(close_timeout)
+        self._timeout = passes.check_seconds("timeout", timeout)
+        self._close_timeout = passes.check_seconds("close_timeout", close_timeout) or 10.0
         self._device = torch.device(device) if device is not None else None
-        cuda = self._device is not None and self._device.type == "cuda"
-        self._pin = bool(cuda if pin_memory is None else pin_memory)
-        if self._pin and not torch.cuda.is_available():
-            warnings.warn("EchoLoader: pin_memory=True but CUDA is not available; not pinning",
-                          RuntimeWarning, stacklevel=2)  # fmt: skip
-            self._pin = False
+        self._pin = passes.pin_choice(self._device, pin_memory)
         self._shared = Shared()
         self._layout: bl.Layout | None = None
         self._decode: Assembler | None = None  # output batches of self._layout
@@ -290,14 +282,12 @@ class EchoLoader(PassThrough):
                           "len() was off", RuntimeWarning, stacklevel=3)  # fmt: skip
 
     def _delivered_batches(self) -> int:
-        """Batches delivered so far, in all epochs: a running epoch's count, or the count of a
-        restored epoch not started yet (between epochs the totals hold the last one)."""
-        done = self._totals["delivered_batches"]
+        """Batches delivered so far: the totals (between epochs they hold the last one), plus a
+        running epoch's, or a restored epoch's not started yet."""
         if self._shared.producer is not None:
-            return done + self._delivered_epoch[0]
-        if self._resume is not None:
-            return done + self._resume["delivered_batches_epoch"]
-        return done
+            return self._totals["delivered_batches"] + self._delivered_epoch[0]
+        restored = self._resume["delivered_batches_epoch"] if self._resume is not None else 0
+        return self._totals["delivered_batches"] + restored
 
     def _epoch_counts(self, producer: Producer | None) -> tuple[int, int, int, int]:
         if producer is None:
@@ -325,32 +315,24 @@ class EchoLoader(PassThrough):
         wrapped loader's epoch, the counters and the ``"auto"`` controller. Plain Python values
         and bytes (``torch.save`` it with the model).
         """
-        producer = self._shared.producer
-        resume = self._resume if producer is None else None  # restored, not started yet
+        producer, cache = self._shared.producer, self._shared.cache
         guard = producer.lock if producer is not None else threading.Lock()
         with guard:  # the reader is between two puts: the cache matches its position
-            cache = self._shared.cache
-            mid_epoch = producer is not None or resume is not None
-            blob = cache.state_dict() if mid_epoch and cache is not None else None
-            if producer is not None:
-                counts = self._epoch_counts(producer)
-                position = (producer.batches_done, producer.rows_in_flight)
-            elif resume is not None:  # the restored position, unchanged
-                counts = tuple(resume[k] for k in ("batches_done", "fresh_samples_epoch",
-                               "delivered_batches_epoch", "delivered_samples_epoch"))  # fmt: skip
-                position = (resume["batches_done"], resume["rows_in_flight"])
-            else:
-                counts, position = (0, 0, 0, 0), (0, 0)
+            counts = self._epoch_counts(producer) if producer is not None else (0, 0, 0, 0)
+            at = ls.epoch_position(producer, counts, self._resume, cache)
+            blob = cache.state_dict() if at.mid_epoch and cache is not None else None
+        mine = at.counts if at.mid_epoch else (0, 0, 0, 0)
+        ended = at.counts if at.ended else (0, 0, 0, 0)  # into the totals, as at the epoch's end
         return {
-            "version": STATE_VERSION,
-            "epoch": self._epoch,
-            "mid_epoch": mid_epoch,
-            "batches_done": position[0],
-            "rows_in_flight": position[1],
-            "fresh_samples_epoch": counts[1],
-            "delivered_batches_epoch": counts[2],
-            "delivered_samples_epoch": counts[3],
-            "totals": dict(self._totals),
+            "version": ls.STATE_VERSION,
+            "epoch": self._epoch + at.ended,
+            "mid_epoch": at.mid_epoch,
+            "batches_done": at.batches_done,
+            "rows_in_flight": at.rows_in_flight,
+            "fresh_samples_epoch": mine[1],
+            "delivered_batches_epoch": mine[2],
+            "delivered_samples_epoch": mine[3],
+            "totals": {k: self._totals[k] + v for k, v in zip(passes.COUNTS, ended, strict=True)},
             "echo_factor": self._factor,
             "echo_history": [list(h) for h in self._history],
             "controller": self._controller.state_dict() if self._controller else None,
@@ -372,15 +354,15 @@ class EchoLoader(PassThrough):
         """
         if self._current is not None:
             raise RuntimeError("load_state_dict() during an epoch; call it before iter()")
-        clean = check_loader_state(
+        clean = ls.check_loader_state(
             state,
-            version=STATE_VERSION,
+            version=ls.STATE_VERSION,
             counts=passes.COUNTS,
             auto=self._controller is not None,
             memory_bytes=memory_bytes(),
         )
-        check_position(clean, self._loader)
-        cache = restored_cache(clean, self._controller)
+        ls.check_position(clean, self._loader)
+        cache = ls.restored_cache(clean, self._controller)
         shutdown(self._shared, self._close_timeout)
         self._epoch = clean["epoch"]
         self._totals = dict(clean["totals"])

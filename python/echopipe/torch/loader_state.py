@@ -8,6 +8,7 @@ the loader as it was, and every refusal is one exception type, :class:`LoaderSta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..echo import EchoCache
@@ -16,6 +17,7 @@ from ..echo.controller import EchoController
 
 __all__ = [
     "STATE_VERSION",
+    "EpochPosition",
     "LoaderStateError",
     "check_loader_state",
     "check_position",
@@ -38,6 +40,36 @@ _REQUIRED = {
     "version", "epoch", "mid_epoch", *_POSITION, "totals", "echo_factor", "echo_history",
     "controller", "cache", "cache_config", "layout", "batch_size",
 }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EpochPosition:
+    """Where a state is saved in the epoch: the wrapped loader's position and the epoch's
+    counts (``COUNTS`` order), or between epochs. ``ended``: the running epoch has delivered
+    everything (a caller that knows the length, as Lightning does, never asks for the batch
+    that would end it), so the state is the one after its end."""
+
+    mid_epoch: bool
+    batches_done: int = 0
+    rows_in_flight: int = 0
+    counts: tuple[int, ...] = (0, 0, 0, 0)
+    ended: bool = False
+
+
+def epoch_position(producer: Any, counts: tuple[int, ...], resume: dict[str, Any] | None,
+                   cache: EchoCache | None) -> EpochPosition:  # fmt: skip
+    """The position of a running epoch (``producer``, its ``counts``), else of a restored
+    one not started yet (``resume``), else between epochs."""
+    if producer is not None:
+        stats = cache.stats() if cache is not None else None
+        if producer.error is None and stats is not None and stats.input_ended and (
+                stats.tickets_left == 0):  # fmt: skip
+            return EpochPosition(False, counts=counts, ended=True)
+        return EpochPosition(True, producer.batches_done, producer.rows_in_flight, counts)
+    if resume is not None:
+        counts = tuple(resume[k] for k in _POSITION if k != "rows_in_flight")  # COUNTS order
+        return EpochPosition(True, resume["batches_done"], resume["rows_in_flight"], counts)
+    return EpochPosition(False)
 
 
 class LoaderStateError(ValueError):

@@ -5,10 +5,12 @@ the cache they size, one pass over the loader (:class:`EpochIterator`), the timi
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from ..echo import EchoStats
 from ..echo import config as echo_config
@@ -79,6 +81,24 @@ def check_count(name: str, value: Any, minimum: int = 1) -> int | None:
     if name in _ECHO_FIELDS:
         EchoConfig.check_field(_ECHO_FIELDS[name], value, name)
     return int(value)
+
+
+def check_seconds(name: str, value: Any) -> float | None:
+    """``value``: ``None`` or a positive number of seconds; the error names ``name``."""
+    if value is not None and not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return None if value is None else float(value)
+
+
+def pin_choice(device: torch.device | None, pin_memory: bool | None) -> bool:
+    """Whether output batches go to pinned memory: when asked, else when ``device`` is CUDA;
+    never without CUDA (with a warning if it was asked for)."""
+    pin = bool(device is not None and device.type == "cuda" if pin_memory is None else pin_memory)
+    if pin and not torch.cuda.is_available():
+        warnings.warn("EchoLoader: pin_memory=True but CUDA is not available; not pinning",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
+        return False
+    return pin
 
 
 class EpochIterator:
