@@ -237,7 +237,7 @@ def _craft(base: Path, tmp_path: Path, case: str) -> Path:
         path.write_bytes(_with_header(_saved({"kind": "echopipe-train", "x": tree})))
     else:
         state = _state(base)
-        {**_EDITS, **_LATE}[case](state)
+        {**_EDITS, **_LATE, **_AT_EXPORT}[case](state)
         write_checkpoint(state, path)
     return path
 
@@ -267,6 +267,12 @@ def _stage_weight(change):
         stage[key] = change(stage[key])
 
     return edit
+
+
+def _rename_first_weight(state: dict[str, Any], block: str) -> None:
+    stage = state["pipeline"]["stages"][0]
+    key = next(iter(stage))
+    stage[block + key[key.index(".") :]] = stage.pop(key)
 
 
 def _momentum(state: dict[str, Any]) -> None:
@@ -302,6 +308,8 @@ _EDITS = {
 _LATE = {"cache-truncated": lambda s: s["input"]["pipeline"].update(cache=b"\x00" * 64)}
 """Cases only the running pipeline can refuse: the cache's own format (checked at resume, on a
 scratch cache, before training)."""
+_AT_EXPORT = {"weight-name-unicode-digit": lambda s: _rename_first_weight(s, "\u00b2")}
+"""Cases the export's weight names check refuses ('²'.isdigit() is True, int('²') raises)."""
 _CONTAINER = [
     "huge-declared-size", "sparse-file", "compression-bomb", "stride-0-view", "shared-references",
 ]  # fmt: skip
@@ -370,12 +378,27 @@ def test_resume_on_data_with_another_class_count_is_one_line(base: Path, tmp_pat
 
 
 @pytest.mark.parametrize("case", ["sparse-file", "compression-bomb", "weight-wrong-dtype",
-                                  "huge-class-count", "missing-config"])  # fmt: skip
+                                  "huge-class-count", "missing-config", *_AT_EXPORT])  # fmt: skip
 def test_crafted_checkpoint_through_export_is_one_line(base: Path, tmp_path: Path, case: str):
     path = _craft(base, tmp_path, case)
     out = tmp_path / "w.pt"
     _one_line_failure(_cli("export", str(path), str(out)), str(path))
     assert not out.exists()
+
+
+def test_export_onto_its_own_checkpoint_is_refused(base: Path, tmp_path: Path) -> None:
+    path = tmp_path / "last.pt"
+    path.write_bytes(base.read_bytes())
+    done = _cli("export", str(path), str(tmp_path / "." / "last.pt"))
+    assert done.returncode == 2 and "is CKPT itself" in done.stderr, done.stderr[-2000:]
+    assert path.read_bytes() == base.read_bytes()  # the training checkpoint is untouched
+
+
+def test_an_echo_value_error_stays_one_short_line() -> None:
+    from echopipe.echo import EchoConfigError
+
+    error = EchoConfigError("echo_factor", "9" * 1_000_000, "a number in [1, 65535]")
+    assert len(str(error)) < 200 and "\n" not in str(error) and str(error).endswith("...")
 
 
 # ---- the DALI route (EchoPipeline(checkpoint=...)) -------------------------------------------
@@ -420,6 +443,16 @@ def test_npy_header_declaring_more_than_its_member_is_refused() -> None:
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as dst:
         dst.writestr("a.npy", crafted)
+    with pytest.raises(FileCheckError, match="declares shape"):
+        read_npz(out.getvalue())
+    # Negative dimensions whose product is the member's size: refused, not a bare reshape error.
+    negative = member.replace(b"'shape': (4,), ", b"'shape': (-2, -2), ").replace(
+        b"    \n", b"\n", 1
+    )
+    assert len(negative) == len(member)  # the header keeps its length: only the shape differs
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        dst.writestr("a.npy", negative)
     with pytest.raises(FileCheckError, match="declares shape"):
         read_npz(out.getvalue())
 

@@ -226,6 +226,15 @@ def test_ensure_rebuilds_incomplete_set(tmp_path: Path) -> None:
     assert _tree_digest(rebuilt) == expected
     (root / MANIFEST_NAME).write_text("{not json")
     assert _tree_digest(ensure_synthetic_imagenet(tmp_path, **params)) == expected
+    # Class names that are not strings, and a FIFO under the manifest's name (opened without
+    # blocking, it is refused instead of waited on): the set is made again either way.
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    (root / MANIFEST_NAME).write_text(json.dumps({**manifest, "classes": [1, 2]}))
+    assert _tree_digest(ensure_synthetic_imagenet(tmp_path, **params)) == expected
+    (root / MANIFEST_NAME).unlink()
+    os.mkfifo(root / MANIFEST_NAME)
+    assert read_manifest(root) is None
+    assert _tree_digest(ensure_synthetic_imagenet(tmp_path, **params)) == expected
 
 
 _ENSURE_SCRIPT = textwrap.dedent(

@@ -234,3 +234,24 @@ def test_bench_writes_a_new_folder_unless_told_to_update_the_committed_results(
     assert given == Path("x")
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--update-results", "--results-dir", "x"])
+
+
+def test_a_damaged_steps_csv_and_a_fifo_config_do_not_stop_a_run(tmp_path: Path) -> None:
+    """Resuming keeps the lines of steps.csv up to its step: lines that are not UTF-8 or do
+    not start with a step number are dropped, not a traceback. A FIFO named config.json is
+    not an echopipe run's, and reading it does not wait for a writer."""
+    from echopipe.training.progress import StepLog
+    from echopipe.training.runfolder import read_run_config
+
+    path = tmp_path / "steps.csv"
+    header = ",".join(StepLog.FIELDS) + "\n"
+    damaged = b"\xff\xfe,garbage\n" + "\u00b2,x\n".encode()
+    lines = b"1,0.1,2.3,0.1,2,0.5\n" + damaged + b"2,0.2,2.1,0.1,2,0.9\n3,0.3,2,0.1,2,1.2\n"
+    path.write_bytes(header.encode() + lines)
+    log = StepLog(path, resumed_step=2)
+    log.close()
+    assert path.read_text().splitlines()[1:] == ["1,0.1,2.3,0.1,2,0.5", "2,0.2,2.1,0.1,2,0.9"]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    os.mkfifo(folder / "config.json")
+    assert read_run_config(folder) is None

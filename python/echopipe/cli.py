@@ -223,6 +223,8 @@ def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         parser.error(f"cannot write OUT {str(args.out)!r}: {str(above)!r} is not a folder")
     if not args.checkpoint.exists():
         parser.error(f"CKPT {str(args.checkpoint)!r} does not exist")
+    if args.out.exists() and args.out.samefile(args.checkpoint):
+        parser.error(f"OUT {str(args.out)!r} is CKPT itself; give another file to write")
     try:
         weights, saved = export_state_dict(args.checkpoint)
     except (CheckpointError, OSError) as exc:  # a malformed or unreadable file: status 1

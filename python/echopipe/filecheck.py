@@ -175,6 +175,8 @@ def _npy_array(raw: bytes, name: str) -> np.ndarray:
         raise FileCheckError(f"array {name!r} has a damaged header ({exc})") from None
     if dtype.kind not in _NPY_DTYPE_KINDS or dtype.hasobject or dtype.subdtype is not None:
         raise FileCheckError(f"array {name!r} has dtype {dtype}, which echopipe never stores")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
+        raise FileCheckError(f"array {name!r} declares shape {shape}")
     count = math.prod(shape)
     offset = stream.tell()
     if count * dtype.itemsize != len(raw) - offset:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..filecheck import open_regular
 from .synthetic_draw import class_styles, encode_jpeg, render_image
 
 __all__ = [
@@ -41,6 +42,7 @@ SYNTHETIC_GENERATOR_VERSION = 1
 """Bumped whenever the generator's output bytes change, so caches keyed on it are rebuilt."""
 
 MANIFEST_NAME = "manifest.json"
+_MANIFEST_MAX_BYTES = 1 << 20  # a longer one is not a manifest this module wrote
 _GENERATOR_ID = "echopipe.synthetic_imagenet"
 
 
@@ -204,7 +206,9 @@ def _replace_dir(src: Path, dst: Path, *, overwrite: bool) -> None:
 def read_manifest(root: str | Path) -> dict[str, Any] | None:
     """The manifest of a synthetic set at ``root``, or ``None`` if missing or unreadable."""
     try:
-        data = json.loads((Path(root) / MANIFEST_NAME).read_text())
+        f, _ = open_regular(Path(root) / MANIFEST_NAME)  # a FIFO is refused, not waited on
+        with f:
+            data = json.loads(f.read(_MANIFEST_MAX_BYTES + 1))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -216,10 +220,13 @@ def _manifest_matches(root: Path, params: dict[str, Any]) -> bool:
         return False
     if manifest.get("params") != params:
         return False
+    classes = manifest.get("classes", [])
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        return False
     # Cheap completeness check: the right number of files in every class folder.
     expected = {"train": params["per_class"], "val": params["val_per_class"]}
     for split, count in expected.items():
-        for name in manifest.get("classes", []):
+        for name in classes:
             folder = root / split / name
             try:
                 with os.scandir(folder) as it:

@@ -50,7 +50,9 @@ class EchoConfigError(ValueError):
     """An echo value out of its bound; ``field`` and ``value`` name it (so does the message)."""
 
     def __init__(self, field: str, value: Any, requirement: str) -> None:
-        super().__init__(f"{field} must be {requirement}, got {value!r}")
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else f"{shown[:77]}..."  # a crafted value stays one line
+        super().__init__(f"{field} must be {requirement}, got {shown}")
         self.field = field
         self.value = value
 

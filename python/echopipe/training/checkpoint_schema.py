@@ -98,7 +98,7 @@ def flat_weights(pipeline: dict[str, Any]) -> dict[str, torch.Tensor]:
             child, _, rest = str(key).partition(".")
             if rest.startswith("block."):  # the autocast wrapper of --amp
                 rest = rest[len("block.") :]
-            ok = child.isdigit() and int(child) < count
+            ok = child.isascii() and child.isdigit() and int(child) < count
             need(ok, "pipeline weights", f"have the name {str(key)[:60]!r}")
             out[f"{offset + int(child)}.{rest}"] = value
         offset += count

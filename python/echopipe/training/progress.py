@@ -241,10 +241,11 @@ def _keep_steps_up_to(path: Path, step: int) -> None:
     """Rewrite ``path`` atomically without the lines after ``step`` (a resume repeats them)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with open(path) as src, os.fdopen(fd, "w") as dst:
+        # A damaged line (not UTF-8, or no step number) is dropped, as the lines after `step`.
+        with open(path, errors="replace") as src, os.fdopen(fd, "w") as dst:
             for i, line in enumerate(src):
                 head = line.split(",", 1)[0]
-                if i == 0 or (head.isdigit() and int(head) <= step):
+                if i == 0 or (head.isascii() and head.isdigit() and int(head) <= step):
                     dst.write(line)
         os.replace(tmp, path)
     except BaseException:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..filecheck import open_regular
 from .config import DEFAULT_OUTPUT_BASE, TrainConfig, UsageError
 
 __all__ = [
@@ -47,7 +48,8 @@ def read_run_config(folder: Path) -> dict[str, Any] | None:
     """``folder/config.json`` when an echopipe run wrote it, else None (read bounded)."""
     path = folder / "config.json"
     try:
-        with open(path, "rb") as f:
+        f, _ = open_regular(path)  # a FIFO under the name is refused, not waited on
+        with f:
             raw = f.read(_CONFIG_MAX_BYTES + 1)
         if len(raw) > _CONFIG_MAX_BYTES:
             return None
