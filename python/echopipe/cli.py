@@ -214,17 +214,16 @@ def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     from .pipeline.checkpoint import atomic_write
     from .training.checkpoints import CheckpointError, check_export, export_state_dict
 
-    if args.out.is_dir():
-        parser.error(f"OUT {str(args.out)!r} is a folder; give the file to write")
+    if not args.checkpoint.exists():
+        parser.error(f"CKPT {str(args.checkpoint)!r} does not exist")
+    if args.out.is_dir() or (args.out.exists() and args.out.samefile(args.checkpoint)):
+        what = "a folder" if args.out.is_dir() else "CKPT itself"
+        parser.error(f"OUT {str(args.out)!r} is {what}; give the file to write")
     above = args.out.parent
     while not above.exists() and above != above.parent:
         above = above.parent
     if not above.is_dir():
         parser.error(f"cannot write OUT {str(args.out)!r}: {str(above)!r} is not a folder")
-    if not args.checkpoint.exists():
-        parser.error(f"CKPT {str(args.checkpoint)!r} does not exist")
-    if args.out.exists() and args.out.samefile(args.checkpoint):
-        parser.error(f"OUT {str(args.out)!r} is CKPT itself; give another file to write")
     try:
         weights, saved = export_state_dict(args.checkpoint)
     except (CheckpointError, OSError) as exc:  # a malformed or unreadable file: status 1
@@ -240,11 +239,8 @@ def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     except CheckpointError as exc:
         args.out.unlink(missing_ok=True)
         return _fail(parser.prog, exc, debug=False)
-    print(
-        f"echopipe export: {len(weights)} tensors of {model['name']} ({model['num_classes']} "
-        f"classes) -> {args.out}",
-        flush=True,
-    )
+    tensors = f"{len(weights)} tensors of {model['name']} ({model['num_classes']} classes)"
+    print(f"echopipe export: {tensors} -> {args.out}", flush=True)
     return 0
 
 
