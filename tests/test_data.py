@@ -522,3 +522,31 @@ def test_manifest_is_json_with_params(synthetic: Path) -> None:
     assert manifest["params"]["classes"] == CLASSES
     assert manifest["params"]["per_class"] == PER_CLASS
     assert len(manifest["sha256"]) == 64
+
+
+def test_a_folder_that_cannot_be_listed_is_named_not_left_out(tmp_path: Path) -> None:
+    """A sub-folder without read permission: the scan names it (OSError) instead of indexing
+    the split without its images. Run in a child without the capabilities that let root read
+    any folder."""
+    import shutil
+
+    (tmp_path / "train" / "ant" / "sub").mkdir(parents=True)
+    (tmp_path / "train" / "cat").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "ant" / "sub" / "a.JPEG")
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "cat" / "c.JPEG")
+    (tmp_path / "train" / "ant" / "sub").chmod(0)
+    program = ("import sys\nfrom echopipe.data import scan_image_folder\n"
+               "try:\n    scan_image_folder(sys.argv[1], check='none')\n"
+               "except OSError as exc:\n    print(exc)\n")  # fmt: skip
+    cmd = [sys.executable, "-c", program, str(tmp_path / "train")]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: every folder can be listed")
+        cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    env = dict(os.environ, PYTHONPATH=str(Path(echopipe.__file__).parent.parent))
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        (tmp_path / "train" / "ant" / "sub").chmod(0o755)
+    assert done.returncode == 0, done.stderr
+    assert "cannot list the data folder" in done.stdout and "ant/sub" in done.stdout, done.stdout

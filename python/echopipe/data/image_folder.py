@@ -127,6 +127,7 @@ def scan_image_folder(
     are followed only while they stay inside ``root``; a link that leaves it, dangles, or leads
     back into a folder already being walked (a loop) is left out and listed in
     ``links_skipped``, so a link can neither pull in files from elsewhere nor repeat a folder.
+    A folder that cannot be listed raises OSError naming it (its images would be missing).
 
     Args:
         root: the dataset split folder, e.g. ``.../train``.
@@ -140,6 +141,7 @@ def scan_image_folder(
         FileNotFoundError: ``root`` does not exist (or is not a folder).
         ValueError: ``root`` has no class sub-folders, or no images are left.
         CorruptImageError: a bad file when ``on_corrupt="error"``; names the file and reason.
+        OSError: a folder of the tree cannot be listed; names it.
     """
     if check not in ("none", "header", "decode"):
         raise ValueError(f"check must be 'none', 'header' or 'decode', got {check!r}")
@@ -214,9 +216,9 @@ def _walk_images(
         dirpath, walking = stack.pop()
         try:
             entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
-        except OSError as exc:
-            links_skipped.append((dirpath, f"cannot list: {exc.strerror or exc}"))
-            continue
+        except OSError as exc:  # its images would be left out unnoticed: refuse instead
+            raise OSError(exc.errno, f"cannot list the data folder {dirpath!r}: "
+                          f"{exc.strerror or exc}") from None  # fmt: skip
         subdirs = []
         for e in entries:
             if e.name.startswith("."):
