@@ -108,4 +108,8 @@ def apply_state(
     queue.restore(state["stash"], state["input_done"], state["handed"], state["downstream_wait_s"])
     if runner.ended:
         cache.end_of_input()
+        if cache.stats().tickets_left == 0:
+            # Every copy of the pass was drawn before the save: what is left of it is the
+            # stash. A draw now would meet only the end, with no sample to pad the batch.
+            queue.input_done = queue.exhausted = True
     return float(state["upstream_wait_s"])

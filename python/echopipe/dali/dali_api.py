@@ -55,6 +55,15 @@ def scaled_meta(
                 "DALI's iterators keep the first one; pass stick_to_shard=True to the reader, "
                 "or iterate with echopipe.dali.EchoIterator (its epochs end with the data)"
             )
+        up = config.upstream_batch_size
+        if config.echo.mode == "batch" and reader.fresh() % up:
+            # A short last unit makes short batches within the epoch, padded with repeats that
+            # only `info` marks, which DALI's iterators do not read: they would hand them out.
+            raise ValueError(
+                f"batch echoing under DALI's iterators needs this shard's {reader.fresh()} "
+                f"samples to be whole upstream batches of {up}; use a shard size that is a "
+                "multiple of it, example echoing, or echopipe.dali.EchoIterator (it reads info)"
+            )
         copies = epoch_copies(config, reader)
         return {
             **meta,

@@ -224,7 +224,9 @@ class EchoPair(EchoPipelineBase):
         iterators count the epoch and stop before the padding). A no-op otherwise, as DALI's
         iterators ignore a reset inside an epoch."""
         if not self._started:
-            return
+            if self._restore is None:
+                return
+            self.start()  # a restored pass that had ended: its reset starts the next one
         runner, queue = self._built_parts()
         counted = self.counted_epochs and queue.handed >= self.epoch_copies()
         if not (queue.input_done or counted):

@@ -121,6 +121,8 @@ class DownstreamQueue:
         deterministic mode)."""
         if self._dali_prefetched and self._scheduled >= self._prefetch:
             return  # batches restored from a checkpoint took the places of scheduled ones
+        if self.exhausted:
+            return  # the pass ended (a restored one may hold nothing more to draw)
         if self._deterministic:
             self._fill()
         if not self._dali_prefetched:
