@@ -223,10 +223,9 @@ class EchoPair(EchoPipelineBase):
         drawn (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
         iterators count the epoch and stop before the padding). A no-op otherwise, as DALI's
         iterators ignore a reset inside an epoch."""
-        if not self._started:
-            if self._restore is None:
-                return
-            self.start()  # a restored pass that had ended: its reset starts the next one
+        if not self._started and self._restore is None:
+            return
+        self.start()  # (idempotent) a restored pass that had ended: its reset starts the next
         runner, queue = self._built_parts()
         counted = self.counted_epochs and queue.handed >= self.epoch_copies()
         if not (queue.input_done or counted):
