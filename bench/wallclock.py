@@ -81,13 +81,11 @@ class DelayedProducer(threading.Thread):
                     try:
                         cache.put_batch(batch, timeout=0.05)
                         break
-                    except TimeoutError as exc:
-                        done = exc.rows_put  # rows that went in before the timeout
-                        batch = (batch[0][done:], batch[1][done:])
-                    except (InputEndedError, CacheClosedError) as exc:
-                        if cache is self.cache:
+                    except (TimeoutError, InputEndedError, CacheClosedError) as exc:
+                        if not isinstance(exc, TimeoutError) and cache is self.cache:
                             return  # closed for good
-                        # The trainer swapped caches mid-put: the rest goes into the new one.
+                        # A timeout, or the trainer swapped caches mid-put: the rows not put
+                        # yet go in next (rows_put: those that went in before it).
                         done = exc.rows_put
                         batch = (batch[0][done:], batch[1][done:])
         except BaseException as exc:  # surfaced by the trainer
