@@ -126,15 +126,21 @@ class DownstreamQueue:
         if self._deterministic:
             self._fill()
         if not self._dali_prefetched:
-            # DALI's first schedule_run prefetches its whole queue, later ones run one iteration.
-            self._dali_prefetched = True
-            self._downstream.schedule_run()
-            self._scheduled += self._prefetch
+            self._schedule_one()
             return
         # An empty queue (after an epoch's reset drained it) is refilled to the full depth.
         for _ in range(self._prefetch if self._scheduled == 0 else 1):
-            self._downstream.schedule_run()
+            self._schedule_one()
+
+    def _schedule_one(self) -> None:
+        """One ``schedule_run`` of DALI's: its first prefetches the whole queue, later ones run
+        one iteration."""
+        self._downstream.schedule_run()
+        if self._dali_prefetched:
             self._scheduled += 1
+        else:
+            self._dali_prefetched = True
+            self._scheduled += self._prefetch
 
     def share_outputs(self) -> tuple[Any, ...]:
         """The next batch's outputs without ``info``; StopIteration at the end of a pass."""
@@ -188,12 +194,7 @@ class DownstreamQueue:
         iteration is blocked on a full cache: its draws free the space the sink waits for."""
         if self.input_done:
             return
-        self._downstream.schedule_run()
-        if self._dali_prefetched:
-            self._scheduled += 1
-        else:  # (after a restore) DALI's first schedule_run() prefetches its whole queue
-            self._dali_prefetched = True
-            self._scheduled += self._prefetch
+        self._schedule_one()
         self.take_prepared()
 
     def end_pass(self) -> None:

@@ -95,7 +95,8 @@ class UpstreamRunner:
         self.iter_in_epoch = 0
         self._ended = False
         self.error: BaseException | None = None
-        self.max_sample_bytes = 0  # deterministic mode: largest sample stored, in cache bytes
+        # Deterministic mode: the largest batch's mean bytes per sample in the cache.
+        self.max_sample_bytes = 0
         # Seconds inside upstream.run(), written by the runner thread, read by the consumer.
         self.seconds = 0.0
         self._timing_lock = threading.Lock()
@@ -217,10 +218,10 @@ class UpstreamRunner:
         largest = max(self.max_sample_bytes, math.ceil(stats.bytes_used / max(stats.resident, 1)))
         need = (wanted + plan.upstream_batch_size) * largest
         return CacheTooSmallError(
-            f"cache_bytes={stats.capacity_bytes} holds only {stats.resident} samples of up to "
-            f"{largest} bytes, but a deterministic pipeline's first draw needs {wanted} "
-            f"(max(shuffle_buffer, batch_size)); raise cache_bytes to at least {need} or lower "
-            "shuffle_buffer",
+            f"cache_bytes={stats.capacity_bytes} holds only {stats.resident} samples of about "
+            f"{largest} bytes (the largest batch's mean), but a deterministic pipeline's first "
+            f"draw needs {wanted} (max(shuffle_buffer, batch_size)); raise cache_bytes to at "
+            f"least {need} or lower shuffle_buffer",
             stats.resident,
             wanted,
             need,
