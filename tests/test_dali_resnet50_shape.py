@@ -94,14 +94,16 @@ def create_dali_pipeline(data_dir, crop, size, shard_id, num_shards, dali_cpu=Fa
     return images, labels
 
 
-def _loader(root: Path, split: str, shard_id: int, num_shards: int, is_training: bool):
+def _loader(
+    root: Path, split: str, shard_id: int, num_shards: int, is_training: bool, iterator=None
+):
     pipe = create_dali_pipeline(
         batch_size=BATCH, num_threads=1, device_id=None, seed=12 + shard_id,
         data_dir=str(root / split), crop=CROP, size=SIZE, dali_cpu=True, shard_id=shard_id,
         num_shards=num_shards, is_training=is_training,
     )  # fmt: skip
     pipe.build()
-    loader = DALIClassificationIterator(
+    loader = (iterator or DALIClassificationIterator)(
         pipe, reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True
     )
     return pipe, loader
@@ -149,21 +151,28 @@ def _split_files(files: dict[int, tuple], split: str) -> set[int]:
     return {grey for grey, (s, _) in files.items() if s == split}
 
 
+# "echo": the training loader's class name swapped for EchoIterator, nothing else changed (the
+# validation pipeline has no echo point and keeps DALI's iterator).
+@pytest.mark.parametrize("train_iterator", ["dali", "echo"])
 @pytest.mark.parametrize("num_shards", [1, 3])
 def test_migrated_example_trains_each_file_twice_and_validates_each_once(
-    imagenet_like, num_shards: int
+    imagenet_like, num_shards: int, train_iterator: str
 ) -> None:
     root, files = imagenet_like
     train_files, val_files = _split_files(files, "train"), _split_files(files, "val")
+    cls = edali.EchoIterator if train_iterator == "echo" else None
     shards = [
-        (_loader(root, "train", s, num_shards, True), _loader(root, "val", s, num_shards, False))
+        (
+            _loader(root, "train", s, num_shards, True, cls),
+            _loader(root, "val", s, num_shards, False),
+        )
         for s in range(num_shards)
     ]
     for (train_pipe, train_loader), (val_pipe, _) in shards:
         assert isinstance(train_pipe, edali.EchoPipeline)
         assert type(val_pipe) is Pipeline  # the validation call built no echo point
         # 21 training files: 7 per shard; e = 2 makes a shard's epoch 14 (42 for one shard).
-        assert train_loader._size == 2 * len(train_files) // num_shards
+        assert train_loader._size == train_loader.size == 2 * len(train_files) // num_shards
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * CROP * CROP, CLASSES))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -143,6 +143,20 @@ def test_a_pipeline_config_takes_a_factor_but_not_auto() -> None:
         EchoPipelineConfig(batch_size=4, echo=EchoConfig(factor="auto")).resolved()
 
 
+def test_a_pipeline_functions_factor_error_does_not_offer_auto() -> None:
+    @echo_pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def noise() -> Any:
+        from nvidia.dali import fn
+
+        return echo(fn.random.uniform(shape=[2]))
+
+    for bad in (0.5, "auto"):
+        with pytest.raises(EchoConfigError) as caught:
+            noise(echo_factor=bad)
+        want = f"echo_factor must be a finite number in [1, 65535], got {bad!r}"
+        assert str(caught.value) == want
+
+
 # The echo core's bounds as Python might spell them: the factor's 16 bits, the slot and epoch
 # limits (2^31 - 1 and 2^40), or a constant of its own.
 BOUND_LITERALS = re.compile(

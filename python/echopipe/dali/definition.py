@@ -19,7 +19,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..echo.config import EchoConfig
+from ..echo.config import EchoConfig, check_factor
 from .config import EchoPipelineConfig
 from .pipeline import EchoPipeline
 from .tracing import trace_counting_echo
@@ -111,6 +111,9 @@ def _create(
             f"when calling {name}(..., batch_size=...)"
         )
     checkpoint = extra.pop("checkpoint", None)
+    # A pipeline's factor is a number (set_echo_factor changes it between epochs): its error
+    # must not offer EchoConfig's 'auto'.
+    check_factor(opts["echo_factor"], "echo_factor")
     for key, field in _ECHO_KEYS.items():  # errors name the keyword, not the field
         EchoConfig.check_field(field, opts[key], key)
     echo = EchoConfig(**{field: opts[key] for key, field in _ECHO_KEYS.items()})

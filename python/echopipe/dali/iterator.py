@@ -106,7 +106,8 @@ class EchoIterator:
 
     Args:
         pipeline: the echoing pipeline.
-        output_map: one name per output of the pipeline function (in order).
+        output_map: one name per output of the pipeline function (in order); the default is
+            ``DALIClassificationIterator``'s.
         epoch_size: fresh samples per epoch; an epoch then has about ``epoch_size * e /
             batch_size`` steps. Default: the reader's shard size. Ignored for a finite stream
             (``epochs=N``), whose epoch ends where the stream ends.
@@ -127,15 +128,16 @@ class EchoIterator:
         dynamic_shape, last_batch_padded: accepted for DALI compatibility, without effect
             (outputs of any shape are converted; the echo source marks its own padding).
 
-    The same arguments as DALI's ``DALIGenericIterator`` are accepted (also a list holding one
-    pipeline), so switching between the two is a change of the class name; DALI's iterators
-    also work on an :class:`EchoPipeline` directly (without echo statistics).
+    The same arguments as DALI's ``DALIGenericIterator`` and ``DALIClassificationIterator``
+    are accepted (also a list holding one pipeline), and ``size`` / ``_size`` read as theirs do,
+    so switching from either is a change of the class name; DALI's iterators also work on an
+    :class:`EchoPipeline` directly (without echo statistics).
     """
 
     def __init__(
         self,
         pipeline: EchoPipeline | Sequence[EchoPipeline],
-        output_map: Sequence[str],
+        output_map: Sequence[str] = ("data", "label"),
         *,
         epoch_size: int | None = None,
         steps_per_epoch: int | None = None,
@@ -185,7 +187,7 @@ class EchoIterator:
         self.stats = EchoIteratorStats()
         self._epoch_size = epoch_size
         self._steps_per_epoch = steps_per_epoch
-        self._size = size if size > 0 else None
+        self._size_arg = size if size > 0 else None
         self._step_in_epoch = 0
         self._epoch_done = False
 
@@ -238,7 +240,7 @@ class EchoIterator:
                 f"a finite stream (epochs={self.pipeline.config.epochs}) ends its epochs with the "
                 "data; its epoch length cannot be set"
             )
-        self._size = None
+        self._size_arg = None
         self._epoch_size = None if epoch_size is None else int(epoch_size)
         self._steps_per_epoch = None if steps_per_epoch is None else int(steps_per_epoch)
 
@@ -247,8 +249,8 @@ class EchoIterator:
         cfg = self.pipeline.config
         if self._steps_per_epoch is not None:
             return self._steps_per_epoch * cfg.batch_size
-        if self._size is not None:
-            return self._size
+        if self._size_arg is not None:
+            return self._size_arg
         if self._epoch_size is None and self.finite:
             return self.pipeline.epoch_copies()  # exact, for a fractional e too
         fresh = self._epoch_size or self.pipeline.shard_size
@@ -258,6 +260,18 @@ class EchoIterator:
                 "steps_per_epoch="
             )
         return max(1, round(fresh * cfg.echo.factor))
+
+    @property
+    def size(self) -> int:
+        """Samples an epoch hands out, before the last-batch policy (DALI's iterators' ``size``:
+        the reader's shard size, here times the echo factor)."""
+        return self._epoch_samples()
+
+    @property
+    def _size(self) -> int:
+        """:attr:`size` under DALI's private name, which DALI's ResNet-50 example reads for its
+        steps per epoch (``math.ceil(loader._size / batch_size)``)."""
+        return self._epoch_samples()
 
     def __len__(self) -> int:
         """Steps per epoch: of an endless stream, and of an epoch-aligned one the steps of its
