@@ -205,3 +205,27 @@ def test_checkpoints_while_the_cache_is_full_by_bytes(tmp_path: Path) -> None:
     summary = json.loads((run / "metrics.json").read_text())["summary"]
     assert summary["steps"] == 16 and summary["checkpoints_written"] >= 3
     assert sorted(_lrs(run)) == list(range(1, 17))  # each step once
+
+
+def test_a_resumed_epoch_reports_the_whole_epoch(tiny_imagenet: Path, tmp_path: Path) -> None:
+    """Stopped inside epoch 2 and resumed, the rows hold the uninterrupted run's epoch losses
+    (--deterministic: the same steps), and the rates count each sample once over the training
+    time of both processes."""
+    kw: dict[str, Any] = dict(echo=2.0, deterministic=True)
+    ref = tmp_path / "ref"
+    train(_cfg(tiny_imagenet, ref, **kw), log=lambda m: None)
+    run = tmp_path / "run"
+    train(_cfg(tiny_imagenet, run, max_steps=11, **kw), log=lambda m: None)
+    train(TrainConfig(data=tiny_imagenet, output=run, resume=True, progress=False), log=print)
+
+    def rows(folder: Path) -> list[dict[str, Any]]:
+        doc = json.loads((folder / "metrics.json").read_text())
+        return [r for r in doc["epochs"] if isinstance(r["epoch"], int)]
+
+    assert [r["step"] for r in rows(run)] == [r["step"] for r in rows(ref)] == [8, 16, 24]
+    assert [r["train_loss"] for r in rows(run)] == pytest.approx(
+        [r["train_loss"] for r in rows(ref)], rel=1e-6
+    )
+    for row in rows(run):
+        trained = row["delivered_per_s"] * row["train_s"]
+        assert trained == pytest.approx(8 * row["step"], rel=1e-6)

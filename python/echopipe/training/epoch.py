@@ -36,8 +36,8 @@ class EpochLoop:
     ``model``, the epoch clock and LR schedule, the progress display and step log, the echo
     controller (None without ``--echo auto``), where to say things, the run's start time
     ``wall0``, and the trainer's ``save`` (writes the checkpoint files; the loop drains the
-    pipeline first) and ``write_metrics`` (rewrites the run folder's metrics). It owns what
-    one epoch counts (``losses``, ``epoch_samples``, ``paused_s``) and ``stopped``, the reason
+    pipeline first) and ``write_metrics`` (rewrites the run folder's metrics). What an epoch
+    counts is in the run state (a checkpoint holds it); the loop owns ``stopped``, the reason
     the run stopped early.
     """
 
@@ -78,20 +78,30 @@ class EpochLoop:
         self.save = save
         self._write_metrics = write_metrics
         self.stopped: str | None = None
-        self.losses: list[float] = []
+        self.last_loss: float | None = None
         self._step_of: dict[int, int] = {}  # pipeline minibatch index -> training step
-        self.epoch_samples = 0
-        self.paused_s = 0.0
+        # Since when training time goes uncounted (None outside the epoch's steps): counted into
+        # the run state before each checkpoint and at the epoch's end, never during either.
+        self._mark: float | None = None
         self.epoch_times: list[float] = []
         self._val: list[Any] = []  # the validation iterator, built on first use
 
     def checkpoint(self, *, best: bool) -> None:
         """Drain the pipeline (nothing in flight, its losses kept), then ``save``; the time
         it takes is not training time."""
-        t0 = time.perf_counter()
+        training = self._mark is not None
+        self._count_time()
         self.drain()  # the pipeline's state_dict() would drain too, and drop the losses
         self.save(best=best)
-        self.paused_s += time.perf_counter() - t0
+        if training:
+            self._mark = time.perf_counter()
+
+    def _count_time(self) -> None:
+        """Adds the training time since the mark to the epoch's and the run's."""
+        if self._mark is not None:
+            now, st = time.perf_counter(), self.run_state
+            dt, self._mark = now - self._mark, now
+            st.epoch_train_s, st.train_s = st.epoch_train_s + dt, st.train_s + dt
 
     def run_epoch(self) -> None:
         cfg, st = self.cfg, self.run_state
@@ -107,11 +117,13 @@ class EpochLoop:
             self.clock.plan(
                 st.global_step, float(st.epoch), st.steps_per_epoch, float(st.epoch + 1)
             )
-        t0 = time.perf_counter()
-        self.losses = []
-        self.epoch_samples = 0
-        self.paused_s = 0.0  # checkpoints within the epoch: not training time
-        fresh0 = self.data.counters()["fresh"]
+        if st.step_in_epoch == 0:  # (a resumed epoch goes on from its checkpoint's figures)
+            st.epoch_loss_sum, st.epoch_losses = 0.0, 0
+            st.epoch_samples, st.epoch_train_s = 0, 0.0
+            st.epoch_fresh_start = int(self.data.counters()["fresh"])
+        self.last_loss = None
+        fresh0 = st.epoch_fresh_start
+        self._mark = time.perf_counter()
         while st.step_in_epoch < st.steps_per_epoch:
             if cfg.max_steps is not None and st.global_step >= cfg.max_steps:
                 self.stopped = f"--max-steps {cfg.max_steps} reached"
@@ -129,17 +141,16 @@ class EpochLoop:
                 self.checkpoint(best=False)
             self.progress.step(
                 st.global_step,
-                self.losses[-1] if self.losses else None,
+                self.last_loss,
                 self.data.factor,
-                delivered=self.epoch_samples,
+                delivered=st.epoch_samples,
                 fresh=self.data.counters()["fresh"] - fresh0,
             )
         self.drain()
         average_buffers(self.model, self.ctx)
-        self.epoch_train_s = time.perf_counter() - t0 - self.paused_s
+        self._count_time()
+        self._mark = None
         self.epoch_fresh = self.data.counters()["fresh"] - fresh0
-        st.train_s += self.epoch_train_s
-        st.samples_trained += self.epoch_samples
 
     def _log_step(self) -> None:
         if self.step_log is None:
@@ -169,7 +180,9 @@ class EpochLoop:
         """The losses of finished minibatches: into the epoch's mean and each step's line."""
         losses = [r.value for r in finished]
         self._check_losses(losses)
-        self.losses.extend(losses)
+        self.run_state.epoch_loss_sum += sum(losses)
+        self.run_state.epoch_losses += len(losses)
+        self.last_loss = losses[-1] if losses else self.last_loss
         for record, value in zip(finished, losses, strict=True):
             step = self._step_of.pop(record.index, None)
             if step is not None and self.step_log is not None:
@@ -190,7 +203,8 @@ class EpochLoop:
         st.global_step += 1
         st.step_in_epoch += 1
         st.epoch_fresh += cfg.batch_size / self.data.factor
-        self.epoch_samples += int(x.shape[0])
+        st.epoch_samples += int(x.shape[0])
+        st.samples_trained += int(x.shape[0])
         busy = self.pipeline.step_seconds()
         if busy is not None:
             st.step_time_s += busy
@@ -297,10 +311,10 @@ class EpochLoop:
 
     def _epoch_figures(self, row: dict[str, Any]) -> None:
         """This epoch's own time and rates (the row's other rates are over the whole run)."""
-        world = self.ctx.world_size
-        train_s = max(self.epoch_train_s, 1e-9)
+        world, st = self.ctx.world_size, self.run_state
+        train_s = max(st.epoch_train_s, 1e-9)
         row["epoch_s"] = time.perf_counter() - self.epoch_t0
-        row["epoch_img_per_s"] = world * self.epoch_samples / train_s
+        row["epoch_img_per_s"] = world * st.epoch_samples / train_s
         row["epoch_fresh_per_s"] = world * self.epoch_fresh / train_s
 
     def _row(self, top1: float, val_loss: float, val_n: int) -> dict[str, Any]:
@@ -319,7 +333,7 @@ class EpochLoop:
             "step": st.global_step,
             "wall_s": st.wall_s + time.perf_counter() - self.wall0,
             "train_s": st.train_s,
-            "train_loss": float(np.mean(self.losses)) if self.losses else None,
+            "train_loss": st.epoch_loss_sum / st.epoch_losses if st.epoch_losses else None,
             "val_top1": top1,
             "val_loss": val_loss,
             "val_images": val_n,

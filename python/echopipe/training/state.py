@@ -28,10 +28,15 @@ class RunState:
         step_in_epoch: steps taken in the unfinished epoch.
         steps_per_epoch: planned steps of the current epoch.
         epoch_fresh: fresh samples the unfinished epoch has taken (``batch / e`` per step).
+        epoch_loss_sum, epoch_losses, epoch_samples, epoch_train_s, epoch_fresh_start: the
+            unfinished epoch's loss sum and count, samples delivered, training seconds and the
+            input's fresh count when it started; a resumed epoch goes on from them, so its
+            metrics row is the whole epoch's.
         epoch_clock: the LR schedule's segments (see :class:`~.schedule.EpochClock`).
         checkpoints_written: checkpoint files written, over all resumes.
         wall_s: wall time of the earlier (resumed) runs.
-        train_s: time spent in training steps, without start-up and validation.
+        train_s: time spent in training steps, without start-up, validation and checkpoints
+            (up to the last checkpoint or epoch end).
         samples_trained: samples delivered to the model (fresh and echoed).
         step_time_s, steps_timed: the trainer's compute time per step (``t_down``) sums.
         factors_used: echo factors in the order they were used.
@@ -49,6 +54,11 @@ class RunState:
     step_in_epoch: int = 0
     steps_per_epoch: int = 0
     epoch_fresh: float = 0.0
+    epoch_loss_sum: float = 0.0
+    epoch_losses: int = 0
+    epoch_samples: int = 0
+    epoch_train_s: float = 0.0
+    epoch_fresh_start: int = 0
     epoch_clock: list[tuple[int, float, float]] = field(default_factory=list)
     checkpoints_written: int = 0
     wall_s: float = 0.0
