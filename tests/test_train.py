@@ -90,6 +90,18 @@ def test_run_checkpoints_keep_last_and_best_and_ignore_partial_writes(tmp_path: 
     assert read_state_file(ck.last)["step"] == 7
 
 
+def test_a_write_that_fails_after_last_pt_leaves_the_new_state_resumable(tmp_path: Path) -> None:
+    """last.pt is written before best.pt: a process stopped between the two (here best.pt
+    cannot be replaced) leaves last.pt with the new state, which --resume reads; best.pt
+    written first left a folder whose newest checkpoint had no last.pt."""
+    ck = RunCheckpoints(tmp_path / "ck")
+    ck.save({"kind": "echopipe-train", "step": 3}, best=False)
+    (ck.best / "in-the-way").mkdir(parents=True)
+    with pytest.raises(OSError):
+        ck.save({"kind": "echopipe-train", "step": 7}, best=True)
+    assert read_state_file(ck.last)["step"] == 7
+
+
 def test_checkpoint_load_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"nope\.pt"):
         read_checkpoint(tmp_path / "nope.pt")

@@ -90,6 +90,17 @@ def test_ranks_with_checkpoints_of_different_steps_agree_or_stop(
     r0, r1 = (out / "checkpoints" / f"rank{r}" for r in (0, 1))
     shutil.copyfile(r1 / "prev.pt", r1 / "last.pt")  # rank 1 at step 7, rank 0 at 8 (and 7)
     (r1 / "prev.pt").unlink()
+    files = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*.pt")}
+    # Refused after the ranks agreed on step 7 (another --echo): rank 0's step 8 is kept.
+    refused = _torchrun(tiny_imagenet, out, "--epochs", "3", "--resume", "--echo", "3")
+    assert refused.returncode != 0 and "--echo was 2.0, now 3.0" in refused.stderr
+    assert {p: p.read_bytes() for p in (out / "checkpoints").rglob("*.pt")} == files
+    # --resume CKPT names one rank's file; each rank reads its own, here of another step.
+    named = _torchrun(tiny_imagenet, out, "--epochs", "3", "--resume", str(r0 / "last.pt"))
+    assert named.returncode != 0
+    assert (
+        "the ranks' files are of different steps (rank 0: step 8, rank 1: step 7)" in named.stderr
+    ), named.stderr[-3000:]
     again = _torchrun(tiny_imagenet, out, "--epochs", "3", "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     assert (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +230,70 @@ def test_a_resumed_epoch_reports_the_whole_epoch(tiny_imagenet: Path, tmp_path: 
     for row in rows(run):
         trained = row["delivered_per_s"] * row["train_s"]
         assert trained == pytest.approx(8 * row["step"], rel=1e-6)
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # pragma: no cover - the parser's own exit
+        code = int(exc.code or 0)
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    return line
+
+
+def test_a_folder_is_continued_only_by_as_many_processes_as_wrote_it(
+    tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torchrun's ranks checkpoint into checkpoints/rank<r>/: one process, which looks in
+    checkpoints/, is refused such a folder in one line (it used to start over in it, writing
+    over the run's config.json, metrics and steps), whether or not it resumes."""
+    run = tmp_path / "run"
+    train(_cfg(tiny_imagenet, run, max_steps=2), log=lambda m: None)
+    top = run / "checkpoints"
+    for rank in (0, 1):  # the layout of a run of two ranks
+        (top / f"rank{rank}").mkdir()
+        for f in top.glob("*.pt"):
+            shutil.copyfile(f, top / f"rank{rank}" / f.name)
+    for f in top.glob("*.pt"):
+        f.unlink()
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    argv = ["train", "--data", str(tiny_imagenet), "--no-progress", "--output", str(run)]
+    for resume in ([], ["--resume"], ["--resume", "auto"]):
+        line = _refused([*argv, *resume], capsys)
+        assert f"holds the checkpoints of a run of 2 process(es) ({top / 'rank0'}" in line
+        assert "this run has 1: continue it with as many processes" in line
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_data_is_the_same_folder_however_it_is_spelled(
+    tiny_imagenet: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run started with a relative --data resumes with the absolute spelling, and from
+    another working directory without --data (the folder is recorded absolute)."""
+    monkeypatch.chdir(tiny_imagenet.parent)
+    run = tmp_path / "run"
+    train(_cfg(Path(tiny_imagenet.name), run, max_steps=2), log=lambda m: None)
+    again = TrainConfig(data=tiny_imagenet, output=run, resume=True, max_steps=3, progress=False)
+    assert train(again, log=lambda m: None).steps == 3
+    monkeypatch.chdir(tmp_path)
+    again = TrainConfig(output=run, resume=True, max_steps=4, progress=False)
+    assert train(again, log=lambda m: None).steps == 4
+
+
+def test_a_checkpoint_without_the_epochs_own_figures_still_resumes(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """Checkpoints of earlier versions hold no in-epoch figures: they resume, as before."""
+    from echopipe.training.checkpoints import write_checkpoint
+    from echopipe.training.state import RunState
+
+    run = tmp_path / "run"
+    train(_cfg(tiny_imagenet, run, max_steps=5), log=lambda m: None)
+    last = run / "checkpoints" / "last.pt"
+    state = read_checkpoint(last)
+    for name in RunState.LATER_FIELDS:
+        del state["run"][name]
+    write_checkpoint(state, last)
+    again = TrainConfig(data=tiny_imagenet, output=run, resume=True, progress=False)
+    assert train(again, log=lambda m: None).steps == 12

@@ -235,7 +235,7 @@ def _check_run(run: Any) -> RunState:
     for f in dataclasses.fields(RunState):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kinds[f.name] = type(default)
-    check_dict(run, "run", set(kinds), set())
+    check_dict(run, "run", set(kinds) - RunState.LATER_FIELDS, set(RunState.LATER_FIELDS))
     for key, value in run.items():
         where = f"run {key!r}"
         if kinds[key] is int:

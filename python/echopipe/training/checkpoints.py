@@ -177,7 +177,9 @@ def write_checkpoint(
         f.write(header)
         f.write(payload)
 
-    for target in (*also, path):
+    # ``path`` first: a process killed between the writes leaves its newest state resumable
+    # (``also``, e.g. best.pt, one write behind) rather than an ``also`` without a ``path``.
+    for target in (path, *also):
         Path(target).parent.mkdir(parents=True, exist_ok=True)
         atomic_write(target, write)
     return Path(path)

@@ -117,7 +117,8 @@ class EpochLoop:
             self.clock.plan(
                 st.global_step, float(st.epoch), st.steps_per_epoch, float(st.epoch + 1)
             )
-        if st.step_in_epoch == 0:  # (a resumed epoch goes on from its checkpoint's figures)
+        # A resumed epoch goes on from its checkpoint's figures (an earlier version's have none).
+        if st.step_in_epoch == 0 or st.epoch_samples == 0:
             st.epoch_loss_sum, st.epoch_losses = 0.0, 0
             st.epoch_samples, st.epoch_train_s = 0, 0.0
             st.epoch_fresh_start = int(self.data.counters()["fresh"])

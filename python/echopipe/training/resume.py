@@ -22,7 +22,13 @@ from .config import TrainConfig, UsageError, flag, free_on_resume
 from .distributed import DistContext
 from .state import RunState
 
-__all__ = ["agree_on_checkpoint", "given_by_value", "merge_options", "restart_entry"]
+__all__ = [
+    "agree_on_checkpoint",
+    "agree_on_file",
+    "given_by_value",
+    "merge_options",
+    "restart_entry",
+]
 
 _MISSING = object()
 
@@ -53,7 +59,7 @@ def merge_options(
         name, kind = f.name, f.metadata["on_resume"]
         was = _MISSING if kind == "each" else (fixed if kind == "fixed" else options)
         was = was if was is _MISSING else was.get(name, _MISSING)  # type: ignore[union-attr]
-        if was is _MISSING or (name in given and now[name] == was):
+        if was is _MISSING or (name in given and _same_value(name, now[name], was)):
             values[name] = getattr(cfg, name)
         elif name in given:
             if kind == "fixed":
@@ -72,6 +78,14 @@ def merge_options(
     return merged, changed
 
 
+def _same_value(name: str, now: Any, was: Any) -> bool:
+    """Whether an option given anew keeps the checkpoint's value: for ``--data`` the same
+    folder, however it is spelled (relative, absolute, through a link)."""
+    if name == "data" and isinstance(now, str) and isinstance(was, str):
+        return os.path.realpath(now) == os.path.realpath(was)
+    return bool(now == was)
+
+
 def agree_on_checkpoint(
     ckpts: RunCheckpoints,
     ctx: DistContext,
@@ -84,7 +98,9 @@ def agree_on_checkpoint(
     When the ranks' ``last.pt`` differ (a rank killed between two writes), every rank falls back
     to the newest step all of them hold (``last.pt`` or the ``prev.pt`` kept beside it); the
     newer ``last.pt`` of a rank that falls back is of steps the others never took, and goes.
-    With no step in common the run stops with one line naming the steps.
+    With no step in common the run stops with one line naming the steps. Nothing is moved
+    here: a rank that falls back gets ``prev.pt``, and the caller moves it over ``last.pt``
+    once nothing refuses the start.
     """
     last = _read_step(ckpts.last, read, ctx)
     steps = ctx.all_gather_object(_view(last))
@@ -110,8 +126,35 @@ def agree_on_checkpoint(
         "newest step every rank holds")  # fmt: skip
     if last[0] == step:
         return ckpts.last, last[1]  # type: ignore[return-value]
-    os.replace(ckpts.prev, ckpts.last)
-    return ckpts.last, prev[1]  # type: ignore[return-value]
+    return ckpts.prev, prev[1]  # type: ignore[return-value]
+
+
+def agree_on_file(
+    ckpt: Path, ctx: DistContext, read: Callable[[Path], dict[str, Any]]
+) -> tuple[Path, dict[str, Any]]:
+    """``--resume CKPT`` under torchrun: CKPT names one rank's file (``.../rank<r>/NAME``) and
+    each rank resumes its own ``.../rank<rank>/NAME`` (its data shard's state), all of one
+    step."""
+    k = ckpt.parent.name[4:]
+    if not (ckpt.parent.name.startswith("rank") and k.isascii() and k.isdigit()):
+        raise UsageError(
+            f"--resume {str(ckpt)!r}: under torchrun each rank resumes its own checkpoint; give "
+            f"one rank's file (.../checkpoints/rank<r>/{ckpt.name}), and every rank takes the "
+            "file of that name in its own rank<r>/ folder"
+        )
+    mine = ckpt.parent.parent / f"rank{ctx.rank}" / ckpt.name
+    got = _read_step(mine, read, ctx)
+    if got[0] is None:
+        got = (UsageError(f"--resume: rank {ctx.rank} has no checkpoint {str(mine)!r}"), None)
+    steps = ctx.all_gather_object(_view(got))
+    _raise_first_error(steps, got, ctx)
+    if len(set(steps)) != 1:
+        where = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+        raise UsageError(
+            f"--resume {str(ckpt)!r}: the ranks' files are of different steps ({where}); "
+            "resuming would train the replicas out of step"
+        )
+    return mine, got[1]  # type: ignore[return-value]
 
 
 def _read_step(

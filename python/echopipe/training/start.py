@@ -10,7 +10,9 @@ decisions, and one entry per restart after it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +24,7 @@ from .distributed import DistContext
 from .options import CollectiveError
 from .preflight import check_data, read_resume
 from .report import TrainSummary, summarize, write_config
-from .resume import agree_on_checkpoint, merge_options, restart_entry
+from .resume import agree_on_checkpoint, agree_on_file, merge_options, restart_entry
 from .runfolder import RunFolder, ensure_same_run, read_run_config
 from .schedule import EpochClock, LrSchedule, stretch_schedule
 from .state import RunState
@@ -55,12 +57,15 @@ class RunStart:
         self.changed: dict[str, list[Any]] = {}
         self.finished: str | None = None
         self.last_saved: tuple[int, int, int] | None = None
+        self._fell_back = False  # the ranks agreed on this rank's prev.pt
         self.data_dir = Path()
         self.classes: list[str] = []
 
     def prepare(self) -> None:
         """Run folder, lock, stale files, the checkpoint to resume, options, the data folder."""
         cfg, ctx = self.cfg, self.ctx
+        if cfg.data is not None:  # recorded absolute: a resume from another directory finds it
+            self.cfg = cfg = dataclasses.replace(cfg, data=Path(os.path.abspath(cfg.data)))
         self.folder = RunFolder.choose(cfg, "output" in self.given, ctx.broadcast_object, self.say)
         self.out = self.folder.path
         self.folder.open(lock=ctx.is_main)
@@ -80,6 +85,12 @@ class RunStart:
                     f"{self.saved['model']['num_classes']} classes, --data has "
                     f"{len(self.classes)}"
                 )
+            if self._fell_back:
+                # This rank goes back to prev.pt (agree_on_checkpoint): its newer last.pt is of
+                # steps the other ranks never took. Dropped only now that nothing refused the
+                # start, which leaves the folder as it was.
+                os.replace(self.ckpts.prev, self.ckpts.last)
+                self.resume_path = self.ckpts.last
 
     def _find_resume(self) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -87,11 +98,15 @@ class RunStart:
         def read(path: Path) -> dict[str, Any]:
             return read_resume(path, ctx.world_size)
 
+        self._check_layout()
         found: tuple[Path, dict[str, Any]] | None = None
-        if isinstance(cfg.resume, Path):
+        if isinstance(cfg.resume, Path) and ctx.enabled:
+            found = agree_on_file(cfg.resume, ctx, read)
+        elif isinstance(cfg.resume, Path):
             found = (cfg.resume, read(cfg.resume))
         elif cfg.resume in (True, "auto"):
             found = agree_on_checkpoint(self.ckpts, ctx, read, self.say)
+            self._fell_back = found is not None and found[0] == self.ckpts.prev
             if found is None and cfg.resume is True:
                 raise UsageError(
                     f"--resume: no checkpoint {str(self.ckpts.last)!r} in this run folder; start "
@@ -99,6 +114,12 @@ class RunStart:
                 )
         if found is None:
             earlier = self.ckpts.existing()
+            if earlier and cfg.resume:
+                raise UsageError(
+                    f"--output {str(self.out)!r} holds checkpoints ({earlier[0].name}) but no "
+                    f"{self.ckpts.last.name} to resume from: give --resume "
+                    f"{str(earlier[0])!r} to continue from it, or choose another --output"
+                )
             if earlier:
                 raise UsageError(
                     f"--output {str(self.out)!r} holds checkpoints of an earlier run "
@@ -128,6 +149,27 @@ class RunStart:
             return
         for name, (was, now) in self.changed.items():
             self.say(f"resume: {name} {was} -> {now} (given anew; recorded in config.json)")
+
+    def _check_layout(self) -> None:
+        """Refuse a folder whose checkpoints another number of processes wrote: one process
+        writes checkpoints/, torchrun's ranks checkpoints/rank<r>/, so neither sees the other's
+        (and a start would overwrite that run)."""
+        if self.ckpts.existing():
+            return
+        top = self.out / "checkpoints"  # type: ignore[operator]
+        if self.ctx.enabled:
+            other = RunCheckpoints(top, root=self.out).existing()
+            processes = 1
+        else:
+            ranks = sorted(p for p in top.glob("rank*") if RunCheckpoints(p).existing())
+            other = [RunCheckpoints(ranks[0]).existing()[0]] if ranks else []
+            processes = len(ranks)
+        if other:
+            raise UsageError(
+                f"--output {str(self.out)!r} holds the checkpoints of a run of {processes} "
+                f"process(es) ({other[0]}); this run has {self.ctx.world_size}: continue it "
+                "with as many processes, or choose another --output"
+            )
 
     def finished_summary(self) -> TrainSummary:
         """The summary of a run that had finished before this resume (nothing was trained)."""

@@ -74,6 +74,11 @@ class RunState:
     schedule_epochs: int = 0
     schedule_warp: list[tuple[float, float, float]] = field(default_factory=list)
 
+    #: Fields that checkpoints of earlier versions lack: those take the defaults.
+    LATER_FIELDS = frozenset(
+        {"epoch_loss_sum", "epoch_losses", "epoch_samples", "epoch_train_s", "epoch_fresh_start"}
+    )
+
     def state_dict(self) -> dict[str, Any]:
         """Plain values for a checkpoint."""
         return dataclasses.asdict(self)
