@@ -787,3 +787,36 @@ def test_a_drain_interrupted_by_ctrl_c_leaves_the_next_drain_complete(
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+_LEFT_OPEN = """
+import sys
+import torch
+from echopipe.pipeline import StalePipeline
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
+                            torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.Flatten(),
+                            torch.nn.Linear(64 * 32 * 32, 10))
+pipe = StalePipeline(model, balance=[2, 3], devices=["cpu", "cpu"],
+                     optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+                     loss_fn=torch.nn.functional.cross_entropy)
+x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+for i in range(4):
+    pipe.train_step(x, y)
+if sys.argv[1] == "raise":
+    raise RuntimeError("an error in the training loop")
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "end"])
+def test_a_pipeline_left_open_at_exit_stops_its_stages_first(how: str) -> None:
+    """A script that ends (or fails) with minibatches still in the stage threads: interpreter
+    exit stops them before it finalizes, so the process ends with its own status (its daemon
+    threads, ended inside torch code, aborted it: SIGABRT)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _LEFT_OPEN, how], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == (1 if how == "raise" else 0), done.stderr[-2000:]
+    assert "terminate called" not in done.stderr

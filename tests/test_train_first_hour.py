@@ -255,3 +255,32 @@ def test_a_damaged_steps_csv_and_a_fifo_config_do_not_stop_a_run(tmp_path: Path)
     folder.mkdir()
     os.mkfifo(folder / "config.json")
     assert read_run_config(folder) is None
+
+
+@pytest.mark.parametrize(("name", "status"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_stop_during_interpreter_exit_after_the_run_ends_at_once(
+    tiny_imagenet: Path, tmp_path: Path, name: str, status: int
+) -> None:
+    """A real Ctrl-C or SIGTERM after the command finished, while the interpreter's exit hooks
+    run (sent from one): the process ends at once with 130 or 143, without the traceback of an
+    interrupted exit hook (status 0) or death by the signal."""
+    import echopipe
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
+    )
+    argv = ["echopipe", "train", "--data", str(tiny_imagenet), *TINY, "--epochs", "1",
+            "--echo", "1", "--stages", "1", "--output", str(tmp_path / "run")]  # fmt: skip
+    program = (
+        "import atexit, os, signal, sys\n"
+        f"sys.argv = {argv!r}\n"
+        "from echopipe.cli import main\n"
+        f"atexit.register(lambda: os.kill(os.getpid(), signal.{name}))\n"
+        "sys.exit(main())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == status, proc.stderr[-2000:]
+    assert "echopipe train: summary" in proc.stdout
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr

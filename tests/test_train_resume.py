@@ -297,3 +297,61 @@ def test_a_checkpoint_without_the_epochs_own_figures_still_resumes(
     write_checkpoint(state, last)
     again = TrainConfig(data=tiny_imagenet, output=run, resume=True, progress=False)
     assert train(again, log=lambda m: None).steps == 12
+
+
+def test_a_second_stop_while_the_run_closes_keeps_the_first_stops_line(
+    tiny_imagenet: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second Ctrl-C arriving while an interrupted run closes (a real SIGINT, sent as the
+    pipeline closes) is dropped: the closing goes on to the end, and the line is the first
+    stop's (it interrupted the closing and was told as a stop during start-up)."""
+    import os
+    import signal
+
+    from echopipe.pipeline.engine import StalePipeline
+
+    close = StalePipeline.close
+    closed: list[str] = []
+
+    def close_on_a_second_stop(self: StalePipeline) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        close(self)
+        closed.append("pipeline")
+
+    monkeypatch.setattr(StalePipeline, "close", close_on_a_second_stop)
+
+    def log(message: str) -> None:
+        if message.startswith("epoch 1/3"):
+            raise KeyboardInterrupt
+
+    run = tmp_path / "run"
+    with pytest.raises(Interrupted) as info:
+        train(_cfg(tiny_imagenet, run, checkpoint_every=2), log=log)
+    assert info.value.line.startswith("interrupted at step 4; --resume --output "), info.value
+    assert closed == ["pipeline"]
+
+
+def test_a_stop_held_back_by_a_checkpoint_write_names_that_checkpoint(
+    tiny_imagenet: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real Ctrl-C arriving while step 4's checkpoint is written: the line names step 4,
+    the checkpoint --resume then reads (it named the one before)."""
+    import os
+    import signal
+
+    from echopipe.training.checkpoints import RunCheckpoints
+
+    save = RunCheckpoints.save
+
+    def save_and_stop(self: RunCheckpoints, state: dict[str, Any], *, best: bool) -> Any:
+        written = save(self, state, best=best)
+        if state["run"]["global_step"] == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+        return written
+
+    monkeypatch.setattr(RunCheckpoints, "save", save_and_stop)
+    run = tmp_path / "run"
+    with pytest.raises(Interrupted) as info:
+        train(_cfg(tiny_imagenet, run, checkpoint_every=2), log=lambda m: None)
+    assert f"{run / 'checkpoints' / 'last.pt'} (step 4," in info.value.line, info.value.line
+    assert read_checkpoint(run / "checkpoints" / "last.pt")["run"]["global_step"] == 4

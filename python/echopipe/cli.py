@@ -18,6 +18,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
+from . import stops
+
 __all__ = [
     "BENCH_DEFAULT",
     "BENCH_STUDIES",
@@ -345,14 +347,6 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 1 if any(result.startswith("failed") for _, result, _ in outcomes) else 0
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, handled as Ctrl-C is (torchrun and job schedulers stop a run with it)."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``echopipe`` console script; returns the exit status.
 
@@ -364,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import threading
 
     main_thread = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    from_command_line = argv is None
+    before = signal.signal(signal.SIGTERM, stops.on_sigterm) if main_thread else None
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
@@ -383,15 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             command = argv[0] if argv and not argv[0].startswith("-") else ""
             print(f"echopipe {command}: {line}".replace("  ", " "), file=sys.stderr, flush=True)
-        return 143 if isinstance(exc, _Terminated) or _terminated(exc) else 130
+        return 143 if stops.terminated(exc) else 130
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, before)
-
-
-def _terminated(exc: BaseException) -> bool:
-    """Whether ``exc`` (an Interrupted from the trainer) came from a SIGTERM."""
-    return isinstance(exc.__context__, _Terminated) or isinstance(exc.__cause__, _Terminated)
+            if from_command_line:
+                stops.quiet_teardown()
 
 
 if __name__ == "__main__":

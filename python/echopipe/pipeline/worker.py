@@ -17,12 +17,14 @@ import queue
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..exit_hooks import before_thread_join
 from .results import LossRecord
 from .stage import StageCore
 from .stream import BusyTimer, DeviceStream, KeepAlive, StreamEvent, transfer
@@ -93,6 +95,20 @@ def divide_threads(
     return values
 
 
+# Every StageWorkers not shut down. Their threads are daemons (a forgotten pipeline must not
+# keep the process alive), and a daemon thread still in torch code when the interpreter
+# finalizes is ended inside it and aborts the process: interpreter exit stops them first.
+_RUNNING: weakref.WeakSet[StageWorkers] = weakref.WeakSet()
+
+
+def _stop_running() -> None:
+    for workers in list(_RUNNING):
+        workers.shutdown()
+
+
+before_thread_join(_stop_running)
+
+
 class StageWorkers:
     """One worker thread per stage, the queues between them, and the first error any raised.
 
@@ -151,6 +167,7 @@ class StageWorkers:
         ]
         for t in self.threads:
             t.start()
+        _RUNNING.add(self)
         try:
             started.wait(timeout=60)
         except threading.BrokenBarrierError:  # a stage failed to start (or none in 60 s)

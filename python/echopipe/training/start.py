@@ -271,9 +271,11 @@ def say_through(progress: Any, log: Callable[[str], None]) -> Callable[[str], No
 
 
 @contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until a checkpoint write is complete (main thread only), so a
-    stop never leaves a half-written file."""
+def signals_deferred(resend: bool = True) -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until a checkpoint write (or the closing of the run) is
+    complete (main thread only), so a stop never leaves a half-written file or a half-closed
+    run; then the first of them is raised, or with ``resend=False`` (the run is already
+    stopping) dropped."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -288,5 +290,5 @@ def signals_deferred() -> Iterator[None]:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        if caught:
+        if caught and resend:
             signal.raise_signal(caught[0])  # now, to the handler the write held back

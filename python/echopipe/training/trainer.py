@@ -120,10 +120,14 @@ class Trainer:
                 raise
             raise named from None
         finally:
-            for thing in reversed(self._open):
-                thing.close()
-            if start.folder is not None:
-                start.folder.release()
+            # Closed whole: a second Ctrl-C or SIGTERM here would skip the closes after it
+            # (a daemon stage thread left in torch code aborts the process at exit) and
+            # replace the stop's own line; after a stop or an error it is dropped.
+            with signals_deferred(resend=sys.exc_info()[1] is None):
+                for thing in reversed(self._open):
+                    thing.close()
+                if start.folder is not None:
+                    start.folder.release()
 
     def setup(self) -> EpochLoop:
         """Seeds, devices, input, model, the ``auto`` decisions, the pipeline, the state; the
@@ -346,9 +350,9 @@ class Trainer:
         st.wall_s = wall
         if self.step_log is not None:
             self.step_log.flush()  # every step the checkpoint holds is in steps.csv
-        with signals_deferred():
+        with signals_deferred():  # (a stop held back names this checkpoint, so set it inside)
             self.start.ckpts.save(payload, best=best)
-        self.start.last_saved = (st.epoch, st.step_in_epoch, st.global_step)
+            self.start.last_saved = (st.epoch, st.step_in_epoch, st.global_step)
 
     def _write_metrics(self, summary: TrainSummary | None = None) -> None:
         history = (
