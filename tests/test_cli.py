@@ -76,6 +76,39 @@ def _truncated_val_jpeg(root: Path) -> None:
     (root / "val" / "cat" / "cut.JPEG").write_bytes(whole[: len(whole) // 2])
 
 
+def _claiming(jpeg: bytes, width: int, height: int) -> bytes:
+    """``jpeg`` with a frame header (SOF0) that claims ``width`` x ``height``: a few KB that
+    a decoder would expand to width x height x 3 bytes."""
+    data = bytearray(jpeg)
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(data)
+
+
+def _val_bomb(root: Path) -> None:
+    _dataset(root)
+    whole = (root / "val" / "cat" / "0.JPEG").read_bytes()
+    (root / "val" / "cat" / "bomb.JPEG").write_bytes(_claiming(whole, 14000, 14000))
+
+
+def _frameless_jpeg(root: Path) -> None:
+    _dataset(root)
+    (root / "train" / "ant" / "frameless.JPEG").write_bytes(b"\xff\xd8\xff\xd9")
+
+
+def _non_utf8_name(root: Path) -> None:
+    _dataset(root)
+    name = os.fsencode(root / "train" / "cat") + b"/\xff\xfe.JPEG"
+    Path(os.fsdecode(name)).write_bytes((root / "train" / "cat" / "0.JPEG").read_bytes())
+
+
+def _non_utf8_class(root: Path) -> None:
+    _dataset(root)
+    for split in ("train", "val"):
+        folder = os.fsdecode(os.fsencode(root / split) + b"/c\xff")
+        _jpeg(Path(folder) / "0.JPEG")
+
+
 def _no_classes(root: Path) -> None:
     (root / "train").mkdir(parents=True)
     (root / "val").mkdir()
@@ -102,6 +135,10 @@ BAD_DATA = {
     "truncated JPEG": (_truncated_jpeg, [], 1, "cut.JPEG"),
     "truncated val JPEG": (_truncated_val_jpeg, [], 1, "val/cat/cut.JPEG"),
     "no classes": (_no_classes, [], 1, "no class sub-folders"),
+    "val JPEG claiming 14000 x 14000": (_val_bomb, [], 1, "bomb.JPEG': its header claims 14000"),
+    "JPEG without a frame": (_frameless_jpeg, [], 1, "frameless.JPEG': JPEG ends (EOI) before"),
+    "non-UTF-8 file name": (_non_utf8_name, [], 1, "\\udcff\\udcfe.JPEG': its name is not UTF-8"),
+    "non-UTF-8 class folder": (_non_utf8_class, [], 1, "train/c\\udcff' has a name that is not"),
     "one class": (_one_class, [], 1, "1 class folder"),
     "image larger than the cache": (
         _too_big_for_the_cache,
@@ -280,6 +317,28 @@ def test_on_corrupt_skip_and_empty_class_folders_are_reported(
     assert "1 corrupt image(s) left out of train/" in err and "empty.JPEG" in err
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["resolved"]["classes"] == ["ant", "bee", "cat"]
+
+
+def test_on_corrupt_skip_leaves_out_bombs_frameless_jpegs_and_names_dali_cannot_open(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the header check finds, --on-corrupt skip leaves out, in train/ and val/: a JPEG
+    whose header claims 14000 x 14000 pixels (never decoded), one with no frame before its end
+    (which DALI's decoder would fail on), and a file whose name is not UTF-8."""
+    data = tmp_path / "data"
+    _non_utf8_name(data)
+    whole = (data / "val" / "cat" / "0.JPEG").read_bytes()
+    for split in ("train", "val"):
+        (data / split / "ant" / "bomb.JPEG").write_bytes(_claiming(whole, 14000, 14000))
+        (data / split / "cat" / "frameless.JPEG").write_bytes(b"\xff\xd8\xff\xd9")
+    argv = ["train", "--data", str(data), "--output", str(tmp_path / "run"), "-b", "4",
+            "--image-size", "32", "--epochs", "1", "--stages", "1", "--on-corrupt", "skip",
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "3 corrupt image(s) left out of train/" in err, err
+    rows = json.loads((tmp_path / "run" / "metrics.json").read_text())["epochs"]
+    assert rows[0]["val_images"] == 4
 
 
 def test_data_folder_without_train_split(

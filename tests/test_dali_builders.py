@@ -341,11 +341,14 @@ def test_corrupt_files_skipped_and_counted(data: Path, tmp_path: Path) -> None:
 
 
 def _plant_undecodable(data: Path, tmp_path: Path) -> Path:
-    """A file that passes the header check (SOI ... EOI) but that no decoder can read."""
+    """A file that passes the header check (markers, frame size) but that no decoder can read:
+    its Huffman table's code counts add up to more codes than a table can hold."""
     root = _copy_train(data, tmp_path)
     bad = sorted((root / "train").iterdir())[0] / "zz_passes_header.JPEG"
-    good = _good_jpeg_bytes(data)
-    bad.write_bytes(good[:4] + b"\x13garbage" * 60 + b"\xff\xd9")
+    good = bytearray(_good_jpeg_bytes(data))
+    dht = good.index(b"\xff\xc4")
+    good[dht + 5 : dht + 21] = b"\xff" * 16
+    bad.write_bytes(bytes(good))
     return bad
 
 
@@ -380,7 +383,7 @@ def test_decoder_failure_named_for_plain_dali(data: Path, tmp_path: Path) -> Non
     with pytest.raises(CorruptImageError, match="DALI's decoder failed") as info:
         for _ in range(10):
             pipe.run()
-    assert info.value.path == str(bad) and "nvImageCodec" in str(info.value.__cause__)
+    assert info.value.path == str(bad) and "decoders.image" in str(info.value.__cause__)
     named = explain_decode_failure(pipe.upstream_tap, info.value.__cause__)
     assert isinstance(named, CorruptImageError) and named.path == str(bad)
     other = RuntimeError("echo cache was closed")
@@ -389,6 +392,27 @@ def test_decoder_failure_named_for_plain_dali(data: Path, tmp_path: Path) -> Non
     with pytest.raises(CorruptImageError, match="decode failed") as scan:
         imagenet_train_pipeline(bad.parent.parent, batch_size=4, check="decode")
     assert scan.value.path == str(bad)
+
+
+@pytest.mark.parametrize("on_corrupt", ["error", "skip"])
+def test_a_decoder_failure_suggests_only_what_is_not_in_use(
+    data: Path, tmp_path: Path, on_corrupt: str
+) -> None:
+    """on_corrupt='skip' leaves out what the scan's check finds, and the header check cannot
+    see this file: the message names a full decode, and on_corrupt='skip' only when not given."""
+    bad = _plant_undecodable(data, tmp_path)
+    pipe = imagenet_train_pipeline(
+        bad.parent.parent, batch_size=4, image_size=SIZE, echo_factor=None, num_threads=1,
+        shuffle_files=False, on_corrupt=on_corrupt,
+    )  # fmt: skip
+    assert pipe.skipped_files == []
+    pipe.build()
+    with pytest.raises(CorruptImageError, match="DALI's decoder failed") as info:
+        for _ in range(10):
+            pipe.run()
+    message = str(info.value)
+    assert info.value.path == str(bad) and "check='decode'" in message
+    assert ("on_corrupt='skip'" in message) == (on_corrupt == "error"), message
 
 
 def test_validation_pipeline_names_an_undecodable_file(data: Path, tmp_path: Path) -> None:

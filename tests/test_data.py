@@ -409,6 +409,20 @@ def _truncated_png() -> bytes:
     return data[: len(data) - 20]
 
 
+def _jpeg_claiming(width: int, height: int) -> bytes:
+    """A small real JPEG whose frame header (SOF0) claims ``width`` x ``height``."""
+    data = bytearray(_jpeg_bytes(5))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(data)
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    data = bytearray(_png_bytes())
+    data[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")
+    return bytes(data)
+
+
 @pytest.mark.parametrize(
     ("name", "content", "reason"),
     [
@@ -416,7 +430,18 @@ def _truncated_png() -> bytes:
         ("garbage.JPEG", b"this is not an image at all" * 10, "not a JPEG or PNG"),
         ("truncated.JPEG", _truncated_jpeg(), "end-of-image marker"),
         ("truncated.png", _truncated_png(), "IEND"),
+        ("bomb.JPEG", _jpeg_claiming(30000, 30000), "claims 30000 x 30000 pixels"),
+        ("bomb.png", _png_claiming(20000, 9000), "claims 20000 x 9000 pixels"),
+        ("no_frame.JPEG", b"\xff\xd8\xff\xd9", "before its first scan"),
+        ("zero_height.JPEG", _jpeg_claiming(40, 0), "size 40 x 0"),
+        ("scan_first.JPEG", b"\xff\xd8\xff\xda\x00\x02" + b"\x00" * 60 + b"\xff\xd9", "no frame"),
+        (
+            "many_segments.JPEG",
+            b"\xff\xd8" + b"\xff\xfe\x00\x02" * 5000 + _jpeg_bytes(5)[2:],
+            "more than 1024 segments",
+        ),
     ],
+    ids=lambda value: value if isinstance(value, str) else "",
 )
 @pytest.mark.parametrize("check", ["header", "decode"])
 def test_scan_corrupt_file_is_named(
@@ -437,8 +462,10 @@ def test_scan_corrupt_file_is_named(
 def test_decode_check_catches_what_headers_miss(tmp_path: Path) -> None:
     _good_tree(tmp_path)
     bad = tmp_path / "ant" / "scrambled.JPEG"
-    good = _jpeg_bytes(4)
-    bad.write_bytes(good[:4] + bytes(range(256)) * 4 + b"\xff\xd9")
+    good = bytearray(_jpeg_bytes(4))
+    dht = good.index(b"\xff\xc4")
+    good[dht + 5 : dht + 21] = b"\xff" * 16  # more Huffman codes than a table holds
+    bad.write_bytes(bytes(good))
     index = scan_image_folder(tmp_path, check="header")
     assert str(bad) in index.files
     with pytest.raises(CorruptImageError, match="decode failed") as info:
@@ -463,6 +490,42 @@ def test_scan_skip_mode_counts_skipped(tmp_path: Path) -> None:
     reasons = dict(index.skipped)
     assert "empty file" in reasons[str(tmp_path / "ant" / "a_zero.JPEG")]
     assert "47 49 46 38" in reasons[str(tmp_path / "cat" / "b_garbage.jpg")]
+
+
+def test_the_pixel_limit_is_pillows_bomb_limit_and_sizes_below_it_pass(tmp_path: Path) -> None:
+    """The header's size is checked against MAX_IMAGE_PIXELS: Pillow's own decompression-bomb
+    error threshold, so a check="decode" scan and the header check agree."""
+    from echopipe.data import MAX_IMAGE_PIXELS
+
+    assert MAX_IMAGE_PIXELS == 2 * Image.MAX_IMAGE_PIXELS
+    path = tmp_path / "big.JPEG"
+    path.write_bytes(_jpeg_claiming(13000, 13000))  # 169 megapixels: under the limit
+    check_image_file(path)
+    path.write_bytes(_jpeg_claiming(13400, 13400))  # 180 megapixels
+    with pytest.raises(CorruptImageError, match="MAX_IMAGE_PIXELS"):
+        check_image_file(path)
+
+
+def test_names_that_are_not_utf8_are_bad_files_and_such_class_folders_refused(
+    tmp_path: Path,
+) -> None:
+    """DALI's reader takes only UTF-8 names: an image so named follows on_corrupt at every
+    check level (named by its repr), and a class folder so named is refused, naming it."""
+    good = _good_tree(tmp_path)
+    bad = os.fsdecode(os.fsencode(tmp_path / "cat") + b"/\xff\xfe.JPEG")
+    Path(bad).write_bytes(_jpeg_bytes(7))
+    for check in ("none", "header", "decode"):
+        with pytest.raises(CorruptImageError, match="not UTF-8") as info:
+            scan_image_folder(tmp_path, check=check)  # type: ignore[arg-type]
+        assert info.value.path == bad and repr(bad) in str(info.value)
+        index = scan_image_folder(tmp_path, check=check, on_corrupt="skip")  # type: ignore[arg-type]
+        assert sorted(index.files) == sorted(map(str, good))
+        assert [p for p, _ in index.skipped] == [bad]
+    os.unlink(bad)
+    os.mkdir(os.fsencode(tmp_path) + b"/d\xff")
+    Path(os.fsdecode(os.fsencode(tmp_path) + b"/d\xff/x.JPEG")).write_bytes(_jpeg_bytes(8))
+    with pytest.raises(ValueError, match=r"class folder .*d\\udcff.* not UTF-8"):
+        scan_image_folder(tmp_path, on_corrupt="skip")
 
 
 def test_scan_skip_mode_with_nothing_left_is_an_error(tmp_path: Path) -> None:

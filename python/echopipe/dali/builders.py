@@ -149,7 +149,11 @@ def imagenet_train_pipeline(
     if e.epochs is not None:
         # echopipe counts epochs in whole reader batches, so the last one must not wrap.
         files = ReaderArgs(**{**files.__dict__, "pad_last_batch": True})
-    tap = UpstreamTap(r.read_delay_ms) if (r.track_sources or r.read_delay_ms > 0) else None
+    tap = (
+        UpstreamTap(r.read_delay_ms, check=r.check, on_corrupt=r.on_corrupt)
+        if (r.track_sources or r.read_delay_ms > 0)
+        else None
+    )
     pipe = ImagenetEchoPipeline(
         _echo_train_graph(files, tap, r, a, e, size),
         config=_echo_config(batch_size, r, e, shard, dev),

@@ -74,7 +74,11 @@ def imagenet_plain_train_pipeline(
         index, shard_id=shard, num_shards=shards, seed=int(seed), shuffle_files=shuffle_files,
         stick_to_shard=stick_to_shard, initial_fill=initial_fill,
     )  # fmt: skip
-    tap = UpstreamTap(read_delay_ms) if (track_sources or read_delay_ms > 0) else None
+    tap = (
+        UpstreamTap(read_delay_ms, check=check, on_corrupt=on_corrupt)
+        if (track_sources or read_delay_ms > 0)
+        else None
+    )
 
     def plain_train() -> tuple[Any, Any]:
         jpegs, labels, _ = graph_read(reader, tap)
@@ -123,7 +127,7 @@ def imagenet_decode_pipeline(
         index, shard_id=shard, num_shards=shards, seed=int(seed), shuffle_files=shuffle_files,
         stick_to_shard=False, initial_fill=1024,
     )  # fmt: skip
-    tap = UpstreamTap(read_delay_ms)
+    tap = UpstreamTap(read_delay_ms, check=check, on_corrupt=on_corrupt)
 
     def decode_only() -> tuple[Any, Any]:
         jpegs, labels, _ = graph_read(reader, tap)
@@ -206,7 +210,11 @@ def imagenet_val_pipeline(
     reader = val_reader_args(
         index, shard_id=shard, num_shards=shards, seed=int(seed), stick_to_shard=stick_to_shard
     )
-    tap = UpstreamTap(read_delay_ms) if (track_sources or read_delay_ms > 0) else None
+    tap = (
+        UpstreamTap(read_delay_ms, check=check, on_corrupt=on_corrupt)
+        if (track_sources or read_delay_ms > 0)
+        else None
+    )
 
     def val() -> tuple[Any, ...]:
         jpegs, labels, sources = graph_read(reader, tap)

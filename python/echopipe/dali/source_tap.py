@@ -30,16 +30,25 @@ class UpstreamTap:
     last ``history_batches`` batches, and passes the encoded files through unchanged.
 
     Counters (read them any time; they are updated under a lock): ``samples``, ``batches`` and
-    ``delay_s`` (total seconds slept).
+    ``delay_s`` (total seconds slept). ``check`` and ``on_corrupt`` are the scan's settings, so
+    that the message of a decoder failure suggests only what was not already in use.
     """
 
-    def __init__(self, read_delay_ms: float = 0.0, *, history_batches: int = 8) -> None:
+    def __init__(
+        self,
+        read_delay_ms: float = 0.0,
+        *,
+        history_batches: int = 8,
+        check: str = "header",
+        on_corrupt: str = "error",
+    ) -> None:
         delay = float(read_delay_ms)
         if not np.isfinite(delay) or delay < 0:
             raise ValueError(f"read_delay_ms must be a finite number >= 0, got {read_delay_ms!r}")
         if int(history_batches) < 1:
             raise ValueError(f"history_batches must be >= 1, got {history_batches!r}")
         self.read_delay_ms = delay
+        self.check, self.on_corrupt = check, on_corrupt
         self._lock = threading.Lock()
         self._recent: collections.deque[list[str]] = collections.deque(maxlen=int(history_batches))
         self.samples = 0
@@ -101,10 +110,15 @@ def explain_decode_failure(tap: UpstreamTap, error: BaseException) -> BaseExcept
         return error
     path, reason = bad[0]
     more = f" (and {len(bad) - 1} more: {[p for p, _ in bad[1:4]]})" if len(bad) > 1 else ""
-    exc = CorruptImageError(
-        path,
-        f"DALI's decoder failed on it ({reason}){more}; it passed the header check, "
-        "so scan with check='decode' or on_corrupt='skip' to leave it out",
-    )
+    # on_corrupt='skip' alone leaves out only what the scan's check sees, which was not this.
+    if tap.check == "decode":
+        hint = "it decoded when the folder was scanned (it changed since?): remove or replace it"
+    else:
+        also = "" if tap.on_corrupt == "skip" else " and on_corrupt='skip'"
+        hint = (
+            f"the scan's check ({tap.check!r}) does not decode: remove or replace it, or scan "
+            f"with check='decode'{also} to leave such files out"
+        )
+    exc = CorruptImageError(path, f"DALI's decoder failed on it ({reason}){more}; {hint}")
     exc.__cause__ = error
     return exc

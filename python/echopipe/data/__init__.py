@@ -17,7 +17,13 @@ This module is the public face of three pieces, each in its own module:
 from __future__ import annotations
 
 from .digits import load_digits
-from .image_folder import CorruptImageError, ImageFolderIndex, check_image_file, scan_image_folder
+from .image_folder import (
+    MAX_IMAGE_PIXELS,
+    CorruptImageError,
+    ImageFolderIndex,
+    check_image_file,
+    scan_image_folder,
+)
 from .synthetic import (
     MANIFEST_NAME,
     SYNTHETIC_GENERATOR_VERSION,
@@ -30,6 +36,7 @@ from .synthetic import (
 )
 
 __all__ = [
+    "MAX_IMAGE_PIXELS",
     "SYNTHETIC_GENERATOR_VERSION",
     "CorruptImageError",
     "ImageFolderIndex",

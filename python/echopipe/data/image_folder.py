@@ -15,11 +15,17 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from PIL import Image
 
-__all__ = ["CorruptImageError", "ImageFolderIndex", "check_image_file", "scan_image_folder"]
+__all__ = [
+    "MAX_IMAGE_PIXELS",
+    "CorruptImageError",
+    "ImageFolderIndex",
+    "check_image_file",
+    "scan_image_folder",
+]
 
 
 class CorruptImageError(ValueError):
@@ -67,25 +73,93 @@ class ImageFolderIndex:
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _TAIL_BYTES = 1024
 
+MAX_IMAGE_PIXELS = 2 * 89_478_485
+"""Largest image (width x height) the header check accepts: Pillow's decompression-bomb limit
+(``2 * PIL.Image.MAX_IMAGE_PIXELS``), about 179 megapixels, or 537 MB decoded as RGB, above
+any camera's. The size is read from the file's header, where a 2 KB file can claim 30000 x
+30000 and make the decoder allocate gigabytes; a larger image is corrupt."""
+
+# JPEG start-of-frame markers (C4 DHT, C8 JPG and CC DAC are not frames).
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# A real JPEG has a few dozen segments before its first scan; seeking past more is refused.
+_MAX_JPEG_SEGMENTS = 1024
+
+
+def _jpeg_frame_size(fh: BinaryIO, length: int) -> tuple[int, int]:
+    """``(width, height)`` of the frame header of the JPEG in ``fh``, read segment by segment up
+    to its first scan (a few bytes per segment; the segments' data are skipped by seeking).
+    Raises ValueError saying what is wrong when there is no frame before the scan."""
+    pos, size = 2, None
+    for _ in range(_MAX_JPEG_SEGMENTS):
+        fh.seek(pos)
+        head = fh.read(4)
+        if len(head) < 2 or head[0] != 0xFF:
+            raise ValueError(f"JPEG has no marker at byte {pos} (damaged before its first scan)")
+        marker = head[1]
+        if marker == 0xFF:  # a fill byte before a marker
+            pos += 1
+            continue
+        if marker == 0xD9:
+            raise ValueError("JPEG ends (EOI) before its first scan: it holds no image")
+        if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a segment
+            pos += 2
+            continue
+        if len(head) < 4:
+            raise ValueError(f"JPEG ends inside the marker at byte {pos}")
+        seg = int.from_bytes(head[2:4], "big")
+        if seg < 2 or pos + 2 + seg > length:
+            raise ValueError(f"JPEG segment at byte {pos} has a bad length {seg}")
+        if marker in _SOF_MARKERS:
+            frame = fh.read(5)
+            if seg < 8 or len(frame) < 5:
+                raise ValueError(f"JPEG frame header at byte {pos} is too short")
+            size = (int.from_bytes(frame[3:5], "big"), int.from_bytes(frame[1:3], "big"))
+        elif marker == 0xDA:
+            if size is None:
+                raise ValueError("JPEG has a scan but no frame header (SOF) before it")
+            return size
+        pos += 2 + seg
+    raise ValueError(f"JPEG has more than {_MAX_JPEG_SEGMENTS} segments before its first scan")
+
+
+def _check_size(width: int, height: int) -> str | None:
+    """Why an image of this size is refused, or None."""
+    if width == 0 or height == 0:
+        return f"its header gives the size {width} x {height}"
+    if width * height > MAX_IMAGE_PIXELS:
+        return (
+            f"its header claims {width} x {height} pixels, more than the {MAX_IMAGE_PIXELS} "
+            "(MAX_IMAGE_PIXELS) echopipe decodes (a decompression bomb?)"
+        )
+    return None
+
 
 def check_image_file(path: str | Path, check: Literal["header", "decode"] = "header") -> None:
     """Raise :class:`CorruptImageError` if ``path`` is not a usable JPEG or PNG.
 
-    ``"header"`` reads the first and last bytes: the file must be non-empty, start with a JPEG
-    SOI marker (``FF D8 FF``) and hold an EOI marker (``FF D9``) within its last 1 KiB, or start
-    with the PNG signature and hold an ``IEND`` chunk within its last 1 KiB. ``"decode"`` also
-    decodes the whole image with Pillow.
+    ``"header"`` reads the first bytes, the marker segments up to the first scan, and the last
+    bytes: the file must be non-empty, start with a JPEG SOI marker (``FF D8 FF``), have a
+    frame header (SOF) before its first scan (SOS) and an EOI marker (``FF D9``) within its last
+    1 KiB, or start with the PNG signature and an ``IHDR`` chunk and hold an ``IEND`` chunk
+    within its last 1 KiB. The size in the frame header or ``IHDR`` must be non-zero and at most
+    :data:`MAX_IMAGE_PIXELS`. ``"decode"`` also decodes the whole image with Pillow.
     """
     if check not in ("header", "decode"):
         raise ValueError(f"check must be 'header' or 'decode', got {check!r}")
     path = os.fspath(path)
+    size_problem = None
     try:
         with open(path, "rb") as fh:
-            head = fh.read(8)
+            head = fh.read(24)
             fh.seek(0, os.SEEK_END)
             length = fh.tell()
             fh.seek(max(0, length - _TAIL_BYTES))
             tail = fh.read()
+            if head.startswith(b"\xff\xd8\xff") and b"\xff\xd9" in tail:
+                try:
+                    size_problem = _check_size(*_jpeg_frame_size(fh, length))
+                except ValueError as exc:
+                    size_problem = str(exc)
     except OSError as exc:
         raise CorruptImageError(path, f"cannot read: {exc.strerror or exc}") from exc
     if length == 0:
@@ -98,10 +172,17 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
     elif head.startswith(_PNG_SIGNATURE):
         if b"IEND" not in tail:
             raise CorruptImageError(path, f"PNG has no IEND chunk (truncated? {length} bytes)")
+        if head[12:16] != b"IHDR":
+            raise CorruptImageError(path, "PNG does not start with an IHDR chunk")
+        size_problem = _check_size(
+            int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+        )
     else:
         raise CorruptImageError(
             path, f"not a JPEG or PNG: starts with bytes {head[:4].hex(' ').upper()!r}"
         )
+    if size_problem is not None:
+        raise CorruptImageError(path, size_problem)
     if check == "decode":
         try:
             with warnings.catch_warnings():
@@ -128,10 +209,12 @@ def scan_image_folder(
     back into a folder already being walked (a loop) is left out and listed in
     ``links_skipped``, so a link can neither pull in files from elsewhere nor repeat a folder.
     A folder that cannot be listed raises OSError naming it (its images would be missing).
+    DALI's reader takes only UTF-8 names: an image whose name (or sub-folder's) is not UTF-8 is
+    a bad file at every ``check``; a class folder or ``root`` so named is refused.
 
     Args:
         root: the dataset split folder, e.g. ``.../train``.
-        check: ``"none"`` (extension only), ``"header"`` (markers, see
+        check: ``"none"`` (extension and name only), ``"header"`` (markers and size, see
             :func:`check_image_file`) or ``"decode"`` (full Pillow decode).
         on_corrupt: ``"error"`` raises on the first bad file; ``"skip"`` leaves it out and
             records it in ``skipped``.
@@ -139,7 +222,8 @@ def scan_image_folder(
 
     Raises:
         FileNotFoundError: ``root`` does not exist (or is not a folder).
-        ValueError: ``root`` has no class sub-folders, or no images are left.
+        ValueError: ``root`` has no class sub-folders, or no images are left, or it or a class
+            folder has a name that is not UTF-8.
         CorruptImageError: a bad file when ``on_corrupt="error"``; names the file and reason.
         OSError: a folder of the tree cannot be listed; names it.
     """
@@ -154,12 +238,16 @@ def scan_image_folder(
     if not root_path.is_dir():
         what = "is not a folder" if root_path.exists() else "does not exist"
         raise FileNotFoundError(f"image folder {str(root_path)!r} {what}")
+    if not _is_utf8(str(root_path)):
+        raise ValueError(f"image folder {str(root_path)!r} has a name that is not UTF-8{_RENAME}")
     real_root = os.path.realpath(root_path)
     index = ImageFolderIndex(root=str(root_path))
     classes = []
     for e in sorted(os.scandir(root_path), key=lambda e: e.name):
         if e.name.startswith(".") or not e.is_dir(follow_symlinks=True):
             continue
+        if not _is_utf8(e.name):  # its label would be a name no one can print or type
+            raise ValueError(f"class folder {e.path!r} has a name that is not UTF-8{_RENAME}")
         reason = _link_problem(e.path, real_root, set()) if e.is_symlink() else None
         if reason is None:
             classes.append(e.name)
@@ -170,14 +258,16 @@ def scan_image_folder(
     index.classes = classes
     for label, name in enumerate(classes):
         for path in _walk_images(root_path / name, exts, real_root, index.links_skipped):
-            if check != "none":
-                try:
+            try:
+                if not _is_utf8(path):
+                    raise CorruptImageError(path, f"its name is not UTF-8{_RENAME}")
+                if check != "none":
                     check_image_file(path, check)
-                except CorruptImageError as exc:
-                    if on_corrupt == "error":
-                        raise
-                    index.skipped.append((exc.path, exc.reason))
-                    continue
+            except CorruptImageError as exc:
+                if on_corrupt == "error":
+                    raise
+                index.skipped.append((exc.path, exc.reason))
+                continue
             index.files.append(path)
             index.labels.append(label)
     if not index.files:
@@ -187,6 +277,19 @@ def scan_image_folder(
             f" in its {len(classes)} class folders{detail}"
         )
     return index
+
+
+_RENAME = "; DALI's file reader takes only UTF-8 names: rename it"
+
+
+def _is_utf8(name: str) -> bool:
+    """Whether ``name`` is valid UTF-8 on disk: ``os.scandir`` gives the bytes of other names as
+    lone surrogates, which DALI's reader refuses with a bare type error."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _inside(path: str, real_root: str) -> bool:

@@ -62,7 +62,12 @@ def check_data(cfg: TrainConfig, say: Callable[[str], None]) -> tuple[Path, list
                 "train/<class>/*.JPEG and val/<class>/*.JPEG)"
             )
     try:
-        train = scan_image_folder(data_dir / "train", check="none")
+        # check="none" still refuses a name DALI cannot open; with skip the input leaves it out.
+        train = scan_image_folder(
+            data_dir / "train",
+            check="none",
+            on_corrupt=cfg.on_corrupt,  # type: ignore[arg-type]
+        )
         # val/ is checked here as the train input's scan checks train/ (IMAGE_CHECK), before
         # any training, so a corrupt validation file stops the run before its first epoch.
         val = scan_image_folder(
