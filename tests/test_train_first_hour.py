@@ -284,3 +284,76 @@ def test_a_stop_during_interpreter_exit_after_the_run_ends_at_once(
     assert proc.returncode == status, proc.stderr[-2000:]
     assert "echopipe train: summary" in proc.stdout
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+
+
+def test_a_planted_steps_csv_is_read_bounded_and_never_written_through(tmp_path: Path) -> None:
+    """On a resume steps.csv is read only as far as the lines up to its step can reach, and only
+    from a regular file: a sparse 3 GiB file or a FIFO under the name is warned about and
+    replaced by a new log (a FIFO is not waited on); a link under the name is replaced, never
+    followed, on a resume or a new start."""
+    import threading
+
+    from echopipe.training.progress import StepLog
+
+    header = ",".join(StepLog.FIELDS) + "\n"
+    path = tmp_path / "steps.csv"
+
+    def open_log(resumed_step: int | None) -> list[str]:
+        said: list[str] = []
+        opened = threading.Thread(
+            target=lambda: StepLog(path, resumed_step, said.append).close(), daemon=True
+        )
+        opened.start()
+        opened.join(timeout=30)
+        assert not opened.is_alive(), "StepLog waits on steps.csv"
+        return said
+
+    # Lines past what steps 1..2 can take are not read: the "2," after a long damaged run is
+    # dropped with it.
+    path.write_bytes(
+        header.encode() + b"1,0.1,2.3,0.1,2,0.5\n" + b"x" * 5000 + b"\n2,0.2,2,0.1,2,1\n"
+    )
+    assert open_log(2) == []
+    assert path.read_text() == header + "1,0.1,2.3,0.1,2,0.5\n"
+    path.unlink()
+    with open(path, "wb") as f:
+        f.truncate(3 << 30)
+    (said,) = open_log(2)
+    assert "sparse file" in said and "from step 3" in said and path.read_text() == header
+    path.unlink()
+    os.mkfifo(path)
+    (said,) = open_log(2)
+    assert "not a regular file" in said and path.read_text() == header
+    path.unlink()
+    outside = tmp_path / "outside.csv"
+    path.symlink_to(outside)  # dangling: following it would create the file outside
+    (said,) = open_log(2)
+    assert "symbolic link" in said and not outside.exists() and not path.is_symlink()
+    outside.write_text("someone else's file\n")
+    path.unlink()
+    path.symlink_to(outside)
+    assert open_log(None) == []  # a new run's log replaces the link silently
+    assert outside.read_text() == "someone else's file\n" and path.read_text() == header
+
+
+@pytest.mark.dali
+def test_a_resumed_run_replaces_a_steps_csv_link_rather_than_fill_its_target(
+    tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dangling link named steps.csv in a run folder: `echopipe train --resume` says so and
+    writes its log in the run folder, and creates nothing where the link points."""
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(tiny_imagenet), *TINY, "--epochs", "1", "--echo", "1",
+            "--output", str(run)]  # fmt: skip
+    assert main(argv) == 0
+    outside = tmp_path / "outside.csv"
+    (run / "steps.csv").unlink()
+    (run / "steps.csv").symlink_to(outside)
+    capsys.readouterr()
+    argv[argv.index("--epochs") + 1] = "2"
+    assert main([*argv, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "steps.csv' is a symbolic link" in err, err
+    assert not outside.exists() and not (run / "steps.csv").is_symlink()
+    lines = (run / "steps.csv").read_text().splitlines()
+    assert [int(line.split(",")[0]) for line in lines[1:]] == [5, 6, 7, 8]

@@ -14,9 +14,12 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
+
+from ..filecheck import FileCheckError, open_regular
 
 __all__ = ["WARMUP_STEPS", "Progress", "StepLog", "format_duration"]
 
@@ -183,18 +186,28 @@ class StepLog:
     arrived and the lines before it were written; :meth:`flush` (at each checkpoint, after the
     drain) and :meth:`close` write every waiting line, with an empty loss where none came (a
     rank whose replica has no last stage). A resumed run keeps the lines up to the step it
-    resumes from and appends, so every step a checkpoint holds is in the file.
+    resumes from and appends, so every step a checkpoint holds is in the file. A file under the
+    name that cannot be kept (a link, a FIFO, a sparse file) is replaced, with a warning through
+    ``say`` (``warnings.warn`` without it), as the run folder's own files are never written
+    through a link.
     """
 
     FIELDS = ("step", "epoch", "train_loss", "lr", "echo_factor", "wall_s")
 
-    def __init__(self, path: Path, resumed_step: int | None) -> None:
+    def __init__(
+        self, path: Path, resumed_step: int | None, say: Callable[[str], None] | None = None
+    ) -> None:
         self.path = path
-        if resumed_step is not None and path.is_file():
-            _keep_steps_up_to(path, resumed_step)
-        else:
-            path.write_text(",".join(self.FIELDS) + "\n")
-        self.file: TextIO | None = open(path, "a")  # noqa: SIM115 (open for the whole run)
+        problem = _rewrite(path, ",".join(self.FIELDS) + "\n", resumed_step)
+        if problem is not None:
+            first = (resumed_step or 0) + 1
+            (say or warnings.warn)(
+                f"warning: {str(path)!r} {problem}; it is replaced by a new steps.csv from step "
+                f"{first} (the earlier steps' lines are not in it)"
+            )
+        # O_NOFOLLOW: a link planted after the rewrite is refused, not written through.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self.file: TextIO | None = os.fdopen(fd, "a")
         # step -> [epoch, loss, lr, e, wall_s], in step order, until written
         self._waiting: dict[int, list[Any]] = {}
         self._early: dict[int, float] = {}  # losses known before their step's line
@@ -237,18 +250,53 @@ class StepLog:
             self.file = None
 
 
-def _keep_steps_up_to(path: Path, step: int) -> None:
-    """Rewrite ``path`` atomically without the lines after ``step`` (a resume repeats them)."""
+_LINE_BYTES = 128
+"""More than the longest line StepLog writes (six numbers, about 80 bytes at their widest), so
+the lines of steps 1..n of an echopipe-written steps.csv lie within its first n * 128 bytes."""
+
+
+def _rewrite(path: Path, header: str, step: int | None) -> str | None:
+    """Replace ``path`` atomically with ``header`` and, on a resume, the lines of ``path`` up to
+    ``step`` (a resume repeats the lines after it). Returns why the old lines could not be kept,
+    or None. Read bounded (regular files only, the bytes that the lines up to ``step`` may take);
+    a link under the name is replaced, never followed."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    problem = None
     try:
-        # A damaged line (not UTF-8, or no step number) is dropped, as the lines after `step`.
-        with open(path, errors="replace") as src, os.fdopen(fd, "w") as dst:
-            for i, line in enumerate(src):
-                head = line.split(",", 1)[0]
-                if i == 0 or (head.isascii() and head.isdigit() and int(head) <= step):
-                    dst.write(line)
+        with os.fdopen(fd, "wb") as dst:
+            dst.write(header.encode())
+            if step is not None and os.path.islink(path):
+                problem = "is a symbolic link, which echopipe never writes"
+            elif step is not None:
+                try:
+                    src, _ = open_regular(path)
+                    with src:
+                        _copy_steps_up_to(src, dst, step)
+                except FileNotFoundError:
+                    pass  # no lines yet: nothing to keep
+                except FileCheckError as exc:  # a FIFO, a device, a sparse file
+                    problem = str(exc)
+                except OSError as exc:
+                    problem = f"cannot be read ({exc.strerror or exc})"
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    return problem
+
+
+def _copy_steps_up_to(src: BinaryIO, dst: BinaryIO, step: int) -> None:
+    """The lines of ``src`` for steps up to ``step``; a damaged line (not ASCII, no step number,
+    longer than echopipe writes, unfinished) is dropped, as are the lines after ``step``."""
+    budget = (step + 1) * _LINE_BYTES
+    at_start = True
+    while budget > 0:
+        line = src.readline(min(budget, _LINE_BYTES))
+        if not line:
+            return
+        budget -= len(line)
+        whole, at_start = at_start and line.endswith(b"\n"), line.endswith(b"\n")
+        head = line.split(b",", 1)[0]
+        if whole and line.isascii() and head.isdigit() and int(head) <= step:
+            dst.write(line)

@@ -230,7 +230,9 @@ class Trainer:
                 "data": str(self.data_dir),
             }
             self.start.write_config(st, resolved, self.decisions, notes)
-            self.step_log = StepLog(self.out / "steps.csv", st.global_step if self.saved else None)
+            self.step_log = StepLog(
+                self.out / "steps.csv", st.global_step if self.saved else None, self.say
+            )
             self._open.append(self.step_log)
 
     def _build_input(self, devices: list[str]) -> float:
