@@ -382,6 +382,18 @@ def test_fp16_run_exports_a_state_dict_under_the_model_names(
     build_model("resnet_small", num_classes=4).load_state_dict(weights, strict=True)
 
 
+def test_momentum_0_trains_with_plain_sgd(tiny_imagenet: Path, tmp_path: Path) -> None:
+    """Nesterov needs momentum, so --momentum 0 is plain SGD rather than torch's refusal."""
+    from echopipe.cli import main
+
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(tiny_imagenet), *TINY, "--epochs", "1", "--stages", "1"]
+    assert main([*argv, "--momentum", "0", "--output", str(out)]) == 0
+    state = read_checkpoint(out / "checkpoints" / "last.pt")
+    group = state["pipeline"]["optimizers"][0]["param_groups"][0]
+    assert (group["momentum"], group["nesterov"]) == (0.0, False)
+
+
 @pytest.mark.slow
 def test_default_run_learns_well_above_chance(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

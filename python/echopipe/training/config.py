@@ -124,7 +124,12 @@ class TrainConfig:
     lr: float = opt(
         0.1, "peak learning rate (SGD, Nesterov)", check=finite(positive=True), parse=parse_float
     )
-    momentum: float = opt(0.9, "SGD momentum", check=finite(maximum=0.999), parse=parse_float)
+    momentum: float = opt(
+        0.9,
+        "SGD momentum, Nesterov's (0: plain SGD)",
+        check=finite(maximum=0.999),
+        parse=parse_float,
+    )
     weight_decay: float = opt(
         5e-4,
         "weight decay (not on biases and norm scales)",

@@ -158,6 +158,8 @@ def sgd_factory(cfg: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.
         decay, *rest = decay_groups(params)
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
         groups += [{"params": no_decay, "weight_decay": 0.0} for no_decay in rest]
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+        # Nesterov needs momentum: --momentum 0 is plain SGD.
+        nesterov = cfg.momentum > 0
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov)
 
     return make
