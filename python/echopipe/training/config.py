@@ -159,7 +159,10 @@ class TrainConfig:
         choices=("error", "skip"),
     )
     seed: int = opt(
-        0, "seed for model init, DALI and echo draws", check=int_at_least(0), parse=parse_int
+        0,
+        "seed for model init, DALI and echo draws",
+        check=int_at_least(0, 2**32 - 1),  # numpy's seeds are 32-bit
+        parse=parse_int,
     )
     deterministic: bool = opt(
         False,
