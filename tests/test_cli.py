@@ -195,6 +195,7 @@ BAD_ARGUMENTS = [
     (["--momentum", "2"], "--momentum must be <= 0.999, got 2"),
     (["--seed", "4294967296"], "--seed must be <= 4294967295, got 4294967296"),
     (["--seed", "99999999999999999999999"], "--seed must be <= 4294967295"),
+    (["--model", "lenet5"], "--image-size 64 does not fit --model lenet5, which takes 32 to 35"),
     (["--epochs", "100000000000"], "--epochs must be <= 100000"),
     (["--warmup-epochs", "1e9"], "--warmup-epochs 1e+09 is longer than the run (--epochs 8)"),
     (["--hybrid-switch", "100"], "--hybrid-switch 100 is after the last epoch (--epochs 8)"),

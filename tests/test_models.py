@@ -29,8 +29,8 @@ def _seed() -> None:
 @pytest.mark.parametrize(
     ("name", "kwargs", "shape", "num_children"),
     [
-        ("lenet5", {}, (2, 1, 32, 32), 6),
-        ("lenet5", {"in_channels": 3}, (2, 3, 32, 32), 6),
+        ("lenet5", {"in_channels": 1}, (2, 1, 32, 32), 6),
+        ("lenet5", {}, (2, 3, 32, 32), 6),  # by name, colour like every model
         ("resnet_cifar", {"depth": 8}, (2, 3, 8, 8), 7),
         ("resnet20", {}, (2, 3, 32, 32), 13),
         ("resnet20", {"width": 8, "in_channels": 1}, (2, 1, 45, 61), 13),

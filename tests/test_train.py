@@ -382,6 +382,26 @@ def test_fp16_run_exports_a_state_dict_under_the_model_names(
     build_model("resnet_small", num_classes=4).load_state_dict(weights, strict=True)
 
 
+def test_lenet5_trains_on_the_colour_input_and_its_export_loads_by_name(
+    tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """lenet5 by name takes the RGB images echopipe train feeds; --evaluate rebuilds it from
+    the checkpoint, and the exported weights load into build_model(name, num_classes)."""
+    from echopipe.cli import main
+    from echopipe.models import build_model
+
+    out = tmp_path / "run"
+    data = ["--data", str(tiny_imagenet), *TINY]
+    argv = ["train", *data, "--model", "lenet5", "--epochs", "1", "--stages", "1"]
+    assert main([*argv, "--output", str(out)]) == 0
+    last = out / "checkpoints" / "last.pt"
+    assert main(["train", *data, "--evaluate", str(last)]) == 0
+    assert "echopipe train --evaluate: top-1 " in capsys.readouterr().out
+    assert main(["export", str(last), str(tmp_path / "w.pt")]) == 0
+    weights = torch.load(tmp_path / "w.pt", weights_only=True)
+    build_model("lenet5", num_classes=4).load_state_dict(weights, strict=True)
+
+
 def test_momentum_0_trains_with_plain_sgd(tiny_imagenet: Path, tmp_path: Path) -> None:
     """Nesterov needs momentum, so --momentum 0 is plain SGD rather than torch's refusal."""
     from echopipe.cli import main

@@ -298,8 +298,14 @@ def _resnet_cifar_by_depth(depth: int) -> Callable[..., nn.Sequential]:
     return build
 
 
+def _lenet5_colour(num_classes: int, in_channels: int = 3) -> nn.Sequential:
+    # By name every model takes colour images unless told otherwise: echopipe train feeds RGB,
+    # and export's weights must load into build_model(name, num_classes) as they are.
+    return lenet5(num_classes=num_classes, in_channels=in_channels)
+
+
 _BUILDERS: dict[str, Callable[..., nn.Sequential]] = {
-    "lenet5": lenet5,
+    "lenet5": _lenet5_colour,
     "resnet_small": resnet_small,
     "resnet_cifar": resnet_cifar,
     "resnet20": _resnet_cifar_by_depth(20),
@@ -321,6 +327,8 @@ def build_model(name: str, num_classes: int, **kw: object) -> nn.Sequential:
             ``resnet56``, ``resnet110`` are fixed depths).
         num_classes: number of output logits.
         **kw: extra keyword arguments of the builder (``in_channels``, ``width``, ...).
+            ``in_channels`` is 3 unless given, also for ``lenet5`` (whose function defaults to
+            1, for digits).
 
     Raises:
         ValueError: if ``name`` is unknown; the message lists the valid names.

@@ -29,6 +29,7 @@ from .options import (
     check_balance,
     check_devices,
     check_gpu_needs,
+    check_model_input,
     check_model_split,
     check_optional,
     check_output,
@@ -352,6 +353,7 @@ class TrainConfig:
                 f"{self.epochs}): the run would never switch"
             )
         check_model_split(self.model, self.balance, self.stages)
+        check_model_input(self.model, self.image_size)
         check_gpu_needs(self.decode, self.devices)
 
     def echo_config(self) -> EchoConfig:

@@ -25,6 +25,7 @@ __all__ = [
     "UsageError",
     "add_field_arguments",
     "check_gpu_needs",
+    "check_model_input",
     "check_model_split",
     "echo_opt",
     "flag",
@@ -212,6 +213,36 @@ def check_model_split(model: str, balance: Any, stages: Any) -> None:
         )
     if isinstance(stages, int) and stages > blocks:
         raise UsageError(f"--stages {stages}: {model} has only {blocks} blocks")
+
+
+def check_model_input(model: str, image_size: int) -> None:
+    """Refuse an ``--image-size`` that ``model``'s layers cannot take (lenet5's classifier is
+    sized for 32x32), found by a forward pass on the meta device."""
+    import torch
+
+    from ..models import build_model
+
+    with torch.device("meta"):
+        net = build_model(model, num_classes=2).eval()  # eval: batch norm takes one image
+
+        def fits(size: int) -> bool:
+            try:
+                net(torch.empty(1, 3, size, size))
+            except RuntimeError:
+                return False
+            return True
+
+        if fits(image_size):
+            return
+        # The first run of sizes that fit: a model with a fixed input takes one small range.
+        sizes: list[int] = []
+        for size in range(16, MAX_IMAGE_SIZE + 1):
+            if fits(size):
+                sizes.append(size)
+            elif sizes:
+                break
+    takes = f"{sizes[0]} to {sizes[-1]}" if sizes else f"none of 16 to {MAX_IMAGE_SIZE}"
+    raise UsageError(f"--image-size {image_size} does not fit --model {model}, which takes {takes}")
 
 
 def check_gpu_needs(decode: str, devices: list[str] | None) -> None:
