@@ -377,6 +377,29 @@ def test_resume_on_data_with_another_class_count_is_one_line(base: Path, tmp_pat
     _one_line_failure(done, "4 classes", "3")
 
 
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (_set("config", "data", value=123), "the checkpoint's --data must be a path, got 123"),
+        (_set("config", "devices", value=[1]), "the checkpoint's --devices [1]: give e.g. cpu"),
+        (_set("options", "workers", value=0), "the checkpoint's --workers must be >= 1, got 0"),
+    ],
+)
+def test_a_checkpoint_option_its_own_check_refuses_is_one_line_on_resume(
+    base: Path, tmp_path: Path, edit: Any, needle: str
+) -> None:
+    """Plain values of the wrong kind pass the reader's type check; the resume puts each option
+    it takes from the checkpoint through that option's check (they were TypeErrors in the run)."""
+    state = _state(base)
+    edit(state)
+    path = write_checkpoint(state, tmp_path / "bad.pt")
+    done = _cli("train", "--resume", str(path), "--output", str(tmp_path / "resumed"))
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith(f"echopipe train: error: --resume {str(path)!r}: "), lines[0]
+    assert needle in lines[0], lines[0]
+
+
 @pytest.mark.parametrize("case", ["sparse-file", "compression-bomb", "weight-wrong-dtype",
                                   "huge-class-count", "missing-config", *_AT_EXPORT])  # fmt: skip
 def test_crafted_checkpoint_through_export_is_one_line(base: Path, tmp_path: Path, case: str):

@@ -36,6 +36,7 @@ from .options import (
     check_path,
     check_stages,
     check_stages_or_zero,
+    check_value,
     echo_opt,
     finite,
     flag,
@@ -309,13 +310,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise :class:`UsageError` naming the first bad value; touches no data or model."""
         for f in dataclasses.fields(self):
-            f.metadata["check"](f.name, getattr(self, f.name))
-            choices = f.metadata["choices"]
-            if choices and getattr(self, f.name) not in choices:
-                raise UsageError(
-                    f"{flag(f.name)} {getattr(self, f.name)!r} is not one of "
-                    f"{', '.join(map(str, choices))}"
-                )
+            check_value(f, getattr(self, f.name))
         if self.resume == "auto" and self.output is None:
             raise UsageError(
                 "--resume auto continues the run in --output, so a restarted job finds the same "

@@ -27,6 +27,7 @@ __all__ = [
     "check_gpu_needs",
     "check_model_input",
     "check_model_split",
+    "check_value",
     "echo_opt",
     "flag",
     "opt",
@@ -167,7 +168,7 @@ def check_devices(name: str, value: Any) -> None:
         return
     from ..pipeline import parse_devices as resolve_devices
 
-    if not isinstance(value, list) or not value:
+    if not isinstance(value, list) or not value or not all(isinstance(d, str) for d in value):
         raise UsageError(f"{flag(name)} {value!r}: give e.g. cpu or cuda:0,cuda:1")
     try:
         resolve_devices(list(value), len(value))
@@ -175,11 +176,17 @@ def check_devices(name: str, value: Any) -> None:
         raise UsageError(f"{flag(name)} {','.join(value)}: {exc}") from None
 
 
+def _path(name: str, value: Any) -> Path:
+    if not isinstance(value, str | Path):
+        raise UsageError(f"{flag(name)} must be a path, got {value!r}")
+    return Path(value)
+
+
 def check_path(must_be_dir: bool) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         if value is None:
             return
-        path = Path(value)
+        path = _path(name, value)
         if must_be_dir and not path.is_dir():
             what = "is not a folder" if path.exists() else "does not exist"
             raise UsageError(f"{flag(name)} {str(path)!r} {what}")
@@ -192,7 +199,7 @@ def check_path(must_be_dir: bool) -> Callable[[str, Any], None]:
 def check_output(name: str, value: Any) -> None:
     if value is None:
         return
-    path = Path(value)
+    path = _path(name, value)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag(name)} {str(path)!r} is a file; give a run folder")
 
@@ -269,6 +276,17 @@ def check_optional(check: Callable[[str, Any], None]) -> Callable[[str, Any], No
 
 def _no_check(name: str, value: Any) -> None:
     return None
+
+
+def check_value(field: dataclasses.Field, value: Any) -> None:
+    """Raise :class:`UsageError` unless ``value`` passes the check and choices of ``field``,
+    an option made by :func:`opt`."""
+    field.metadata["check"](field.name, value)
+    choices = field.metadata["choices"]
+    if choices and value not in choices:
+        raise UsageError(
+            f"{flag(field.name)} {value!r} is not one of {', '.join(map(str, choices))}"
+        )
 
 
 def opt(

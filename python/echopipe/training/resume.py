@@ -20,6 +20,7 @@ from typing import Any
 from .checkpoints import CheckpointError, RunCheckpoints
 from .config import TrainConfig, UsageError, flag, free_on_resume
 from .distributed import DistContext
+from .options import check_value
 from .state import RunState
 
 __all__ = [
@@ -67,7 +68,7 @@ def merge_options(
             changed[flag(name)] = [was, now[name]]
             values[name] = getattr(cfg, name)
         else:
-            values[name] = Path(was) if name == "data" and was is not None else was
+            values[name] = _inherited(f, was, ckpt)
     if refused:
         raise UsageError(
             f"--resume {str(ckpt)!r}: {'; '.join(refused)}. Resume with the checkpoint's options; "
@@ -84,6 +85,17 @@ def _same_value(name: str, now: Any, was: Any) -> bool:
     if name == "data" and isinstance(now, str) and isinstance(was, str):
         return os.path.realpath(now) == os.path.realpath(was)
     return bool(now == was)
+
+
+def _inherited(f: dataclasses.Field, was: Any, ckpt: Path) -> Any:
+    """The checkpoint's value of option ``f``, through the option's own check: a file that
+    passes its hash may still hold any value, and one the run cannot use is named here."""
+    value = Path(was) if f.name == "data" and isinstance(was, str) else was
+    try:
+        check_value(f, value)
+    except UsageError as exc:
+        raise UsageError(f"--resume {str(ckpt)!r}: the checkpoint's {exc}") from None
+    return value
 
 
 def agree_on_checkpoint(
