@@ -17,6 +17,7 @@ import io
 import os
 import random
 import resource
+import stat
 import subprocess
 import sys
 import zipfile
@@ -415,6 +416,25 @@ def test_export_onto_its_own_checkpoint_is_refused(base: Path, tmp_path: Path) -
     done = _cli("export", str(path), str(tmp_path / "." / "last.pt"))
     assert done.returncode == 2 and "is CKPT itself" in done.stderr, done.stderr[-2000:]
     assert path.read_bytes() == base.read_bytes()  # the training checkpoint is untouched
+
+
+def test_export_never_replaces_a_fifo_or_a_device(base: Path, tmp_path: Path) -> None:
+    """The write replaces OUT, so an OUT that is there and not a regular file is refused in one
+    line and left as it was (as root, export replaced /dev/null with the weights)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    outs = [fifo]
+    try:
+        os.mknod(tmp_path / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        outs.append(tmp_path / "null")
+    except PermissionError:
+        pass  # not root: the FIFO alone
+    for out in outs:
+        mode = out.lstat().st_mode
+        done = _cli("export", str(base), str(out))
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert f"OUT {str(out)!r} is not a regular file" in done.stderr, done.stderr[-2000:]
+        assert out.lstat().st_mode == mode
 
 
 def test_an_echo_value_error_stays_one_short_line() -> None:

@@ -21,26 +21,16 @@ from typing import Any, NoReturn
 from . import stops
 
 __all__ = [
-    "BENCH_DEFAULT",
-    "BENCH_STUDIES",
-    "BENCH_SUITES",
-    "bench_dir",
-    "bench_results_dir",
-    "build_parser",
-    "main",
-]
+    "BENCH_DEFAULT", "BENCH_STUDIES", "BENCH_SUITES", "bench_dir", "bench_results_dir",
+    "build_parser", "main",
+]  # fmt: skip
 
 BENCH_DEFAULT: tuple[str, ...] = ("echo_cache", "echo_loader", "dali_echo", "pipeline")
 """The microbenchmarks ``echopipe bench`` runs by default, in this order."""
 
 BENCH_STUDIES: tuple[str, ...] = (
-    "convergence",
-    "wallclock",
-    "wallclock_train",
-    "staleness",
-    "staleness_remedies",
-    "readme_runs",
-)
+    "convergence", "wallclock", "wallclock_train", "staleness", "staleness_remedies", "readme_runs",
+)  # fmt: skip
 """Training studies (minutes each): run only with ``--only NAME`` or ``--all``."""
 
 BENCH_SUITES: tuple[str, ...] = BENCH_DEFAULT + BENCH_STUDIES
@@ -210,6 +200,14 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: 
     return 0
 
 
+def _not_a_folder(path: Path) -> Path | None:
+    """The nearest existing path at or above ``path`` when it is not a folder (nothing can be
+    made under it); None when it is one."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return None if path.is_dir() else path
+
+
 def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
@@ -218,14 +216,13 @@ def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
 
     if not args.checkpoint.exists():
         parser.error(f"CKPT {str(args.checkpoint)!r} does not exist")
-    if args.out.is_dir() or (args.out.exists() and args.out.samefile(args.checkpoint)):
-        what = "a folder" if args.out.is_dir() else "CKPT itself"
-        parser.error(f"OUT {str(args.out)!r} is {what}; give the file to write")
-    above = args.out.parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
-    if not above.is_dir():
-        parser.error(f"cannot write OUT {str(args.out)!r}: {str(above)!r} is not a folder")
+    out = args.out  # the write replaces it: a device or FIFO (even /dev/null) would be lost
+    if out.exists() and (not out.is_file() or out.samefile(args.checkpoint)):
+        what = "a folder" if out.is_dir() else "not a regular file"  # a device, a FIFO
+        what = "CKPT itself" if out.is_file() else what
+        parser.error(f"OUT {str(out)!r} is {what}; give the file to write")
+    if blocker := _not_a_folder(out.parent):
+        parser.error(f"cannot write OUT {str(out)!r}: {str(blocker)!r} is not a folder")
     try:
         weights, saved = export_state_dict(args.checkpoint)
     except (CheckpointError, OSError) as exc:  # a malformed or unreadable file: status 1
