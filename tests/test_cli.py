@@ -664,6 +664,26 @@ def test_bench_all_and_only_exclude_each_other(capsys: pytest.CaptureFixture[str
     assert "--all" in capsys.readouterr().err
 
 
+def test_a_results_dir_that_cannot_be_a_folder_is_refused_before_any_suite_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One line naming the file in the way, before the suites run (it was a NotADirectoryError
+    traceback once the suite had run and wrote its table)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for given in (afile, afile / "results"):
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "--quick", "--only", "echo_cache", "--results-dir", str(given)])
+        assert info.value.code == 2
+        out, err = capsys.readouterr()
+        assert "=== echopipe bench" not in out  # no suite ran
+        assert err.strip().splitlines() == [
+            f"echopipe bench: error: --results-dir {str(given)!r}: {str(afile)!r} is not a "
+            "folder (see echopipe bench --help)"
+        ]
+    assert afile.read_text() == "x"
+
+
 @pytest.mark.slow
 def test_bench_quick_pipeline_writes_the_convention(tmp_path: Path) -> None:
     """``echopipe bench --quick --only pipeline`` as a user runs it: the suite's table, the

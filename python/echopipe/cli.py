@@ -298,6 +298,10 @@ def bench_results_dir(args: argparse.Namespace) -> Path:
     """Where this ``echopipe bench`` writes: ``--results-dir``, the checkout's ``bench/results``
     with ``--update-results``, else a new dated folder under ``./bench-results``."""
     if args.results_dir is not None:
+        if blocker := _not_a_folder(Path(args.results_dir)):  # now, not after the suites ran
+            args.command_parser.error(
+                f"--results-dir {str(args.results_dir)!r}: {str(blocker)!r} is not a folder"
+            )
         return Path(args.results_dir)
     if args.update_results:
         folder = bench_dir()
