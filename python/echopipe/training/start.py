@@ -221,8 +221,8 @@ class RunStart:
             return failed
         ranks = ", ".join(map(str, silent))
         return DataError(
-            f"rank {ranks} did not answer within --dist-timeout-s {self.cfg.dist_timeout_s:g} "
-            f"(stuck or stopped) at step {step}; the job stops here; "
+            f"rank {ranks} did not answer at step {step} (it ended, or hung for --dist-timeout-s "
+            f"{self.cfg.dist_timeout_s:g}); the job stops here; "
             "--resume auto continues from the last checkpoints"
         )
 
