@@ -10,6 +10,8 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -279,6 +281,17 @@ def test_loader_error_names_the_batch_and_ends_the_workers() -> None:
     el.close()
 
 
+def _unwarned(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    # torch warns that strided nested tensors are a prototype and quantized ones deprecated
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return make()
+
+
+_NESTED = _unwarned(lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]))
+_QUANTIZED = _unwarned(lambda: torch.quantize_per_tensor(torch.zeros(4, 2), 0.5, 3, torch.quint8))
+
+
 @pytest.mark.parametrize(
     ("batches", "message"),
     [
@@ -321,6 +334,14 @@ def test_loader_error_names_the_batch_and_ends_the_workers() -> None:
             [(torch.zeros(4, 2),), (torch.zeros(4, 2).to_sparse(),)],
             r"batch 1 .*field batch\[0\] is a torch.sparse_coo tensor",
         ),
+        # tensors whose rows are not plain bytes (a quantized one would lose its scale)
+        ([(torch.zeros(4, 2, device="meta"),)], r"batch 0 .*field batch\[0\] is a meta tensor"),
+        (
+            [(torch.zeros(4, 2),), (torch.zeros(4, 2, device="meta"),)],
+            r"batch 1 .*field batch\[0\] is a meta tensor",
+        ),
+        ([{"x": _NESTED}], r"batch 0 .*field batch\['x'\] is a nested tensor"),
+        ([(_QUANTIZED,)], r"batch 0 .*field batch\[0\] is a quantized tensor"),
     ],
 )
 def test_bad_batches_get_one_clear_error(batches: list, message: str) -> None:

@@ -109,8 +109,6 @@ def _leaf(path: str, value: Any, rows: int | None) -> Leaf:
             raise LayoutError(f"field batch{path} has {len(value)} strings for {rows} samples")
         return Leaf(path, "str", "str", (), 0)
     if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided:
-            raise LayoutError(f"field batch{path} is a {value.layout} tensor; only dense ones")
         dtype = str(value.dtype).removeprefix("torch.")
     else:
         if value.dtype.hasobject or value.dtype.kind in "USVOMm":
@@ -128,10 +126,27 @@ def _leaf(path: str, value: Any, rows: int | None) -> Leaf:
     return Leaf(path, "tensor" if isinstance(value, torch.Tensor) else "numpy", dtype, shape, per)
 
 
+def _not_bytes(value: torch.Tensor) -> str | None:
+    """What ``value`` is when its rows cannot be copied out as plain bytes, else None."""
+    if value.is_nested:  # checked first: a nested tensor has no sizes to ask anything else of
+        return "a nested tensor"
+    if value.layout != torch.strided:
+        return f"a {value.layout} tensor"
+    if value.is_meta:
+        return "a meta tensor (it holds no data)"
+    if value.is_quantized:  # its bytes alone would come back without their scale and zero point
+        return "a quantized tensor"
+    return None
+
+
 def describe(batch: Any) -> tuple[Layout, list[Any], int]:
     """Flattens ``batch``; returns its layout, its leaves and its number of samples."""
     flat: list[tuple[str, Any]] = []
     treedef = _flatten(batch, "", flat)
+    for path, value in flat:
+        what = _not_bytes(value) if isinstance(value, torch.Tensor) else None
+        if what is not None:
+            raise LayoutError(f"field batch{path} is {what}; only dense ones")
     rows = next((int(v.shape[0]) for _, v in flat if not isinstance(v, (list, tuple))
                  and v.ndim > 0), None)  # fmt: skip
     if rows is None:
@@ -162,7 +177,8 @@ def match(layout: Layout, batch: Any) -> tuple[list[Any], int] | None:
     """The leaves and rows of a batch that :func:`describe` would give exactly ``layout``.
 
     The per-batch fast path after a stream's first batch; None for anything else (a different
-    structure, dtype or shape, a sparse tensor, no rows): :func:`describe` then says what differs.
+    structure, dtype or shape, a tensor that is not plain bytes, no rows): :func:`describe` then
+    says what differs.
     """
     values: list[Any] = []
     if not _walk(layout.treedef, batch, values):
@@ -170,8 +186,8 @@ def match(layout: Layout, batch: Any) -> tuple[list[Any], int] | None:
     rows = -1
     for value, (kind, dtype, shape) in zip(values, layout.keys, strict=True):
         if kind is torch.Tensor:
-            if not isinstance(value, torch.Tensor) or value.dtype is not dtype or (
-                value.layout != torch.strided):  # fmt: skip
+            if not isinstance(value, torch.Tensor) or value.dtype is not dtype or _not_bytes(
+                value) is not None:  # fmt: skip
                 return None
         elif kind is np.ndarray:
             if not isinstance(value, np.ndarray) or value.dtype.str != dtype:
