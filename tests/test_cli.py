@@ -154,6 +154,12 @@ BAD_DATA = {
         "--deterministic: the echo cache (--cache-mb 1) holds only 3 decoded training images, "
         "but the first draw waits for 16",
     ),
+    "echo cache larger than the machine": (
+        _dataset,
+        ["--cache-mb", str(1 << 42), "--echo", "2"],  # 4 EiB: more than any address space
+        1,
+        f"the echo cache does not fit in memory (--cache-mb {1 << 42}, ",
+    ),
 }
 
 BAD_ARGUMENTS = [

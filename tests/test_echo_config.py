@@ -15,9 +15,11 @@ import pytest
 from echopipe.dali import EchoPipelineConfig, EchoSpec, echo, echo_pipeline_def
 from echopipe.echo import EchoCache, EchoConfig, EchoConfigError
 from echopipe.echo.config import (
+    MAX_CAPACITY_BYTES,
     MAX_CAPACITY_SAMPLES,
     MAX_ECHO_FACTOR,
     MAX_EPOCH_SIZE,
+    MAX_SEED,
     MIN_CAPACITY_BYTES,
     check_factor,
 )
@@ -155,6 +157,49 @@ def test_a_pipeline_functions_factor_error_does_not_offer_auto() -> None:
             noise(echo_factor=bad)
         want = f"echo_factor must be a finite number in [1, 65535], got {bad!r}"
         assert str(caught.value) == want
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "bound"),
+    [
+        ("capacity_bytes", MAX_CAPACITY_BYTES + 1, f"[{MIN_CAPACITY_BYTES}, {MAX_CAPACITY_BYTES}]"),
+        ("capacity_samples", MAX_CAPACITY_SAMPLES + 1, f"[1, {MAX_CAPACITY_SAMPLES}]"),
+        ("min_fill", 1 << 64, f"[0, {MAX_CAPACITY_SAMPLES}]"),
+        ("seed", MAX_SEED + 1, f"[0, {MAX_SEED}]"),
+        ("seed", -1, f"[0, {MAX_SEED}]"),
+        ("epoch_size", MAX_EPOCH_SIZE + 1, f"[0, {MAX_EPOCH_SIZE}]"),
+    ],
+)
+def test_the_cache_refuses_an_integer_past_the_cores_by_its_argument(
+    name: str, value: int, bound: str
+) -> None:
+    """Integers the core's C types cannot hold (a seed of 2**64) are refused by name and value,
+    not by pybind's dump of the constructor's signature, and no cache is made."""
+    before = set(core.cache_names())
+    with pytest.raises(EchoConfigError) as caught:
+        EchoCache(**{"capacity_bytes": 1 << 12, "capacity_samples": 8, name: value})
+    assert str(caught.value) == f"{name} must be an integer in {bound}, got {value!r}"
+    assert set(core.cache_names()) == before
+
+
+def test_the_cache_names_a_memory_or_name_of_the_wrong_type_and_takes_the_largest_seed() -> None:
+    small: dict[str, Any] = {"capacity_bytes": 1 << 12, "capacity_samples": 8}
+    with pytest.raises(ValueError, match=r"^memory must be one of 'auto', .*, got None$"):
+        EchoCache(**small, memory=None)
+    with pytest.raises(TypeError, match=r"^name must be a str or None, got 5 \(int\)$"):
+        EchoCache(**small, name=5)
+    EchoCache(**small, seed=MAX_SEED).close()
+
+
+def test_an_arena_larger_than_the_machine_is_a_memory_error_naming_capacity_bytes() -> None:
+    """The core cannot map the arena (a RuntimeError of its own): that is the machine's memory,
+    the MemoryError a caller (the train command) catches, naming the argument and the bytes."""
+    before = set(core.cache_names())
+    with pytest.raises(MemoryError) as caught:
+        EchoCache(capacity_bytes=MAX_CAPACITY_BYTES, capacity_samples=8, memory="pageable")
+    assert str(caught.value).startswith(f"capacity_bytes={MAX_CAPACITY_BYTES}: no memory for ")
+    assert "\n" not in str(caught.value)
+    assert set(core.cache_names()) == before
 
 
 # The echo core's bounds as Python might spell them: the factor's 16 bits, the slot and epoch

@@ -687,7 +687,7 @@ def test_a_device_cache_without_a_gpu_is_one_clear_error() -> None:
         "memory='device' needs a CUDA device, but the CUDA runtime found none",
         "memory='device' needs a CUDA device, but echopipe was built without CUDA",
     )
-    with pytest.raises(ValueError, match="'pinned' or 'device', got 'gpu'"):
+    with pytest.raises(ValueError, match="'pinned', 'device', got 'gpu'"):
         EchoCache(capacity_bytes=1 << 20, capacity_samples=8, memory="gpu")
 
 

@@ -24,11 +24,18 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
-
 from ..native import core
 from . import device_gather, lifetime, transfer
-from .config import check_factor
+from .config import (
+    MAX_CAPACITY_BYTES,
+    MAX_CAPACITY_SAMPLES,
+    MAX_EPOCH_SIZE,
+    MAX_SEED,
+    MIN_CAPACITY_BYTES,
+    check_factor,
+    check_int,
+)
+from .memory import check_memory
 from .values import EchoBatch, EchoSample, EchoStats, SampleTooLargeError
 
 __all__ = ["EchoCache", "copies_per_epoch"]
@@ -83,15 +90,14 @@ class EchoCache:
         name: str | None = None,
         epoch_size: int = 0,
     ) -> None:
-        for arg, value in (
-            ("capacity_bytes", capacity_bytes),
-            ("capacity_samples", capacity_samples),
-            ("min_fill", min_fill),
-            ("seed", seed),
-            ("epoch_size", epoch_size),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"{arg} must be a non-negative integer, got {value!r}")
+        check_int("capacity_bytes", capacity_bytes, MIN_CAPACITY_BYTES, MAX_CAPACITY_BYTES)
+        check_int("capacity_samples", capacity_samples, 1, MAX_CAPACITY_SAMPLES)
+        check_int("min_fill", min_fill, 0, MAX_CAPACITY_SAMPLES)
+        check_int("seed", seed, 0, MAX_SEED)
+        check_int("epoch_size", epoch_size, 0, MAX_EPOCH_SIZE)
+        check_memory(memory)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {name!r} ({type(name).__name__})")
         e = float(check_factor(echo_factor, "echo_factor"))
         if mode not in ("example", "batch"):
             raise ValueError(f"mode must be 'example' or 'batch', got {mode!r}")
@@ -104,18 +110,30 @@ class EchoCache:
         self._mode = mode
         # Copies per take: a whole echoed batch in batch mode.
         self._unit = self._batch_size if mode == "batch" else 1
-        self._native = core.EchoCache(
-            capacity_bytes=int(capacity_bytes),
-            capacity_samples=int(capacity_samples),
-            echo_factor=e,
-            min_fill=int(min_fill),
-            seed=int(seed),
-            mode=mode,
-            batch_size=self._batch_size,
-            memory=memory,
-            name=name or "",
-            epoch_size=int(epoch_size),
-        )
+        try:
+            self._native = core.EchoCache(
+                capacity_bytes=int(capacity_bytes),
+                capacity_samples=int(capacity_samples),
+                echo_factor=e,
+                min_fill=int(min_fill),
+                seed=int(seed),
+                mode=mode,
+                batch_size=self._batch_size,
+                memory=memory,
+                name=name or "",
+                epoch_size=int(epoch_size),
+            )
+        except RuntimeError as exc:
+            # The core's constructor raises RuntimeError (std::runtime_error) for two things only:
+            # a pinned or device arena without a CUDA device, which stays as it is, and an arena
+            # it could not allocate (mmap, cudaHostAlloc or cudaMalloc failed), which is this
+            # machine's memory running short. Told apart by the facts, not the message's words.
+            if memory in ("pinned", "device") and not core.cuda_available():
+                raise
+            raise MemoryError(
+                f"capacity_bytes={int(capacity_bytes)}: no memory for an echo cache arena of "
+                f"that many bytes ({exc})"
+            ) from exc
         self._name: str = self._native.name
         # Closes the native cache (waking blocked threads) at garbage collection; at interpreter
         # exit _close_all_caches closes it earlier, before non-daemon threads are joined.

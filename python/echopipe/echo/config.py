@@ -21,15 +21,18 @@ from .memory import MEMORY_KINDS
 
 __all__ = [
     "FACTOR_AUTO",
+    "MAX_CAPACITY_BYTES",
     "MAX_CAPACITY_SAMPLES",
     "MAX_ECHO_FACTOR",
     "MAX_EPOCH_SIZE",
+    "MAX_SEED",
     "MIN_CAPACITY_BYTES",
     "MODES",
     "PLACEMENTS",
     "EchoConfig",
     "EchoConfigError",
     "check_factor",
+    "check_int",
 ]
 
 #: Largest echo factor: the core keeps a sample's tickets in 16 bits.
@@ -40,6 +43,10 @@ MIN_CAPACITY_BYTES: int = int(core.MIN_CAPACITY_BYTES)
 MAX_CAPACITY_SAMPLES: int = int(core.MAX_CAPACITY_SAMPLES)
 #: Largest ``epoch_size`` (units per block of exact copy totals).
 MAX_EPOCH_SIZE: int = int(core.MAX_EPOCH_SIZE)
+#: Largest arena: the core addresses it by int64 offsets (and allocates what it is given).
+MAX_CAPACITY_BYTES: int = (1 << 63) - 1
+#: Largest cache seed: the core's seed is an unsigned 64-bit integer.
+MAX_SEED: int = (1 << 64) - 1
 
 FACTOR_AUTO = "auto"
 PLACEMENTS = ("after_decode", "after_augment")
@@ -83,7 +90,8 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _check_int(name: str, value: Any, low: int, high: int) -> int:
+def check_int(name: str, value: Any, low: int, high: int) -> int:
+    """``value`` as an int in ``[low, high]``; EchoConfigError names ``name`` and the value."""
     if not _is_int(value) or not low <= value <= high:
         raise EchoConfigError(name, value, f"an integer in [{low}, {high}]")
     return int(value)
@@ -92,7 +100,7 @@ def _check_int(name: str, value: Any, low: int, high: int) -> int:
 def _check_shuffle_buffer(name: str, value: Any) -> int | None:
     if value is None:
         return None
-    return _check_int(name, value, 0, MAX_CAPACITY_SAMPLES)
+    return check_int(name, value, 0, MAX_CAPACITY_SAMPLES)
 
 
 _CHECKS: dict[str, Any] = {
@@ -101,8 +109,7 @@ _CHECKS: dict[str, Any] = {
     "placement": lambda name, v: _check_choice(name, v, PLACEMENTS),
     "mode": lambda name, v: _check_choice(name, v, MODES),
     "shuffle_buffer": _check_shuffle_buffer,
-    # The arena is addressed by int64 offsets; the core allocates what it is given.
-    "cache_bytes": lambda name, v: _check_int(name, v, MIN_CAPACITY_BYTES, (1 << 63) - 1),
+    "cache_bytes": lambda name, v: check_int(name, v, MIN_CAPACITY_BYTES, MAX_CAPACITY_BYTES),
     "memory": lambda name, v: _check_choice(name, v, MEMORY_KINDS),
 }
 
