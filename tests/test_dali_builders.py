@@ -23,6 +23,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator  # noqa: E402
 
 from echopipe.dali import EchoIterator, LastBatchPolicy  # noqa: E402
 from echopipe.dali.base import EchoPipelineBase, PipelineStats  # noqa: E402
+from echopipe.dali.builder_checks import MAX_PIPELINE_SEED  # noqa: E402
 from echopipe.dali.builders import (  # noqa: E402
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -495,6 +496,10 @@ def test_read_delay_in_plain_and_decode_pipelines(data: Path) -> None:
         ({"on_corrupt": "ignore"}, ValueError, "on_corrupt"),
         ({"batch_size": 0}, ValueError, "batch_size"),
         ({"image_size": 2.5}, TypeError, "image_size"),
+        # past DALI's int64 seeds: named here, not by DALI's or the cache's pybind signature
+        ({"seed": 1 << 64}, ValueError, rf"^seed must be in \[0, {MAX_PIPELINE_SEED}\], got "),
+        ({"seed": -1}, ValueError, r"^seed must be in \[0, \d+\], got -1$"),
+        ({"seed": "3"}, TypeError, r"^seed must be an int, got '3' \(str\)$"),
     ],
 )
 def test_bad_arguments_are_named(
@@ -503,6 +508,14 @@ def test_bad_arguments_are_named(
     args: dict[str, Any] = {"batch_size": 4, "image_size": SIZE, **kwargs}
     with pytest.raises(error, match=match):
         imagenet_train_pipeline(data, **args)
+
+
+def test_the_largest_seed_leaves_room_for_the_seeds_made_from_it(data: Path) -> None:
+    with imagenet_train_pipeline(
+        data, batch_size=4, image_size=SIZE, num_threads=1, seed=MAX_PIPELINE_SEED
+    ) as pipe:
+        _, labels = pipe.run()
+        assert len(np.array(labels.as_tensor())) == 4
 
 
 def test_missing_folder_is_named(tmp_path: Path) -> None:

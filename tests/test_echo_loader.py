@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from echopipe.echo import EchoConfigError
-from echopipe.echo.config import MAX_CAPACITY_SAMPLES, MIN_CAPACITY_BYTES
+from echopipe.echo.config import MAX_CAPACITY_SAMPLES, MAX_SEED, MIN_CAPACITY_BYTES
 from echopipe.torch import EchoLoader, LayoutError, LoaderError, reader
 
 
@@ -451,6 +451,38 @@ def test_argument_errors_name_the_value() -> None:
     if not torch.cuda.is_available():
         with pytest.warns(RuntimeWarning, match="CUDA is not available"):
             EchoLoader([], pin_memory=True).close()
+
+
+def test_a_seed_past_the_cores_is_named_when_made_and_the_largest_round_trips() -> None:
+    with pytest.raises(EchoConfigError, match=rf"^seed must be an integer in \[0, {MAX_SEED}\]"):
+        EchoLoader([], seed=MAX_SEED + 1)  # not pybind's signature dump at the first batch
+    with EchoLoader([(torch.arange(8.0),)] * 2, 2.0, seed=MAX_SEED, shuffle_buffer=16) as el:
+        assert len(list(el)) == 4
+        state = el.state_dict()
+    with EchoLoader([(torch.arange(8.0),)] * 2, 2.0, seed=MAX_SEED, shuffle_buffer=16) as el:
+        el.load_state_dict(state)  # a state saved with the largest seed loads
+
+
+def test_a_device_torch_cannot_use_is_named_when_the_loader_is_made() -> None:
+    with pytest.raises(ValueError, match=r"^device must be a device such as .*, got 'nope'$"):
+        EchoLoader([], device="nope")
+    with pytest.raises(TypeError, match=r"^device must be a torch.device or a str, got 2\.0$"):
+        EchoLoader([], device=2.0)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # Without CUDA every CUDA device is refused; with it, one past the devices torch sees.
+    for device in ("cuda", "cuda:0", torch.device("cuda", 99))[0 if count == 0 else 2 :]:
+        with pytest.raises(ValueError) as caught:
+            EchoLoader([], device=device)
+        assert str(caught.value).startswith(f"device={device!r} needs CUDA device ")
+
+
+def test_a_batch_size_whose_default_buffer_no_cache_holds_is_named() -> None:
+    big = MAX_CAPACITY_SAMPLES // 4 + 1
+    with (
+        EchoLoader([(torch.zeros(4, 2),)], batch_size=big) as el,
+        pytest.raises(LayoutError, match=rf"batch_size={big} is too large: its default shuffle_"),
+    ):
+        list(el)  # not the cache's "capacity_samples must be in ..."
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

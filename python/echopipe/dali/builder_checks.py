@@ -10,6 +10,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+#: Largest pipeline seed. DALI takes signed 64-bit seeds, and a pipeline's parts get its seed plus
+#: small offsets (the shard id, 1 for the downstream pipeline, 7919 in the Python peer): half of
+#: that range leaves them room.
+MAX_PIPELINE_SEED = (1 << 62) - 1
+
 
 def check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
@@ -56,6 +61,7 @@ def check_common(
     on_corrupt: object,
     check: object,
     read_delay_ms: object,
+    seed: object,
 ) -> tuple[int, int, int, int | None]:
     check_positive_int("batch_size", batch_size)
     check_positive_int("image_size", image_size)
@@ -67,6 +73,10 @@ def check_common(
         raise TypeError(f"read_delay_ms must be a number, got {read_delay_ms!r}")
     if not np.isfinite(read_delay_ms) or read_delay_ms < 0:
         raise ValueError(f"read_delay_ms must be finite and >= 0, got {read_delay_ms!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
+    if not 0 <= seed <= MAX_PIPELINE_SEED:
+        raise ValueError(f"seed must be in [0, {MAX_PIPELINE_SEED}], got {seed}")
     shard, shards = _check_shard(shard_id, num_shards)
     dev = _check_device(decode_device, device_id)
     return shard, shards, int(image_size), dev

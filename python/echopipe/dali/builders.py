@@ -137,7 +137,7 @@ def imagenet_train_pipeline(
     e = echo
     shard, shards, size, dev = check_common(
         batch_size, a.image_size, r.num_threads, a.dtype, r.shard_id, r.num_shards,
-        r.decode_device, r.device_id, r.on_corrupt, r.check, r.read_delay_ms,
+        r.decode_device, r.device_id, r.on_corrupt, r.check, r.read_delay_ms, r.seed,
     )  # fmt: skip
     if e.upstream_threads is not None:
         check_positive_int("upstream_threads", e.upstream_threads)

@@ -256,7 +256,7 @@ def python_echo_train_pipeline(
     r, a = reader, augment
     shard, shards, size, dev = check_common(
         batch_size, a.image_size, r.num_threads, a.dtype, r.shard_id, r.num_shards,
-        r.decode_device, r.device_id, r.on_corrupt, r.check, r.read_delay_ms,
+        r.decode_device, r.device_id, r.on_corrupt, r.check, r.read_delay_ms, r.seed,
     )  # fmt: skip
     up_batch, upstream_threads, fill, capacity = _peer_sizes(r, spec, int(batch_size))
     upstream = imagenet_decode_pipeline(

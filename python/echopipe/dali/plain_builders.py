@@ -67,7 +67,7 @@ def imagenet_plain_train_pipeline(
     """
     shard, shards, size, dev = check_common(
         batch_size, image_size, num_threads, dtype, shard_id, num_shards, decode_device,
-        device_id, on_corrupt, check, read_delay_ms,
+        device_id, on_corrupt, check, read_delay_ms, seed,
     )  # fmt: skip
     index = index_imagenet_split(data_dir, "train", check=check, on_corrupt=on_corrupt)
     reader = train_reader_args(
@@ -120,7 +120,7 @@ def imagenet_decode_pipeline(
     """
     shard, shards, _, _ = check_common(
         batch_size, 1, num_threads, "float", shard_id, num_shards, "cpu", None, on_corrupt,
-        check, read_delay_ms,
+        check, read_delay_ms, seed,
     )  # fmt: skip
     index = index_imagenet_split(data_dir, "train", check=check, on_corrupt=on_corrupt)
     reader = train_reader_args(
@@ -203,7 +203,7 @@ def imagenet_val_pipeline(
     """
     shard, shards, size, dev = check_common(
         batch_size, image_size, num_threads, dtype, shard_id, num_shards, decode_device,
-        device_id, on_corrupt, check, read_delay_ms,
+        device_id, on_corrupt, check, read_delay_ms, seed,
     )  # fmt: skip
     resize = check_resize(resize_size, size)
     index = index_imagenet_split(data_dir, "val", check=check, on_corrupt=on_corrupt)

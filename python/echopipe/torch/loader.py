@@ -102,12 +102,12 @@ class EchoLoader(PassThrough):
         if self._batch_size is None:
             self._batch_size = wrapped.input_batch_size(loader)
         self._epoch_samples: int | None = None  # the wrapped loader's, when it tells
-        self._seed = passes.check_count("seed", seed, minimum=0) or 0
+        self._seed = passes.check_seed(seed)
         self._capacity_bytes = passes.check_count("capacity_bytes", capacity_bytes)
         self._interval = passes.check_count("echo_interval", echo_interval) or 1
         self._timeout = passes.check_seconds("timeout", timeout)
         self._close_timeout = passes.check_seconds("close_timeout", close_timeout) or 10.0
-        self._device = torch.device(device) if device is not None else None
+        self._device = passes.check_device(device)
         self._pin = passes.pin_choice(self._device, pin_memory)
         self._shared = Shared()
         self._layout: bl.Layout | None = None

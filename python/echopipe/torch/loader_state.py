@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..echo import EchoCache
-from ..echo.config import MAX_EPOCH_SIZE, EchoConfigError, check_factor
+from ..echo.config import MAX_EPOCH_SIZE, MAX_SEED, EchoConfigError, check_factor
 from ..echo.controller import EchoController
 
 __all__ = [
@@ -187,7 +187,7 @@ def _cache_config(config: Any, memory_bytes: int) -> dict[str, int] | None:
         # The cache allocates its per-sample table (about 32 bytes a sample) when created,
         # before the saved contents are checked: a state may not ask for more than 128 MiB of it.
         "capacity_samples": _int(config["capacity_samples"], "cache capacity_samples", 1, 1 << 22),
-        "seed": _int(config["seed"], "cache seed", 0, (1 << 63) - 1),
+        "seed": _int(config["seed"], "cache seed", 0, MAX_SEED),
     }
     out["min_fill"] = _int(config["min_fill"], "cache min_fill", 0, out["capacity_samples"])
     out["epoch_size"] = _int(config["epoch_size"], "cache epoch_size", 0, MAX_EPOCH_SIZE)

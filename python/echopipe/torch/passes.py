@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from .reader import Producer
 
 __all__ = [
-    "COUNTS", "EchoLoaderStats", "EpochIterator", "cache_config", "check_count", "check_echo",
-    "check_factor",
+    "COUNTS", "EchoLoaderStats", "EpochIterator", "cache_config", "check_count", "check_device",
+    "check_echo", "check_factor", "check_seed",
     "observe",
 ]  # fmt: skip
 
@@ -83,11 +83,39 @@ def check_count(name: str, value: Any, minimum: int = 1) -> int | None:
     return int(value)
 
 
+def check_seed(value: Any) -> int:
+    """``value`` as the cache's seed, within the core's bound (EchoConfigError names ``seed``)."""
+    return echo_config.check_int("seed", value, 0, echo_config.MAX_SEED)
+
+
 def check_seconds(name: str, value: Any) -> float | None:
     """``value``: ``None`` or a positive number of seconds; the error names ``name``."""
     if value is not None and not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     return None if value is None else float(value)
+
+
+def check_device(device: Any) -> torch.device | None:
+    """``device`` as a torch.device (None stays None), and for CUDA one that torch can use, so
+    that a wrong one is named here rather than by torch at the first batch."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a torch.device or a str, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(
+            f"device must be a device such as 'cpu' or 'cuda:0', got {device!r}"
+        ) from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise ValueError(
+                f"device={device!r} needs CUDA device {dev.index or 0}, but torch sees {count} "
+                "CUDA devices"
+            )
+    return dev
 
 
 def pin_choice(device: torch.device | None, pin_memory: bool | None) -> bool:
@@ -147,6 +175,12 @@ def cache_config(
     if buffer < 2 * batch_size:
         raise bl.LayoutError(
             f"shuffle_buffer={buffer} holds fewer than two batches of {batch_size}"
+        )
+    if buffer > echo_config.MAX_CAPACITY_SAMPLES:  # only the default can be: the option is checked
+        raise bl.LayoutError(
+            f"batch_size={batch_size} is too large: its default shuffle_buffer of 4 batches "
+            f"({buffer} samples) is more than an echo cache holds "
+            f"({echo_config.MAX_CAPACITY_SAMPLES}); give a smaller batch_size or a shuffle_buffer"
         )
     per_sample = sum(
         64 * math.ceil(sum(layout.leaves[i].nbytes for i in g) / 64) + 64 for g in layout.groups
