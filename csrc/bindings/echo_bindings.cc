@@ -340,6 +340,8 @@ void register_errors() {
                        py::make_tuple(e.sample_bytes(), e.capacity_bytes()));
     } catch (const CacheStateError& e) {
       raise_echo_error("CacheStateError", PyExc_ValueError, e.what());
+    } catch (const ArenaAllocationError& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
     }
   });
 }

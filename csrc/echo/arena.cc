@@ -62,7 +62,7 @@ Arena device_allocate(size_t bytes) {
   cudaError_t err = cudaMalloc(&p, bytes);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    throw std::runtime_error(
+    throw ArenaAllocationError(
         "cudaMalloc of " + std::to_string(bytes) +
         " bytes for a device echo cache arena failed: " + cudaGetErrorString(err));
   }
@@ -110,8 +110,8 @@ Arena arena_allocate(size_t bytes, MemoryKind requested) {
     cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      throw std::runtime_error("cudaHostAlloc of " + std::to_string(bytes) +
-                               " bytes failed: " + cudaGetErrorString(err));
+      throw ArenaAllocationError("cudaHostAlloc of " + std::to_string(bytes) +
+                                 " bytes failed: " + cudaGetErrorString(err));
     }
     void* d = nullptr;
     if (cudaHostGetDevicePointer(&d, p, 0) != cudaSuccess) {
@@ -126,8 +126,8 @@ Arena arena_allocate(size_t bytes, MemoryKind requested) {
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
-    throw std::runtime_error("could not map " + std::to_string(bytes) +
-                             " bytes of pageable memory for the echo cache arena");
+    throw ArenaAllocationError("could not map " + std::to_string(bytes) +
+                               " bytes of pageable memory for the echo cache arena");
   }
 #if defined(MADV_HUGEPAGE)
   // Takes read samples at random across the whole arena: in an arena far beyond the TLB's

@@ -82,7 +82,8 @@ namespace echopipe {
 
 // ---- errors ------------------------------------------------------------------------------
 // Distinct types, so that callers (the Python module registers each as its own exception class)
-// tell the cases apart without reading a message. Both are std::invalid_argument: a bad value.
+// tell the cases apart without reading a message. The first two are std::invalid_argument: a bad
+// value.
 
 /// A sample whose extent (fields 64-byte aligned) exceeds the arena: it can never be stored.
 class ECHOPIPE_API SampleTooLargeError : public std::invalid_argument {
@@ -102,6 +103,13 @@ class ECHOPIPE_API SampleTooLargeError : public std::invalid_argument {
 class ECHOPIPE_API CacheStateError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
+};
+
+/// An arena this machine cannot provide (mmap, cudaHostAlloc or cudaMalloc failed): memory, not
+/// a bad value; Python sees a MemoryError.
+class ECHOPIPE_API ArenaAllocationError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
 };
 
 // ---- element types -------------------------------------------------------------------------

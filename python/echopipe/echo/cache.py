@@ -123,13 +123,7 @@ class EchoCache:
                 name=name or "",
                 epoch_size=int(epoch_size),
             )
-        except RuntimeError as exc:
-            # The core's constructor raises RuntimeError (std::runtime_error) for two things only:
-            # a pinned or device arena without a CUDA device, which stays as it is, and an arena
-            # it could not allocate (mmap, cudaHostAlloc or cudaMalloc failed), which is this
-            # machine's memory running short. Told apart by the facts, not the message's words.
-            if memory in ("pinned", "device") and not core.cuda_available():
-                raise
+        except MemoryError as exc:  # the core's ArenaAllocationError: mmap, cudaHostAlloc...
             raise MemoryError(
                 f"capacity_bytes={int(capacity_bytes)}: no memory for an echo cache arena of "
                 f"that many bytes ({exc})"
