@@ -346,6 +346,7 @@ def test_on_corrupt_skip_leaves_out_bombs_frameless_jpegs_and_names_dali_cannot_
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "3 corrupt image(s) left out of train/" in err, err
+    assert "2 corrupt image(s) left out of val/" in err, err
     rows = json.loads((tmp_path / "run" / "metrics.json").read_text())["epochs"]
     assert rows[0]["val_images"] == 4
 

@@ -9,7 +9,7 @@ from typing import Any
 from .checkpoints import read_checkpoint
 from .config import DataError, TrainConfig, UsageError
 
-__all__ = ["IMAGE_CHECK", "check_data", "read_resume"]
+__all__ = ["IMAGE_CHECK", "check_data", "read_resume", "say_left_out"]
 
 IMAGE_CHECK = "header"
 """How every image of train/ and val/ is checked before training (markers, no decode)."""
@@ -88,6 +88,7 @@ def check_data(cfg: TrainConfig, say: Callable[[str], None]) -> tuple[Path, list
             f"--data {str(data_dir)!r}: val/ and train/ have different class folders (e.g. "
             f"{extra[0]!r})"
         )
+    say_left_out(val, "val", say)
     for name, n in zip(train.classes, train.counts_per_class(), strict=True):
         if n == 0:
             say(
@@ -95,3 +96,14 @@ def check_data(cfg: TrainConfig, say: Callable[[str], None]) -> tuple[Path, list
                 "model's outputs but is never trained"
             )
     return data_dir, train.classes
+
+
+def say_left_out(index: Any, split: str, say: Callable[[str], None]) -> None:
+    """One line per kind of file a scan of ``split``/ left out (links, corrupt images)."""
+    for what, items in (
+        ("symbolic link(s)", index.links_skipped),
+        ("corrupt image(s)", index.skipped),
+    ):
+        if items:
+            path, why = items[0]
+            say(f"data: {len(items)} {what} left out of {split}/ (e.g. {path}: {why})")

@@ -28,6 +28,7 @@ from .distributed import DistContext, all_reduce_grads, stage_devices
 from .echo_start import start_factor
 from .epoch import EpochLoop
 from .input import TrainInput
+from .preflight import say_left_out
 from .progress import Progress, StepLog
 from .report import TrainSummary, echo_verdict, summarize, write_run_files
 from .resume import given_by_value
@@ -317,14 +318,7 @@ class Trainer:
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda updates: schedule.factor(updates))
 
     def _report_skipped(self) -> None:
-        index = self.data.pipe.folder_index
-        for what, items in (
-            ("symbolic link(s)", index.links_skipped),
-            ("corrupt image(s)", index.skipped),
-        ):
-            if items:
-                path, why = items[0]
-                self.say(f"data: {len(items)} {what} left out of train/ (e.g. {path}: {why})")
+        say_left_out(self.data.pipe.folder_index, "train", self.say)
 
     # ---- files ---------------------------------------------------------------------------
 
