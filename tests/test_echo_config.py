@@ -168,6 +168,8 @@ def test_a_pipeline_functions_factor_error_does_not_offer_auto() -> None:
         ("seed", MAX_SEED + 1, f"[0, {MAX_SEED}]"),
         ("seed", -1, f"[0, {MAX_SEED}]"),
         ("epoch_size", MAX_EPOCH_SIZE + 1, f"[0, {MAX_EPOCH_SIZE}]"),
+        ("batch_size", "x", f"[1, {MAX_CAPACITY_SAMPLES}]"),
+        ("batch_size", 0, f"[1, {MAX_CAPACITY_SAMPLES}]"),
     ],
 )
 def test_the_cache_refuses_an_integer_past_the_cores_by_its_argument(

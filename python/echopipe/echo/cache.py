@@ -101,11 +101,10 @@ class EchoCache:
         e = float(check_factor(echo_factor, "echo_factor"))
         if mode not in ("example", "batch"):
             raise ValueError(f"mode must be 'example' or 'batch', got {mode!r}")
-        if mode == "batch":
-            if batch_size is None or int(batch_size) < 1:
-                raise ValueError(f"mode='batch' needs batch_size >= 1, got {batch_size!r}")
-        elif batch_size is not None and int(batch_size) < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        if mode == "batch" and batch_size is None:
+            raise ValueError("mode='batch' needs batch_size >= 1, got None")
+        if batch_size is not None:
+            check_int("batch_size", batch_size, 1, MAX_CAPACITY_SAMPLES)
         self._batch_size = int(batch_size) if batch_size is not None else 1
         self._mode = mode
         # Copies per take: a whole echoed batch in batch mode.
