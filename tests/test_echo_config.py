@@ -266,3 +266,22 @@ def test_the_builder_takes_an_echo_config_as_it_is(tiny_imagenet: Path) -> None:
         assert pipe.config.epochs == 1 and pipe.cache.echo_factor == 3.0
     with pytest.raises(EchoConfigError, match="echo_factor must be a finite number"):
         imagenet_train_pipeline(tiny_imagenet, batch_size=4, echo=EchoConfig(factor="auto"))
+
+
+def test_a_pipeline_functions_seed_is_bounded_before_dali_gets_it() -> None:
+    """DALI's seeds are signed 64-bit and the pair's pipelines add offsets: a seed past
+    MAX_PIPELINE_SEED is refused by name, not as DALI's overflow."""
+    from echopipe.dali.builder_checks import MAX_PIPELINE_SEED
+
+    @echo_pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def noise() -> Any:
+        from nvidia.dali import fn
+
+        return echo(fn.random.uniform(shape=[2]))
+
+    with pytest.raises(
+        EchoConfigError, match=f"seed must be an integer in \\[0, {MAX_PIPELINE_SEED}\\]"
+    ):
+        noise(seed=(1 << 63) - 1)
+    with noise(seed=MAX_PIPELINE_SEED) as pipe:
+        assert pipe.config.seed == MAX_PIPELINE_SEED
