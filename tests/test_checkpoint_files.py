@@ -384,6 +384,10 @@ def test_resume_on_data_with_another_class_count_is_one_line(base: Path, tmp_pat
         (_set("config", "data", value=123), "the checkpoint's --data must be a path, got 123"),
         (_set("config", "devices", value=[1]), "the checkpoint's --devices [1]: give e.g. cpu"),
         (_set("options", "workers", value=0), "the checkpoint's --workers must be >= 1, got 0"),
+        (
+            _set("config", "channels_last", value="yes"),
+            "the checkpoint's --channels-last must be on or off (a bool), got 'yes'",
+        ),
     ],
 )
 def test_a_checkpoint_option_its_own_check_refuses_is_one_line_on_resume(

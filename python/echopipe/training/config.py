@@ -27,6 +27,7 @@ from .options import (
     TrainError,
     UsageError,
     check_balance,
+    check_bool,
     check_devices,
     check_gpu_needs,
     check_model_input,
@@ -171,6 +172,7 @@ class TrainConfig:
         "repeatable runs: input in lock-step with training, "
         "balance by modelled cost (FLOPs, bytes), e = 1 under --echo auto, deterministic torch "
         "kernels",
+        check=check_bool,
     )
     synthetic_classes: int = opt(
         10,
@@ -252,7 +254,7 @@ class TrainConfig:
         group=_P,
     )
     channels_last: bool = opt(
-        False, "channels-last memory format for the model and input", group=_P
+        False, "channels-last memory format for the model and input", check=check_bool, group=_P
     )
     dist_timeout_s: float = opt(
         600.0,
@@ -300,7 +302,12 @@ class TrainConfig:
         on_resume="free",
     )
     progress: bool = opt(
-        True, "progress bars on a terminal", group=RUN_FOLDER_GROUP, on_resume="each", cli=False
+        True,
+        "progress bars on a terminal",
+        check=check_bool,
+        group=RUN_FOLDER_GROUP,
+        on_resume="each",
+        cli=False,
     )
 
     def __post_init__(self) -> None:

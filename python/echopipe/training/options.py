@@ -113,6 +113,12 @@ def parse_devices(text: str) -> list[str]:
     return [d.strip() for d in text.split(",") if d.strip()]
 
 
+def check_bool(name: str, value: Any) -> None:
+    """An on/off option: a bool (a crafted checkpoint's "yes" is not one)."""
+    if not isinstance(value, bool):
+        raise UsageError(f"{flag(name)} must be on or off (a bool), got {value!r}")
+
+
 def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
