@@ -820,3 +820,43 @@ def test_a_pipeline_left_open_at_exit_stops_its_stages_first(how: str) -> None:
     )
     assert done.returncode == (1 if how == "raise" else 0), done.stderr[-2000:]
     assert "terminate called" not in done.stderr
+
+
+def test_each_loss_comes_back_once_across_evaluations_and_checkpoints(tmp_path: Path) -> None:
+    """accuracy() and save_checkpoint() drain the pipeline; the losses that drain finishes
+    come back from the next call that returns losses (they were dropped)."""
+    batches = make_batches(6)
+    with StalePipeline(small_cnn(), balance=[3, 3, 2], optimizer=sgd, loss_fn=loss_fn) as pipe:
+        first = pipe.run_epoch(batches[:3])
+        pipe.accuracy(batches[0][0], batches[0][1])
+        second = pipe.run_epoch(batches[3:])
+        pipe.save_checkpoint(tmp_path / "ck")
+        rest = pipe.drain()
+        assert pipe.steps_applied == 6
+    assert len(first.losses) + len(second.losses) + len(rest) == 6
+
+
+def test_accuracy_takes_n_by_1_labels_and_keeps_each_modules_mode() -> None:
+    """(N, 1) integer labels (DALI's) score as (N,) ones (they broadcast to N x N), and a
+    BatchNorm the user froze with .eval() is still frozen after an evaluation."""
+    x, _ = make_batches(1)[0]
+    with StalePipeline(small_cnn(), balance=[4, 4], optimizer=sgd, loss_fn=loss_fn) as pipe:
+        frozen = pipe.stages[0][0][1]
+        assert isinstance(frozen, nn.BatchNorm2d)
+        frozen.eval()
+        own = pipe.evaluate(x).argmax(dim=1)
+        assert pipe.accuracy(x, own) == 1.0
+        assert pipe.accuracy(x, own.reshape(-1, 1).int()) == 1.0
+        assert not frozen.training and pipe.stages[0][0][0].training
+
+
+def test_more_argument_checks_name_the_argument() -> None:
+    for kw, error, text in [
+        ({"recompute": "no"}, TypeError, "recompute must be a bool, got 'no'"),
+        ({"max_prefetch": 0}, ValueError, "max_prefetch must be an int >= 1, got 0"),
+        ({"max_stale_share": 2.0}, ValueError, "max_stale_share must be in [0, 1], got 2.0"),
+    ]:
+        with pytest.raises(error) as caught:
+            StalePipeline(small_cnn(), balance=[4, 4], optimizer=sgd, loss_fn=loss_fn, **kw)
+        assert str(caught.value) == text
+    assert HybridSchedule.from_fraction(0.29, 100).pipelined_steps == 29  # 28.999... in floats

@@ -41,8 +41,11 @@ def check_arguments(
     grad_hook: Any,
     scheduler_interval: Any,
     hybrid: Any,
+    recompute: Any = False,
+    max_prefetch: Any = 1,
 ) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the first bad argument of ``StalePipeline``."""
+    """Raise ``TypeError``/``ValueError`` naming the first bad argument of ``StalePipeline``
+    (and of ``DistributedStalePipeline``, which has no ``grad_hook`` or ``max_prefetch``)."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(
             f"StalePipeline needs an nn.Sequential (one child per block), got "
@@ -63,6 +66,10 @@ def check_arguments(
         )
     if hybrid is not None and not isinstance(hybrid, HybridSchedule):
         raise TypeError(f"hybrid must be a HybridSchedule, got {type(hybrid).__name__}")
+    if not isinstance(recompute, bool):  # ("no" would be true)
+        raise TypeError(f"recompute must be a bool, got {recompute!r}")
+    if isinstance(max_prefetch, bool) or not isinstance(max_prefetch, int) or max_prefetch < 1:
+        raise ValueError(f"max_prefetch must be an int >= 1, got {max_prefetch!r}")
 
 
 def resolve_balance(

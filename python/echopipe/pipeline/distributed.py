@@ -30,7 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .build import LossFn, OptimizerFactory, SchedulerFactory, stage_optimizer
+from .build import (
+    LossFn,
+    OptimizerFactory,
+    SchedulerFactory,
+    check_arguments,
+    stage_optimizer,
+)
 from .checkpoint import atomic_save, load_file
 from .distributed_epoch import agree_steps, agreed_auto_balance, feed_steps, pipeline_accuracy
 from .p2p import TAG_ACT, TAG_EVAL, TAG_GRAD, TAG_TARGET, PeerLink, link_timeout
@@ -38,7 +44,7 @@ from .partition import DeviceLike, split_sequential
 from .ranks import ReplicaAverage, StageTopology, data_parallel_group, rank_device
 from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult
 from .schedule import HybridSchedule, stage_staleness
-from .stage import StageCore
+from .stage import StageCore, eval_mode
 from .state import Progress, check_rank_state, rank_state, restore_rank
 
 __all__ = ["DistributedStalePipeline"]
@@ -91,6 +97,7 @@ class DistributedStalePipeline:
         balance_cost: Literal["time", "model"] = "time",
         balance_cache: str | os.PathLike[str] | None = None,
     ) -> None:
+        check_arguments(module, optimizer, loss_fn, None, scheduler_interval, hybrid, recompute)
         timeout = link_timeout(timeout_s)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -295,26 +302,21 @@ class DistributedStalePipeline:
         Stage 0 passes ``x``; the last stage returns the output on CPU, other ranks ``None``.
         """
         self.drain()
-        was = self.stage.training
-        self.stage.eval()
-        try:
-            with torch.no_grad():
-                if self.is_first:
-                    if x is None:
-                        raise ValueError("stage 0 needs x in evaluate")
-                    h = x.to(self.device)
-                else:
-                    assert self.topology.prev is not None
-                    h = self._link.recv(self.topology.prev, TAG_EVAL)
-                h = self.stage(h)
-                if not self.is_last:
-                    assert self.topology.next is not None
-                    self._link.send(h, self.topology.next, TAG_EVAL)
-                    self._link.reap_sends(wait_all=True)
-                    return None
-                return h.cpu()
-        finally:
-            self.stage.train(was)
+        with torch.no_grad(), eval_mode([self.stage]):
+            if self.is_first:
+                if x is None:
+                    raise ValueError("stage 0 needs x in evaluate")
+                h = x.to(self.device)
+            else:
+                assert self.topology.prev is not None
+                h = self._link.recv(self.topology.prev, TAG_EVAL)
+            h = self.stage(h)
+            if not self.is_last:
+                assert self.topology.next is not None
+                self._link.send(h, self.topology.next, TAG_EVAL)
+                self._link.reap_sends(wait_all=True)
+                return None
+            return h.cpu()
 
     def run_epoch(
         self,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -29,8 +29,16 @@ from .build import (
 )
 from .checkpoint import atomic_save, load_file
 from .partition import DeviceLike, parse_devices, split_sequential
-from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult, unpack_batch
+from .results import (
+    DEFAULT_OUTPUT_MAP,
+    EpochResult,
+    LossRecord,
+    StepResult,
+    as_class_target,
+    unpack_batch,
+)
 from .schedule import HybridSchedule, stage_staleness
+from .stage import eval_mode
 from .state import Progress, check_pipeline_state, pipeline_state, restore_pipeline
 from .stream import caller_event, synchronize_devices
 from .worker import Batch, SchedulerStep, StageWorkers, divide_threads
@@ -128,7 +136,10 @@ class StalePipeline:
         balance_cache: str | os.PathLike[str] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        check_arguments(module, optimizer, loss_fn, grad_hook, scheduler_interval, hybrid)
+        check_arguments(
+            module, optimizer, loss_fn, grad_hook, scheduler_interval, hybrid, recompute,
+            max_prefetch,
+        )  # fmt: skip
         balance = resolve_balance(
             module, balance, devices, num_stages, sample_input, max_stale_share, balance_cost,
             balance_cache,
@@ -283,28 +294,17 @@ class StalePipeline:
         self._drain_to(stage_staleness(self.num_stages, pipelined))
         self._pipelined = bool(pipelined)
 
-    @contextlib.contextmanager
-    def _eval_mode(self) -> Iterator[None]:
-        was = [s.training for s in self.stages]
-        for s in self.stages:
-            s.eval()
-        try:
-            yield
-        finally:
-            for s, mode in zip(self.stages, was, strict=True):
-                s.train(mode)
-
     def evaluate(self, x: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
         """Eval-mode forward of ``x`` through all stages (drains first); logits on CPU.
 
         Normalisation layers use their running statistics. The pipeline stays usable.
         """
-        if not self._idle:
-            self.drain()
+        if not self._idle:  # the losses it finishes stay for the next train_step or drain
+            self._drain_to(self.staleness())
         self._workers.check()
         outputs: list[torch.Tensor] = []
         chunks = [x] if batch_size is None else list(torch.split(x, batch_size))
-        with torch.no_grad(), self._eval_mode():
+        with torch.no_grad(), eval_mode(self.stages):
             for chunk in chunks:
                 h = chunk
                 for stage, device in zip(self.stages, self.devices, strict=True):
@@ -315,7 +315,8 @@ class StalePipeline:
     def accuracy(self, x: torch.Tensor, target: torch.Tensor, batch_size: int = 512) -> float:
         """Top-1 accuracy (fraction in [0, 1]) of :meth:`evaluate` on ``x`` against ``target``."""
         logits = self.evaluate(x, batch_size)
-        return float((logits.argmax(dim=1) == target.cpu()).double().mean().item())
+        hits = logits.argmax(dim=1) == as_class_target(target.cpu())  # (N, 1) labels too
+        return float(hits.double().mean().item())
 
     # Checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -324,8 +325,8 @@ class StalePipeline:
         Drains first (the checkpoint policy): no minibatch is in flight in a checkpoint, so
         resuming continues exactly as an uninterrupted run that drained at the same step.
         """
-        if not self._idle:
-            self.drain()
+        if not self._idle:  # the losses it finishes stay for the next train_step or drain
+            self._drain_to(self.staleness())
         self._workers.check()
         progress = Progress(self.steps_fed, self.samples_seen, self._pipelined)
         return pipeline_state(self.balance, self.stages, self._cores, progress, self.recompute)

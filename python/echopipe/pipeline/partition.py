@@ -10,7 +10,7 @@ Where the costs come from (timing, a cost model) is in ``balance.py``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 __all__ = [
     "DeviceLike",
     "StageFits",
+    "check_share_bound",
     "check_stale_share",
     "min_max_partition",
     "parse_devices",
@@ -191,10 +192,7 @@ def stale_share_fits(
     start. Raises ``ValueError`` when no split into ``num_stages`` stages can meet the bound
     (the stale stages need at least one child each), naming the smallest share reachable.
     """
-    if isinstance(max_stale_share, bool) or not isinstance(max_stale_share, int | float):
-        raise TypeError(f"max_stale_share must be a number in [0, 1], got {max_stale_share!r}")
-    if not 0.0 <= max_stale_share <= 1.0:
-        raise ValueError(f"max_stale_share must be in [0, 1], got {max_stale_share!r}")
+    check_share_bound(max_stale_share)
     weights = _child_weights(module, by)
     total = sum(weights)
     last_start = 0  # the largest index the last stage may start at
@@ -218,6 +216,14 @@ def stale_share_fits(
     return fits
 
 
+def check_share_bound(max_stale_share: Any) -> None:
+    """``max_stale_share`` is a number in [0, 1] (TypeError, ValueError naming it)."""
+    if isinstance(max_stale_share, bool) or not isinstance(max_stale_share, int | float):
+        raise TypeError(f"max_stale_share must be a number in [0, 1], got {max_stale_share!r}")
+    if not 0.0 <= max_stale_share <= 1.0:
+        raise ValueError(f"max_stale_share must be in [0, 1], got {max_stale_share!r}")
+
+
 def check_stale_share(
     module: nn.Sequential,
     balance: Sequence[int],
@@ -225,6 +231,7 @@ def check_stale_share(
     by: StaleShareBy = "params",
 ) -> None:
     """Raise ``ValueError`` if ``balance`` runs more than ``max_stale_share`` of the model stale."""
+    check_share_bound(max_stale_share)
     share = stale_share(module, balance, by)
     if share > max_stale_share * (1 + 1e-12):
         raise ValueError(

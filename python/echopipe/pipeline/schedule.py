@@ -74,7 +74,8 @@ class HybridSchedule:
             raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
         if total_steps < 0:
             raise ValueError(f"total_steps must be >= 0, got {total_steps}")
-        return cls(int(fraction * total_steps))
+        # (rounded to 1e-6 first: 0.29 * 100 is 28.999... in binary)
+        return cls(math.floor(round(fraction * total_steps, 6)))
 
     @classmethod
     def default(cls, epochs: int, steps_per_epoch: int) -> HybridSchedule:

@@ -19,15 +19,16 @@ In both, the stage's optimizer steps right after its backward, so the next op se
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-__all__ = ["StageCore"]
+__all__ = ["StageCore", "eval_mode"]
 
 GradHook = Callable[[list[torch.Tensor | None]], None]
 
@@ -221,3 +222,17 @@ class StageCore:
             self.step_scheduler()
         else:
             self.pending_scheduler_steps.append(self.last_forward_index)
+
+
+@contextlib.contextmanager
+def eval_mode(stages: Iterable[nn.Module]) -> Iterator[None]:
+    """``stages`` in eval mode, and afterwards every module in the mode it had: a BatchNorm
+    the user froze with ``.eval()`` stays frozen (``train(mode)`` on a stage would reset it)."""
+    was = [(m, m.training) for s in stages for m in s.modules()]
+    for m, _ in was:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, mode in was:
+            m.training = mode
