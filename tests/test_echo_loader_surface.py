@@ -237,6 +237,13 @@ def _rank(rank: int, store: str, out: str) -> None:
             length = len(el)
             batches, got = epoch(el)
         results.append(f"{length} {batches} {dict(got) == dict.fromkeys(sampler, 2)}")
+        auto = EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), "auto")
+        try:
+            iter(auto)
+            results.append("no error")
+        except ValueError as exc:
+            results.append(str(exc))
+        auto.close()
         with open(out, "w") as f:
             f.write("\n".join(results))
     finally:
@@ -256,11 +263,13 @@ def test_several_processes_reading_the_whole_dataset_each_get_one_clear_error() 
             assert p.exitcode == 0
         for out in outs:
             with open(out) as f:
-                len_error, iter_error, sharded = f.read().split("\n")
+                len_error, iter_error, sharded, auto = f.read().split("\n")
             assert len_error == iter_error
             assert "2 torch.distributed processes" in len_error and "RandomSampler" in len_error
             assert "DistributedSampler" in len_error
             assert sharded == "8 8 True"  # 15 samples per process, 30 copies, batches of 4
+            # "auto" would choose e per rank, and the ranks' step counts would differ.
+            assert "echo_factor='auto'" in auto and "2 torch.distributed processes" in auto
 
 
 def test_an_iterator_dropped_before_its_first_batch_reads_nothing() -> None:

@@ -188,6 +188,7 @@ class EchoLoader(PassThrough):
         if self._closed:
             raise RuntimeError("EchoLoader is closed")
         wrapped.check_sharded(self._loader)
+        passes.check_auto_alone(self._controller is not None)
         if self._current is not None:  # an iterator still in its epoch (as DataLoader does)
             self._end_epoch(self._current, abort=True)
         self._serial += 1

@@ -211,3 +211,18 @@ def observe(loader: EchoLoader, producer: Producer, busy: float) -> None:
     first = len(loader._history) == 1
     if loader._controller.factor != loader._factor and (first or step % loader._interval == 0):
         loader.set_echo_factor(loader._controller.factor)
+
+
+def check_auto_alone(auto: bool) -> None:
+    """``"auto"`` follows this process's own timings: under several torch.distributed
+    processes each would choose its own e and run another number of steps per epoch, and the
+    first collective of a rank that ran out (DDP's all-reduce) would wait for ever."""
+    dist = torch.distributed
+    if auto and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"EchoLoader: echo_factor='auto' decides e from this process's timings, but "
+            f"{dist.get_world_size()} torch.distributed processes run and each would decide "
+            "its own (and take another number of steps); pass a number, the same on every "
+            "rank (e.g. rank 0's EchoController.factor, broadcast and set with "
+            "set_echo_factor between epochs)"
+        )
