@@ -420,3 +420,27 @@ def test_batch_echo_under_dalis_iterators_needs_whole_upstream_batches(files: li
     with pytest.raises(ValueError, match=r"20 samples .* upstream batches of 8.*EchoIterator"):
         DALIGenericIterator(pipe, ["data", "label"], reader_name="Reader")
     pipe.close()
+
+
+def test_a_factor_set_between_auto_reset_epochs_makes_the_whole_next_epoch(files) -> None:
+    """EchoIterator(auto_reset=True) starts the next pass at the next next(), not at the end
+    of the epoch: a set_echo_factor(3) between the epochs gives epoch 1 three copies of every
+    file and as many steps as len() says (a pass started at the end of epoch 0 put samples at
+    the old e = 2 while the caller validated, so the ranks of a job took different steps)."""
+    pipe = echo_pipe(files, batch_size=BATCH, echo_factor=2, cache_samples=3 * BATCH)
+    with pipe:
+        it = edali.EchoIterator(
+            pipe, reader_name="Reader", last_batch_policy=LBP.PARTIAL, auto_reset=True
+        )
+        resets: list[int] = []
+        reset = pipe.reset
+        pipe.reset = lambda: (resets.append(1), reset())[1]  # type: ignore[method-assign]
+        first = [b[0]["label"].reshape(-1).tolist() for b in it]
+        assert resets == []  # nothing of the next pass before the caller's next()
+        pipe.set_echo_factor(3)
+        steps = len(it)
+        second = [b[0]["label"].reshape(-1).tolist() for b in it]
+        assert resets == [1]
+    assert Counter(_flat(first)) == dict.fromkeys(range(len(files)), 2)
+    assert Counter(_flat(second)) == dict.fromkeys(range(len(files)), 3)
+    assert len(second) == steps

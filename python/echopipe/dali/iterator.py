@@ -300,10 +300,10 @@ class EchoIterator:
             raise
 
     def _end_epoch(self) -> None:
+        # auto_reset resets at the next next(), not here: a set_echo_factor between the epochs
+        # then reaches the whole next epoch (the next pass would fill the cache at the old e).
         self._epoch_done = True
         self.stats.epochs += 1
-        if self.auto_reset:
-            self.reset()
 
     def _next(self) -> list[dict[str, torch.Tensor]]:
         pipe = self.pipeline
