@@ -9,6 +9,7 @@ import collections
 import math
 import os
 import tempfile
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from torch.utils.data import (
 )
 
 from echopipe.torch import EchoLoader, UnshardedLoaderError
+from echopipe.torch.loader_state import LoaderStateError
 
 
 class Ids(Dataset):
@@ -237,6 +239,18 @@ def _rank(rank: int, store: str, out: str) -> None:
             length = len(el)
             batches, got = epoch(el)
         results.append(f"{length} {batches} {dict(got) == dict.fromkeys(sampler, 2)}")
+        # A mid-epoch state holds the saving rank's cached samples: only that rank takes it.
+        with EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), 2.0) as el:
+            batches = iter(el)
+            next(batches)
+            states: list[Any] = [None, None]
+            dist.all_gather_object(states, el.state_dict())
+        with EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), 2.0) as el:
+            try:
+                el.load_state_dict(states[0])
+                results.append("loaded")
+            except LoaderStateError as exc:
+                results.append(str(exc))
         auto = EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), "auto")
         try:
             iter(auto)
@@ -263,11 +277,16 @@ def test_several_processes_reading_the_whole_dataset_each_get_one_clear_error() 
             assert p.exitcode == 0
         for out in outs:
             with open(out) as f:
-                len_error, iter_error, sharded, auto = f.read().split("\n")
+                len_error, iter_error, sharded, rank0_state, auto = f.read().split("\n")
             assert len_error == iter_error
             assert "2 torch.distributed processes" in len_error and "RandomSampler" in len_error
             assert "DistributedSampler" in len_error
             assert sharded == "8 8 True"  # 15 samples per process, 30 copies, batches of 4
+            if out == outs[0]:
+                assert rank0_state == "loaded"
+            else:
+                assert "saved by rank 0 of 2 processes mid-epoch" in rank0_state
+                assert "this loader is rank 1 of 2" in rank0_state
             # "auto" would choose e per rank, and the ranks' step counts would differ.
             assert "echo_factor='auto'" in auto and "2 torch.distributed processes" in auto
 

@@ -341,6 +341,7 @@ class EchoLoader(PassThrough):
             "cache_config": dict(self._cache_config) if self._cache_config else None,
             "layout": self._layout.signature() if self._layout else self._saved_layout,
             "batch_size": self._batch_size,
+            "shard": ls.shard(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -375,8 +376,7 @@ class EchoLoader(PassThrough):
             self._batch_size = clean["batch_size"]
         self._cache_config = clean["cache_config"]
         self._layout, self._decode, self._saved_layout = None, None, clean["layout"]
-        if cache is not None:
-            self._shared.cache = cache
+        self._shared.cache = cache  # (None after the shutdown above when there is none)
         self._resume = clean if clean["mid_epoch"] else None
 
     # ---- lifecycle ----

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..echo import EchoCache
 from ..echo.config import MAX_EPOCH_SIZE, MAX_SEED, EchoConfigError, check_factor
 from ..echo.controller import EchoController
@@ -22,6 +24,7 @@ __all__ = [
     "check_loader_state",
     "check_position",
     "restored_cache",
+    "shard",
 ]
 
 STATE_VERSION = 1
@@ -161,7 +164,25 @@ def check_loader_state(
     _need(cache is None or isinstance(cache, bytes | bytearray), "'cache' is not bytes")
     _need(cache is None or out["cache_config"] is not None, "has a cache without 'cache_config'")
     out["cache"] = None if cache is None else bytes(cache)
+    saved, here = state.get("shard"), shard()  # (states of earlier versions have none)
+    pair = isinstance(saved, list) and len(saved) == 2 and all(type(v) is int for v in saved)
+    _need(saved is None or pair, "'shard' is not [rank, world_size]")
+    if out["cache"] is not None and saved is not None and saved != here:
+        where = "one process" if here is None else f"rank {here[0]} of {here[1]}"
+        raise LoaderStateError(
+            f"was saved by rank {saved[0]} of {saved[1]} processes mid-epoch and holds that "
+            f"rank's cached samples, but this loader is {where}: each rank loads the state its "
+            "own EchoLoader saved (a checkpoint written by rank 0 alone holds rank 0's)"
+        )
     return out
+
+
+def shard() -> list[int] | None:
+    """``[rank, world_size]`` under several torch.distributed processes, else None."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return [dist.get_rank(), dist.get_world_size()]
+    return None
 
 
 def _history(history: Any) -> list[tuple[int, float]]:
