@@ -56,6 +56,13 @@ def test_first_hour_lines_folder_and_step_log(
     assert float(rows[-1]["epoch"]) == pytest.approx(2.0)
     doc = json.loads((run / "metrics.json").read_text())
     assert all(0 <= r["val_top1"] <= r["val_top5"] <= 1 for r in doc["epochs"])
+    # A step's lr is the rate its update used: step 5's is the rate after epoch 1's 4 updates.
+    assert float(rows[4]["lr"]) == pytest.approx(doc["epochs"][0]["lr"], rel=1e-4)
+    # Run files get the mode a plain write gives (0666 less the umask), not mkstemp's 0600.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for f in ("config.json", "metrics.json", "metrics.csv", "steps.csv", "checkpoints/last.pt"):
+        assert os.stat(run / f).st_mode & 0o777 == 0o666 & ~mask, f
     config = json.loads((run / "config.json").read_text())
     assert config["options"]["output"] is None and config["restarts"] == []
     # A second run the same way gets a folder of its own: nothing is refused or overwritten.

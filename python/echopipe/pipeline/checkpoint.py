@@ -19,7 +19,7 @@ import torch
 
 from ..filecheck import FileCheckError, check_stored_zip, check_tree, open_regular, read_exactly
 
-__all__ = ["CheckpointFileError", "atomic_save", "atomic_write", "load_file"]
+__all__ = ["CheckpointFileError", "atomic_save", "atomic_write", "load_file", "temp_file_for"]
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -30,6 +30,25 @@ def _fsync_dir(folder: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def temp_file_for(final: Path) -> tuple[int, str]:
+    """A new temporary file beside ``final`` (descriptor, name), with the mode a plain write
+    would give (0666 less the umask): mkstemp's 0600 made every run file private."""
+    fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.fchmod(fd, 0o666 & ~_umask())
+    return fd, name
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (/proc), else set back at once."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
@@ -43,7 +62,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
     folder = final.parent
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder does not exist: {folder}")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
+    fd, tmp_name = temp_file_for(final)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

@@ -87,11 +87,11 @@ class EpochLoop:
         self._val: list[Any] = []  # the validation iterator, built on first use
 
     def checkpoint(self, *, best: bool) -> None:
-        """Drain the pipeline (nothing in flight, its losses kept), then ``save``; the time
-        it takes is not training time."""
+        """Drain the pipeline (nothing in flight, its losses kept), then ``save``; the drain
+        finishes steps' compute (training time), the save is not."""
         training = self._mark is not None
+        self.drain()  # the pipeline's state_dict() would drain too
         self._count_time()
-        self.drain()  # the pipeline's state_dict() would drain too, and drop the losses
         self.save(best=best)
         if training:
             self._mark = time.perf_counter()
@@ -160,7 +160,7 @@ class EpochLoop:
         self.step_log.add(
             st.global_step,
             self.clock.epochs_at(st.global_step),
-            self.cfg.lr * self.lr_schedule.factor(st.global_step),
+            self.cfg.lr * self.lr_schedule.factor(st.global_step - 1),  # (this step's update)
             self.data.factor,
             st.wall_s + time.perf_counter() - self.wall0,
         )

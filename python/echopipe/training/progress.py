@@ -12,7 +12,6 @@ import contextlib
 import math
 import os
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from ..filecheck import FileCheckError, open_regular
+from ..pipeline.checkpoint import temp_file_for
 
 __all__ = ["WARMUP_STEPS", "Progress", "StepLog", "format_duration"]
 
@@ -260,7 +260,7 @@ def _rewrite(path: Path, header: str, step: int | None) -> str | None:
     ``step`` (a resume repeats the lines after it). Returns why the old lines could not be kept,
     or None. Read bounded (regular files only, the bytes that the lines up to ``step`` may take);
     a link under the name is replaced, never followed."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_file_for(path)
     problem = None
     try:
         with os.fdopen(fd, "wb") as dst:
