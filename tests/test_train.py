@@ -397,6 +397,10 @@ def test_lenet5_trains_on_the_colour_input_and_its_export_loads_by_name(
     last = out / "checkpoints" / "last.pt"
     assert main(["train", *data, "--evaluate", str(last)]) == 0
     assert "echopipe train --evaluate: top-1 " in capsys.readouterr().out
+    # Without --image-size (the default 64, which lenet5 cannot take): the checkpoint's 32.
+    plain = ["train", "--data", str(tiny_imagenet), "--no-progress", "--evaluate", str(last)]
+    assert main(plain) == 0
+    assert "at the checkpoint's image size" in capsys.readouterr().out
     assert main(["export", str(last), str(tmp_path / "w.pt")]) == 0
     weights = torch.load(tmp_path / "w.pt", weights_only=True)
     build_model("lenet5", num_classes=4).load_state_dict(weights, strict=True)

@@ -186,7 +186,7 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: 
             top1, loss, n = evaluate_checkpoint(cfg, args.evaluate)
             print(
                 f"echopipe train --evaluate: top-1 {100 * top1:.2f} %, loss {loss:.4f} on {n} "
-                "validation images",
+                "validation images (at the checkpoint's image size)",
                 flush=True,
             )
             return 0

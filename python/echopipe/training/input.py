@@ -10,6 +10,7 @@ the echo pipeline measures; ``t_down`` is the stages' busy time,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 from collections.abc import Callable
@@ -210,7 +211,9 @@ def evaluate(
 def evaluate_checkpoint(
     cfg: TrainConfig, checkpoint: Path, log: Callable[[str], None] | None = None
 ) -> tuple[float, float, int]:
-    """``(top1, loss, images)`` of a checkpoint's weights on ``cfg``'s validation split."""
+    """``(top1, loss, images)`` of a checkpoint's weights on ``cfg``'s validation split, at
+    the image size the checkpoint's run trained at (``cfg``'s may be the default, which a
+    model such as lenet5 cannot take)."""
     from ..models import build_model
     from .checkpoints import export_state_dict
     from .preflight import check_data
@@ -227,6 +230,7 @@ def evaluate_checkpoint(
     model = build_model(name, num_classes=num_classes)
     model.load_state_dict(weights)
     model.eval()
+    cfg = dataclasses.replace(cfg, model=name, image_size=int(saved["config"]["image_size"]))
 
     class _Plain:
         @staticmethod
