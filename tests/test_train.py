@@ -902,3 +902,21 @@ def test_checkpoint_drains_count_as_training_time(tiny_imagenet: Path, tmp_path:
     summary = json.loads((out / "metrics.json").read_text())["summary"]
     busy = summary["t_down_ms"] / 1000 * (summary["steps"] - 2)  # (the first steps are untimed)
     assert summary["train_s"] >= 0.95 * busy, summary
+
+
+def test_a_run_never_pipelined_says_so_from_its_start(tiny_imagenet: Path, tmp_path: Path) -> None:
+    """--hybrid-switch 0 with 2 stages: the start line, the epochs and the summary all say
+    staleness 0 (the start said [2, 0], then 'hybrid: synchronous from epoch 1'); a 1-stage
+    run with a switch is never told it became synchronous."""
+    from echopipe.training import TrainConfig, train
+
+    for stages, switch in ((2, 0), (1, 1)):
+        said: list[str] = []
+        cfg = TrainConfig(data=tiny_imagenet, image_size=32, batch_size=8, epochs=2, echo=1.0,
+                          stages=stages, hybrid_switch=switch, warmup_epochs=0,
+                          output=tmp_path / f"run{stages}", progress=False)  # fmt: skip
+        s = train(cfg, log=said.append)
+        start = next(m for m in said if m.startswith("train: "))
+        assert f"staleness {[0] * stages}" in start, start
+        assert not any(m.startswith("hybrid: ") for m in said), said
+        assert s.staleness == [0] * stages

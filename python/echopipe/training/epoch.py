@@ -108,7 +108,7 @@ class EpochLoop:
         self.epoch_t0 = time.perf_counter()
         switch, restart = hybrid_switch_epoch(self.lr_schedule.span())
         at = self.lr_schedule.at(float(st.epoch))
-        if switch is not None and at >= switch and self.pipeline.pipelined:
+        if switch is not None and at >= switch and max(self.pipeline.staleness()) > 0:
             self.pipeline.set_pipelined(False)
             again = ", learning rate restarted" if restart else ""
             self.say(f"hybrid: synchronous from epoch {st.epoch + 1} (staleness now 0{again})")

@@ -293,6 +293,7 @@ class Trainer:
             loss_fn=loss_fn,
             balance=balance,
             devices=devices,
+            pipelined=hybrid_switch_epoch(cfg)[0] != 0,  # --hybrid-switch 0: never stale
         )
         self._open.append(self.pipeline)
         if saved:
