@@ -510,10 +510,13 @@ def test_bad_arguments_are_named(
         imagenet_train_pipeline(data, **args)
 
 
-def test_the_largest_seed_leaves_room_for_the_seeds_made_from_it(data: Path) -> None:
+@pytest.mark.parametrize("shard_id", [0, 1])
+def test_the_largest_seed_leaves_room_for_the_seeds_made_from_it(data: Path, shard_id: int) -> None:
+    """The builder's seed plus the shard id (and the pair's + 1) still fit DALI's int64."""
     with imagenet_train_pipeline(
-        data, batch_size=4, image_size=SIZE, num_threads=1, seed=MAX_PIPELINE_SEED
-    ) as pipe:
+        data, batch_size=4, image_size=SIZE, num_threads=1, seed=MAX_PIPELINE_SEED,
+        shard_id=shard_id, num_shards=2,
+    ) as pipe:  # fmt: skip
         _, labels = pipe.run()
         assert len(np.array(labels.as_tensor())) == 4
 

@@ -269,9 +269,10 @@ def test_the_builder_takes_an_echo_config_as_it_is(tiny_imagenet: Path) -> None:
 
 
 def test_a_pipeline_functions_seed_is_bounded_before_dali_gets_it() -> None:
-    """DALI's seeds are signed 64-bit and the pair's pipelines add offsets: a seed past
-    MAX_PIPELINE_SEED is refused by name, not as DALI's overflow."""
-    from echopipe.dali.builder_checks import MAX_PIPELINE_SEED
+    """DALI's seeds are signed 64-bit and the pair's downstream pipeline takes seed + 1: a seed
+    past MAX_PAIR_SEED is refused by name, not as DALI's overflow; a builder's largest seed
+    plus a shard id is taken."""
+    from echopipe.dali.builder_checks import MAX_PAIR_SEED, MAX_PIPELINE_SEED
 
     @echo_pipeline_def(batch_size=2, num_threads=1, device_id=None)
     def noise() -> Any:
@@ -280,8 +281,8 @@ def test_a_pipeline_functions_seed_is_bounded_before_dali_gets_it() -> None:
         return echo(fn.random.uniform(shape=[2]))
 
     with pytest.raises(
-        EchoConfigError, match=f"seed must be an integer in \\[0, {MAX_PIPELINE_SEED}\\]"
+        EchoConfigError, match=f"seed must be an integer in \\[0, {MAX_PAIR_SEED}\\]"
     ):
-        noise(seed=(1 << 63) - 1)
-    with noise(seed=MAX_PIPELINE_SEED) as pipe:
-        assert pipe.config.seed == MAX_PIPELINE_SEED
+        noise(seed=MAX_PAIR_SEED + 1)
+    with noise(seed=MAX_PIPELINE_SEED + 1) as pipe:  # (a builder's largest seed, on shard 1)
+        assert pipe.config.seed == MAX_PIPELINE_SEED + 1

@@ -633,3 +633,23 @@ def test_echo_history_steps_count_each_batch_once_between_epochs_and_after_a_res
     restored.close()
     assert again["echo_history"] == [[0, 2.0], [16, 3.0], [18, 2.5], [18, 2.0]]
     EchoLoader(Gated(64, 8), 2.0).load_state_dict(again)  # accepted: steps never go back
+
+
+def test_a_state_takes_every_buffer_the_loader_takes() -> None:
+    """A state's cache may hold as many slots as the constructor accepts (MAX_CAPACITY_SAMPLES):
+    a loader with shuffle_buffer=5_000_000 saved mid-epoch states its own load refused, the
+    state's bound being 2**22."""
+    from echopipe.torch import loader_state as ls
+    from echopipe.torch import passes
+
+    data = [(torch.arange(4), torch.arange(4))] * 3
+    with EchoLoader(data, 2.0) as el:
+        batches = iter(el)
+        next(batches)
+        state = el.state_dict()
+    assert state["mid_epoch"] and state["cache_config"] is not None
+    state["cache_config"]["capacity_samples"] = MAX_CAPACITY_SAMPLES
+    clean = ls.check_loader_state(
+        state, version=ls.STATE_VERSION, counts=passes.COUNTS, auto=False, memory_bytes=1 << 40
+    )
+    assert clean["cache_config"]["capacity_samples"] == MAX_CAPACITY_SAMPLES

@@ -804,14 +804,25 @@ for i in range(4):
     pipe.train_step(x, y)
 if sys.argv[1] == "raise":
     raise RuntimeError("an error in the training loop")
+if sys.argv[1] == "thread":  # a non-daemon thread still trains when the main thread returns
+    import threading
+
+    def more() -> None:
+        for i in range(20):
+            pipe.train_step(x, y)
+        pipe.drain()
+        print("trained", pipe.steps_applied)
+
+    threading.Thread(target=more).start()
 """
 
 
-@pytest.mark.parametrize("how", ["raise", "end"])
+@pytest.mark.parametrize("how", ["raise", "end", "thread"])
 def test_a_pipeline_left_open_at_exit_stops_its_stages_first(how: str) -> None:
     """A script that ends (or fails) with minibatches still in the stage threads: interpreter
     exit stops them before it finalizes, so the process ends with its own status (its daemon
-    threads, ended inside torch code, aborted it: SIGABRT)."""
+    threads, ended inside torch code, aborted it: SIGABRT). Only after the non-daemon threads
+    ended: one still training with the pipeline finishes."""
     import subprocess
     import sys
 
@@ -820,6 +831,8 @@ def test_a_pipeline_left_open_at_exit_stops_its_stages_first(how: str) -> None:
     )
     assert done.returncode == (1 if how == "raise" else 0), done.stderr[-2000:]
     assert "terminate called" not in done.stderr
+    if how == "thread":
+        assert "trained 24" in done.stdout, done.stderr[-2000:]
 
 
 def test_each_loss_comes_back_once_across_evaluations_and_checkpoints(tmp_path: Path) -> None:

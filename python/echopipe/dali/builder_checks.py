@@ -15,6 +15,11 @@ import numpy as np
 #: that range leaves them room.
 MAX_PIPELINE_SEED = (1 << 62) - 1
 
+#: Largest seed an :class:`~echopipe.dali.EchoPipelineConfig` takes: the pair's downstream
+#: pipeline gets ``seed + 1``, which must fit DALI's int64 (a builder's seed plus its shard id
+#: stays below it).
+MAX_PAIR_SEED = (1 << 63) - 2
+
 
 def check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):

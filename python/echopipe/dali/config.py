@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..echo.config import MAX_CAPACITY_SAMPLES, EchoConfig, check_factor, check_int
-from .builder_checks import MAX_PIPELINE_SEED
+from .builder_checks import MAX_PAIR_SEED
 
 #: Default shuffle buffer, in downstream batches. The cache draws uniformly from what it holds,
 #: so a buffer of F fresh samples spreads echoed copies like a full shuffle of F samples: at
@@ -61,7 +61,7 @@ class EchoPipelineConfig:
                 f"batch_size) + upstream_batch_size = {need} samples so that neither side "
                 f"stalls, and at most {MAX_CAPACITY_SAMPLES}"
             )
-        check_int("seed", self.seed, 0, MAX_PIPELINE_SEED)  # (DALI's int64, with its offsets)
+        check_int("seed", self.seed, 0, MAX_PAIR_SEED)
         if self.epochs not in (None, "auto") and (
             not isinstance(self.epochs, int) or self.epochs < 1
         ):

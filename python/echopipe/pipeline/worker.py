@@ -13,6 +13,7 @@ second.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -24,7 +25,6 @@ from typing import Any
 
 import torch
 
-from ..exit_hooks import before_thread_join
 from .results import LossRecord
 from .stage import StageCore
 from .stream import BusyTimer, DeviceStream, KeepAlive, StreamEvent, transfer
@@ -97,7 +97,8 @@ def divide_threads(
 
 # Every StageWorkers not shut down. Their threads are daemons (a forgotten pipeline must not
 # keep the process alive), and a daemon thread still in torch code when the interpreter
-# finalizes is ended inside it and aborts the process: interpreter exit stops them first.
+# finalizes is ended inside it and aborts the process: interpreter exit stops them first, from
+# atexit, which runs after Python joined the non-daemon threads (one may still be training).
 _RUNNING: weakref.WeakSet[StageWorkers] = weakref.WeakSet()
 
 
@@ -106,7 +107,7 @@ def _stop_running() -> None:
         workers.shutdown()
 
 
-before_thread_join(_stop_running)
+atexit.register(_stop_running)
 
 
 class StageWorkers:

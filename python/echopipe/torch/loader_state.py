@@ -14,7 +14,13 @@ from typing import Any
 import torch
 
 from ..echo import EchoCache
-from ..echo.config import MAX_EPOCH_SIZE, MAX_SEED, EchoConfigError, check_factor
+from ..echo.config import (
+    MAX_CAPACITY_SAMPLES,
+    MAX_EPOCH_SIZE,
+    MAX_SEED,
+    EchoConfigError,
+    check_factor,
+)
 from ..echo.controller import EchoController
 
 __all__ = [
@@ -207,7 +213,9 @@ def _cache_config(config: Any, memory_bytes: int) -> dict[str, int] | None:
         "capacity_bytes": _int(config["capacity_bytes"], "cache capacity_bytes", 1, memory_bytes),
         # The cache allocates its per-sample table (about 32 bytes a sample) when created,
         # before the saved contents are checked: a state may not ask for more than 128 MiB of it.
-        "capacity_samples": _int(config["capacity_samples"], "cache capacity_samples", 1, 1 << 22),
+        "capacity_samples": _int(
+            config["capacity_samples"], "cache capacity_samples", 1, MAX_CAPACITY_SAMPLES
+        ),
         "seed": _int(config["seed"], "cache seed", 0, MAX_SEED),
     }
     out["min_fill"] = _int(config["min_fill"], "cache min_fill", 0, out["capacity_samples"])
