@@ -401,6 +401,7 @@ def test_lenet5_trains_on_the_colour_input_and_its_export_loads_by_name(
     plain = ["train", "--data", str(tiny_imagenet), "--no-progress", "--evaluate", str(last)]
     assert main(plain) == 0
     assert "at the checkpoint's image size" in capsys.readouterr().out
+    assert main([*plain, "--model", "lenet5"]) == 0  # (the size is not checked against 64)
     assert main(["export", str(last), str(tmp_path / "w.pt")]) == 0
     weights = torch.load(tmp_path / "w.pt", weights_only=True)
     build_model("lenet5", num_classes=4).load_state_dict(weights, strict=True)

@@ -86,23 +86,33 @@ def test_ranks_with_checkpoints_of_different_steps_agree_or_stop(
     both resume from the newest step both hold. With no step in common: one line naming the
     steps, and nothing trains."""
     out = tmp_path / "run"
-    first = _torchrun(tiny_imagenet, out, "--epochs", "2")
+    data = tmp_path / "data"  # (a copy: one of its images is damaged for a while below)
+    shutil.copytree(tiny_imagenet, data)
+    first = _torchrun(data, out, "--epochs", "2")
     assert first.returncode == 0, first.stderr[-3000:]
     r0, r1 = (out / "checkpoints" / f"rank{r}" for r in (0, 1))
     shutil.copyfile(r1 / "prev.pt", r1 / "last.pt")  # rank 1 at step 7, rank 0 at 8 (and 7)
     (r1 / "prev.pt").unlink()
     files = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*.pt")}
     # Refused after the ranks agreed on step 7 (another --echo): rank 0's step 8 is kept.
-    refused = _torchrun(tiny_imagenet, out, "--epochs", "3", "--resume", "--echo", "3")
+    refused = _torchrun(data, out, "--epochs", "3", "--resume", "--echo", "3")
     assert refused.returncode != 0 and "--echo was 2.0, now 3.0" in refused.stderr
     assert {p: p.read_bytes() for p in (out / "checkpoints").rglob("*.pt")} == files
+    # Refused later, in the set-up (a corrupt training image): rank 0's step 8 is kept too.
+    victim = next((data / "train").rglob("*.JPEG"))
+    whole = victim.read_bytes()
+    victim.write_bytes(whole[:300])
+    refused = _torchrun(data, out, "--epochs", "3", "--resume")
+    assert refused.returncode != 0 and "corrupt image" in refused.stderr, refused.stderr[:3000]
+    assert {p: p.read_bytes() for p in (out / "checkpoints").rglob("*.pt")} == files
+    victim.write_bytes(whole)
     # --resume CKPT names one rank's file; each rank reads its own, here of another step.
-    named = _torchrun(tiny_imagenet, out, "--epochs", "3", "--resume", str(r0 / "last.pt"))
+    named = _torchrun(data, out, "--epochs", "3", "--resume", str(r0 / "last.pt"))
     assert named.returncode != 0
     assert (
         "the ranks' files are of different steps (rank 0: step 8, rank 1: step 7)" in named.stderr
     ), named.stderr[-3000:]
-    again = _torchrun(tiny_imagenet, out, "--epochs", "3", "--resume")
+    again = _torchrun(data, out, "--epochs", "3", "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     assert (
         "the ranks' checkpoints differ (rank 0: step 8, rank 1: step 7): all resume from step 7"
@@ -114,7 +124,7 @@ def test_ranks_with_checkpoints_of_different_steps_agree_or_stop(
     for r in (r0, r1):
         (r / "prev.pt").unlink()
     before = (r0 / "last.pt").read_bytes()
-    refused = _torchrun(tiny_imagenet, out, "--epochs", "4", "--resume")
+    refused = _torchrun(data, out, "--epochs", "4", "--resume")
     assert refused.returncode != 0
     assert (
         "the ranks' checkpoints are of different steps (rank 0: step 12, rank 1: step 11) and "

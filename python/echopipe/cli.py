@@ -9,6 +9,7 @@ the value, and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 import time
@@ -171,6 +172,9 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: 
     # Before the first large allocation, so activations are reused rather than page-faulted in.
     tune_host_allocator(single_arena=not torch.cuda.is_available())
     cfg = from_namespace(args)
+    if args.evaluate is not None:  # the model and its image size are the checkpoint's
+        default = type(cfg)()
+        cfg = dataclasses.replace(cfg, model=default.model, image_size=default.image_size)
     try:
         cfg.validate()
     except UsageError as exc:

@@ -147,6 +147,7 @@ def agree_on_file(
     """``--resume CKPT`` under torchrun: CKPT names one rank's file (``.../rank<r>/NAME``) and
     each rank resumes its own ``.../rank<rank>/NAME`` (its data shard's state), all of one
     step."""
+    ckpt = Path(os.path.abspath(ckpt))  # (a name given inside rank<r>/ has that parent too)
     k = ckpt.parent.name[4:]
     if not (ckpt.parent.name.startswith("rank") and k.isascii() and k.isdigit()):
         raise UsageError(

@@ -85,12 +85,14 @@ class RunStart:
                     f"{self.saved['model']['num_classes']} classes, --data has "
                     f"{len(self.classes)}"
                 )
-            if self._fell_back:
-                # This rank goes back to prev.pt (agree_on_checkpoint): its newer last.pt is of
-                # steps the other ranks never took. Dropped only now that nothing refused the
-                # start, which leaves the folder as it was.
-                os.replace(self.ckpts.prev, self.ckpts.last)
-                self.resume_path = self.ckpts.last
+
+    def settle(self) -> None:
+        """Once the run is set up (nothing can refuse its start any more): a rank that went
+        back to prev.pt (agree_on_checkpoint) drops its newer last.pt, of steps the other ranks
+        never took; a start refused before leaves the folder as it was."""
+        if self._fell_back:
+            os.replace(self.ckpts.prev, self.ckpts.last)
+            self._fell_back = False
 
     def _find_resume(self) -> None:
         cfg, ctx = self.cfg, self.ctx

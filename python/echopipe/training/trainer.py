@@ -102,6 +102,7 @@ class Trainer:
                 self.cfg, self.saved, self.out = start.cfg, start.saved, start.out
                 self.data_dir, self.classes = start.data_dir, start.classes
                 self.loop = self.setup()
+                start.settle()
             except BaseException:
                 if start.folder is not None and not self.configured:
                     start.folder.discard()
@@ -121,10 +122,10 @@ class Trainer:
                 raise
             raise named from None
         finally:
-            # Closed whole: a second Ctrl-C or SIGTERM here would skip the closes after it
-            # (a daemon stage thread left in torch code aborts the process at exit) and
-            # replace the stop's own line; after a stop or an error it is dropped.
-            with signals_deferred(resend=sys.exc_info()[1] is None):
+            # Closed whole, and a Ctrl-C or SIGTERM meanwhile dropped: it would skip the closes
+            # after it (a daemon stage thread left in torch code aborts the process at exit)
+            # and replace the stop's own line, or the summary of a run that has finished.
+            with signals_deferred(resend=False):
                 for thing in reversed(self._open):
                     thing.close()
                 if start.folder is not None:
