@@ -221,6 +221,15 @@ def test_public_attributes_read_and_write_through_but_own_names_stay() -> None:
     plain.close()
 
 
+def _outcome(call: Any, error: type[Exception]) -> str:
+    """``call()``'s error message, or "no error"."""
+    try:
+        call()
+    except error as exc:
+        return str(exc)
+    return "no error"
+
+
 def _rank(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", world_size=2, rank=rank)
     try:
@@ -228,11 +237,7 @@ def _rank(rank: int, store: str, out: str) -> None:
         results = []
         plain = EchoLoader(DataLoader(data, batch_size=4, shuffle=True), 2.0)
         for call in (len, iter):
-            try:
-                call(plain)
-                results.append("no error")
-            except UnshardedLoaderError as exc:
-                results.append(str(exc))
+            results.append(_outcome(lambda c=call: c(plain), UnshardedLoaderError))
         plain.close()
         sampler = DistributedSampler(data, shuffle=True)
         with EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), 2.0) as el:
@@ -246,17 +251,9 @@ def _rank(rank: int, store: str, out: str) -> None:
             states: list[Any] = [None, None]
             dist.all_gather_object(states, el.state_dict())
         with EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), 2.0) as el:
-            try:
-                el.load_state_dict(states[0])
-                results.append("loaded")
-            except LoaderStateError as exc:
-                results.append(str(exc))
+            results.append(_outcome(lambda: el.load_state_dict(states[0]), LoaderStateError))
         auto = EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), "auto")
-        try:
-            iter(auto)
-            results.append("no error")
-        except ValueError as exc:
-            results.append(str(exc))
+        results.append(_outcome(lambda: iter(auto), ValueError))
         auto.close()
         with open(out, "w") as f:
             f.write("\n".join(results))
@@ -283,7 +280,7 @@ def test_several_processes_reading_the_whole_dataset_each_get_one_clear_error() 
             assert "DistributedSampler" in len_error
             assert sharded == "8 8 True"  # 15 samples per process, 30 copies, batches of 4
             if out == outs[0]:
-                assert rank0_state == "loaded"
+                assert rank0_state == "no error"
             else:
                 assert "saved by rank 0 of 2 processes mid-epoch" in rank0_state
                 assert "this loader is rank 1 of 2" in rank0_state
