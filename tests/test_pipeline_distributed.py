@@ -16,6 +16,7 @@ from pipeline_support.models import loss_fn, make_batches, sgd, small_cnn
 
 WORKER = Path(__file__).parent / "pipeline_support" / "dist_worker.py"
 TIMEOUT_WORKER = Path(__file__).parent / "pipeline_support" / "dist_timeout_worker.py"
+INT_WORKER = Path(__file__).parent / "pipeline_support" / "dist_int_boundary_worker.py"
 
 
 def _free_port() -> int:
@@ -143,6 +144,14 @@ def test_a_silent_neighbour_raises_timeout_error_naming_it(tmp_path: Path) -> No
     assert outcome.startswith("TimeoutError: rank 0 (stage 0) waited more than 2 s"), outcome
     assert "from rank 1 (stage 1)" in outcome
     assert float(seconds) >= 2.0  # it waited its timeout before giving up
+
+
+def test_integer_tensors_between_stages_are_named_not_an_assertion(tmp_path: Path) -> None:
+    """Stage 1's input is token ids (no gradient to send back): the rank says so in a
+    TypeError (it was a bare AssertionError)."""
+    _torchrun(INT_WORKER, tmp_path, timeout=120)
+    outcome = (tmp_path / "rank1.txt").read_text()
+    assert outcome.startswith("TypeError: stage 1's input carries no gradient"), outcome
 
 
 def test_bad_timeout_is_named() -> None:

@@ -30,13 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .build import (
-    LossFn,
-    OptimizerFactory,
-    SchedulerFactory,
-    check_arguments,
-    stage_optimizer,
-)
+from .build import LossFn, OptimizerFactory, SchedulerFactory, check_arguments, stage_optimizer
 from .checkpoint import atomic_save, load_file
 from .distributed_epoch import agree_steps, agreed_auto_balance, feed_steps, pipeline_accuracy
 from .p2p import TAG_ACT, TAG_EVAL, TAG_GRAD, TAG_TARGET, PeerLink, link_timeout
@@ -231,7 +225,14 @@ class DistributedStalePipeline:
             grad = self._link.recv(self.topology.next, TAG_GRAD)
         grad_in = core.backward(index, grad)
         if not self.is_first:
-            assert self.topology.prev is not None and grad_in is not None
+            assert self.topology.prev is not None
+            if grad_in is None:  # (the previous rank waits for a tensor: no way to say "none")
+                raise TypeError(
+                    f"stage {self.stage_index}'s input carries no gradient (an integer tensor "
+                    "between stages?): DistributedStalePipeline sends every stage's input "
+                    "gradient back, so the tensors between stages must be floating point; move "
+                    "the boundary, or use StalePipeline"
+                )
             self._link.send(grad_in, self.topology.prev, TAG_GRAD)
 
     def _advance(self, drain: bool) -> None:
