@@ -921,3 +921,5 @@ def test_a_run_never_pipelined_says_so_from_its_start(tiny_imagenet: Path, tmp_p
         assert f"staleness {[0] * stages}" in start, start
         assert not any(m.startswith("hybrid: ") for m in said), said
         assert s.staleness == [0] * stages
+        rows = json.loads((tmp_path / f"run{stages}" / "metrics.json").read_text())["epochs"]
+        assert [r["pipelined"] for r in rows] == [False, False]

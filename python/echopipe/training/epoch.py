@@ -347,7 +347,7 @@ class EpochLoop:
             "t_up_ms": 1000 * t_up,
             "t_down_ms": 1000 * st.t_down_s,
             "R": t_up / st.t_down_s if st.steps_timed else None,
-            "pipelined": self.pipeline.pipelined,
+            "pipelined": max(self.pipeline.staleness()) > 0,  # (1 stage: never stale)
             "lr": lr,
         }
 
