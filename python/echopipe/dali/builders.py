@@ -47,7 +47,7 @@ from .plain_builders import (
     imagenet_plain_train_pipeline,
     imagenet_val_pipeline,
 )
-from .source_tap import UpstreamTap, explain_decode_failure
+from .source_tap import UpstreamTap, explain_decode_failure, optional_tap
 from .specs import AugmentSpec, EchoSpec, ReaderSpec, resolve_specs
 from .tracing import current_stage
 from .tracing import echo as echo_point
@@ -149,11 +149,7 @@ def imagenet_train_pipeline(
     if e.epochs is not None:
         # echopipe counts epochs in whole reader batches, so the last one must not wrap.
         files = ReaderArgs(**{**files.__dict__, "pad_last_batch": True})
-    tap = (
-        UpstreamTap(r.read_delay_ms, check=r.check, on_corrupt=r.on_corrupt)
-        if (r.track_sources or r.read_delay_ms > 0)
-        else None
-    )
+    tap = optional_tap(r.read_delay_ms, r.track_sources, r.check, r.on_corrupt)
     pipe = ImagenetEchoPipeline(
         _echo_train_graph(files, tap, r, a, e, size),
         config=_echo_config(batch_size, r, e, shard, dev),

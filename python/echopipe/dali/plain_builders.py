@@ -23,7 +23,7 @@ from .imagenet_graph import (
     graph_train_augment,
 )
 from .naming import naming_pipeline
-from .source_tap import UpstreamTap
+from .source_tap import UpstreamTap, optional_tap
 from .specs import CheckLevel, DecodeDevice, OnCorrupt, OutputDType
 
 __all__ = ["imagenet_decode_pipeline", "imagenet_plain_train_pipeline", "imagenet_val_pipeline"]
@@ -74,11 +74,7 @@ def imagenet_plain_train_pipeline(
         index, shard_id=shard, num_shards=shards, seed=int(seed), shuffle_files=shuffle_files,
         stick_to_shard=stick_to_shard, initial_fill=initial_fill,
     )  # fmt: skip
-    tap = (
-        UpstreamTap(read_delay_ms, check=check, on_corrupt=on_corrupt)
-        if (track_sources or read_delay_ms > 0)
-        else None
-    )
+    tap = optional_tap(read_delay_ms, track_sources, check, on_corrupt)
 
     def plain_train() -> tuple[Any, Any]:
         jpegs, labels, _ = graph_read(reader, tap)
@@ -210,11 +206,7 @@ def imagenet_val_pipeline(
     reader = val_reader_args(
         index, shard_id=shard, num_shards=shards, seed=int(seed), stick_to_shard=stick_to_shard
     )
-    tap = (
-        UpstreamTap(read_delay_ms, check=check, on_corrupt=on_corrupt)
-        if (track_sources or read_delay_ms > 0)
-        else None
-    )
+    tap = optional_tap(read_delay_ms, track_sources, check, on_corrupt)
 
     def val() -> tuple[Any, ...]:
         jpegs, labels, sources = graph_read(reader, tap)

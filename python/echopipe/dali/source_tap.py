@@ -19,7 +19,7 @@ import numpy as np
 
 from ..data import CorruptImageError, check_image_file
 
-__all__ = ["UpstreamTap", "explain_decode_failure"]
+__all__ = ["UpstreamTap", "explain_decode_failure", "optional_tap"]
 
 
 class UpstreamTap:
@@ -91,6 +91,16 @@ class UpstreamTap:
         """``{"samples", "batches", "delay_s"}`` so far."""
         with self._lock:
             return {"samples": self.samples, "batches": self.batches, "delay_s": self.delay_s}
+
+
+def optional_tap(
+    read_delay_ms: float, track_sources: bool, check: str, on_corrupt: str
+) -> UpstreamTap | None:
+    """A builder's tap: only when it delays reads or tracks the files, else None (no Python in
+    the reader's path)."""
+    if not (track_sources or read_delay_ms > 0):
+        return None
+    return UpstreamTap(read_delay_ms, check=check, on_corrupt=on_corrupt)
 
 
 def explain_decode_failure(tap: UpstreamTap, error: BaseException) -> BaseException:

@@ -6,10 +6,11 @@ non-daemon threads, or a thread blocked in ``take()`` with no timeout keeps the 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from typing import Any
 
-from ..exit_hooks import before_thread_join
 from ..native import core
 
 __all__ = ["OPEN_CACHES", "close_native"]
@@ -35,4 +36,16 @@ def _close_all_caches() -> None:
         cache.close()
 
 
-before_thread_join(_close_all_caches)
+def _register_exit_hook() -> None:
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - CPython has had it since 3.9
+        import atexit
+
+        atexit.register(_close_all_caches)
+        return
+    # RuntimeError: imported while the interpreter is already shutting down.
+    with contextlib.suppress(RuntimeError):
+        register(_close_all_caches)
+
+
+_register_exit_hook()

@@ -19,7 +19,7 @@ import torch
 
 from ..filecheck import FileCheckError, check_stored_zip, check_tree, open_regular, read_exactly
 
-__all__ = ["CheckpointFileError", "atomic_save", "atomic_write", "load_file", "temp_file_for"]
+__all__ = ["CheckpointFileError", "atomic_save", "atomic_write", "load_file"]
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -32,7 +32,7 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
-def temp_file_for(final: Path) -> tuple[int, str]:
+def _temp_file_for(final: Path) -> tuple[int, str]:
     """A new temporary file beside ``final`` (descriptor, name), with the mode a plain write
     would give (0666 less the umask): mkstemp's 0600 made every run file private."""
     fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
@@ -62,7 +62,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
     folder = final.parent
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder does not exist: {folder}")
-    fd, tmp_name = temp_file_for(final)
+    fd, tmp_name = _temp_file_for(final)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

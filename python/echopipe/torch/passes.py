@@ -17,6 +17,7 @@ from ..echo import config as echo_config
 from ..echo.config import FACTOR_AUTO, EchoConfig
 from ..echo.controller import EchoController
 from . import batch_layout as bl
+from .loader_state import shard
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
@@ -217,11 +218,11 @@ def check_auto_alone(auto: bool) -> None:
     """``"auto"`` follows this process's own timings: under several torch.distributed
     processes each would choose its own e and run another number of steps per epoch, and the
     first collective of a rank that ran out (DDP's all-reduce) would wait for ever."""
-    dist = torch.distributed
-    if auto and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    here = shard()
+    if auto and here is not None:
         raise ValueError(
             f"EchoLoader: echo_factor='auto' decides e from this process's timings, but "
-            f"{dist.get_world_size()} torch.distributed processes run and each would decide "
+            f"{here[1]} torch.distributed processes run and each would decide "
             "its own (and take another number of steps); pass a number, the same on every "
             "rank (e.g. rank 0's EchoController.factor, broadcast and set with "
             "set_echo_factor between epochs)"

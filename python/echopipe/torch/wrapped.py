@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -22,6 +21,7 @@ from torch.utils.data import (
 )
 
 from ..echo import copies_per_epoch
+from .loader_state import shard
 
 __all__ = [
     "PassThrough",
@@ -118,8 +118,8 @@ def check_sharded(loader: Any) -> None:
     ``DataLoader`` already. Custom samplers and batch samplers (timm's distributed samplers,
     accelerate's sharding batch sampler) are trusted.
     """
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    here = shard()
+    if here is None:
         return
     dl = _innermost_dataloader(loader)
     if dl is None or isinstance(dl.dataset, IterableDataset):
@@ -132,7 +132,7 @@ def check_sharded(loader: Any) -> None:
         return  # a batch sampler of its own (accelerate's shards one) is trusted like a sampler
     if type(sampler) in (RandomSampler, SequentialSampler):
         raise UnshardedLoaderError(
-            f"EchoLoader: {dist.get_world_size()} torch.distributed processes, but the wrapped "
+            f"EchoLoader: {here[1]} torch.distributed processes, but the wrapped "
             f"DataLoader samples with a {type(sampler).__name__}, so each process would read the "
             "whole dataset: build it with sampler=DistributedSampler(dataset) (Lightning's "
             "use_distributed_sampler replaces samplers of DataLoaders only, not inside an "

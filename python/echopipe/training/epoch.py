@@ -81,7 +81,7 @@ class EpochLoop:
         self.last_loss: float | None = None
         self._step_of: dict[int, int] = {}  # pipeline minibatch index -> training step
         # Since when training time goes uncounted (None outside the epoch's steps): counted into
-        # the run state before each checkpoint and at the epoch's end, never during either.
+        # the run state at each checkpoint's save (its drain included) and at the epoch's end.
         self._mark: float | None = None
         self.epoch_times: list[float] = []
         self._val: list[Any] = []  # the validation iterator, built on first use

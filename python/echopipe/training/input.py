@@ -10,7 +10,6 @@ the echo pipeline measures; ``t_down`` is the stages' busy time,
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import sys
 from collections.abc import Callable
@@ -230,7 +229,7 @@ def evaluate_checkpoint(
     model = build_model(name, num_classes=num_classes)
     model.load_state_dict(weights)
     model.eval()
-    cfg = dataclasses.replace(cfg, model=name, image_size=int(saved["config"]["image_size"]))
+    cfg = replace(cfg, model=name, image_size=int(saved["config"]["image_size"]))
 
     class _Plain:
         @staticmethod

@@ -8,7 +8,6 @@ stale pipeline and pay start-up costs. ``steps.csv`` in the run folder has one l
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from ..filecheck import FileCheckError, open_regular
-from ..pipeline.checkpoint import temp_file_for
+from ..pipeline.checkpoint import atomic_write
 
 __all__ = ["WARMUP_STEPS", "Progress", "StepLog", "format_duration"]
 
@@ -260,29 +259,26 @@ def _rewrite(path: Path, header: str, step: int | None) -> str | None:
     ``step`` (a resume repeats the lines after it). Returns why the old lines could not be kept,
     or None. Read bounded (regular files only, the bytes that the lines up to ``step`` may take);
     a link under the name is replaced, never followed."""
-    fd, tmp = temp_file_for(path)
     problem = None
-    try:
-        with os.fdopen(fd, "wb") as dst:
-            dst.write(header.encode())
-            if step is not None and os.path.islink(path):
-                problem = "is a symbolic link, which echopipe never writes"
-            elif step is not None:
-                try:
-                    src, _ = open_regular(path)
-                    with src:
-                        _copy_steps_up_to(src, dst, step)
-                except FileNotFoundError:
-                    pass  # no lines yet: nothing to keep
-                except FileCheckError as exc:  # a FIFO, a device, a sparse file
-                    problem = str(exc)
-                except OSError as exc:
-                    problem = f"cannot be read ({exc.strerror or exc})"
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+
+    def write(dst: BinaryIO) -> None:
+        nonlocal problem
+        dst.write(header.encode())
+        if step is not None and os.path.islink(path):
+            problem = "is a symbolic link, which echopipe never writes"
+        elif step is not None:
+            try:
+                src, _ = open_regular(path)
+                with src:
+                    _copy_steps_up_to(src, dst, step)
+            except FileNotFoundError:
+                pass  # no lines yet: nothing to keep
+            except FileCheckError as exc:  # a FIFO, a device, a sparse file
+                problem = str(exc)
+            except OSError as exc:
+                problem = f"cannot be read ({exc.strerror or exc})"
+
+    atomic_write(path, write)
     return problem
 
 

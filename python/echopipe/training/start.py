@@ -276,8 +276,8 @@ def say_through(progress: Any, log: Callable[[str], None]) -> Callable[[str], No
 def signals_deferred(resend: bool = True) -> Iterator[None]:
     """Ctrl-C and SIGTERM wait until a checkpoint write (or the closing of the run) is
     complete (main thread only), so a stop never leaves a half-written file or a half-closed
-    run; then the first of them is raised, or with ``resend=False`` (the run is already
-    stopping) dropped."""
+    run; then the first of them is raised, or with ``resend=False`` (the closing of a run that
+    has stopped or finished, where a stop has nothing left to stop) dropped."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():

@@ -266,7 +266,7 @@ class Trainer:
             self.data.builds = int(saved["input_builds"])
             self.data.base = dict(saved["input_counters"])
         self.data.build(factor, None, saved["input"] if saved else None)
-        self._report_skipped()
+        say_left_out(self.data.pipe.folder_index, "train", self.say)
         return factor
 
     def _build_pipeline(self, model: nn.Sequential, balance: list[int], devices: list[str]) -> None:
@@ -318,9 +318,6 @@ class Trainer:
         # A plain function, not the bound method: LambdaLR saves a callable object's __dict__
         # into the checkpoint, and a checkpoint may carry no lambda state (checkpoint_schema).
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda updates: schedule.factor(updates))
-
-    def _report_skipped(self) -> None:
-        say_left_out(self.data.pipe.folder_index, "train", self.say)
 
     # ---- files ---------------------------------------------------------------------------
 
