@@ -48,6 +48,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -111,12 +112,47 @@ def bench_parser(name: str, doc: str | None, quick_help: str) -> argparse.Argume
     return p
 
 
+def cpu_model() -> dict[str, Any]:
+    """The CPU's model, family and cache sizes (Linux; empty elsewhere).
+
+    The same ``cpu_count`` can hide another host: the copy-bound ratios differ by 2x between
+    CPU generations, so a result is only comparable with one from the same model.
+    """
+    out: dict[str, Any] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError:
+        return out
+    for key, name in (("model name", "cpu_model"), ("cpu family", "cpu_family"),
+                      ("model", "cpu_model_number"), ("cache size", "cpu_cache")):  # fmt: skip
+        m = re.search(rf"^{key}\s*:\s*(.*)$", text, re.M)
+        if m:
+            out[name] = m.group(1).strip()
+    caches = {}
+    for level in ("L2", "L3"):
+        for index in range(4):
+            base = f"/sys/devices/system/cpu/cpu0/cache/index{index}/"
+            try:
+                with open(base + "level") as f:
+                    if f"L{f.read().strip()}" != level:
+                        continue
+                with open(base + "size") as f:
+                    caches[level] = f.read().strip()
+            except OSError:
+                continue
+    if caches:
+        out["cpu_caches"] = caches
+    return out
+
+
 def machine_info() -> dict[str, Any]:
     """Platform, cores, load and library versions (the load average shows shared-machine noise)."""
     info: dict[str, Any] = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        **cpu_model(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "numpy": np.__version__,

@@ -214,7 +214,9 @@ def native_rows(
         "copies": r["copies"],
         "seconds": r["seconds"],
         "puts_blocked": r["puts_blocked"],
+        "put_blocked_seconds": r["put_blocked_seconds"],
         "takes_waited": r["takes_waited"],
+        "take_wait_seconds": r["take_wait_seconds"],
         "mean_reuse_distance": r["mean_reuse_distance"],
     }
 
@@ -236,11 +238,16 @@ def layout_limit(
     threads. The layout's limit is memcpy of the consumers' share by the consumers' threads
     alone, against the baseline; the random-read limit is the same with every sample read from
     a uniformly drawn position of the region, as takes read them (the baseline reads in order).
+    The bare-copies limit is both copies at once with no cache around them (one thread puts into
+    consecutive extents of an arena of the same size, one gathers from random ones): an arena
+    larger than the LLC makes every put write through to memory, which the baseline, reading
+    into a batch buffer that stays cached, does not; the two sides share the memory bandwidth.
     With more threads than cores the scheduler gives the busier side more time: no such limit.
     """
     if 2 * threads > (os.cpu_count() or 1):
         keys = ("layout_limit_vs_memcpy", "ratio_vs_layout_limit", "random_read_limit_vs_memcpy",
-                "ratio_vs_random_read_limit")  # fmt: skip
+                "ratio_vs_random_read_limit", "bare_copies_limit_vs_memcpy",
+                "ratio_vs_bare_copies_limit")  # fmt: skip
         return dict.fromkeys(keys)
     copies = round(n_fresh * args.echo)
     moved = (n_fresh + copies) * size
@@ -252,11 +259,18 @@ def layout_limit(
             m = driver.memcpy(size, copies, threads, arena, args.batch, random_order)
             rates.append(moved / m["seconds"])
         limits[name] = statistics.median(rates) / base
+    bare = []
+    for _ in range(3):
+        m = driver.bare_copies(size, n_fresh, args.echo, arena, args.batch)
+        bare.append(m["bytes"] / m["seconds"])
+    limits["bare"] = statistics.median(bare) / base
     return {
         "layout_limit_vs_memcpy": limits["layout"],
         "ratio_vs_layout_limit": pairs["median_ratio"] / limits["layout"],
         "random_read_limit_vs_memcpy": limits["random_read"],
         "ratio_vs_random_read_limit": pairs["median_ratio"] / limits["random_read"],
+        "bare_copies_limit_vs_memcpy": limits["bare"],
+        "ratio_vs_bare_copies_limit": pairs["median_ratio"] / limits["bare"],
     }
 
 
@@ -302,10 +316,12 @@ def check_aims(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             return ""
         share = row["ratio_vs_layout_limit"]
         rnd, rnd_share = row["random_read_limit_vs_memcpy"], row["ratio_vs_random_read_limit"]
+        bare, bare_share = row["bare_copies_limit_vs_memcpy"], row["ratio_vs_bare_copies_limit"]
         return (f"; this layout's limit (the consumer copies e of every 1 + e bytes) is "
                 f"{limit:.3f}x memcpy, of which this is {share:.2f}; with the consumer's reads "
                 f"at random positions, as takes read, {rnd:.3f}x, of which this is "
-                f"{rnd_share:.2f}")  # fmt: skip
+                f"{rnd_share:.2f}; both copies at once with no cache (puts write through to "
+                f"memory) {bare:.3f}x, of which this is {bare_share:.2f}")  # fmt: skip
 
     big_row = min((row for _, row in big), key=lambda row: row["ratio_vs_memcpy"])
     return [

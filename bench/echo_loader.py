@@ -50,6 +50,10 @@ from echopipe.torch import EchoLoader
 BATCH = 64
 WORKERS = 2
 AUTO_MAX = 8.0
+# The aims (issue 23's): the share of the ideal at e <= R, and the lead over the Python wrapper
+# where the echo machinery is the bottleneck.
+IDEAL_AIM = 0.95
+PYTHON_AIM = 1.5
 
 
 class SlowImages(Dataset):
@@ -272,18 +276,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     claims = [
         bu.claim(
             f"EchoLoader images/s against the ideal min(e*up, down) at e <= R (R = {r:.2f})",
-            ">= 0.9x",
+            f">= {IDEAL_AIM:g}x",
             None if worst_ideal is None else round(worst_ideal, 3),
-            None if worst_ideal is None else worst_ideal >= 0.9,
+            None if worst_ideal is None else worst_ideal >= IDEAL_AIM,
             "worst of e in " + ", ".join(f"{row['e']:g}" for row in within)
             if within else "no echo factor <= the measured R was run",
         ),
         bu.claim(
             "EchoLoader images/s against the pure-Python echo wrapper, where the echo "
             "machinery is the bottleneck (ceiling regime, e = 2)",
-            ">= 1.5x",
+            f">= {PYTHON_AIM:g}x",
             round(worst_python, 3),
-            worst_python >= 1.5,
+            worst_python >= PYTHON_AIM,
             "worst of the two image sizes; in the slow-reader regime both are bounded by the "
             "reader or the step (see vs_python there)",
         ),

@@ -73,9 +73,16 @@ def _heading(rel: str, data: dict[str, Any]) -> str:
     gpus = ", ".join(m.get("gpus") or []) or "no GPU"
     cmd = data.get("command", {}).get("reproduce", "")
     date = str(m.get("date_utc", "?"))[:10]
+    # Recorded since 2026-12-02: older runs name no model (their host is not known).
+    model = ""
+    if m.get("cpu_model"):
+        l3 = (m.get("cpu_caches") or {}).get("L3")
+        model = f" ({m['cpu_model']}, family {m.get('cpu_family', '?')}" + (
+            f", L3 {l3})" if l3 else ")"
+        )
     return (
         f"**[{rel}](bench/results/{rel})** — `{cmd}`, {date}, "
-        f"{m.get('cpu_count', '?')} CPUs{load}, {gpus}"
+        f"{m.get('cpu_count', '?')} CPUs{model}{load}, {gpus}"
     )
 
 

@@ -8,8 +8,10 @@ run is a separate ``echopipe train`` process; the study only chooses its flags a
 
 * Calibration: one short run without a read delay (``--max-steps``) measures the trainer's time
   per step ``t_down`` and the reader's ``t_up``, and fixes the stage balance for every run. The
-  read delay per sample is then set so that ``t_up / t_down`` is about ``--ratio`` (6):
-  ``--read-delay-ms = (ratio * t_down - t_up) / batch``. Every run reports the ``R`` it measured.
+  read delay per sample is set so that ``t_up / t_down`` is about ``--ratio`` (6):
+  ``--read-delay-ms = (ratio * t_down - t_up) / batch``; a second short run with that delay
+  measures both times again (the stages run faster once the reader sleeps instead of decoding)
+  and corrects the delay. Every run reports the ``R`` it measured.
 * Runs: every ``e`` in ``--echo-factors`` (1, 2, 4, 6 and ``auto``) for every seed. The LR
   schedule spans ``--epochs`` passes over the fresh data, so every run has the same schedule in
   fresh epochs; a run stops at the first validation that reaches ``--target``
@@ -114,18 +116,42 @@ def time_to_target(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
 
 
 def calibrate(args: Any, work: Path) -> dict[str, Any]:
-    """Measures t_up and t_down without a delay; fixes the balance; returns the delay."""
-    metrics = run_train(
-        args.trainer,
-        [*args.common, "--echo", "1", "--epochs", "1", "--max-steps", str(args.calib_steps),
-         "--seed", "0"],
-        work / "calibration", work / "calibration.log", args.run_timeout, args.reuse_runs,
-    )  # fmt: skip
-    s = metrics["summary"]
-    t_up, t_down = float(s["t_up_ms"]), float(s["t_down_ms"])
+    """Measures t_up and t_down without a delay, fixes the balance, and returns the delay.
+
+    A first run without a delay gives ``t_up`` and ``t_down``; but there the reader decodes flat
+    out beside the stages on the same cores, so its ``t_down`` is longer than in the delayed runs,
+    where the reader mostly sleeps (R came out 6-7 on one host and 8.6-9.6 on another for a set-up
+    of 6). A second run with that delay measures the delayed ``t_up`` and ``t_down``, and the
+    delay is corrected from it, taking the reader's time per step as linear in the delay.
+    """
+
+    def measure(name: str, delay: float, balance: Sequence[int] | None) -> dict[str, Any]:
+        extra = ["--read-delay-ms", f"{delay:g}"] if delay else []
+        if balance:
+            extra += ["--balance", ",".join(str(b) for b in balance)]
+        metrics = run_train(
+            args.trainer,
+            [*args.common, "--echo", "1", "--epochs", "1", "--max-steps", str(args.calib_steps),
+             "--seed", "0", *extra],
+            work / name, work / f"{name}.log", args.run_timeout, args.reuse_runs,
+        )  # fmt: skip
+        s = metrics["summary"]
+        return {"t_up_ms": float(s["t_up_ms"]), "t_down_ms": float(s["t_down_ms"]),
+                "balance": s["balance"], "process_s": metrics["process_s"]}  # fmt: skip
+
+    first = measure("calibration", 0.0, None)
+    t_up, t_down = first["t_up_ms"], first["t_down_ms"]
     delay = max(0.0, (args.ratio * t_down - t_up) / args.batch_size)
-    return {"t_up_ms": t_up, "t_down_ms": t_down, "balance": s["balance"],
-            "read_delay_ms": round(delay, 3), "process_s": metrics["process_s"]}  # fmt: skip
+    second = measure("calibration_delayed", delay, first["balance"]) if delay else None
+    corrected = delay
+    if second is not None and second["t_up_ms"] > t_up:
+        # t_up(d) = t_up + k * d; choose d with t_up(d) = ratio * t_down(delayed).
+        per_ms = (second["t_up_ms"] - t_up) / delay
+        corrected = max(0.0, (args.ratio * second["t_down_ms"] - t_up) / per_ms)
+    return {"t_up_ms": t_up, "t_down_ms": t_down, "balance": first["balance"],
+            "first_delay_ms": round(delay, 3), "delayed": second,
+            "read_delay_ms": round(corrected, 3),
+            "process_s": first["process_s"] + (second["process_s"] if second else 0.0)}  # fmt: skip
 
 
 def study_rows(runs: list[dict[str, Any]], factors: list[str]) -> list[dict[str, Any]]:
@@ -299,9 +325,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     calib = calibrate(args, work)
     args.common += ["--balance", ",".join(str(b) for b in calib["balance"])]
+    delayed = calib["delayed"] or {}
     print(f"calibration: t_up {calib['t_up_ms']:.1f} ms, t_down {calib['t_down_ms']:.1f} ms per "
-          f"step, balance {calib['balance']} -> --read-delay-ms {calib['read_delay_ms']:g} "
-          f"for R = {args.ratio:g}", flush=True)  # fmt: skip
+          f"step, balance {calib['balance']}; with --read-delay-ms {calib['first_delay_ms']:g}: "
+          f"t_up {delayed.get('t_up_ms', math.nan):.1f} ms, t_down "
+          f"{delayed.get('t_down_ms', math.nan):.1f} ms -> --read-delay-ms "
+          f"{calib['read_delay_ms']:g} for R = {args.ratio:g}", flush=True)  # fmt: skip
     runs = []
     for seed in seeds:
         for echo in factors:

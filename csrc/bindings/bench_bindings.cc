@@ -6,8 +6,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -96,6 +98,8 @@ py::dict bench_put_take(size_t sample_bytes, size_t n_fresh, int producers, int 
   r["bytes_out"] = copies.load() * sample_bytes;
   r["puts_blocked"] = st.puts_blocked;
   r["takes_waited"] = st.takes_waited;
+  r["put_blocked_seconds"] = st.put_blocked_seconds;
+  r["take_wait_seconds"] = st.take_wait_seconds;
   r["mean_reuse_distance"] = st.mean_reuse_distance;
   r["capacity_samples"] = cfg.capacity_samples;
   r["checksum"] = checksum.load();
@@ -154,6 +158,70 @@ py::dict bench_memcpy(size_t sample_bytes, size_t n_copies, int threads, size_t 
   return r;
 }
 
+// The copies of put_take with no cache around them: one thread copies `n_fresh` samples from the
+// same 64 MB pool into consecutive extents of an arena of `capacity_bytes` (a put's copy in),
+// while another copies round(n_fresh * echo_factor) samples out of uniformly drawn extents into
+// its batch buffer (a take's gather), at once and with no synchronisation between them. What
+// the two copies cost together on this machine's caches and memory is the most put->take can
+// reach with one thread per side: the arena is larger than the LLC, so every put writes through
+// to memory, which the memcpy baseline (reads only, into a batch buffer that stays cached) does
+// not.
+py::dict bench_bare_copies(size_t sample_bytes, size_t n_fresh, double echo_factor,
+                           size_t capacity_bytes, size_t batch) {
+  if (sample_bytes == 0 || n_fresh == 0 || batch < 1 || !(echo_factor >= 1.0)) {
+    throw std::invalid_argument("bench_bare_copies: bad sizes or echo factor");
+  }
+  SampleDesc d;
+  d.num_fields = 1;
+  d.fields[0].dtype = DType::kUInt8;
+  d.fields[0].ndim = 1;
+  d.fields[0].shape[0] = static_cast<int64_t>(sample_bytes);
+  const size_t extent = d.extent_bytes();
+  if (capacity_bytes < extent) throw std::invalid_argument("bench_bare_copies: arena too small");
+  EchoConfig cfg;
+  cfg.capacity_bytes = capacity_bytes;
+  cfg.capacity_samples = 1;
+  cfg.memory = MemoryKind::kPageable;
+  auto region = EchoCache::create(cfg, "bench-bare-copies");
+  auto* arena = static_cast<uint8_t*>(const_cast<void*>(region->arena_host()));
+  std::memset(arena, 0, capacity_bytes);
+  const size_t slots = capacity_bytes / extent;
+  const size_t pool_bytes = std::max<size_t>(size_t{64} << 20, sample_bytes);
+  std::vector<uint8_t> pool(pool_bytes);
+  for (size_t i = 0; i < pool_bytes; ++i) pool[i] = static_cast<uint8_t>(i * 131u);
+  const size_t pool_samples = pool_bytes / sample_bytes;
+  const auto copies = static_cast<size_t>(std::llround(static_cast<double>(n_fresh) * echo_factor));
+  std::atomic<uint64_t> sink{0};
+  double seconds = 0;
+  without_gil([&] {
+    auto start = Clock::now();
+    std::thread in([&] {
+      for (size_t i = 0; i < n_fresh; ++i) {
+        std::memcpy(arena + (i % slots) * extent, pool.data() + (i % pool_samples) * sample_bytes,
+                    sample_bytes);
+      }
+    });
+    std::thread out([&] {
+      std::vector<uint8_t> dst(batch * sample_bytes);
+      uint64_t s = 0;
+      for (size_t i = 0; i < copies; ++i) {
+        const size_t at = detail::splitmix64(i + 1) % slots;
+        std::memcpy(dst.data() + (i % batch) * sample_bytes, arena + at * extent, sample_bytes);
+        if (i % batch == batch - 1) s += dst[0];
+      }
+      sink.fetch_add(s);
+    });
+    in.join();
+    out.join();
+    seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  });
+  py::dict r;
+  r["seconds"] = seconds;
+  r["bytes"] = (n_fresh + copies) * sample_bytes;
+  r["sink"] = sink.load();
+  return r;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_bench_native, m) {
@@ -165,4 +233,7 @@ PYBIND11_MODULE(_bench_native, m) {
   m.def("memcpy", &bench_memcpy, py::arg("sample_bytes"), py::arg("n_copies"), py::arg("threads"),
         py::arg("src_bytes"), py::arg("batch"), py::arg("random_order") = false,
         "memcpy of the same copy-out bytes (the physical limit for the consumers).");
+  m.def("bare_copies", &bench_bare_copies, py::arg("sample_bytes"), py::arg("n_fresh"),
+        py::arg("echo_factor"), py::arg("capacity_bytes"), py::arg("batch"),
+        "put_take's copies in and out on one thread each, with no cache (its physical limit).");
 }
