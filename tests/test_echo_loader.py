@@ -205,6 +205,25 @@ def test_more_than_four_leaves_share_one_field() -> None:
                 assert torch.equal(b[j], b[0] * (j + 1))
 
 
+def test_one_sample_batches_of_a_shared_field_keep_their_dtypes() -> None:
+    # Leaves of different widths packed into one field: a 1-row slice of it has the field's row
+    # stride, which a dtype view refuses unless the slice is copied out.
+    def batch(k: int) -> dict:
+        return {"img": torch.full((1, 3), k, dtype=torch.uint8), "y": torch.tensor([k]),
+                "w": torch.tensor([k / 2], dtype=torch.float32), "ok": torch.tensor([True]),
+                "a": np.array([[k, k]], dtype=np.int32), "path": [f"img{k}.png"]}  # fmt: skip
+
+    with EchoLoader([batch(k) for k in range(5)], 1.0, batch_size=1) as el:
+        got = list(el)
+    assert len(got) == 5
+    for b in got:
+        k = int(b["y"])
+        assert b["y"].dtype == torch.int64 and b["w"].dtype == torch.float32
+        assert float(b["w"]) == k / 2 and bool(b["ok"]) and b["path"] == [f"img{k}.png"]
+        assert b["a"].dtype == np.int32 and b["a"].tolist() == [[k, k]]
+        assert b["img"].tolist() == [[k, k, k]]
+
+
 def test_resume_mid_epoch_delivers_the_remaining_copies_exactly() -> None:
     first: list = []
     el = EchoLoader(loader(160, 16, shuffle=False), 2.0, seed=1)
@@ -390,6 +409,38 @@ def test_persistent_workers_survive_epochs_and_an_early_break() -> None:
         _read_four(el)  # an epoch left early: the DataLoader keeps its workers
         again = counts(el)
     assert first == again == {i: 2 for i in range(96)}
+    # close() (here the with block's) ends the workers the DataLoader kept between epochs.
+    pids = set(_read_four(EchoLoader(dl, 2.0)))
+    assert dl._iterator is not None and pids  # persistent: kept after the epoch left early
+    with EchoLoader(dl, 2.0) as el:
+        pids = _read_four(el)
+    assert pids and all(gone(p) for p in pids)
+    assert counts(EchoLoader(dl, 2.0)) == {i: 2 for i in range(96)}  # made anew when needed
+
+
+def test_a_state_taken_after_an_epoch_left_early_says_what_it_leaves_out() -> None:
+    el = EchoLoader(loader(64, 8, workers=0), 2.0)
+    try:
+        for step, _batch in enumerate(el):
+            if step == 4:
+                raise KeyboardInterrupt  # the usual Ctrl-C: the state is saved in the handler
+    except KeyboardInterrupt:
+        with pytest.warns(RuntimeWarning, match=r"epoch 0 was ended after 5 batches, before its "
+                          r"last copies were delivered.*inside the loop"):  # fmt: skip
+            state = el.state_dict()
+    assert state["epoch"] == 1 and not state["mid_epoch"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step, _batch in enumerate(el):
+            if step == 2:
+                assert el.state_dict()["mid_epoch"]  # inside the loop: the position, no warning
+        el.state_dict()  # an epoch read to its end leaves nothing out
+        batches = len(el)
+        for step, _batch in enumerate(el):
+            if step == batches - 1:
+                break  # after the last batch: nothing was left
+        el.state_dict()
+    el.close()
 
 
 def test_wait_times_out_and_close_does_not_hang() -> None:

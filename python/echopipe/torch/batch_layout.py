@@ -345,8 +345,9 @@ def _decode_leaves(
         start = 0
         for i in group:
             leaf = layout.leaves[i]
-            rows = data if len(group) == 1 else np.ascontiguousarray(
-                data[:, start : start + leaf.nbytes])  # fmt: skip
+            # A copy, not ascontiguousarray: numpy calls a 1-row slice contiguous and keeps the
+            # field's row stride, which a view as a wider dtype refuses.
+            rows = data if len(group) == 1 else data[:, start : start + leaf.nbytes].copy()
             values[i] = _from_bytes(leaf, rows, n)
             start += leaf.nbytes
     if layout.strings:

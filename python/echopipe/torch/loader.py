@@ -30,7 +30,7 @@ from . import loader_state as ls
 from . import passes, wrapped
 from .delivery import Assembler, next_batch
 from .passes import EchoLoaderStats
-from .reader import LoaderError, Producer, Shared, shutdown
+from .reader import LoaderError, Producer, Shared, end_persistent_workers, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
 
 __all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "UnshardedLoaderError"]
@@ -123,6 +123,7 @@ class EchoLoader(PassThrough):
         self._serial = 0  # numbers the passes; the running one's iterator carries it
         self._current: int | None = None
         self._started = False  # whether the current iterator's epoch began (its first next())
+        self._cut_short: str | None = None  # an epoch ended with copies left (see state_dict)
         self._resume: dict[str, Any] | None = None
         self._closed = False
         self._last_yield: float | None = None
@@ -163,13 +164,8 @@ class EchoLoader(PassThrough):
             if self._shared.cache is None:
                 if self._cache_config is None:
                     self._cache_config = passes.cache_config(
-                        layout,
-                        self._batch_size,
-                        self._shuffle_buffer,
-                        self._capacity_bytes,
-                        self._seed,
-                        self._epoch_samples,
-                    )
+                        layout, self._batch_size, self._shuffle_buffer, self._capacity_bytes,
+                        self._seed, self._epoch_samples)  # fmt: skip
                 self._shared.cache = self._new_cache()
             return self._shared.cache
 
@@ -197,7 +193,7 @@ class EchoLoader(PassThrough):
         return passes.EpochIterator(self, self._serial)
 
     def _start_epoch(self) -> None:
-        resume, self._resume = self._resume, None
+        resume, self._resume, self._cut_short = self._resume, None, None
         skip_batches = skip_rows = 0
         self._epoch_samples = wrapped.samples_per_epoch(self._loader)
         if resume is not None:
@@ -268,6 +264,8 @@ class EchoLoader(PassThrough):
             return  # never read: not an epoch
         producer = self._shared.producer
         if abort:
+            self._cut_short = passes.cut_short(producer, self._shared.cache, self._epoch,
+                                               self._delivered_epoch[0])  # fmt: skip
             shutdown(self._shared, self._close_timeout)  # the cache goes; a new epoch makes one
         elif producer is not None:
             producer.shutdown(self._close_timeout)  # already ended: it ended the input
@@ -317,6 +315,7 @@ class EchoLoader(PassThrough):
         and bytes (``torch.save`` it with the model).
         """
         producer, cache = self._shared.producer, self._shared.cache
+        passes.warn_cut_short(self._cut_short if producer is None else None)
         guard = producer.lock if producer is not None else threading.Lock()
         with guard:  # the reader is between two puts: the cache matches its position
             counts = self._epoch_counts(producer) if producer is not None else (0, 0, 0, 0)
@@ -377,7 +376,7 @@ class EchoLoader(PassThrough):
         self._cache_config = clean["cache_config"]
         self._layout, self._decode, self._saved_layout = None, None, clean["layout"]
         self._shared.cache = cache  # (None after the shutdown above when there is none)
-        self._resume = clean if clean["mid_epoch"] else None
+        self._resume, self._cut_short = (clean if clean["mid_epoch"] else None), None
 
     # ---- lifecycle ----
     def close(self) -> None:
@@ -388,6 +387,7 @@ class EchoLoader(PassThrough):
         self._closed = True
         self._current = None
         self._finalizer()
+        end_persistent_workers(self._loader)
 
     def __enter__(self) -> EchoLoader:
         return self

@@ -17,7 +17,7 @@ from ..echo import config as echo_config
 from ..echo.config import FACTOR_AUTO, EchoConfig
 from ..echo.controller import EchoController
 from . import batch_layout as bl
-from .loader_state import shard
+from .loader_state import epoch_position, shard
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
@@ -165,6 +165,29 @@ class EpochIterator:
 
     def __del__(self) -> None:
         self._finish(abort=True)
+
+
+def cut_short(producer: Any, cache: Any, epoch: int, delivered_batches: int) -> str | None:
+    """What an epoch ended early (a break, ``close()``, an exception) still held, or None.
+
+    Called before the epoch's reader and cache are shut down: a ``state_dict()`` taken after
+    that describes the state after the epoch, so the copies still in the cache (and the fresh
+    samples not read yet) are not in it, and a resume from it does not deliver them."""
+    if producer is None:
+        return None
+    if not epoch_position(producer, (0, 0, 0, 0), None, cache).mid_epoch:
+        return None  # every copy was delivered: nothing is left out
+    return (f"epoch {epoch} was ended after {delivered_batches} batches, before its last "
+            "copies were delivered (a break, close() or an exception left the loop)")  # fmt: skip
+
+
+def warn_cut_short(note: str | None) -> None:
+    """Warns that a ``state_dict()`` leaves out what the last epoch still held."""
+    if note is not None:
+        warnings.warn(f"EchoLoader: {note}; this state is the one after that epoch, so a "
+                      "resume from it does not deliver the copies the epoch still held. To keep "
+                      "the position, take state_dict() inside the loop, before leaving it",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
 
 
 def cache_config(

@@ -198,6 +198,21 @@ def _release_iterator(it: Any, finished: bool) -> None:
                       stacklevel=2)  # fmt: skip
 
 
+def end_persistent_workers(loader: Any) -> None:
+    """Ends a ``DataLoader``'s persistent workers (kept between epochs; ``close()`` ends them).
+
+    The DataLoader makes new ones at its next ``iter()``, as after a fresh start."""
+    it = getattr(loader, "_iterator", None)
+    shutdown_workers = getattr(it, "_shutdown_workers", None)
+    if callable(shutdown_workers) and getattr(it, "_persistent_workers", False):
+        try:
+            shutdown_workers()  # idempotent: the iterator's finalizer may call it again
+        except Exception as exc:
+            warnings.warn(f"EchoLoader: ending the wrapped loader's workers failed: {exc}",
+                          RuntimeWarning, stacklevel=3)  # fmt: skip
+        loader._iterator = None
+
+
 class Shared:
     """What the producer thread, the finalizer and the loader share (never the loader itself)."""
 
