@@ -553,6 +553,9 @@ def test_usage_errors_name_the_problem(jpegs: list[str]) -> None:
         _make(jpegs, batch_size=4, cache_samples=5)
     with pytest.raises(ValueError, match="multiple of upstream_batch_size"):
         _make(jpegs, batch_size=6, upstream_batch_size=4, mode="batch")
+    for key in ("upstream_batch_size", "upstream_num_threads"):  # 0 is not "the default"
+        with pytest.raises(ValueError, match=f"^{key} must be .*, got 0$"):
+            _make(jpegs, batch_size=4, **{key: 0})
 
     @edali.echo_pipeline_def(batch_size=4, num_threads=1, device_id=None)
     def no_echo():

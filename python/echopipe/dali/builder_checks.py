@@ -29,6 +29,12 @@ def check_positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+def positive_or_default(name: str, value: object, default: int) -> int:
+    """``value`` checked by :func:`check_positive_int`, or ``default`` when it is None (0 is
+    refused, not taken for the default)."""
+    return default if value is None else check_positive_int(name, value)
+
+
 def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")

@@ -39,8 +39,9 @@ class EchoPipelineConfig:
         if not isinstance(echo, EchoConfig):
             raise TypeError(f"echo must be an echopipe.echo.EchoConfig, got {echo!r}")
         e = float(check_factor(echo.factor, "echo_factor"))  # a pipeline has no 'auto'
-        up = self.upstream_batch_size or self.batch_size
-        if not isinstance(up, int) or up < 1:
+        # None is the default; 0 is a bad value, not another way to ask for it.
+        up = self.batch_size if self.upstream_batch_size is None else self.upstream_batch_size
+        if isinstance(up, bool) or not isinstance(up, int) or up < 1:
             raise ValueError(f"upstream_batch_size must be a positive int, got {up!r}")
         if echo.mode == "batch" and self.batch_size % up != 0:
             raise ValueError(

@@ -157,8 +157,9 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
         shuffle_buffer: samples the cache must hold before the first draw (its min fill);
             default: 4 batches' worth (see :data:`~.config.DEFAULT_SHUFFLE_BATCHES`).
         cache_samples, cache_bytes: capacity of the cache, in samples and bytes.
-        upstream_batch_size: batch size of the reader part (default ``batch_size``).
-        upstream_num_threads: DALI threads of the upstream pipeline (default ``num_threads``).
+        upstream_batch_size: batch size of the reader part (None: ``batch_size``; 0 is refused).
+        upstream_num_threads: DALI threads of the upstream pipeline (None: ``num_threads``; 0 is
+            refused).
         epochs: ``"auto"`` (default): epoch-aligned (1) with a reader that pads its last batch,
             free-running otherwise (DALI's iterators then refuse ``reader_name=`` for an
             unpadded reader).

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import plugin
 from .base import EchoPipelineBase, PipelineStats, per_batch_seconds
+from .builder_checks import positive_or_default
 from .checkpointing import apply_state, capture_state, check_state
 from .config import EchoPipelineConfig, make_cache
 from .epochs import ReaderEpochs, await_pass_end, epoch_copies
@@ -72,7 +73,9 @@ class EchoPair(EchoPipelineBase):
             fn_kwargs=dict(fn_kwargs or {}),
             cache_name=self.cache_name,
             num_threads=num_threads,
-            upstream_num_threads=upstream_num_threads or num_threads,
+            upstream_num_threads=positive_or_default(
+                "upstream_num_threads", upstream_num_threads, num_threads
+            ),
             device_id=device_id,
             prefetch=prefetch_queue_depth,
             enable_checkpointing=enable_checkpointing,
@@ -389,12 +392,3 @@ class EchoPair(EchoPipelineBase):
             copies_discarded=self.copies_discarded,
             emit_histogram=list(s.emit_histogram),
         )
-
-    @property
-    def batch_size(self) -> int:
-        """Same as :attr:`max_batch_size`."""
-        return int(self.config.batch_size)
-
-    def build(self) -> None:
-        """Builds both DALI pipelines (idempotent; nothing runs)."""
-        self._build()

@@ -69,6 +69,15 @@ class EchoPipeline(EchoPair):
         return int(self.config.batch_size)
 
     @property
+    def batch_size(self) -> int:
+        """Same as :attr:`max_batch_size`."""
+        return int(self.config.batch_size)
+
+    def build(self) -> None:
+        """Builds both DALI pipelines (idempotent; nothing runs)."""
+        self._build()
+
+    @property
     def device_id(self) -> int | None:
         """The CUDA device of both DALI pipelines (None for CPU-only pipelines)."""
         return self._device_id
