@@ -224,6 +224,19 @@ def test_finite_stream_drains_and_respects_last_batch_policy(
         assert it.stats.dropped == (4 if policy == LBP.DROP else 0)
 
 
+def test_drop_refuses_an_epoch_shorter_than_a_batch(jpegs: list[str]) -> None:
+    # 3 copies per epoch, batches of 4: DROP keeps no batch (len() said 1, then 0 were yielded
+    # in every epoch); refused as DALI's iterators refuse it.
+    pipe = _make(jpegs[:3], batch_size=4, echo_factor=1.0, epochs=1, cache_samples=16)
+    with edali.EchoIterator(pipe, ["data", "label"], last_batch_policy=LBP.DROP) as it:
+        assert len(it) == 0
+        with pytest.raises(ValueError, match=r"DROP drops every batch: .* has 3 copies, fewer "):
+            next(it)
+    with _make(jpegs[:3], batch_size=4, echo_factor=1.0, epochs=1, cache_samples=16) as pipe:
+        it = edali.EchoIterator(pipe, ["data", "label"], last_batch_policy=LBP.PARTIAL)
+        assert len(it) == 1 and [len(b[0]["label"]) for b in it] == [3]
+
+
 def test_endless_stream_epochs_have_fixed_length(jpegs: list[str]) -> None:
     pipe = _make(jpegs, batch_size=6, echo_factor=2.0, shuffle_buffer=6, cache_samples=32)
     with edali.EchoIterator(pipe, ["data", "label"], auto_reset=True) as it:
@@ -480,6 +493,11 @@ def test_shard_size_is_known_before_the_first_batch_and_epoch_length_can_change(
         it2.load_state_dict(state)
         assert _labels_of(it2) == expected
     finite = _make(jpegs, batch_size=6, echo_factor=2.0, cache_samples=32, epochs=1)
+    # The constructor refuses the same lengths: it took them, and len() and _size disagreed
+    # with the 48 copies each epoch still yielded.
+    for key, value in (("size", 21), ("epoch_size", 5), ("steps_per_epoch", 2)):
+        with pytest.raises(ValueError, match=rf"^{key}={value}: a finite stream \(epochs=1\)"):
+            edali.EchoIterator(finite, ["data", "label"], **{key: value})
     with (
         edali.EchoIterator(finite, ["data", "label"]) as it3,
         pytest.raises(ValueError, match="finite stream"),

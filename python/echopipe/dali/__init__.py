@@ -48,7 +48,7 @@ from .builders import (
 )
 from .config import EchoPipelineConfig
 from .definition import echo_pipeline_def
-from .iterator import EchoIterator, EchoIteratorStats, to_torch
+from .iterator import EchoIterator, EchoIteratorStats
 from .peer import PythonEchoPipeline, python_echo_train_pipeline
 from .peer_buffer import PythonEchoBuffer
 from .pipeline import EchoPipeline
@@ -60,6 +60,7 @@ from .plugin import (
     plugin_path,
 )
 from .specs import AugmentSpec, EchoSpec, ReaderSpec
+from .torch_copy import to_torch
 from .tracing import current_stage, echo
 
 

@@ -3,13 +3,7 @@
 Yields ``[{"data": tensor, "label": tensor}]`` (one dict per pipeline, like
 ``DALIGenericIterator``), counts fresh versus echoed samples, and reports the upstream's time per
 step (``t_up``) next to the time the consumer waits for the downstream (``t_down``).
-
-Tensors: CPU outputs are copied once out of DALI's buffer into numpy memory that torch then
-shares (``np.array`` + ``torch.from_numpy``). A zero-copy DLPack view would not be safe: DALI
-reuses its output buffers for later iterations (the downstream pipeline is scheduled again as soon
-as a batch is taken), so a view would change under the consumer. GPU outputs stay on their GPU:
-they are copied into a new torch tensor on the current torch stream with DALI's
-``feed_ndarray``, which orders the copy after the work that produced the batch.
+Tensors come from :func:`~.torch_copy.to_torch` (one copy out of DALI's buffers).
 """
 
 from __future__ import annotations
@@ -25,6 +19,7 @@ import torch
 from nvidia.dali.plugin.base_iterator import LastBatchPolicy
 
 from .pipeline import EchoPipeline
+from .torch_copy import to_torch
 
 
 @dataclass
@@ -66,41 +61,6 @@ class EchoIteratorStats:
         return self.t_up / down if down > 0 else math.nan
 
 
-def to_torch(value: Any) -> torch.Tensor | list[torch.Tensor]:
-    """A DALI TensorList (or numpy arrays restored from a checkpoint) as torch tensor(s).
-
-    Dense CPU lists become one CPU tensor through a single host copy; dense GPU lists become
-    a tensor on the same GPU (copied on torch's current stream there). Non-dense lists become
-    one tensor per sample (GPU samples via the host). The result never aliases DALI's buffers.
-    """
-    from nvidia.dali.backend import TensorListGPU
-
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value)
-    if isinstance(value, list):
-        return [torch.from_numpy(np.asarray(v)) for v in value]
-    if isinstance(value, TensorListGPU):
-        if value.is_dense_tensor():
-            return _gpu_to_torch(value)
-        value = value.as_cpu()
-    if value.is_dense_tensor():
-        return torch.from_numpy(np.array(value.as_tensor()))
-    return [torch.from_numpy(np.array(value.at(i))) for i in range(len(value))]
-
-
-def _gpu_to_torch(value: Any) -> torch.Tensor:
-    from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
-
-    tensor = value.as_tensor()
-    device = torch.device("cuda", value.device_id())
-    out = torch.empty(tensor.shape(), dtype=to_torch_type[tensor.dtype], device=device)
-    stream = torch.cuda.current_stream(device)
-    # feed_ndarray makes the copy wait for DALI's producing work, and torch's later use of
-    # ``out`` is ordered after it because both run on ``stream``.
-    feed_ndarray(tensor, out, cuda_stream=stream)
-    return out
-
-
 class EchoIterator:
     """Iterates an :class:`EchoPipeline` and returns PyTorch tensors.
 
@@ -109,8 +69,9 @@ class EchoIterator:
         output_map: one name per output of the pipeline function (in order); the default is
             ``DALIClassificationIterator``'s.
         epoch_size: fresh samples per epoch; an epoch then has about ``epoch_size * e /
-            batch_size`` steps. Default: the reader's shard size. Ignored for a finite stream
-            (``epochs=N``), whose epoch ends where the stream ends.
+            batch_size`` steps. Default: the reader's shard size. A finite stream
+            (``epochs=N``, the default with a padded reader) ends its epochs with the data, so
+            it refuses this, ``steps_per_epoch`` and ``size`` (as :meth:`set_epoch_size` does).
         steps_per_epoch: steps per epoch (overrides ``epoch_size``).
         last_batch_policy: ``FILL`` returns the last batch full (padded with repeats of its own
             samples at the end of a finite stream), ``DROP`` drops an incomplete last batch,
@@ -123,7 +84,7 @@ class EchoIterator:
         prepare_first_batch: as in DALI's iterators: start both pipelines now, so the first
             batch is being prepared before the first ``next()``.
 
-        size: as in DALI's iterators: samples handed out per epoch (instead of the reader's).
+        size: as in DALI's iterators: samples handed out per epoch of an endless stream.
         fill_last_batch: DALI's older spelling: True is ``FILL``, False ``PARTIAL``.
         dynamic_shape, last_batch_padded: accepted for DALI compatibility, without effect
             (outputs of any shape are converted; the echo source marks its own padding).
@@ -177,6 +138,10 @@ class EchoIterator:
         self.output_map = list(output_map)
         self.last_batch_policy = last_batch_policy
         self.auto_reset = auto_reset in (True, "yes")
+        lengths = {"size": size, "epoch_size": epoch_size, "steps_per_epoch": steps_per_epoch}
+        for name, value in lengths.items():
+            if value not in (None, -1):
+                self._refuse_if_finite(f"{name}={value}")
         if reader_name is not None:
             # Names an unknown reader. The upstream's own metadata: what the pipeline reports to
             # DALI's iterators (and the cases it refuses them) is for their epoch counting.
@@ -235,14 +200,18 @@ class EchoIterator:
                 isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1
             ):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.finite:
-            raise ValueError(
-                f"a finite stream (epochs={self.pipeline.config.epochs}) ends its epochs with the "
-                "data; its epoch length cannot be set"
-            )
+        self._refuse_if_finite(f"set_epoch_size({epoch_size=}, {steps_per_epoch=})")
         self._size_arg = None
         self._epoch_size = None if epoch_size is None else int(epoch_size)
         self._steps_per_epoch = None if steps_per_epoch is None else int(steps_per_epoch)
+
+    def _refuse_if_finite(self, what: str) -> None:
+        if self.finite:
+            raise ValueError(
+                f"{what}: a finite stream (epochs={self.pipeline.config.epochs}) ends its epochs "
+                "with the data, so their length cannot be set; create the pipeline with "
+                "epochs=None for epochs of a set length"
+            )
 
     def _epoch_samples(self) -> int:
         """Samples an epoch of an endless stream hands out (before the last-batch policy)."""
@@ -251,7 +220,7 @@ class EchoIterator:
             return self._steps_per_epoch * cfg.batch_size
         if self._size_arg is not None:
             return self._size_arg
-        if self._epoch_size is None and self.finite:
+        if self.finite:  # (its length cannot be set)
             return self.pipeline.epoch_copies()  # exact, for a fractional e too
         fresh = self._epoch_size or self.pipeline.shard_size
         if not fresh:
@@ -280,7 +249,8 @@ class EchoIterator:
         b = self.pipeline.config.batch_size
         samples = self._epoch_samples()
         if self.last_batch_policy == LastBatchPolicy.DROP:
-            return max(1, samples // b)
+            # An endless stream's epoch takes at least one batch; a finite one whole batches.
+            return samples // b if self.finite else max(1, samples // b)
         return math.ceil(samples / b)
 
     # -- iteration --
@@ -310,6 +280,12 @@ class EchoIterator:
         b = pipe.config.batch_size
         if not self.finite and self._step_in_epoch >= len(self):
             raise StopIteration
+        if self._step_in_epoch == 0 and len(self) == 0:  # as DALI's iterators refuse it
+            raise ValueError(
+                f"last_batch_policy=DROP drops every batch: an epoch of this shard has "
+                f"{self._epoch_samples()} copies, fewer than batch_size={b}; use PARTIAL or "
+                "FILL, a smaller batch, or fewer shards"
+            )
         outputs, info = self._timed_next_batch()
         valid = int(info[:, 0].sum())
         # A finite stream's tail may hold more than one short batch (batch mode: the input's
