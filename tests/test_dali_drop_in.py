@@ -132,6 +132,28 @@ def test_finite_stream_ends_dali_iterator(files: list[str]) -> None:
             it.reset()
 
 
+@pytest.mark.filterwarnings("ignore:Please set `reader_name`")  # DALI's, for any size=
+def test_dali_iterator_given_size_counts_its_own_epochs(files: list[str]) -> None:
+    """DALI's size= (no reader_name) counts that many samples per epoch over the stream; on the
+    epoch-aligned default (48 copies a pass) every epoch after the first pass was empty."""
+    for size in (48, 20, 30):  # a pass; epochs that end with it; epochs that cross its end
+        with _make(files) as pipe:
+            it = DALIGenericIterator(
+                pipe, ["data", "label"], size=size, auto_reset=True,
+                last_batch_policy=LastBatchPolicy.PARTIAL,
+            )  # fmt: skip
+            epochs = [[x for b in it for x in b[0]["label"].reshape(-1).tolist()] for _ in "1234"]
+            assert [len(labels) for labels in epochs] == [size] * 4, size
+            if size == 48:  # each epoch is a pass: every file twice
+                assert all(Counter(labels) == {i: 2 for i in range(N)} for labels in epochs)
+    # Longer than a pass (10 batches): the first epoch ends with it, the second is refused.
+    with _make(files) as pipe:
+        it = DALIGenericIterator(pipe, ["data", "label"], size=70, auto_reset=True)
+        assert sum(len(b[0]["label"]) for b in it) == 50
+        with pytest.raises(ValueError, match=r"pass of 48 copies ended, without reset\(\)"):
+            next(it)
+
+
 def test_dali_checkpoints_resume_the_same_stream(files: list[str]) -> None:
     def make(**kw):
         return _make(files, deterministic=True, enable_checkpointing=True, **kw)

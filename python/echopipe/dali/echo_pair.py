@@ -97,8 +97,8 @@ class EchoPair(EchoPipelineBase):
         # The reader's name when epochs="auto" fell back to free-running (no pad_last_batch).
         self.unaligned_reader: str | None = None
         self._cache_epoch_size = 0
-        # Set when DALI's iterators read the epoch size: they end an epoch by counting copies.
-        self.counted_epochs = False
+        # A reset came inside the pass (see reset()); the pass's end was reported since then.
+        self._pass_goes_on = self._end_reported = False
         # The downstream's scheduling state, made with the DALI pipelines.
         self._queue: DownstreamQueue | None = None
         self._restore: dict[str, Any] | None = None
@@ -224,15 +224,21 @@ class EchoPair(EchoPipelineBase):
     def reset(self) -> None:
         """Starts the next pass of an epoch-aligned stream once this one is over: its end was
         drawn (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
-        iterators count the epoch and stop before the padding). A no-op otherwise, as DALI's
-        iterators ignore a reset inside an epoch."""
+        iterators count the epoch and stop before the padding). Inside a pass, an iterator that
+        counts its own epochs (DALI's, given ``size=``) ended one: the stream then goes on into
+        the next pass at its end (:meth:`EchoPipeline.share_outputs`)."""
         if not self._started and self._restore is None:
             return
         self.start()  # (idempotent) a restored pass that had ended: its reset starts the next
-        runner, queue = self._built_parts()
-        counted = self.counted_epochs and queue.handed >= self.epoch_copies()
-        if not (queue.input_done or counted):
+        if not self.finite:
             return
+        runner, queue = self._built_parts()
+        self._pass_goes_on = not (queue.input_done or queue.handed >= self.epoch_copies())
+        if not self._pass_goes_on:
+            self._next_pass(runner, queue)
+
+    def _next_pass(self, runner: UpstreamRunner, queue: DownstreamQueue) -> None:
+        self._pass_goes_on = self._end_reported = False
         await_pass_end(
             runner,
             fill=self._fill_for_next_run if self.config.deterministic else None,

@@ -115,10 +115,7 @@ class EchoPipeline(EchoPair):
         return {k: self._scaled_meta(m) for k, m in self.upstream.reader_meta().items()}
 
     def _scaled_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
-        scaled = scaled_meta(meta, self.config, self.reader_epochs, self.unaligned_reader)
-        # DALI's iterators will end an epoch by counting this pipeline's copies.
-        self.counted_epochs = self.counted_epochs or self.finite
-        return scaled
+        return scaled_meta(meta, self.config, self.reader_epochs, self.unaligned_reader)
 
     def epoch_size(self, name: str | None = None) -> int | dict[str, int]:
         """Like ``Pipeline.epoch_size``: the scaled ``epoch_size_padded`` of the reader(s)."""
@@ -133,8 +130,30 @@ class EchoPipeline(EchoPair):
 
     def share_outputs(self) -> tuple[Any, ...]:
         """The next batch's outputs (without echopipe's ``info``); StopIteration at the end of
-        a finite stream. Batches restored from a checkpoint come first."""
-        return self._running_queue().share_outputs()
+        a finite stream, unless an iterator that counts its own epochs (DALI's, given
+        ``size=``) reset inside this pass: its stream goes on into the next pass. Batches
+        restored from a checkpoint come first."""
+        queue = self._running_queue()
+        try:
+            return queue.share_outputs()
+        except StopIteration:
+            if not self._pass_goes_on:
+                self._refuse_a_second_end()
+                raise
+        self._next_pass(*self._built_parts())
+        return queue.share_outputs()
+
+    def _refuse_a_second_end(self) -> None:
+        # DALI's iterators given a size= longer than a pass draw on after its end without a
+        # reset, and would get an empty epoch each time from then on.
+        if self._end_reported:
+            raise ValueError(
+                "a batch was asked for after this epoch-aligned pass of "
+                f"{self.epoch_copies()} copies ended, without reset(): DALI's iterators given a "
+                "size= larger than a pass do that; give size <= the pass's copies, "
+                "reader_name= (epochs of exactly a pass), or epochs=None to the pipeline"
+            )
+        self._end_reported = True
 
     def release_outputs(self) -> None:
         """Returns the buffers of the last :meth:`share_outputs` to DALI."""
