@@ -305,6 +305,61 @@ def test_copies_spread_over_the_whole_epoch(files: list[str]) -> None:
     assert same_batch / pairs < 0.25 and gaps / pairs > 2.0
 
 
+def test_stats_or_a_checkpoint_mid_epoch_keeps_the_deterministic_stream(files: list[str]) -> None:
+    """In deterministic mode the stream depends only on the seed and the input order: reading the
+    stats or taking a checkpoint mid-epoch leaves the later epochs as they were, and the resumed
+    run continues that same stream (docs/dali.md). Both give released copies back to the cache's
+    allocator early, and a put once took the slot on top of a free list whose order depended on
+    when that happened, so the next epochs drew other samples (from batch 10 on)."""
+
+    def loader(**kw):
+        pipe = echo_pipe(files, batch_size=BATCH, echo_factor=2, deterministic=True,
+                         enable_checkpointing=True, reader_kw={"random_shuffle": True},
+                         **kw)  # fmt: skip
+        it = DALIGenericIterator(pipe, ["data", "label"], reader_name="Reader",
+                                 last_batch_policy=LBP.PARTIAL, auto_reset=True)  # fmt: skip
+        return pipe, it
+
+    def batches(it, epochs: int, at: int = -1, call=None) -> list[tuple[list[int], np.ndarray]]:
+        out = []
+        for _ in range(epochs):
+            for b in it:
+                out.append((b[0]["label"].reshape(-1).tolist(), b[0]["data"].numpy().copy()))
+                if len(out) == at:
+                    call()
+        return out
+
+    def first_difference(got, want) -> int | None:
+        for i, (g, w) in enumerate(zip(got, want, strict=False)):
+            if g[0] != w[0] or not np.array_equal(g[1], w[1]):
+                return i
+        return None if len(got) == len(want) else min(len(got), len(want))
+
+    pipe, it = loader()
+    with pipe:
+        ref = batches(it, 3)
+    assert len(ref) == 30
+    pipe, it = loader()
+    with pipe:
+        after_stats = batches(it, 3, at=3, call=pipe.stats)
+    checkpoint = []
+    pipe, it = loader()
+    with pipe:
+        after_checkpoint = batches(it, 3, at=3, call=lambda: checkpoint.extend(it.checkpoints()))
+    pipe, it = loader(checkpoint=checkpoint[0])
+    with pipe:
+        resumed = batches(it, 3)  # the rest of the epoch, then two whole ones
+    differ = {
+        name: first_difference(got, want)
+        for name, got, want in [
+            ("stats() at batch 3", after_stats, ref),
+            ("checkpoints() at batch 3", after_checkpoint, ref),
+            ("resumed from that checkpoint", resumed, ref[3:]),
+        ]
+    }
+    assert all(at is None for at in differ.values()), f"first differing batch: {differ}"
+
+
 def test_echo_iterator_len_is_exact_for_a_fractional_factor(files: list[str]) -> None:
     with echo_pipe(files, batch_size=BATCH, echo_factor=1.3,
                    reader_kw={"random_shuffle": True}) as pipe:  # fmt: skip

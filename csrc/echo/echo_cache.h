@@ -39,6 +39,9 @@
 //    empties that stack with one exchange before it allocates (and stats() before it counts), so
 //    a slot is reused only when its tickets are 0 and no reader holds it, and every sample is
 //    emitted exactly its ticket count (the C++ stress test, under TSAN and ASAN, checks this).
+//    A put takes the lowest free slot (a bitmap with find-first-set per level), so which slot it
+//    gets depends only on the set of free slots, not on when retired units were collected
+//    (stats() or save_state() in between does not change a deterministic stream).
 //    give_back() undoes a draw: the copy's `k` reader references become one ticket again in one
 //    CAS, while the caller's readers still keep the unit from retiring; a unit whose last ticket
 //    had been drawn re-enters the index then (counted in live_samples first, as a publish is),
@@ -464,11 +467,11 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   // -- checkpointing --
 
   /// Serialises resident samples that still hold tickets (with data, slots and tickets left),
-  /// the open batch, the free-slot order, the RNG/draw counters and the statistics, holding the
+  /// the open batch, the set of free slots, the RNG/draw counters and the statistics, holding the
   /// batch-assembly and allocator locks (no put, publish or slot reuse meanwhile). Draws are
   /// lock-free, so quiesce consumers (and producers) for a snapshot aligned with the stream.
   /// Samples in uncommitted reservations or in leases are not included (their copies are out).
-  /// Format: magic "ECHOCAC1", version 3.
+  /// Format: magic "ECHOCAC1", version 4.
   std::vector<uint8_t> save_state() const;
   /// Loads a save_state() blob into this cache, which must be empty (nothing committed yet) and
   /// have the same mode, batch_size and capacity_samples, and room for the saved bytes. The

@@ -115,6 +115,65 @@ class ExtentAllocator {
   uint64_t parked_ = 0;
 };
 
+// The free slots, as a set: a put takes the lowest free slot. So the slot a put gets depends only
+// on which slots are free, not on the order in which retired units were given back: stats(),
+// save_state() and wait_for_room() collect retired units at times of their own, and a
+// deterministic stream (and a restored cache) must not depend on them. Lowest-first also keeps
+// live units packed below the high-water mark. A bitmap with summary levels (bit w of a level is
+// set when word w of the level below has any bit set), so the lowest slot is found with one
+// find-first-set per level: 2 levels up to 4096 slots, 3 up to 262144, 6 at most.
+class FreeSlotSet {
+ public:
+  // Every slot of [0, n) is free when `all_free`, none otherwise.
+  FreeSlotSet(uint32_t n, bool all_free);
+  size_t size() const noexcept { return count_; }
+  bool empty() const noexcept { return count_ == 0; }
+  // The lowest free slot, which is then no longer free. Requires !empty().
+  uint32_t pop_lowest() noexcept {
+    uint64_t w = 0;
+    for (int l = levels_ - 1; l >= 0; --l) {
+      w = (w << 6) | static_cast<uint64_t>(__builtin_ctzll(bits_[offset_[l] + w]));
+    }
+    const auto s = static_cast<uint32_t>(w);
+    for (int l = 0; l < levels_; ++l, w >>= 6) {
+      uint64_t& word = bits_[offset_[l] + (w >> 6)];
+      word &= ~(uint64_t{1} << (w & 63));
+      if (word != 0) break;  // the levels above still see a free slot below this word
+    }
+    --count_;
+    return s;
+  }
+  // Frees slot s, which must not be free.
+  void insert(uint32_t s) noexcept {
+    uint64_t w = s;
+    for (int l = 0; l < levels_; ++l, w >>= 6) {
+      uint64_t& word = bits_[offset_[l] + (w >> 6)];
+      const bool was_empty = word == 0;
+      word |= uint64_t{1} << (w & 63);
+      if (!was_empty) break;  // the levels above already see this word
+    }
+    ++count_;
+  }
+  // Calls f(slot) for every free slot, in ascending order.
+  template <typename F>
+  void for_each(F&& f) const {
+    for (size_t i = 0; i < words0_; ++i) {
+      for (uint64_t word = bits_[i]; word != 0; word &= word - 1) {
+        f(static_cast<uint32_t>(i * 64 + static_cast<size_t>(__builtin_ctzll(word))));
+      }
+    }
+  }
+  void swap(FreeSlotSet& other) noexcept;
+
+ private:
+  static constexpr int kMaxLevels = 6;  // 64^6 > kMaxCapacitySamples
+  std::vector<uint64_t> bits_;          // every level, level 0 (one bit per slot) first
+  std::array<size_t, kMaxLevels> offset_{};
+  int levels_ = 0;
+  size_t words0_ = 0;
+  size_t count_ = 0;
+};
+
 struct CacheImpl {
   // Slots are read at random (one per emitted copy), so what a take and a gather read sits in
   // the first two lines: the extent, then the descriptor's count and first field's shape.
@@ -163,10 +222,10 @@ struct CacheImpl {
   // Dense, so that a random probe touches one 8-byte word; drawers probe it without locks.
   std::unique_ptr<std::atomic<uint64_t>[]> state;
   std::unique_ptr<UnitInfo[]> info;
-  // 1 + the highest slot ever allocated. Free slots are a stack that starts with slot 0 on top and
-  // gets retired slots pushed back, so live units stay packed below this mark: draws probe
-  // [0, high_water) instead of the whole capacity, which keeps the hit rate up when a large
-  // cache holds few samples. Written under alloc_mu before the slot's unit is published.
+  // 1 + the highest slot ever allocated. A put takes the lowest free slot (FreeSlotSet), so live
+  // units stay packed below this mark: draws probe [0, high_water) instead of the whole capacity,
+  // which keeps the hit rate up when a large cache holds few samples. Written under alloc_mu
+  // before the slot's unit is published.
   std::atomic<uint32_t> high_water{0};
   std::array<ReuseStripe, kStripes> reuse;
   std::atomic<double> echo_factor{2.0};  // read once per published unit
@@ -178,7 +237,7 @@ struct CacheImpl {
   std::atomic<uint64_t> bytes_used{0};
   // Bumped when blocked producers should re-check; they sleep on it (a futex word: 32 bits).
   std::atomic<uint32_t> space_gen{0};
-  std::vector<uint32_t> free_slots;  // a stack: the next put takes the back
+  FreeSlotSet free_slots;  // the next put takes the lowest (see FreeSlotSet)
   ExtentAllocator extents;
   std::vector<uint64_t> histogram = std::vector<uint64_t>(kMaxHist, 0);
   uint64_t retired = 0;

@@ -138,6 +138,37 @@ void ExtentAllocator::coalesce_into_tree(uint64_t off, uint64_t size) {
   by_size_.emplace(size, off);
 }
 
+// ---- free slots ------------------------------------------------------------------------------
+
+FreeSlotSet::FreeSlotSet(uint32_t n, bool all_free) {
+  words0_ = std::max<size_t>(1, (static_cast<size_t>(n) + 63) / 64);
+  size_t total = 0;
+  for (size_t words = words0_;; words = (words + 63) / 64) {
+    offset_[levels_++] = total;  // levels until one word summarises the level below
+    total += words;
+    if (words == 1) break;
+  }
+  bits_.assign(total, 0);
+  if (!all_free) return;
+  for (size_t i = 0; i < n / 64; ++i) bits_[i] = ~uint64_t{0};
+  if (n % 64 != 0) bits_[n / 64] = (uint64_t{1} << (n % 64)) - 1;
+  for (int l = 1; l < levels_; ++l) {
+    for (size_t i = offset_[l - 1]; i < offset_[l]; ++i) {
+      const size_t w = i - offset_[l - 1];
+      if (bits_[i] != 0) bits_[offset_[l] + w / 64] |= uint64_t{1} << (w % 64);
+    }
+  }
+  count_ = n;
+}
+
+void FreeSlotSet::swap(FreeSlotSet& other) noexcept {
+  bits_.swap(other.bits_);
+  std::swap(offset_, other.offset_);
+  std::swap(levels_, other.levels_);
+  std::swap(words0_, other.words0_);
+  std::swap(count_, other.count_);
+}
+
 // ---- the cache internals ---------------------------------------------------------------------
 
 namespace {
@@ -167,6 +198,7 @@ CacheImpl::CacheImpl(const EchoConfig& c)
       slots(c.capacity_samples),
       state(new std::atomic<uint64_t>[c.capacity_samples]),
       info(new UnitInfo[c.capacity_samples]),
+      free_slots(static_cast<uint32_t>(c.capacity_samples), true),
       extents(usable_bytes, c.capacity_samples),
       wake_slots(static_cast<int64_t>(wake_slots_for(c.capacity_samples))),
       wake_bytes(static_cast<int64_t>(static_cast<double>(usable_bytes) *
@@ -175,8 +207,6 @@ CacheImpl::CacheImpl(const EchoConfig& c)
   for (uint32_t i = 0; i < capacity; ++i) state[i].store(0, std::memory_order_relaxed);
   echo_factor.store(cfg.echo_factor, std::memory_order_relaxed);
   seed = cfg.seed;
-  free_slots.reserve(capacity);
-  for (uint32_t i = capacity; i-- > 0;) free_slots.push_back(i);
 }
 
 uint32_t CacheImpl::tickets_for(uint64_t sample_id) const {
@@ -204,8 +234,7 @@ uint32_t CacheImpl::tickets_for(uint64_t sample_id) const {
 bool CacheImpl::alloc_slot_locked(const SampleDesc& desc, uint64_t need, uint32_t* slot) {
   uint64_t off = 0;
   if (free_slots.empty() || !extents.alloc(need, &off)) return false;
-  const uint32_t s = free_slots.back();
-  free_slots.pop_back();
+  const uint32_t s = free_slots.pop_lowest();
   // release: a drawer that acquires a unit's tickets (published after this) sees the new mark.
   if (s >= high_water.load(std::memory_order_relaxed)) {
     high_water.store(s + 1, std::memory_order_release);
@@ -230,7 +259,7 @@ void CacheImpl::free_slot_locked(uint32_t s) {
   resident.fetch_sub(1, std::memory_order_relaxed);
   sl.next = kNone;
   sl.unit = kNone;
-  free_slots.push_back(s);  // capacity reserved for every slot: never allocates
+  free_slots.insert(s);
 }
 
 void CacheImpl::collect_retired_locked() {

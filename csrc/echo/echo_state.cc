@@ -16,8 +16,9 @@ using detail::kNone;
 namespace {
 
 constexpr char kMagic[8] = {'E', 'C', 'H', 'O', 'C', 'A', 'C', '1'};
-// Version 3: units are saved with the slots they occupy and the free-slot order, so that a
-// restored cache (same capacity_samples) draws exactly the stream the saved one would have.
+// Since version 3, units are saved with the slots they occupy and the free slots (a set, written
+// in ascending order; restore accepts any order), so that a restored cache (same
+// capacity_samples) puts into the same slots and draws exactly the stream the saved one would have.
 constexpr uint32_t kStateVersion = 4;
 
 struct Writer {
@@ -169,8 +170,8 @@ std::vector<uint8_t> EchoCache::save_state() const {
   w.put<uint8_t>(I.open_unit != kNone ? 1 : 0);
   if (I.open_unit != kNone) write_members(I.open_unit);
   w.put<uint32_t>(static_cast<uint32_t>(I.free_slots.size()));
-  for (uint32_t s : I.free_slots) w.put<uint32_t>(s);
-  w.put<uint32_t>(I.high_water.load(std::memory_order_relaxed));  // draws probe below it
+  I.free_slots.for_each([&](uint32_t s) { w.put<uint32_t>(s); });  // ascending
+  w.put<uint32_t>(I.high_water.load(std::memory_order_relaxed));   // draws probe below it
   return buf;
 }
 
@@ -273,21 +274,21 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
   }
   ParsedUnit open;
   if (r.get<uint8_t>() != 0) read_members(open, I.unit_samples - 1);
+  // The free slots are a set (a put takes the lowest): any order is accepted, each slot once.
   const uint32_t nfree = r.get<uint32_t>();
   if (nfree > I.capacity) throw corrupt(std::to_string(nfree) + " free slots");
-  std::vector<uint32_t> free_order;
-  free_order.reserve(I.capacity);
-  std::vector<uint32_t> saved_free(nfree);
-  for (uint32_t& s : saved_free) {
-    s = r.get<uint32_t>();
+  for (uint32_t i = 0; i < nfree; ++i) {
+    const uint32_t s = r.get<uint32_t>();
     if (s >= I.capacity || used[s]) throw corrupt("free slot " + std::to_string(s));
     used[s] = 2;
   }
-  // Slots that were leased when the state was saved are free here; they are reused last.
-  for (uint32_t s = I.capacity; s-- > 0;) {
-    if (!used[s]) free_order.push_back(s);
+  // Slots that were leased when the state was saved are free here too: the saved cache frees
+  // them once the leases are released, so both put into the same slots when that happened before
+  // the saved cache's next put.
+  detail::FreeSlotSet free_slots(I.capacity, false);
+  for (uint32_t s = 0; s < I.capacity; ++s) {
+    if (used[s] != 1) free_slots.insert(s);
   }
-  free_order.insert(free_order.end(), saved_free.begin(), saved_free.end());
   uint32_t high_water = r.get<uint32_t>();
   for (uint32_t s = 0; s < I.capacity; ++s) {
     if (used[s] == 1 && s >= high_water) throw corrupt("high-water mark " + std::to_string(s));
@@ -317,7 +318,7 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
 
   // ---- commit: nothing below can fail ----
   std::swap(I.extents, extents);
-  I.free_slots.swap(free_order);
+  I.free_slots.swap(free_slots);
   I.high_water.store(high_water, std::memory_order_release);
   uint64_t bytes = 0;
   auto place = [&](const ParsedUnit& unit) noexcept -> uint32_t {
