@@ -27,16 +27,29 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-py::dict bench_put_take(size_t sample_bytes, size_t n_fresh, int producers, int consumers,
-                        double echo_factor, size_t capacity_bytes, size_t batch, uint64_t seed) {
-  if (sample_bytes == 0 || n_fresh == 0 || producers < 1 || consumers < 1 || batch < 1) {
-    throw std::invalid_argument("bench: sizes and thread counts must be >= 1");
-  }
+// One uint8 field of `sample_bytes`.
+SampleDesc bytes_sample(size_t sample_bytes) {
   SampleDesc d;
   d.num_fields = 1;
   d.fields[0].dtype = DType::kUInt8;
   d.fields[0].ndim = 1;
   d.fields[0].shape[0] = static_cast<int64_t>(sample_bytes);
+  return d;
+}
+
+// The 64 MB (at least one sample) the producers copy from, standing in for decoded images.
+std::vector<uint8_t> source_pool(size_t sample_bytes) {
+  std::vector<uint8_t> pool(std::max<size_t>(size_t{64} << 20, sample_bytes));
+  for (size_t i = 0; i < pool.size(); ++i) pool[i] = static_cast<uint8_t>(i * 131u);
+  return pool;
+}
+
+py::dict bench_put_take(size_t sample_bytes, size_t n_fresh, int producers, int consumers,
+                        double echo_factor, size_t capacity_bytes, size_t batch, uint64_t seed) {
+  if (sample_bytes == 0 || n_fresh == 0 || producers < 1 || consumers < 1 || batch < 1) {
+    throw std::invalid_argument("bench: sizes and thread counts must be >= 1");
+  }
+  const SampleDesc d = bytes_sample(sample_bytes);
   EchoConfig cfg;
   cfg.capacity_bytes = capacity_bytes;
   cfg.capacity_samples = std::max<size_t>(capacity_bytes / d.extent_bytes(), 1);
@@ -47,11 +60,8 @@ py::dict bench_put_take(size_t sample_bytes, size_t n_fresh, int producers, int 
   auto cache = EchoCache::create(cfg, "bench");
   // Fault the arena in before timing, as a long-running job would have.
   std::memset(const_cast<void*>(cache->arena_host()), 0, capacity_bytes);
-  // Producers copy from a 64 MB source pool, standing in for freshly decoded images.
-  const size_t pool_bytes = std::max<size_t>(size_t{64} << 20, sample_bytes);
-  std::vector<uint8_t> pool(pool_bytes);
-  for (size_t i = 0; i < pool_bytes; ++i) pool[i] = static_cast<uint8_t>(i * 131u);
-  const size_t pool_samples = pool_bytes / sample_bytes;
+  const std::vector<uint8_t> pool = source_pool(sample_bytes);
+  const size_t pool_samples = pool.size() / sample_bytes;
 
   std::atomic<size_t> next{0};
   std::atomic<uint64_t> copies{0}, checksum{0};
@@ -171,11 +181,7 @@ py::dict bench_bare_copies(size_t sample_bytes, size_t n_fresh, double echo_fact
   if (sample_bytes == 0 || n_fresh == 0 || batch < 1 || !(echo_factor >= 1.0)) {
     throw std::invalid_argument("bench_bare_copies: bad sizes or echo factor");
   }
-  SampleDesc d;
-  d.num_fields = 1;
-  d.fields[0].dtype = DType::kUInt8;
-  d.fields[0].ndim = 1;
-  d.fields[0].shape[0] = static_cast<int64_t>(sample_bytes);
+  const SampleDesc d = bytes_sample(sample_bytes);
   const size_t extent = d.extent_bytes();
   if (capacity_bytes < extent) throw std::invalid_argument("bench_bare_copies: arena too small");
   EchoConfig cfg;
@@ -186,10 +192,8 @@ py::dict bench_bare_copies(size_t sample_bytes, size_t n_fresh, double echo_fact
   auto* arena = static_cast<uint8_t*>(const_cast<void*>(region->arena_host()));
   std::memset(arena, 0, capacity_bytes);
   const size_t slots = capacity_bytes / extent;
-  const size_t pool_bytes = std::max<size_t>(size_t{64} << 20, sample_bytes);
-  std::vector<uint8_t> pool(pool_bytes);
-  for (size_t i = 0; i < pool_bytes; ++i) pool[i] = static_cast<uint8_t>(i * 131u);
-  const size_t pool_samples = pool_bytes / sample_bytes;
+  const std::vector<uint8_t> pool = source_pool(sample_bytes);
+  const size_t pool_samples = pool.size() / sample_bytes;
   const auto copies = static_cast<size_t>(std::llround(static_cast<double>(n_fresh) * echo_factor));
   std::atomic<uint64_t> sink{0};
   double seconds = 0;
