@@ -594,8 +594,10 @@ def test_echo_auto_raises_the_factor_when_reading_is_slow(
     steps = [0] + [r["step"] for r in doc["epochs"]]
     per_epoch = [b - a for a, b in itertools.pairwise(steps)]
     assert per_epoch[-1] == -(-32 * doc["epochs"][-1]["echo_factor"] // 8)
-    # Repeats from the first epoch on.
-    assert doc["epochs"][0]["echoed_samples"] > 0
+    # Repeats: every sample put after the step-0 decision has e = 3 tickets. The ones the fill
+    # put while it was timed kept e = 1 (docs/design.md); in this 32-image set, under load, that
+    # can be the whole first epoch, so repeats are only sure from the second epoch on.
+    assert doc["epochs"][1]["echoed_samples"] > doc["epochs"][0]["echoed_samples"]
     # The factor changed in the running cache: the input pipeline was built once, never rebuilt.
     assert [r["input_builds"] for r in doc["epochs"]] == [1] * len(doc["epochs"])
     # The cosine LR follows epochs done, not steps (their number per epoch grew with e): after
