@@ -130,17 +130,16 @@ def cpu_model() -> dict[str, Any]:
         if m:
             out[name] = m.group(1).strip()
     caches = {}
-    for level in ("L2", "L3"):
-        for index in range(4):
-            base = f"/sys/devices/system/cpu/cpu0/cache/index{index}/"
-            try:
-                with open(base + "level") as f:
-                    if f"L{f.read().strip()}" != level:
-                        continue
+    for index in range(4):  # L1d, L1i, L2, L3 on the CPUs this runs on
+        base = f"/sys/devices/system/cpu/cpu0/cache/index{index}/"
+        try:
+            with open(base + "level") as f:
+                level = f"L{f.read().strip()}"
+            if level in ("L2", "L3"):
                 with open(base + "size") as f:
                     caches[level] = f.read().strip()
-            except OSError:
-                continue
+        except OSError:
+            continue
     if caches:
         out["cpu_caches"] = caches
     return out

@@ -252,18 +252,15 @@ def layout_limit(
     copies = round(n_fresh * args.echo)
     moved = (n_fresh + copies) * size
     base = statistics.median(pairs["round_baseline_rates"])
-    limits = {}
-    for name, random_order in (("layout", False), ("random_read", True)):
-        rates = []
-        for _ in range(3):
-            m = driver.memcpy(size, copies, threads, arena, args.batch, random_order)
-            rates.append(moved / m["seconds"])
-        limits[name] = statistics.median(rates) / base
-    bare = []
-    for _ in range(3):
-        m = driver.bare_copies(size, n_fresh, args.echo, arena, args.batch)
-        bare.append(m["bytes"] / m["seconds"])
-    limits["bare"] = statistics.median(bare) / base
+    runs = {
+        "layout": lambda: driver.memcpy(size, copies, threads, arena, args.batch, False),
+        "random_read": lambda: driver.memcpy(size, copies, threads, arena, args.batch, True),
+        "bare": lambda: driver.bare_copies(size, n_fresh, args.echo, arena, args.batch),
+    }  # each over `moved` bytes of the cache's run: memcpy of its copies out, or all its copies
+    limits = {
+        name: statistics.median(moved / run()["seconds"] for _ in range(3)) / base
+        for name, run in runs.items()
+    }
     return {
         "layout_limit_vs_memcpy": limits["layout"],
         "ratio_vs_layout_limit": pairs["median_ratio"] / limits["layout"],

@@ -115,20 +115,26 @@ def time_to_target(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
     return {"seconds": None, "epoch_end_seconds": None, "epoch": None, "step": None}
 
 
+def balance_flag(balance: Sequence[int]) -> list[str]:
+    """``--balance`` with the calibration's stage split, for every later run."""
+    return ["--balance", ",".join(str(b) for b in balance)]
+
+
 def calibrate(args: Any, work: Path) -> dict[str, Any]:
     """Measures t_up and t_down without a delay, fixes the balance, and returns the delay.
 
     A first run without a delay gives ``t_up`` and ``t_down``; but there the reader decodes flat
     out beside the stages on the same cores, so its ``t_down`` is longer than in the delayed runs,
-    where the reader mostly sleeps (R came out 6-7 on one host and 8.6-9.6 on another for a set-up
-    of 6). A second run with that delay measures the delayed ``t_up`` and ``t_down``, and the
-    delay is corrected from it, taking the reader's time per step as linear in the delay.
+    where the reader mostly sleeps (runs measured R 6.0-7.3 on one host and 7.6-10.3 on another
+    for a set-up of 6). A second run with that delay measures the delayed ``t_up`` and
+    ``t_down``, and the delay is corrected from it, taking the reader's time per step as linear
+    in the delay.
     """
 
     def measure(name: str, delay: float, balance: Sequence[int] | None) -> dict[str, Any]:
         extra = ["--read-delay-ms", f"{delay:g}"] if delay else []
         if balance:
-            extra += ["--balance", ",".join(str(b) for b in balance)]
+            extra += balance_flag(balance)
         metrics = run_train(
             args.trainer,
             [*args.common, "--echo", "1", "--epochs", "1", "--max-steps", str(args.calib_steps),
@@ -324,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     calib = calibrate(args, work)
-    args.common += ["--balance", ",".join(str(b) for b in calib["balance"])]
+    args.common += balance_flag(calib["balance"])
     delayed = calib["delayed"] or {}
     print(f"calibration: t_up {calib['t_up_ms']:.1f} ms, t_down {calib['t_down_ms']:.1f} ms per "
           f"step, balance {calib['balance']}; with --read-delay-ms {calib['first_delay_ms']:g}: "

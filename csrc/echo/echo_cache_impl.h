@@ -163,7 +163,6 @@ class FreeSlotSet {
       }
     }
   }
-  void swap(FreeSlotSet& other) noexcept;
 
  private:
   static constexpr int kMaxLevels = 6;  // 64^6 > kMaxCapacitySamples

@@ -161,14 +161,6 @@ FreeSlotSet::FreeSlotSet(uint32_t n, bool all_free) {
   count_ = n;
 }
 
-void FreeSlotSet::swap(FreeSlotSet& other) noexcept {
-  bits_.swap(other.bits_);
-  std::swap(offset_, other.offset_);
-  std::swap(levels_, other.levels_);
-  std::swap(words0_, other.words0_);
-  std::swap(count_, other.count_);
-}
-
 // ---- the cache internals ---------------------------------------------------------------------
 
 namespace {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 #include "echo/echo_cache_impl.h"
 
@@ -318,7 +319,7 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
 
   // ---- commit: nothing below can fail ----
   std::swap(I.extents, extents);
-  I.free_slots.swap(free_slots);
+  I.free_slots = std::move(free_slots);
   I.high_water.store(high_water, std::memory_order_release);
   uint64_t bytes = 0;
   auto place = [&](const ParsedUnit& unit) noexcept -> uint32_t {

@@ -71,7 +71,7 @@ class EchoPipeline(EchoPair):
     @property
     def batch_size(self) -> int:
         """Same as :attr:`max_batch_size`."""
-        return int(self.config.batch_size)
+        return self.max_batch_size
 
     def build(self) -> None:
         """Builds both DALI pipelines (idempotent; nothing runs)."""

@@ -315,7 +315,7 @@ class EchoLoader(PassThrough):
         and bytes (``torch.save`` it with the model).
         """
         producer, cache = self._shared.producer, self._shared.cache
-        passes.warn_cut_short(self._cut_short if producer is None else None)
+        passes.warn_cut_short(self._cut_short)  # set only between an early end and the next epoch
         guard = producer.lock if producer is not None else threading.Lock()
         with guard:  # the reader is between two puts: the cache matches its position
             counts = self._epoch_counts(producer) if producer is not None else (0, 0, 0, 0)
