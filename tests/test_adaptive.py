@@ -118,6 +118,8 @@ def test_state_roundtrip_continues_identically() -> None:
         ({"quantum": 0.0}, "quantum"),
         ({"raise_patience": 0}, "raise_patience"),
         ({"raise_patience": 11, "patience": 10}, "raise_patience"),
+        ({"headroom": -0.1}, "headroom"),
+        ({"headroom": math.inf}, "headroom"),
     ],
 )
 def test_bad_settings_are_named(kwargs: dict[str, float], match: str) -> None:
@@ -146,6 +148,16 @@ def test_prime_is_the_step_0_decision_before_any_step() -> None:
     assert feed(c, 0.6, 0.1, range(1, 20)) == []
     with pytest.raises(RuntimeError, match="first decision"):
         c.prime(0.6, 0.1)
+
+
+def test_headroom_aims_above_the_ratio_and_keeps_the_recorded_ratio() -> None:
+    c = EchoController(e_max=8, warmup=0, quantum=0.25, headroom=0.1)
+    assert c.prime(0.5, 0.1) == 5.5  # R = 5, aimed 10 % above
+    assert math.isclose(c.history[0].ratio, 5.0)  # the history keeps the modelled R
+    assert c.target(10.0) == 8.0  # still within e_max
+    assert c.target(0.5) == 1.0  # and never below 1
+    # The band is around the raised target: R drifting to 5.2 (target 5.75) changes nothing.
+    assert feed(c, 0.52, 0.1, range(1, 30)) == []
 
 
 def test_augmentation_after_the_echo_point_raises_the_factor() -> None:

@@ -23,6 +23,8 @@ point runs once per *delivered* sample, so ``e`` times per fresh one; where it s
 workers with the upstream, :func:`model_ratio` counts it: the input side keeps up when
 ``t_up / e + t_aug <= t_down``. A lowering goes only as far as every observation of the run
 that asked for it agrees (the highest target among them), so noise does not drop ``e`` deep.
+With ``headroom`` the target sits that share above ``R``: too little echo costs more than too
+much (see the argument of that name).
 """
 
 from __future__ import annotations
@@ -96,6 +98,11 @@ class EchoController:
         raise_patience: observations in a row that must ask for a *higher* factor before it is
             raised (to the lowest target among them), in ``[1, patience]``; 1 raises at once.
             The first decision of a controller that was not primed is always taken at once.
+        headroom: the target is ``R * (1 + headroom)``, ``>= 0``. The two errors do not cost
+            the same: ``e`` below the true ``R`` idles the accelerator for a share
+            ``1 - e / R`` of the time, while ``e`` above it only repeats samples a little more
+            at full step rate. Where ``R`` is measured to within some noise, aiming a little
+            above it trades the costly error for the cheap one.
 
     Example::
 
@@ -117,6 +124,7 @@ class EchoController:
         quantum: float = 0.25,
         patience: int = 10,
         raise_patience: int = 1,
+        headroom: float = 0.0,
     ) -> None:
         self.e_max = _check_positive_finite("e_max", e_max)
         if self.e_max < 1:
@@ -140,6 +148,7 @@ class EchoController:
         if not 1 <= raise_patience <= patience:
             raise ValueError(f"raise_patience must be in [1, patience], got {raise_patience!r}")
         self.raise_patience = raise_patience
+        self.headroom = _check_positive_finite("headroom", headroom, allow_zero=True)
         self.above = 0  # observations in a row whose target was above the band
         self.above_target = 0.0  # the lowest target among them
         self.below = 0  # observations in a row whose target was below the band
@@ -160,14 +169,15 @@ class EchoController:
         return model_ratio(self.t_up, self.t_down, self.t_aug or 0.0)
 
     def target(self, ratio: float) -> float:
-        """The factor the controller aims at for ``ratio``: clamped to ``[1, e_max]``, rounded.
+        """The factor the controller aims at for ``ratio``: ``ratio * (1 + headroom)``, clamped
+        to ``[1, e_max]`` and rounded.
 
         A ratio the times cannot define (``nan``: a smoothed ``t_down`` that underflowed to 0)
         keeps the current factor.
         """
         if math.isnan(ratio):
             return self.factor
-        clamped = min(max(ratio, 1.0), self.e_max)
+        clamped = min(max(ratio * (1.0 + self.headroom), 1.0), self.e_max)
         steps = clamped / self.quantum
         if not math.isfinite(steps):  # a quantum too small to count in
             return clamped
@@ -281,5 +291,5 @@ class EchoController:
     def __repr__(self) -> str:
         return (
             f"EchoController(factor={self.factor:g}, ratio={self.ratio:.3g}, "
-            f"e_max={self.e_max:g}, changes={len(self.history) - 1})"
+            f"e_max={self.e_max:g}, headroom={self.headroom:g}, changes={len(self.history) - 1})"
         )

@@ -87,7 +87,8 @@ def prime_echo(
     decisions.append(
         f"echo: e = {factor:g} from step 0 (R = {controller.ratio:.2f}: t_up "
         f"{1000 * t_up:.1f} ms per batch while the pipeline filled, t_down {1000 * t_down:.1f} "
-        "ms per step in the stage trial)"
+        "ms per step in the stage trial"
+        + (f"; aimed {100 * controller.headroom:g} % above R)" if controller.headroom else ")")
     )
     return factor
 
