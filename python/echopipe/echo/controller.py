@@ -33,9 +33,15 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["EchoChange", "EchoController", "model_ratio"]
+__all__ = ["AUTO_HEADROOM", "EchoChange", "EchoController", "model_ratio"]
 
 _RATIO_CAP = 1e9  # recorded instead of inf (checkpoints and JSON files hold finite numbers)
+
+#: ``headroom`` of every ``"auto"`` echo factor (``echopipe train --echo auto`` and
+#: ``EchoLoader(echo_factor="auto")``): ``R`` is measured to within 10-20 % on a shared machine
+#: (bench/wallclock_train.py measured 5.1-7.8 for a set-up of 6), and too little echo costs more
+#: than too much (see ``EchoController``'s ``headroom``).
+AUTO_HEADROOM = 0.1
 
 
 @dataclass(frozen=True)

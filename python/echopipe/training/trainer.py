@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..echo.controller import EchoController
+from ..echo.controller import AUTO_HEADROOM, EchoController
 from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks, scaler_note
 from .config import Interrupted, TrainConfig
 from .decide import choose_balance
@@ -251,10 +251,8 @@ class Trainer:
         elif cfg.echo == "auto":
             # Primed in setup (step 0); one warm-up observation: only the stages' first busy
             # spans carry start-up costs. Readings scatter by ~20 % on a loaded machine: a
-            # slow average, a raise asked three times, and a target 10 % above R, since
-            # bench/wallclock_train.py's runs on 2 cores measured R 5.1 to 7.0 for a set-up
-            # of 6, and e below R idles the stages while e above it costs little.
-            kw = {"smoothing": 0.1, "raise_patience": 3, "headroom": 0.1}
+            # slow average and a raise asked three times.
+            kw = {"smoothing": 0.1, "raise_patience": 3, "headroom": AUTO_HEADROOM}
             self.controller = EchoController(1.0, e_max=cfg.echo_max, warmup=1, **kw)
         if saved and self.controller is not None:
             self.controller.load_state_dict(saved["controller"])
