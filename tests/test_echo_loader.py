@@ -12,7 +12,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -366,6 +366,33 @@ _QUANTIZED = _unwarned(lambda: torch.quantize_per_tensor(torch.zeros(4, 2), 0.5,
 def test_bad_batches_get_one_clear_error(batches: list, message: str) -> None:
     with EchoLoader(batches, 2.0, timeout=30) as el, pytest.raises(LayoutError, match=message):
         list(el)
+
+
+class _Images(Dataset):
+    """Image ``i`` is a 3x2x2 tensor of the value ``i``."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((3, 2, 2), float(i))
+
+
+@pytest.mark.parametrize(
+    "collate", [list, lambda rows: tuple(zip(*[(x, 0) for x in rows], strict=True))[0]]
+)
+def test_a_batch_of_per_sample_tensors_is_refused_not_echoed_mixed_up(collate: Any) -> None:
+    # A list of 4 images of 3 channels reads as 4 fields of 3 rows: without the DataLoader's
+    # batch size to hold it against, each "sample" came out as channels of different images.
+    loader = DataLoader(_Images(), batch_size=4, collate_fn=collate)
+    message = r"batch 0 .*fields have 3 rows, but the wrapped DataLoader's batch 0 holds 4"
+    with EchoLoader(loader, 2.0, timeout=30) as el, pytest.raises(LayoutError, match=message):
+        list(el)
+    # The short last batch of a pass is expected, with or without drop_last.
+    for drop in (False, True):
+        with EchoLoader(DataLoader(_Images(), batch_size=3, drop_last=drop), 2.0) as el:
+            values = sorted(float(v) for b in el for v in b[:, 0, 0, 0])
+        assert values == sorted(2 * list(range(6 if drop else 8)))
 
 
 def _read_four(el: EchoLoader) -> set[int]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..echo import CacheClosedError, EchoCache
 from . import batch_layout as bl
+from .wrapped import batch_rows
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
@@ -58,6 +59,7 @@ class Producer(threading.Thread):
         self.prefetched = workers * ((getattr(self.source, "prefetch_factor", 0) or 0) + 1)
         self.taint = 0  # batches still to leave out of t_up
         self.layout: bl.Layout | None = None  # the stream's, once a batch was accepted
+        self.batching = batch_rows(self.source)  # (samples, batch size) when every batch's is known
 
     def run(self) -> None:
         it: Any = None
@@ -115,6 +117,7 @@ class Producer(threading.Thread):
                 layout, leaves, rows = bl.describe(batch)
             else:
                 layout, (leaves, rows) = self.layout, known
+            self._check_rows(index, rows)
             owner = self.owner_ref()
             if owner is None:
                 raise CacheClosedError("EchoLoader was garbage collected")
@@ -153,6 +156,24 @@ class Producer(threading.Thread):
                 if done == rows:
                     self.batches_done = index + 1
                     self.rows_in_flight = 0
+
+    def _check_rows(self, index: int, rows: int) -> None:
+        """A batch's rows against the samples the DataLoader's batching gives batch ``index``:
+        a batch that is a list of per-sample tensors (``collate_fn=list``, a detection-style
+        ``tuple(zip(*batch))``) would otherwise be read as fields whose rows are the samples'
+        first dimension, and echo mixed-up samples without an error."""
+        if self.batching is None:
+            return
+        samples, size = self.batching
+        full, rest = divmod(samples, size)
+        want = size if index < full else rest if index == full and rest else None
+        if want is not None and rows != want:
+            raise bl.LayoutError(
+                f"its fields have {rows} rows, but the wrapped DataLoader's batch {index} holds "
+                f"{want} samples (batch_size={size}, {samples} per epoch); EchoLoader needs "
+                "one row per sample in every tensor (a collate_fn that returns a list of "
+                "per-sample tensors gives none: stack or pad them into one tensor)"
+            )
 
     def shutdown(self, timeout: float) -> None:
         """Stops reading; returns once the thread ended (or ``timeout`` passed, with a warning)."""

@@ -26,6 +26,7 @@ from .loader_state import shard
 __all__ = [
     "PassThrough",
     "UnshardedLoaderError",
+    "batch_rows",
     "check_sharded",
     "epoch_batches",
     "input_batch_size",
@@ -71,6 +72,34 @@ def _innermost_dataloader(loader: Any) -> DataLoader | None:
     return None
 
 
+def _batching(loader: Any) -> tuple[int | None, int | None, bool, bool] | None:
+    """``(samples, batch size, drop_last, map_style)`` of the innermost DataLoader's own
+    batching (or its plain ``BatchSampler``), ``None`` for a custom batch sampler or no
+    DataLoader."""
+    dl = _innermost_dataloader(loader)
+    if dl is None:
+        return None
+    if isinstance(dl.dataset, IterableDataset):
+        return _length(dl.dataset), dl.batch_size, dl.drop_last, False
+    if dl.batch_size is not None:  # the DataLoader made its BatchSampler from these
+        return _length(dl.sampler), dl.batch_size, dl.drop_last, True
+    if type(dl.batch_sampler) is BatchSampler:
+        bs = dl.batch_sampler
+        return _length(bs.sampler), bs.batch_size, bs.drop_last, True
+    return None
+
+
+def batch_rows(loader: Any) -> tuple[int, int] | None:
+    """``(samples, batch size)`` where every batch of a pass but the last has exactly
+    ``batch size`` rows and the last the rest: a map-style DataLoader's own batching. ``None``
+    elsewhere (an iterable dataset's workers each end with a short batch of their own)."""
+    b = _batching(loader)
+    if b is None or not b[3] or b[0] is None or b[1] is None:
+        return None
+    n, size, drop, _ = b
+    return (n - n % size if drop else n), size
+
+
 def samples_per_epoch(loader: Any) -> int | None:
     """Samples the wrapped loader yields per epoch, or ``None`` when it cannot be known ahead.
 
@@ -79,19 +108,10 @@ def samples_per_epoch(loader: Any) -> int | None:
     ``DistributedSampler`` gives this process's share; ``drop_last`` drops the short batch), and
     over an iterable dataset with ``len()``.
     """
-    dl = _innermost_dataloader(loader)
-    if dl is None:
-        return None
-    if isinstance(dl.dataset, IterableDataset):
-        n = _length(dl.dataset)
-        size, drop = dl.batch_size, dl.drop_last
-    elif dl.batch_size is not None:  # the DataLoader made its BatchSampler from these
-        n, size, drop = _length(dl.sampler), dl.batch_size, dl.drop_last
-    elif type(dl.batch_sampler) is BatchSampler:
-        bs = dl.batch_sampler
-        n, size, drop = _length(bs.sampler), bs.batch_size, bs.drop_last
-    else:
+    b = _batching(loader)
+    if b is None:
         return None  # a custom batch sampler: its batch sizes are its own
+    n, size, drop, _ = b
     if n is None or size is None:
         return None
     return n - n % size if drop else n
