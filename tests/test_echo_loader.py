@@ -379,7 +379,7 @@ class _Images(Dataset):
 
 
 @pytest.mark.parametrize(
-    "collate", [list, lambda rows: tuple(zip(*[(x, 0) for x in rows], strict=True))[0]]
+    "collate", [list, lambda rows: next(zip(*[(x, 0) for x in rows], strict=True))]
 )
 def test_a_batch_of_per_sample_tensors_is_refused_not_echoed_mixed_up(collate: Any) -> None:
     # A list of 4 images of 3 channels reads as 4 fields of 3 rows: without the DataLoader's

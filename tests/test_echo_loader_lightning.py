@@ -170,3 +170,66 @@ def test_a_checkpoint_at_an_epochs_last_batch_resumes_into_the_next_epoch(tmp_pa
     resumed.loader.close()
     assert first.loader is not None
     first.loader.close()
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+class _RecordingSampler(DistributedSampler):
+    """Records the epoch each pass over it was drawn at (the order is fixed at ``iter()``)."""
+
+    def __init__(self) -> None:
+        super().__init__(Ids(), num_replicas=1, rank=0, seed=3)
+        self.passes: list[int] = []
+
+    def __iter__(self):
+        self.passes.append(self.epoch)
+        return super().__iter__()
+
+
+def test_an_auto_resume_mid_epoch_rereads_the_saved_sampler_epoch(tmp_path) -> None:
+    """Without a len() (``"auto"``) Lightning's fetcher takes the first batch of a resumed fit
+    in ``setup_data``, before its ``set_epoch``: the reader must still re-read the order of the
+    epoch the state was saved in (the sampler's epoch is in the state), or the skipped batches
+    are another order's and the epoch misses samples (8 of 45 in a run before, 6 allowed)."""
+    ckpt = tmp_path / "mid.ckpt"
+
+    class Auto(Module):
+        def __init__(self, stop: bool) -> None:
+            super().__init__(1.0, 0, False)
+            self.stop = stop
+            self.sampler = _RecordingSampler()
+
+        def train_dataloader(self) -> EchoLoader:
+            data = DataLoader(Ids(), batch_size=6, sampler=self.sampler)
+            self.loader = EchoLoader(data, echo_factor="auto")
+            return self.loader
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            if self.stop and self.current_epoch == 1 and batch_idx == 2:
+                self.trainer.save_checkpoint(ckpt)
+                raise _Stop
+
+    def trainer() -> lightning.Trainer:
+        return lightning.Trainer(
+            accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
+        )  # fmt: skip
+
+    first = Auto(stop=True)
+    with pytest.raises(_Stop):
+        trainer().fit(first)
+    resumed = Auto(stop=False)
+    trainer().fit(resumed, ckpt_path=ckpt)
+    # The resumed pass draws epoch 1's order again, although the sampler (a new one, at epoch
+    # 0) hears of epoch 1 only after the fetcher took its first batch.
+    assert first.sampler.passes == [0, 1] and resumed.sampler.passes[0] == 1
+    seen = first.seen[1] + resumed.seen[1]
+    # Lightning fetched one batch ahead of the checkpoint: at most those 6 are not trained on
+    # (how many the wrong order would miss depends on the e that "auto" chose)
+    assert len(set(range(45)) - set(seen)) <= 6, sorted(set(range(45)) - set(seen))
+    for module in (first, resumed):
+        assert module.loader is not None
+        module.loader.close()

@@ -194,10 +194,8 @@ class EchoLoader(PassThrough):
 
     def _start_epoch(self) -> None:
         resume, self._resume, self._cut_short = self._resume, None, None
-        skip_batches = skip_rows = 0
         self._epoch_samples = wrapped.samples_per_epoch(self._loader)
         if resume is not None:
-            skip_batches, skip_rows = resume["batches_done"], resume["rows_in_flight"]
             self._fresh_base = resume["fresh_samples_epoch"]
             self._delivered_epoch = [resume["delivered_batches_epoch"],
                                      resume["delivered_samples_epoch"]]  # fmt: skip
@@ -207,7 +205,7 @@ class EchoLoader(PassThrough):
             self._new_epoch_size()
             if self._shared.cache is not None:
                 self._shared.cache.reset_input()
-        producer = Producer(self, self._epoch, skip_batches, skip_rows)
+        producer = Producer(self, self._epoch, resume)
         self._shared.producer = producer
         self._last_yield = None
         self._observed = (0.0, 0)
@@ -341,6 +339,7 @@ class EchoLoader(PassThrough):
             "layout": self._layout.signature() if self._layout else self._saved_layout,
             "batch_size": self._batch_size,
             "shard": ls.shard(),
+            "sampler_epoch": at.sampler_epoch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

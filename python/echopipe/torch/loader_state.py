@@ -56,13 +56,15 @@ class EpochPosition:
     """Where a state is saved in the epoch: the wrapped loader's position and the epoch's
     counts (``COUNTS`` order), or between epochs. ``ended``: the running epoch has delivered
     everything (a caller that knows the length, as Lightning does, never asks for the batch
-    that would end it), so the state is the one after its end."""
+    that would end it), so the state is the one after its end. ``sampler_epoch``: the epoch of
+    the wrapped loader's epoch-seeded sampler whose order the position counts in (mid-epoch)."""
 
     mid_epoch: bool
     batches_done: int = 0
     rows_in_flight: int = 0
     counts: tuple[int, ...] = (0, 0, 0, 0)
     ended: bool = False
+    sampler_epoch: int | None = None
 
 
 def epoch_position(producer: Any, counts: tuple[int, ...], resume: dict[str, Any] | None,
@@ -74,10 +76,12 @@ def epoch_position(producer: Any, counts: tuple[int, ...], resume: dict[str, Any
         if producer.error is None and stats is not None and stats.input_ended and (
                 stats.tickets_left == 0):  # fmt: skip
             return EpochPosition(False, counts=counts, ended=True)
-        return EpochPosition(True, producer.batches_done, producer.rows_in_flight, counts)
+        return EpochPosition(True, producer.batches_done, producer.rows_in_flight, counts,
+                             sampler_epoch=producer.sampler_epoch)  # fmt: skip
     if resume is not None:
         counts = tuple(resume[k] for k in _POSITION if k != "rows_in_flight")  # COUNTS order
-        return EpochPosition(True, resume["batches_done"], resume["rows_in_flight"], counts)
+        return EpochPosition(True, resume["batches_done"], resume["rows_in_flight"], counts,
+                             sampler_epoch=resume["sampler_epoch"])  # fmt: skip
     return EpochPosition(False)
 
 
@@ -170,6 +174,9 @@ def check_loader_state(
     _need(cache is None or isinstance(cache, bytes | bytearray), "'cache' is not bytes")
     _need(cache is None or out["cache_config"] is not None, "has a cache without 'cache_config'")
     out["cache"] = None if cache is None else bytes(cache)
+    sampler_epoch = state.get("sampler_epoch")  # (states of earlier versions have none)
+    out["sampler_epoch"] = None if sampler_epoch is None else _int(sampler_epoch, "'sampler_epoch'")
+    _need(out["mid_epoch"] or out["sampler_epoch"] is None, "'sampler_epoch' is set between epochs")
     saved, here = state.get("shard"), shard()  # (states of earlier versions have none)
     pair = isinstance(saved, list) and len(saved) == 2 and all(type(v) is int for v in saved)
     _need(saved is None or pair, "'shard' is not [rank, world_size]")

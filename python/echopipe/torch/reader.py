@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..echo import CacheClosedError, EchoCache
 from . import batch_layout as bl
-from .wrapped import batch_rows
+from . import wrapped
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
@@ -31,22 +31,23 @@ class LoaderError(RuntimeError):
 class Producer(threading.Thread):
     """Reads one epoch of the wrapped loader into the cache (one thread per epoch)."""
 
-    def __init__(self, owner: EchoLoader, epoch: int, skip_batches: int, skip_rows: int) -> None:
+    def __init__(self, owner: EchoLoader, epoch: int, resume: dict[str, Any] | None) -> None:
+        """``resume``: the checked state of a mid-epoch position to continue from, or None."""
         super().__init__(name=f"echopipe-echoloader-{epoch}", daemon=True)
         self.source = owner._loader
         self.shared = owner._shared
         self.owner_ref = weakref.ref(owner)
         self.epoch = epoch
-        self.skip_batches = skip_batches
-        self.skip_rows = skip_rows
+        self.skip_batches = resume["batches_done"] if resume is not None else 0
+        self.skip_rows = resume["rows_in_flight"] if resume is not None else 0
         self.stop = threading.Event()
         self.ready = threading.Event()  # the cache exists and the batches' layout is known
         self.lock = threading.Lock()  # held while samples go in: state_dict() waits on it
         self.error: BaseException | None = None
-        self.batches_done = skip_batches  # whole batches in the cache (this epoch)
+        self.batches_done = self.skip_batches  # whole batches in the cache (this epoch)
         # Rows of the next batch already in the cache: a resumed epoch starts with the saved
         # ones (a state saved while the reader still skips the batches before them keeps them).
-        self.rows_in_flight = skip_rows
+        self.rows_in_flight = self.skip_rows
         self.samples_put = 0
         self.up_seconds = 0.0  # time in the wrapped loader, for batches it had to make
         self.up_batches = 0
@@ -59,12 +60,22 @@ class Producer(threading.Thread):
         self.prefetched = workers * ((getattr(self.source, "prefetch_factor", 0) or 0) + 1)
         self.taint = 0  # batches still to leave out of t_up
         self.layout: bl.Layout | None = None  # the stream's, once a batch was accepted
-        self.batching = batch_rows(self.source)  # (samples, batch size) when every batch's is known
+        # (samples, batch size) where the DataLoader's batching fixes every batch's rows
+        self.batching = wrapped.batch_rows(self.source)
+        # The epoch of the wrapped loader's epoch-seeded sampler whose order this pass reads:
+        # known once its first batch came (the sampler's order is fixed by then); a resumed
+        # pass starts with the saved one.
+        self.sampler_epoch: int | None = resume["sampler_epoch"] if resume is not None else None
 
     def run(self) -> None:
         it: Any = None
         finished = False
         try:
+            if self.sampler_epoch is not None:
+                # A resumed pass re-reads the order its state was saved in, whatever the sampler
+                # was set to since (Lightning's set_epoch comes after the first batch when the
+                # loader has no len()).
+                wrapped.set_sampler_epoch(self.source, self.sampler_epoch)
             it = iter(self.source)
             index = 0
             while not self.stop.is_set():
@@ -79,6 +90,9 @@ class Producer(threading.Thread):
                         f"EchoLoader: the wrapped loader raised at batch {index} of epoch "
                         f"{self.epoch}: {type(exc).__name__}: {_summary(exc)}"
                     ) from exc
+                if index == 0 and self.sampler_epoch is None:
+                    with self.lock:
+                        self.sampler_epoch = wrapped.sampler_epoch(self.source)
                 if index < self.skip_batches:  # read before a resume: only checked
                     self._put(batch, index, 0, skip=True)
                 else:

@@ -30,7 +30,9 @@ __all__ = [
     "check_sharded",
     "epoch_batches",
     "input_batch_size",
+    "sampler_epoch",
     "samples_per_epoch",
+    "set_sampler_epoch",
 ]
 
 # Wrappers nest (timm's PrefetchLoader around a DataLoader, a user's wrapper around that).
@@ -115,6 +117,36 @@ def samples_per_epoch(loader: Any) -> int | None:
     if n is None or size is None:
         return None
     return n - n % size if drop else n
+
+
+def _epoch_sampler(loader: Any) -> Any:
+    """The wrapped DataLoader's sampler (or batch sampler) that has ``set_epoch`` and an int
+    ``epoch`` (a ``DistributedSampler``), or None."""
+    dl = _innermost_dataloader(loader)
+    if dl is None:
+        return None
+    batch_sampler = getattr(dl, "batch_sampler", None)
+    inner = getattr(batch_sampler, "sampler", None)
+    for obj in (getattr(dl, "sampler", None), batch_sampler, inner):
+        epoch = getattr(obj, "epoch", None)
+        if callable(getattr(obj, "set_epoch", None)) and type(epoch) is int:
+            return obj
+    return None
+
+
+def sampler_epoch(loader: Any) -> int | None:
+    """The ``epoch`` of the wrapped loader's epoch-seeded sampler, or None when it has none."""
+    obj = _epoch_sampler(loader)
+    return None if obj is None else obj.epoch
+
+
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """Sets the wrapped loader's epoch-seeded sampler to ``epoch`` (a resumed epoch re-reads the
+    order it was saved in, also when the caller's ``set_epoch`` comes after its first batch, as
+    Lightning's does on a resume when the loader has no length)."""
+    obj = _epoch_sampler(loader)
+    if obj is not None and obj.epoch != epoch:
+        obj.set_epoch(epoch)
 
 
 def input_batch_size(loader: Any) -> int | None:
