@@ -223,3 +223,31 @@ def test_times_at_the_ends_of_the_float_range_keep_a_factor() -> None:
     fine = EchoController(warmup=0, quantum=1e-310)
     fine.observe(3.0, 1.0, 0)
     assert fine.factor == pytest.approx(3.0)
+
+
+class _FinishedUpstream:
+    """An upstream that ran all it will (a small shard stopped at its epoch's end) before the
+    first poll: its counters never move again."""
+
+    batch_size = 16
+    upstream_batch_size = 4
+
+    def start(self) -> None:
+        pass
+
+    def upstream_time(self) -> tuple[int, float]:
+        return 16, 0.032
+
+
+def test_the_fill_timing_does_not_wait_out_its_timeout_for_an_upstream_already_done() -> None:
+    """``echopipe train --data DIR`` on 3 classes x 20 images, -b 16: the upstream ran its 16
+    batches before the first poll and stopped, and the run sat 30 s before step 1 with 'the
+    upstream did not time 4 batches within 30 s'. It times those batches instead, at once."""
+    import time
+
+    from echopipe.training.echo_start import fill_seconds_per_batch
+
+    t0 = time.monotonic()
+    t_up = fill_seconds_per_batch(_FinishedUpstream(), timeout_s=20.0)
+    assert time.monotonic() - t0 < 5.0
+    assert t_up == pytest.approx(0.032 / 16 * 16 / 4)

@@ -56,6 +56,16 @@ def fill_seconds_per_batch(pipe: Any, timeout_s: float) -> float | None:
             return per_batch_seconds(
                 timed, seconds - first[1], pipe.batch_size, pipe.upstream_batch_size
             )
+        # It ran all it will before the first poll saw it (a small shard stops at its epoch's
+        # end, a full cache): nothing after ``first`` will come, so time all of its batches
+        # (start-up included) rather than wait out ``timeout_s``.
+        if (
+            first is not None
+            and timed == 0
+            and first[0] > 1
+            and now - moved > max(_STALL_S, 5 * first[1] / first[0])
+        ):
+            return per_batch_seconds(first[0], first[1], pipe.batch_size, pipe.upstream_batch_size)
         if now >= deadline:
             return None
         time.sleep(_POLL_S)  # the runner's counters have no event to wait on
