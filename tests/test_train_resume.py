@@ -365,6 +365,52 @@ def test_a_stop_held_back_by_a_checkpoint_write_names_that_checkpoint(
     assert read_checkpoint(run / "checkpoints" / "last.pt")["run"]["global_step"] == 4
 
 
+def test_a_stop_right_after_the_last_checkpoint_leaves_metrics_a_resume_completes(
+    tiny_imagenet: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real SIGTERM arriving while the last epoch's checkpoint is written (held back, then
+    raised before metrics.json got that epoch's row and the summary): the checkpoint is of the
+    finished run, so --resume trains nothing, and it completes metrics.json and metrics.csv
+    from it (they had kept 1 row of 2 and no summary for good)."""
+    import os
+    import signal
+
+    from echopipe.stops import on_sigterm
+    from echopipe.training.checkpoints import RunCheckpoints
+
+    save = RunCheckpoints.save
+
+    def save_and_stop(self: RunCheckpoints, state: dict[str, Any], *, best: bool) -> Any:
+        written = save(self, state, best=best)
+        if state["run"]["epoch"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return written
+
+    monkeypatch.setattr(RunCheckpoints, "save", save_and_stop)
+    before = signal.signal(signal.SIGTERM, on_sigterm)  # as the CLI handles it
+    run = tmp_path / "run"
+    try:
+        with pytest.raises(Interrupted) as info:
+            train(_cfg(tiny_imagenet, run, epochs=2), log=lambda m: None)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert "(step 8, end of epoch 2)" in info.value.line, info.value.line
+    monkeypatch.setattr(RunCheckpoints, "save", save)
+    messages: list[str] = []
+    again = TrainConfig(data=tiny_imagenet, output=run, resume=True, progress=False)
+    s = train(again, log=messages.append)
+    assert s.resumed_finished and s.steps == 8
+    doc = json.loads((run / "metrics.json").read_text())
+    assert [r["epoch"] for r in doc["epochs"]] == [1, 2]
+    assert doc["summary"]["steps"] == 8 and doc["summary"]["epochs"] == 2
+    assert doc["summary"]["top1"] == doc["epochs"][-1]["val_top1"]
+    assert len((run / "metrics.csv").read_text().splitlines()) == 3
+    # A complete folder is left as it is.
+    stamp = (run / "metrics.json").stat().st_mtime_ns
+    train(again, log=lambda m: None)
+    assert (run / "metrics.json").stat().st_mtime_ns == stamp
+
+
 def test_a_stop_while_a_finished_run_closes_keeps_its_summary(
     tiny_imagenet: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

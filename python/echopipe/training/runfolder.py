@@ -27,6 +27,7 @@ __all__ = [
     "new_run_folder_name",
     "newest_run_folder",
     "read_run_config",
+    "read_run_metrics",
 ]
 
 RUN_FILES = ("config.json", "metrics.json", "metrics.csv", "steps.csv", "training.png", "tb")
@@ -42,6 +43,20 @@ _STALE_TMP = re.compile(r"^\.(" + "|".join(map(re.escape, _OWN_FILES)) + r")\.[^
 def new_run_folder_name(model: str, now: float | None = None) -> str:
     """``<date>-<time>-<model>``, e.g. ``20261202-011500-resnet_small``."""
     return time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"-{model}"
+
+
+def read_run_metrics(folder: Path) -> dict[str, Any] | None:
+    """``folder/metrics.json`` as a run wrote it, else None (missing, damaged; read bounded)."""
+    try:
+        f, _ = open_regular(folder / "metrics.json")
+        with f:
+            raw = f.read(_CONFIG_MAX_BYTES + 1)
+        doc = json.loads(raw) if len(raw) <= _CONFIG_MAX_BYTES else None
+        if isinstance(doc, dict) and isinstance(doc.get("epochs"), list):
+            return doc
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def read_run_config(folder: Path) -> dict[str, Any] | None:

@@ -23,9 +23,9 @@ from .config import DataError, TrainConfig, UsageError
 from .distributed import DistContext
 from .options import CollectiveError
 from .preflight import check_data, read_resume
-from .report import TrainSummary, summarize, write_config
+from .report import TrainSummary, summarize, write_config, write_run_files
 from .resume import agree_on_checkpoint, agree_on_file, merge_options, restart_entry
-from .runfolder import RunFolder, ensure_same_run, read_run_config
+from .runfolder import RunFolder, ensure_same_run, read_run_config, read_run_metrics
 from .schedule import EpochClock, LrSchedule, stretch_schedule
 from .state import RunState
 
@@ -190,6 +190,31 @@ class RunStart:
         )
         summary.resumed_finished = True
         return summary
+
+    def complete_run_files(self, summary: TrainSummary) -> None:
+        """A run stopped (Ctrl-C, SIGTERM) after its last checkpoint but before the metrics
+        written after it has a finished checkpoint and a ``metrics.json`` without its last
+        epoch's row or its summary, which no resume would write: they are written here, from
+        the checkpoint. Complete run files are left as they are."""
+        assert self.saved is not None and self.out is not None
+        st = RunState.from_state_dict(self.saved["run"])
+        doc = read_run_metrics(self.out)
+        if doc is not None and len(doc["epochs"]) == len(st.rows) and doc.get("summary"):
+            return
+        config = read_run_config(self.out) or {}
+        controller = self.saved.get("controller") or {}
+        write_run_files(
+            self.out,
+            st.rows,
+            list(controller.get("history", [])),
+            dataclasses.replace(
+                summary,
+                decisions=list(config.get("decisions", [])),
+                stopped=None,
+                resumed_finished=False,
+            ),
+        )
+        self.say(f"resume: {self.out / 'metrics.json'} completed from {self.resume_path}")
 
     def write_config(
         self, st: RunState, resolved: dict[str, Any], decisions: list[str], notes: list[str]

@@ -98,7 +98,10 @@ class Trainer:
             try:
                 start.prepare()
                 if start.finished is not None:
-                    return start.finished_summary()
+                    finished = start.finished_summary()
+                    if self.ctx.is_main:
+                        start.complete_run_files(finished)
+                    return finished
                 self.cfg, self.saved, self.out = start.cfg, start.saved, start.out
                 self.data_dir, self.classes = start.data_dir, start.classes
                 self.loop = self.setup()
