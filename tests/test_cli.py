@@ -158,7 +158,7 @@ BAD_DATA = {
         _dataset,
         ["--cache-mb", str(1 << 42), "--echo", "2"],  # 4 EiB: more than any address space
         1,
-        f"the echo cache does not fit in memory (--cache-mb {1 << 42}, ",
+        f"the echo cache does not fit in memory (--cache-mb {1 << 42}): give a smaller --cache-mb",
     ),
 }
 

@@ -79,9 +79,11 @@ class TrainInput:
         except MemoryError:
             # Within their bounds, --cache-mb and --shuffle-buffer can still ask for more than
             # this machine has: the cache's arena and slots are allocated here.
+            # (--shuffle-buffer only when given: its default is no value to name)
+            given = "" if cfg.shuffle_buffer is None else f", --shuffle-buffer {cfg.shuffle_buffer}"
             raise TrainError(
-                f"the echo cache does not fit in memory (--cache-mb {cfg.cache_mb}, "
-                f"--shuffle-buffer {cfg.shuffle_buffer}): give smaller values"
+                f"the echo cache does not fit in memory (--cache-mb {cfg.cache_mb}{given}): "
+                f"give {'smaller values' if given else 'a smaller --cache-mb'}"
             ) from None
         self.iterator = EchoIterator(self.pipe, ["data", "label"], steps_per_epoch=steps_per_epoch)
         if state is not None:
