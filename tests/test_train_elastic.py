@@ -146,3 +146,26 @@ def test_a_stopped_rank_is_named_after_the_timeout(tiny_imagenet: Path, tmp_path
         done.stderr,
     ), done.stderr[-3000:]
     assert "[rank0]: Traceback" not in done.stderr
+
+
+def test_a_second_job_into_a_live_runs_folder_leaves_its_files_alone(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """A second torchrun job given the folder of a live run (its lock held) is refused, and
+    none of its ranks touches the folder first: rank 1 of the refused job once deleted the live
+    run's ``checkpoints/rank1/.last.pt.<random>.tmp`` (a checkpoint being written), and the
+    live run died on its ``os.replace``."""
+    from filelock import FileLock
+
+    out = tmp_path / "run"
+    writing = []
+    for rank in (0, 1):
+        folder = out / "checkpoints" / f"rank{rank}"
+        folder.mkdir(parents=True)
+        writing.append(folder / ".last.pt.k3x9q2ab.tmp")  # the live run's write in progress
+        writing[-1].write_bytes(b"half a checkpoint")
+    with FileLock(str(out / ".echopipe-train.lock")):  # the live run holds its folder
+        done = _torchrun(tiny_imagenet, out, "--epochs", "1")
+    assert done.returncode != 0
+    assert "is in use by another echopipe train" in done.stderr, done.stderr[-3000:]
+    assert all(p.is_file() for p in writing), sorted(p.name for p in out.rglob("*"))

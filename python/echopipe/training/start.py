@@ -68,7 +68,7 @@ class RunStart:
             self.cfg = cfg = dataclasses.replace(cfg, data=Path(os.path.abspath(cfg.data)))
         self.folder = RunFolder.choose(cfg, "output" in self.given, ctx.broadcast_object, self.say)
         self.out = self.folder.path
-        self.folder.open(lock=ctx.is_main)
+        self._open_folder()
         top = self.out / "checkpoints"
         self.ckpts = RunCheckpoints(top / f"rank{ctx.rank}" if ctx.enabled else top, root=self.out)
         stale = self.folder.remove_stale_tmp(
@@ -85,6 +85,27 @@ class RunStart:
                     f"{self.saved['model']['num_classes']} classes, --data has "
                     f"{len(self.classes)}"
                 )
+
+    def _open_folder(self) -> None:
+        """Create the run folder; rank 0 takes its lock. Under torchrun no rank touches the
+        folder (stale temporary files, checkpoints) before every rank knows that rank 0 holds
+        the lock: the other ranks of a second job given a live run's folder would otherwise
+        delete that run's temporary files of a checkpoint being written."""
+        assert self.folder is not None
+        ctx = self.ctx
+        refused: UsageError | None = None
+        try:
+            self.folder.open(lock=ctx.is_main)
+        except UsageError as exc:
+            if not ctx.enabled:
+                raise
+            refused = exc
+        views = ctx.all_gather_object(None if refused is None else str(refused))
+        if refused is not None:
+            raise refused
+        for view in views:
+            if view is not None:
+                raise UsageError(view)
 
     def settle(self) -> None:
         """Once the run is set up (nothing can refuse its start any more): a rank that went
