@@ -169,3 +169,40 @@ def test_a_second_job_into_a_live_runs_folder_leaves_its_files_alone(
     assert done.returncode != 0
     assert "is in use by another echopipe train" in done.stderr, done.stderr[-3000:]
     assert all(p.is_file() for p in writing), sorted(p.name for p in out.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"WORLD_SIZE": "2"}, "RANK expected, but not set"),  # torchrun's variables, half set
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a number"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}, "waiting for clients"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "taken": "1"},
+         "address already in use"),
+    ],
+)  # fmt: skip
+def test_a_launch_that_cannot_join_the_job_is_one_line(
+    env: dict[str, str], says: str, tmp_path: Path
+) -> None:
+    """WORLD_SIZE without the rest of torchrun's variables, a rank alone (its peer never
+    starts: it waits --dist-timeout-s), a MASTER_PORT in use: one line and status 1, no
+    traceback, no run folder."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = dict(env)
+        port = int(taken.getsockname()[1]) if env.pop("taken", None) else _port()
+        env.setdefault("MASTER_PORT", str(port))
+        for k in ("RANK", "MASTER_ADDR", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE"):
+            env.setdefault(k, "")
+        run_env = {k: v for k, v in _env(**env).items() if v != ""}
+        done = subprocess.run(
+            [sys.executable, "-m", "echopipe", "train", "--dist-timeout-s", "2",
+             "--no-progress", "--output", str(tmp_path / "run")],
+            env=run_env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("echopipe train: error: "), done.stderr[-3000:]
+    assert says in lines[0]
+    assert not (tmp_path / "run").exists()

@@ -64,6 +64,9 @@ def default_devices(stages: int | None) -> tuple[int, list[str]]:
     return k, [f"cuda:{mine[i % len(mine)]}" for i in range(k)]
 
 
+_LAUNCH_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 @dataclass
 class DistContext:
     """This process's place among the data-parallel replicas (``world_size == 1`` alone)."""
@@ -95,9 +98,30 @@ class DistContext:
         a GPU would fail inside NCCL's first collective. A collective that waits longer than
         ``timeout_s`` for another rank fails (and torchrun stops the job) instead of hanging.
         """
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        try:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            raise CollectiveError(
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number of processes; launch "
+                "with torchrun, or unset WORLD_SIZE for one process"
+            ) from None
         if world <= 1:
             return cls()
+        try:
+            return cls._join(world, timeout_s)
+        except (ValueError, KeyError, RuntimeError) as exc:  # DistStoreError, DistNetworkError
+            where = ", ".join(f"{k}={os.environ[k]}" for k in _LAUNCH_ENV if k in os.environ)
+            text = str(exc).strip().splitlines()  # torch's own: a line, or a paragraph
+            reason = text[0][:300].rstrip(".") if text else type(exc).__name__
+            if isinstance(exc, KeyError):  # dist_setup.attempt_store's environment
+                reason = f"{exc.args[0]} is not set"
+            raise CollectiveError(
+                f"cannot join the other processes of the job ({where}): {reason}; launch with "
+                "torchrun (every rank, same --master-port), or unset WORLD_SIZE for one process"
+            ) from exc
+
+    @classmethod
+    def _join(cls, world: int, timeout_s: float) -> DistContext:
         import torch.distributed as dist
 
         from ..pipeline.dist_setup import attempt_store, check_gpus_per_rank
