@@ -206,3 +206,38 @@ def test_a_launch_that_cannot_join_the_job_is_one_line(
     assert len(lines) == 1 and lines[0].startswith("echopipe train: error: "), done.stderr[-3000:]
     assert says in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_ranks_that_read_other_data_folders_are_refused_in_one_line(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """Rank 1 given a folder of 3 classes against rank 0's 4: refused before the models are
+    built, naming both folders (the first gradient exchange failed inside Gloo before)."""
+    from echopipe.data import make_synthetic_imagenet
+
+    other = make_synthetic_imagenet(tmp_path / "other", classes=3, per_class=8, size=(32, 48))
+    wrapper = tmp_path / "rank1_other_data.py"
+    wrapper.write_text(
+        "import os, sys\n"
+        "from echopipe.cli import main\n"
+        "args = sys.argv[1:]\n"
+        "if os.environ['RANK'] == '1':\n"
+        f"    args[args.index('--data') + 1] = {str(other)!r}\n"
+        "sys.exit(main(args))\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_port()}", str(wrapper), "train",
+           "--data", str(tiny_imagenet), "--batch-size", "8", "--image-size", "32",
+           "--no-progress", "--stages", "1", "--epochs", "1", "--dist-timeout-s", "60",
+           "--output", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode != 0
+    assert re.search(
+        rf"echopipe train: error: --data: rank 1 finds 3 classes in {re.escape(repr(str(other)))}"
+        rf", rank 0 4 in {re.escape(repr(str(tiny_imagenet)))}: every process must read the "
+        "same data folder",
+        done.stderr,
+    ), done.stderr[-3000:]
+    assert "EnforceNotMet" not in done.stderr
+    # the one traceback is torchrun's own report that a worker failed
+    assert done.stderr.count("Traceback") == done.stderr.count("ChildFailedError:") == 1

@@ -79,12 +79,27 @@ class RunStart:
         self._find_resume()
         if self.finished is None:
             self.data_dir, self.classes = check_data(self.cfg, self.say)
+            self._same_classes_on_every_rank()
             if self.saved and self.saved["model"]["num_classes"] != len(self.classes):
                 raise DataError(
                     f"--resume {str(self.resume_path)!r}: the model has "
                     f"{self.saved['model']['num_classes']} classes, --data has "
                     f"{len(self.classes)}"
                 )
+
+    def _same_classes_on_every_rank(self) -> None:
+        """Ranks whose --data hold other classes would build models of other sizes, and the
+        first gradient exchange would fail deep in the collective, naming nothing."""
+        if not self.ctx.enabled:
+            return
+        views = self.ctx.all_gather_object([str(self.data_dir), self.classes])
+        odd = next((r for r, v in enumerate(views) if v[1] != views[0][1]), None)
+        if odd is not None:
+            raise DataError(
+                f"--data: rank {odd} finds {len(views[odd][1])} classes in {views[odd][0]!r}, "
+                f"rank 0 {len(views[0][1])} in {views[0][0]!r}: every process must read the "
+                "same data folder"
+            )
 
     def _open_folder(self) -> None:
         """Create the run folder; rank 0 takes its lock. Under torchrun no rank touches the
