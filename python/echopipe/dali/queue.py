@@ -41,7 +41,16 @@ class DownstreamQueue:
         check_upstream: Callable[[], None],
     ) -> None:
         self._downstream = downstream
-        self._prefetch = prefetch
+        # DALI's first schedule_run() prefetches its whole queue only with a pipelined executor
+        # (exec_pipelined=True, the default); without one, every schedule_run() runs one
+        # iteration, and a synchronous one (exec_async=False) blocks in a run that has no
+        # free output buffer, so the queue is kept (and refilled) one iteration deep there.
+        self._prefetch = prefetch if getattr(downstream, "exec_pipelined", True) else 1
+        # A synchronous executor runs an iteration inside schedule_run() and needs a free output
+        # buffer for it, so next_batch() releases the batch it handed out before scheduling the
+        # next iteration (at the next call) instead of right after taking it.
+        self._sync = not getattr(downstream, "exec_async", True)
+        self._refill_due = False
         self._deterministic = deterministic
         self._fill = fill
         self._check_upstream = check_upstream
@@ -69,6 +78,11 @@ class DownstreamQueue:
             self._scheduled += 1
         else:
             t0 = time.perf_counter()
+            if self._refill_due:
+                self._refill_due = False
+                self._downstream.release_outputs()
+                self._downstream.schedule_run()
+                self._scheduled += 1
             self._schedule_free_running()
         if self._scheduled == 0:
             self.exhausted = True
@@ -83,7 +97,9 @@ class DownstreamQueue:
         info = self._end_of_stream(outputs[-1])
         if info is None:
             raise StopIteration
-        if not self._deterministic:
+        if self._sync and not self._deterministic:
+            self._refill_due = True
+        elif not self._deterministic:
             self._downstream.schedule_run()
             self._scheduled += 1
         self.handed += int(info[:, 0].sum())
@@ -205,6 +221,10 @@ class DownstreamQueue:
             info = host_dense(self._downstream.outputs()[-1])
             self.copies_discarded += int(info[:, 0].sum())
             self._scheduled -= 1
+        # outputs() holds its batch's buffers until the next call; the next pass's refill
+        # needs them all: a synchronous executor (exec_async=False) would wait in it forever.
+        self._downstream.release_outputs()
+        self._refill_due = False
         self.stash.clear()
         self.input_done = False
         self.exhausted = False
