@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -199,6 +200,17 @@ def test_a_field_with_too_many_dimensions_is_named(jpegs: list[str]) -> None:
     expected = "input 0 has 9 dimensions; the echo cache stores at most 8"
     with pytest.raises(RuntimeError, match=expected), nine_dims(jpegs) as pipe:
         pipe.next_batch()
+
+
+def test_a_sample_larger_than_the_cache_is_named_in_one_line(jpegs: list[str]) -> None:
+    # DALI's own message for the sink's refusal is a many-line operator trace.
+    with _make(jpegs, batch_size=4, cache_bytes=100) as pipe, pytest.raises(RuntimeError) as caught:
+        pipe.next_batch()
+    text = str(caught.value)
+    assert re.fullmatch(
+        r"the upstream DALI pipeline failed: .*\d+ bytes.*capacity_bytes=100.*", text
+    ), text
+    assert "\n" not in text and "Critical error" in str(caught.value.__cause__)
 
 
 # ---- end of input and last-batch policies ----------------------------------------------------

@@ -346,18 +346,18 @@ class EchoPair(EchoPipelineBase):
         return float(self.config.echo.factor)
 
     def describe_upstream_error(self, error: BaseException) -> BaseException:
-        """The exception the consumer gets when the upstream DALI pipeline raised ``error``.
-
-        Returns what the ``on_upstream_error`` callback returned, if anything, else a
-        ``RuntimeError`` saying the upstream failed. Subclasses override it to name the cause
-        (the ImageNet builders name the file DALI's decoder rejected). The caller chains the
-        result to ``error``.
-        """
+        """The exception the consumer gets when the upstream DALI pipeline raised ``error``
+        (the caller chains it to ``error``): what the ``on_upstream_error`` callback returned,
+        else a ``RuntimeError`` saying the upstream failed, and why in one line where the cache
+        refused a sample larger than its arena (DALI's own trace of it runs to many lines).
+        Subclasses override it to name the cause (the ImageNet builders name the file DALI's
+        decoder rejected)."""
         if self._on_upstream_error is not None:
             described = self._on_upstream_error(error)
             if described is not None:
                 return described
-        return RuntimeError(f"the upstream DALI pipeline failed: {error}")
+        refused = self.cache.refused_sample
+        return RuntimeError(f"the upstream DALI pipeline failed: {refused or error}")
 
     def _upstream_failed(self, error: BaseException) -> BaseException:
         described = self.describe_upstream_error(error)
