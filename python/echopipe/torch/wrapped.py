@@ -91,15 +91,25 @@ def _batching(loader: Any) -> tuple[int | None, int | None, bool, bool] | None:
     return None
 
 
+def _kept(batching: tuple[int | None, int | None, bool, bool] | None) -> int | None:
+    """Samples a pass of ``batching`` (:func:`_batching`) yields, where it is known."""
+    if batching is None:
+        return None  # a custom batch sampler: its batch sizes are its own
+    n, size, drop, _ = batching
+    if n is None or size is None:
+        return None
+    return n - n % size if drop else n
+
+
 def batch_rows(loader: Any) -> tuple[int, int] | None:
     """``(samples, batch size)`` where every batch of a pass but the last has exactly
     ``batch size`` rows and the last the rest: a map-style DataLoader's own batching. ``None``
     elsewhere (an iterable dataset's workers each end with a short batch of their own)."""
     b = _batching(loader)
-    if b is None or not b[3] or b[0] is None or b[1] is None:
+    n = _kept(b)
+    if b is None or not b[3] or n is None or b[1] is None:
         return None
-    n, size, drop, _ = b
-    return (n - n % size if drop else n), size
+    return n, b[1]
 
 
 def samples_per_epoch(loader: Any) -> int | None:
@@ -110,13 +120,7 @@ def samples_per_epoch(loader: Any) -> int | None:
     ``DistributedSampler`` gives this process's share; ``drop_last`` drops the short batch), and
     over an iterable dataset with ``len()``.
     """
-    b = _batching(loader)
-    if b is None:
-        return None  # a custom batch sampler: its batch sizes are its own
-    n, size, drop, _ = b
-    if n is None or size is None:
-        return None
-    return n - n % size if drop else n
+    return _kept(_batching(loader))
 
 
 def _epoch_sampler(loader: Any) -> Any:

@@ -49,23 +49,19 @@ def fill_seconds_per_batch(pipe: Any, timeout_s: float) -> float | None:
         if first is None and batches >= 1:
             first = (batches, seconds)
         timed = 0 if first is None else batches - first[0]
+        # The batches timed: those after the first (which carries start-up costs), or, when the
+        # upstream ran every batch it will before the first poll saw it (a small shard's whole
+        # epoch, a full cache), all of them, start-up included.
+        if first is None:
+            n, span = 0, 0.0
+        elif timed or first[0] == 1:
+            n, span = timed, seconds - first[1]
+        else:
+            n, span = first
         # A cache too small for the fill stops the upstream early: use what it timed.
-        stalled = timed >= 1 and now - moved > max(_STALL_S, 5 * (seconds - first[1]) / timed)
+        stalled = n >= 1 and now - moved > max(_STALL_S, 5 * span / n)
         if timed >= _FILL_BATCHES or stalled:
-            assert first is not None
-            return per_batch_seconds(
-                timed, seconds - first[1], pipe.batch_size, pipe.upstream_batch_size
-            )
-        # It ran all it will before the first poll saw it (a small shard stops at its epoch's
-        # end, a full cache): nothing after ``first`` will come, so time all of its batches
-        # (start-up included) rather than wait out ``timeout_s``.
-        if (
-            first is not None
-            and timed == 0
-            and first[0] > 1
-            and now - moved > max(_STALL_S, 5 * first[1] / first[0])
-        ):
-            return per_batch_seconds(first[0], first[1], pipe.batch_size, pipe.upstream_batch_size)
+            return per_batch_seconds(n, span, pipe.batch_size, pipe.upstream_batch_size)
         if now >= deadline:
             return None
         time.sleep(_POLL_S)  # the runner's counters have no event to wait on

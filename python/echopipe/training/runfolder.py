@@ -45,33 +45,31 @@ def new_run_folder_name(model: str, now: float | None = None) -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"-{model}"
 
 
-def read_run_metrics(folder: Path) -> dict[str, Any] | None:
-    """``folder/metrics.json`` as a run wrote it, else None (missing, damaged; read bounded)."""
-    try:
-        f, _ = open_regular(folder / "metrics.json")
-        with f:
-            raw = f.read(_CONFIG_MAX_BYTES + 1)
-        doc = json.loads(raw) if len(raw) <= _CONFIG_MAX_BYTES else None
-        if isinstance(doc, dict) and isinstance(doc.get("epochs"), list):
-            return doc
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def read_run_config(folder: Path) -> dict[str, Any] | None:
-    """``folder/config.json`` when an echopipe run wrote it, else None (read bounded)."""
-    path = folder / "config.json"
+def _read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, else None (missing, larger than the bound, damaged)."""
     try:
         f, _ = open_regular(path)  # a FIFO under the name is refused, not waited on
         with f:
             raw = f.read(_CONFIG_MAX_BYTES + 1)
-        if len(raw) > _CONFIG_MAX_BYTES:
-            return None
-        doc = json.loads(raw)
-        if isinstance(doc, dict) and "echopipe" in doc["versions"] and "options" in doc:
+        doc = json.loads(raw) if len(raw) <= _CONFIG_MAX_BYTES else None
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def read_run_metrics(folder: Path) -> dict[str, Any] | None:
+    """``folder/metrics.json`` as a run wrote it, else None (missing, damaged; read bounded)."""
+    doc = _read_json_object(folder / "metrics.json")
+    return doc if doc is not None and isinstance(doc.get("epochs"), list) else None
+
+
+def read_run_config(folder: Path) -> dict[str, Any] | None:
+    """``folder/config.json`` when an echopipe run wrote it, else None (read bounded)."""
+    doc = _read_json_object(folder / "config.json")
+    try:
+        if doc is not None and "echopipe" in doc["versions"] and "options" in doc:
             return doc
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         pass
     return None
 
