@@ -160,6 +160,14 @@ BAD_DATA = {
         1,
         f"the echo cache does not fit in memory (--cache-mb {1 << 42}): give a smaller --cache-mb",
     ),
+    # Refused before the data folder is scanned (or the synthetic set built: minutes on a first
+    # run), so the cut JPEG, which the scan would name, is never reached.
+    "echo cache larger than the machine, before the data": (
+        _truncated_jpeg,
+        ["--cache-mb", str(1 << 42), "--echo", "2"],
+        1,
+        f"the echo cache does not fit in memory (--cache-mb {1 << 42}): give a smaller --cache-mb",
+    ),
 }
 
 BAD_ARGUMENTS = [

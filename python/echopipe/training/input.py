@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import DataError, TrainConfig, TrainError
+from .config import DataError, TrainConfig
 from .distributed import DistContext
-from .preflight import IMAGE_CHECK
+from .preflight import IMAGE_CHECK, cache_does_not_fit
 
 __all__ = ["TrainInput", "evaluate", "evaluate_checkpoint"]
 
@@ -78,13 +78,8 @@ class TrainInput:
             )
         except MemoryError:
             # Within their bounds, --cache-mb and --shuffle-buffer can still ask for more than
-            # this machine has: the cache's arena and slots are allocated here.
-            # (--shuffle-buffer only when given: its default is no value to name)
-            given = "" if cfg.shuffle_buffer is None else f", --shuffle-buffer {cfg.shuffle_buffer}"
-            raise TrainError(
-                f"the echo cache does not fit in memory (--cache-mb {cfg.cache_mb}{given}): "
-                f"give {'smaller values' if given else 'a smaller --cache-mb'}"
-            ) from None
+            # this machine has left: the cache's arena and slots are allocated here.
+            raise cache_does_not_fit(cfg) from None
         self.iterator = EchoIterator(self.pipe, ["data", "label"], steps_per_epoch=steps_per_epoch)
         if state is not None:
             from ..dali.state_check import check_cache_restores

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .checkpoints import read_checkpoint
-from .config import DataError, TrainConfig, UsageError
+from .config import DataError, TrainConfig, TrainError, UsageError
 
-__all__ = ["IMAGE_CHECK", "check_data", "read_resume", "say_left_out"]
+__all__ = [
+    "IMAGE_CHECK",
+    "cache_does_not_fit",
+    "check_cache_fits",
+    "check_data",
+    "read_resume",
+    "say_left_out",
+]
 
 IMAGE_CHECK = "header"
 """How every image of train/ and val/ is checked before training (markers, no decode)."""
@@ -31,6 +39,42 @@ def read_resume(path: Path, world_size: int) -> dict[str, Any]:
             f"this run has {world_size}"
         )
     return saved
+
+
+def cache_does_not_fit(cfg: TrainConfig) -> TrainError:
+    """The one line for an echo cache larger than this machine holds."""
+    # --shuffle-buffer only when given: its default is no value to name
+    given = "" if cfg.shuffle_buffer is None else f", --shuffle-buffer {cfg.shuffle_buffer}"
+    return TrainError(
+        f"the echo cache does not fit in memory (--cache-mb {cfg.cache_mb}{given}): "
+        f"give {'smaller values' if given else 'a smaller --cache-mb'}"
+    )
+
+
+def _memory_bytes() -> int | None:
+    """This process's memory: the machine's, or its cgroup's limit where lower (a container)."""
+    try:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            text = f.read(32).strip()
+        if text.isdigit():
+            limit = min(limit, int(text))
+    except (OSError, UnicodeDecodeError):
+        pass
+    return limit
+
+
+def check_cache_fits(cfg: TrainConfig) -> None:
+    """Refuses a ``--cache-mb`` larger than this machine's memory before the data is scanned
+    or the synthetic set is built (minutes on a first run); the allocation itself, later, is
+    the final word on what fits."""
+    echo = cfg.echo_config()
+    memory = None if echo.memory == "device" else _memory_bytes()
+    if memory is not None and echo.cache_bytes > memory:
+        raise cache_does_not_fit(cfg)
 
 
 def check_data(cfg: TrainConfig, say: Callable[[str], None]) -> tuple[Path, list[str]]:

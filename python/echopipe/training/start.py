@@ -22,7 +22,7 @@ from .checkpoints import RunCheckpoints
 from .config import DataError, TrainConfig, UsageError
 from .distributed import DistContext
 from .options import CollectiveError
-from .preflight import check_data, read_resume
+from .preflight import check_cache_fits, check_data, read_resume
 from .report import TrainSummary, summarize, write_config, write_run_files
 from .resume import agree_on_checkpoint, agree_on_file, merge_options, restart_entry
 from .runfolder import RunFolder, ensure_same_run, read_run_config, read_run_metrics
@@ -78,6 +78,7 @@ class RunStart:
             self.say(f"run folder: removed {stale} temporary file(s) of an interrupted write")
         self._find_resume()
         if self.finished is None:
+            check_cache_fits(self.cfg)
             self.data_dir, self.classes = check_data(self.cfg, self.say)
             self._same_classes_on_every_rank()
             if self.saved and self.saved["model"]["num_classes"] != len(self.classes):
