@@ -48,6 +48,7 @@ from .builders import (
 )
 from .config import EchoPipelineConfig
 from .definition import echo_pipeline_def
+from .epochs import EpochSizeChangedError
 from .iterator import EchoIterator, EchoIteratorStats
 from .peer import PythonEchoPipeline, python_echo_train_pipeline
 from .peer_buffer import PythonEchoBuffer
@@ -92,6 +93,7 @@ __all__ = [
     "EchoPipeline",
     "EchoPipelineConfig",
     "EchoSpec",
+    "EpochSizeChangedError",
     "ImagenetEchoPipeline",
     "LastBatchPolicy",
     "PythonEchoBuffer",

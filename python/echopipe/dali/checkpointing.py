@@ -38,9 +38,11 @@ def capture_state(
     queue: DownstreamQueue,
     upstream_wait_s: float,
     dali_pipelines: tuple[Any, Any] | None,
+    pass_pending: bool = False,
 ) -> dict[str, Any]:
     """The echo state of a started pipeline, aligned with the batches handed out so far;
-    ``dali_pipelines`` (upstream, downstream) adds DALI's own checkpoints of both."""
+    ``dali_pipelines`` (upstream, downstream) adds DALI's own checkpoints of both.
+    ``pass_pending``: a reset ended the last pass and the next starts at the next draw."""
     # Take DALI's prepared batches out first, while the upstream still feeds the cache. An
     # upstream iteration blocked on a cache full by bytes reaches its end only after more draws:
     # while it is, downstream batches go into the stash too.
@@ -63,6 +65,7 @@ def capture_state(
             "stash": [([a.copy() for a in arrays], info.copy()) for arrays, info in queue.stash],
             "input_done": queue.input_done,
             "handed": queue.handed,
+            "pass_pending": pass_pending,
             "upstream_wait_s": upstream_wait_s,
             "downstream_wait_s": queue.wait_s,
         }
@@ -108,8 +111,9 @@ def apply_state(
     queue.restore(state["stash"], state["input_done"], state["handed"], state["downstream_wait_s"])
     if runner.ended:
         cache.end_of_input()
-        if cache.stats().tickets_left == 0:
+        if cache.stats().tickets_left == 0 and not state.get("pass_pending", False):
             # Every copy of the pass was drawn before the save: what is left of it is the
             # stash. A draw now would meet only the end, with no sample to pad the batch.
+            # (A pending pass was reset: the next draw starts the next one.)
             queue.input_done = queue.exhausted = True
     return float(state["upstream_wait_s"])

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import plugin
-from .base import EchoPipelineBase, PipelineStats, per_batch_seconds
+from .base import EchoPipelineBase
 from .builder_checks import positive_or_default
 from .checkpointing import apply_state, capture_state, check_state
 from .config import EchoPipelineConfig, make_cache
@@ -99,6 +99,8 @@ class EchoPair(EchoPipelineBase):
         self._cache_epoch_size = 0
         # A reset came inside the pass (see reset()); the pass's end was reported since then.
         self._pass_goes_on = self._end_reported = False
+        # The pass ended and was reset; the next one starts at the next draw (see reset()).
+        self._pass_pending = False
         # The downstream's scheduling state, made with the DALI pipelines.
         self._queue: DownstreamQueue | None = None
         self._restore: dict[str, Any] | None = None
@@ -178,6 +180,7 @@ class EchoPair(EchoPipelineBase):
         if self._restore is not None:
             runner, queue = self._built_parts()
             self.upstream_wait_s = apply_state(self._restore, self.cache, runner, queue)
+            self._pass_pending = bool(self._restore.get("pass_pending", False))
             self._restore = None
         self._started = True
         self._built_parts()[0].start()
@@ -191,7 +194,9 @@ class EchoPair(EchoPipelineBase):
         Raises StopIteration once a finite stream (``epochs=N``) is exhausted; call
         :meth:`reset` to start the next pass.
         """
-        return self._running_queue().next_batch()
+        queue = self._running_queue()
+        self._begin_pass()
+        return queue.next_batch()
 
     def _running_queue(self) -> DownstreamQueue:
         self.start()
@@ -222,12 +227,13 @@ class EchoPair(EchoPipelineBase):
         return epoch_copies(self.config, self.reader_epochs) if self.finite else 0
 
     def reset(self) -> None:
-        """Starts the next pass of an epoch-aligned stream once this one is over: its end was
-        drawn (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
-        iterators count the epoch and stop before the padding). Inside a pass, an iterator that
-        counts its own epochs (DALI's, given ``size=``) ended one: the stream then goes on into
-        the next pass at its end (:meth:`EchoPipeline.share_outputs`)."""
-        if not self._started and self._restore is None:
+        """Ends this pass of an epoch-aligned stream once it is over: its end was drawn
+        (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
+        iterators count the epoch and stop before the padding). The next pass starts at the
+        next draw, so a :meth:`set_echo_factor` before it applies to all of it. Inside a pass,
+        an iterator that counts its own epochs (DALI's, given ``size=``) ended one: the stream
+        then goes on into the next pass at its end (:meth:`EchoPipeline.share_outputs`)."""
+        if (not self._started and self._restore is None) or self._pass_pending:
             return
         self.start()  # (idempotent) a restored pass that had ended: its reset starts the next
         if not self.finite:
@@ -235,21 +241,29 @@ class EchoPair(EchoPipelineBase):
         runner, queue = self._built_parts()
         self._pass_goes_on = not (queue.input_done or queue.handed >= self.epoch_copies())
         if not self._pass_goes_on:
-            self._next_pass(runner, queue)
+            self._end_pass(runner, queue)
 
-    def _next_pass(self, runner: UpstreamRunner, queue: DownstreamQueue) -> None:
+    def _pass_waits(self) -> dict[str, Any]:
+        return {
+            "fill": self._fill_for_next_run if self.config.deterministic else None,
+            "check_upstream": self._raise_runner_error,
+            "closed": lambda: self._closed,
+        }
+
+    def _end_pass(self, runner: UpstreamRunner, queue: DownstreamQueue) -> None:
         self._pass_goes_on = self._end_reported = False
-        await_pass_end(
-            runner,
-            fill=self._fill_for_next_run if self.config.deterministic else None,
-            check_upstream=self._raise_runner_error,
-            closed=lambda: self._closed,
-        )
+        await_pass_end(runner, **self._pass_waits())
         queue.end_pass()
-        # The cache takes puts again before the runner may step: a runner that stepped first
-        # would put into an ended cache (InputEndedError ends the upstream for good).
-        self.cache.reset_input()
-        runner.next_pass()
+        self._pass_pending = True
+
+    def _begin_pass(self) -> None:
+        """Starts the pass a reset ended the last one for. The cache takes puts again before
+        the runner may step: a runner that stepped first would put into an ended cache
+        (InputEndedError ends the upstream for good)."""
+        if self._pass_pending:
+            self._pass_pending = False
+            self.cache.reset_input()
+            self._built_parts()[0].next_pass()
 
     # -- checkpoints --
 
@@ -272,6 +286,7 @@ class EchoPair(EchoPipelineBase):
             queue=queue,
             upstream_wait_s=self.upstream_wait_s,
             dali_pipelines=(self.upstream, self.downstream) if self._enable_checkpointing else None,
+            pass_pending=self._pass_pending,
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -369,32 +384,3 @@ class EchoPair(EchoPipelineBase):
         error = None if self._runner is None else self._runner.error
         if error is not None:
             raise self._upstream_failed(error)
-
-    def upstream_time(self) -> tuple[int, float]:
-        """``(upstream batches run, seconds they took)`` so far, in either mode, each timed by
-        the thread that runs it (restored with a checkpoint)."""
-        if self._runner is None:
-            return 0, 0.0
-        batches, seconds, _ = self._runner.timing()
-        return batches, seconds
-
-    def stats(self) -> PipelineStats:
-        """Cache statistics plus upstream counters and timing (see :class:`PipelineStats`)."""
-        s = self.cache.stats()
-        batches, seconds = self.upstream_time()
-        return PipelineStats(
-            fresh_in=int(s.fresh_in),
-            emitted=int(s.emitted),
-            resident=int(s.resident),
-            tickets_left=int(s.tickets_left),
-            upstream_batches=batches,
-            t_up_total_s=seconds,
-            t_up_per_batch_s=per_batch_seconds(
-                batches, seconds, self.batch_size, self.upstream_batch_size
-            ),
-            upstream_epochs=0 if self._runner is None else self._runner.epoch_index,
-            upstream_wait_s=self.upstream_wait_s,
-            downstream_wait_s=self.downstream_wait_s,
-            copies_discarded=self.copies_discarded,
-            emit_histogram=list(s.emit_histogram),
-        )

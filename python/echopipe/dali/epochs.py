@@ -20,6 +20,17 @@ from typing import Any
 from ..echo import copies_per_epoch
 
 
+class EpochSizeChangedError(ValueError):
+    """An epoch-aligned pass under DALI's iterators holds another number of copies than the
+    iterator was told when it read ``reader_meta`` (``set_echo_factor`` since then): it would
+    end the epoch inside the pass, or ask for batches after its end. ``told`` and ``copies``
+    say both numbers."""
+
+    def __init__(self, message: str, told: int, copies: int) -> None:
+        super().__init__(message)
+        self.told, self.copies = told, copies
+
+
 @dataclass(frozen=True)
 class ReaderEpochs:
     """The upstream reader's epoch geometry for one shard (from ``Pipeline.reader_meta``)."""

@@ -29,8 +29,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from .base import PipelineStats, per_batch_seconds
 from .dali_api import decode_checkpoint, encode_checkpoint, scaled_meta
 from .echo_pair import EchoPair
+from .epochs import EpochSizeChangedError
 
 
 class EchoPipeline(EchoPair):
@@ -60,6 +62,8 @@ class EchoPipeline(EchoPair):
     # DALI's checkpoint route: created with checkpoint=, and the iterator's data in it.
     _is_restored = False
     _iterator_data = ""
+    # The copies of a pass reader_meta() last reported (what DALI's iterators count).
+    _told_copies: int | None = None
 
     # -- the methods DALI's iterators call (:mod:`.dali_api`) --
 
@@ -110,6 +114,8 @@ class EchoPipeline(EchoPair):
         the iterator again, or use :class:`EchoIterator`, whose epoch follows the factor.
         """
         self.build()
+        if self.config.epochs is not None:
+            self._told_copies = self.epoch_copies()
         if name is not None:
             return self._scaled_meta(self.upstream.reader_meta(name))
         return {k: self._scaled_meta(m) for k, m in self.upstream.reader_meta().items()}
@@ -125,8 +131,11 @@ class EchoPipeline(EchoPair):
 
     def schedule_run(self) -> None:
         """Schedules downstream iterations up to the prefetch depth (fills the cache first in
-        deterministic mode)."""
-        self._running_queue().schedule_run()
+        deterministic mode). Nothing between a pass's end and the next draw: DALI's iterators
+        schedule at once when they reset, and the next pass starts at the next draw."""
+        queue = self._running_queue()
+        if not self._pass_pending:
+            queue.schedule_run()
 
     def share_outputs(self) -> tuple[Any, ...]:
         """The next batch's outputs (without echopipe's ``info``); StopIteration at the end of
@@ -134,14 +143,33 @@ class EchoPipeline(EchoPair):
         ``size=``) reset inside this pass: its stream goes on into the next pass. Batches
         restored from a checkpoint come first."""
         queue = self._running_queue()
+        if self._pass_pending:
+            self._check_told_copies()
+            self._begin_pass()
         try:
             return queue.share_outputs()
         except StopIteration:
+            self._check_told_copies()
             if not self._pass_goes_on:
                 self._refuse_a_second_end()
                 raise
-        self._next_pass(*self._built_parts())
+        self._end_pass(*self._built_parts())
+        self._begin_pass()
         return queue.share_outputs()
+
+    def _check_told_copies(self) -> None:
+        # DALI's iterators read the epoch's length once; after set_echo_factor they would end
+        # the epoch inside the pass, or ask for batches after its end.
+        told, copies = self._told_copies, self.epoch_copies()
+        if told is not None and told != copies:
+            raise EpochSizeChangedError(
+                f"set_echo_factor({self.echo_factor:g}) made an epoch {copies} copies, but DALI's "
+                f"iterator was told {told} when it read reader_meta (at its creation): create "
+                "the iterator again after set_echo_factor, before its next epoch, or use "
+                "echopipe.dali.EchoIterator, whose epoch follows the factor",
+                told,
+                copies,
+            )
 
     def _refuse_a_second_end(self) -> None:
         # DALI's iterators given a size= longer than a pass draw on after its end without a
@@ -193,6 +221,37 @@ class EchoPipeline(EchoPair):
         state, self._iterator_data = decode_checkpoint(blob)
         self.load_state_dict(state)
         self._is_restored = True
+
+    # -- measurements --
+
+    def upstream_time(self) -> tuple[int, float]:
+        """``(upstream batches run, seconds they took)`` so far, in either mode, each timed by
+        the thread that runs it (restored with a checkpoint)."""
+        if self._runner is None:
+            return 0, 0.0
+        batches, seconds, _ = self._runner.timing()
+        return batches, seconds
+
+    def stats(self) -> PipelineStats:
+        """Cache statistics plus upstream counters and timing (see :class:`PipelineStats`)."""
+        s = self.cache.stats()
+        batches, seconds = self.upstream_time()
+        return PipelineStats(
+            fresh_in=int(s.fresh_in),
+            emitted=int(s.emitted),
+            resident=int(s.resident),
+            tickets_left=int(s.tickets_left),
+            upstream_batches=batches,
+            t_up_total_s=seconds,
+            t_up_per_batch_s=per_batch_seconds(
+                batches, seconds, self.batch_size, self.upstream_batch_size
+            ),
+            upstream_epochs=0 if self._runner is None else self._runner.epoch_index,
+            upstream_wait_s=self.upstream_wait_s,
+            downstream_wait_s=self.downstream_wait_s,
+            copies_discarded=self.copies_discarded,
+            emit_histogram=list(s.emit_histogram),
+        )
 
     def __repr__(self) -> str:
         # DALI's proxy mode (DALIServer) names a pipeline it cannot take by its repr: this says
