@@ -489,7 +489,7 @@ def test_a_factor_set_between_auto_reset_epochs_makes_the_whole_next_epoch(files
         )
         resets: list[int] = []
         reset = pipe.reset
-        pipe.reset = lambda: (resets.append(1), reset())[1]  # type: ignore[method-assign]
+        pipe.reset = lambda **kw: (resets.append(1), reset(**kw))[1]  # type: ignore[method-assign]
         first = [b[0]["label"].reshape(-1).tolist() for b in it]
         assert resets == []  # nothing of the next pass before the caller's next()
         pipe.set_echo_factor(3)

@@ -1,5 +1,6 @@
-"""Where one epoch-aligned pass ends and the next begins: ``set_echo_factor`` between two
-epochs under DALI's own iterator (real CPU pipelines, real JPEGs).
+"""Where one epoch-aligned pass ends and the next begins: ``EchoIterator.reset()`` inside an
+epoch, and ``set_echo_factor`` between two epochs under DALI's own iterator (real CPU
+pipelines, real JPEGs).
 
 Every JPEG is one flat grey, unique per file, and the random crop and flip after the echo point
 keep it, so each delivered image names its file by content (as in
@@ -66,6 +67,43 @@ def _epoch(it) -> list[int]:
 
 def _each(times: int) -> dict[int, int]:
     return dict.fromkeys(range(N), times)
+
+
+# ---- EchoIterator.reset() inside an epoch -------------------------------------------------------
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(("steps", "policy"), [(1, LBP.PARTIAL), (10, LBP.PARTIAL), (14, LBP.DROP)])
+def test_a_reset_inside_an_epoch_starts_a_whole_next_epoch(files, deterministic, steps, policy):
+    """15 steps of 60 copies; a reset() after ``steps`` of them drops the rest of the pass:
+    the next epoch is every file twice in 15 steps, and so is the one after. (The rest of the
+    old pass was handed out as the next "epoch": 10 steps after a reset at step 5.) DALI's own
+    iterators ignore a reset inside an epoch, with a warning; EchoIterator's says it starts
+    the next pass."""
+    with echo_pipe(files, echo_factor=2, deterministic=deterministic) as pipe:
+        it = edali.EchoIterator(pipe, reader_name="Reader", last_batch_policy=policy)
+        assert len(it) == 15 and pipe.epoch_copies() == 2 * N
+        for _ in range(steps):
+            next(it)
+        it.reset()
+        for _ in range(2):
+            epoch = [_files_of(b) for b in it]
+            assert len(epoch) == 15  # steps
+            assert Counter(f for b in epoch for f in b) == _each(2)
+            it.reset()
+        assert pipe.copies_discarded == 2 * N - steps * BATCH
+        assert pipe.stats().fresh_in == 3 * N  # three whole reader epochs, none read twice
+
+
+def test_a_reset_before_the_first_batch_or_twice_drops_nothing(files) -> None:
+    with echo_pipe(files, echo_factor=2) as pipe:
+        it = edali.EchoIterator(pipe, reader_name="Reader", last_batch_policy=LBP.PARTIAL)
+        it.reset()
+        assert Counter(_epoch(it)) == _each(2)
+        it.reset()
+        it.reset()
+        assert Counter(_epoch(it)) == _each(2)
+        assert pipe.copies_discarded == 0
 
 
 # ---- set_echo_factor between two epochs under DALI's iterator -----------------------------------

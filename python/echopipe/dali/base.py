@@ -33,8 +33,10 @@ class PipelineStats:
         upstream_wait_s: seconds the consumer spent filling the cache itself (deterministic
             mode only; 0 otherwise).
         downstream_wait_s: seconds the consumer waited for downstream batches.
-        copies_discarded: real copies a reset found still queued after DALI's iterator had
-            counted its epoch (0 unless the epoch length DALI was told is wrong).
+        copies_discarded: real copies of a pass that a reset ended before they were handed
+            out: the rest of the pass at ``EchoIterator.reset()`` inside an epoch, or copies
+            still queued after DALI's iterator had counted its epoch (0 unless the epoch length
+            DALI was told is wrong).
         emit_histogram: ``[k]`` = retired samples that were emitted exactly ``k`` times.
         source_wait_s: seconds the downstream's echo source waited for samples (the peer's
             ``external_source``; nan where it is not timed: the native source waits in C++).

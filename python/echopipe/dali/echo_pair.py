@@ -25,7 +25,7 @@ from .base import EchoPipelineBase
 from .builder_checks import positive_or_default
 from .checkpointing import apply_state, capture_state, check_state
 from .config import EchoPipelineConfig, make_cache
-from .epochs import ReaderEpochs, await_pass_end, epoch_copies
+from .epochs import ReaderEpochs, await_pass_end, drop_rest_of_pass, epoch_copies
 from .pair import PairSettings, build_pair
 from .queue import DownstreamQueue
 from .upstream import UpstreamPlan, UpstreamResources, UpstreamRunner
@@ -226,20 +226,28 @@ class EchoPair(EchoPipelineBase):
         this shard's size (see :meth:`ReaderEpochs.copies`); 0 for a free-running stream."""
         return epoch_copies(self.config, self.reader_epochs) if self.finite else 0
 
-    def reset(self) -> None:
+    def reset(self, drop_rest: bool = False) -> None:
         """Ends this pass of an epoch-aligned stream once it is over: its end was drawn
         (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
         iterators count the epoch and stop before the padding). The next pass starts at the
         next draw, so a :meth:`set_echo_factor` before it applies to all of it. Inside a pass,
         an iterator that counts its own epochs (DALI's, given ``size=``) ended one: the stream
-        then goes on into the next pass at its end (:meth:`EchoPipeline.share_outputs`)."""
+        then goes on into the next pass at its end (:meth:`EchoPipeline.share_outputs`);
+        ``drop_rest=True`` (:meth:`EchoIterator.reset`) drops the rest of the pass instead, so
+        that the next epoch is a whole pass."""
         if (not self._started and self._restore is None) or self._pass_pending:
             return
         self.start()  # (idempotent) a restored pass that had ended: its reset starts the next
         if not self.finite:
             return
         runner, queue = self._built_parts()
-        self._pass_goes_on = not (queue.input_done or queue.handed >= self.epoch_copies())
+        over = queue.input_done or queue.handed >= self.epoch_copies()
+        if not over and drop_rest:
+            queue.end_pass()  # DALI's prepared batches and the stash, counted as discarded
+            queue.copies_discarded += drop_rest_of_pass(
+                self.cache, self.config.batch_size, **self._pass_waits()
+            )
+        self._pass_goes_on = not (over or drop_rest)
         if not self._pass_goes_on:
             self._end_pass(runner, queue)
 
@@ -329,8 +337,8 @@ class EchoPair(EchoPipelineBase):
 
     @property
     def copies_discarded(self) -> int:
-        """Real copies still queued when a reset ended the pass (0 unless the epoch length
-        DALI's iterator was told is wrong)."""
+        """Real copies of a pass that a reset ended before they were handed out (see
+        :class:`PipelineStats`)."""
         return 0 if self._queue is None else self._queue.copies_discarded
 
     @property

@@ -190,3 +190,39 @@ def await_pass_end(
             )
         else:
             time.sleep(0.005)
+
+
+def drop_rest_of_pass(
+    cache: Any,
+    batch_size: int,
+    *,
+    fill: Callable[[], None] | None,
+    check_upstream: Callable[[], None],
+    closed: Callable[[], bool],
+    timeout_s: float = 600.0,
+) -> int:
+    """Draws what is left of an epoch-aligned pass out of ``cache`` and drops it (a reset
+    inside an epoch); returns the copies dropped. The upstream still reads the rest of its
+    reader epoch, so the next pass starts at the reader's epoch boundary; the copies are drawn
+    here rather than through the downstream pipeline, which would decode and augment them for
+    nobody. No downstream iteration may be in flight. ``fill``, ``check_upstream`` and
+    ``closed`` as for :func:`await_pass_end`."""
+    deadline = time.monotonic() + timeout_s
+    dropped = 0
+    while True:
+        check_upstream()
+        if closed():
+            raise RuntimeError("this EchoPipeline was closed")
+        if fill is not None:
+            fill()
+        try:
+            drawn = len(cache.take(batch_size, timeout=0.05))
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the upstream pipeline did not finish its epoch within {timeout_s} s"
+                ) from None
+            continue
+        if drawn == 0:  # every copy of the pass was drawn
+            return dropped
+        dropped += drawn

@@ -336,11 +336,17 @@ class EchoIterator:
         return outputs, info
 
     def reset(self) -> None:
-        """Starts the next epoch (for a finite stream: the next pass over the data)."""
+        """Starts the next epoch (for a finite stream: the next pass over the data, whole).
+
+        Inside an epoch of a finite stream, the rest of its pass is dropped (counted in the
+        pipeline's ``copies_discarded``): the upstream reads the rest of its reader epoch
+        and those copies are drawn and discarded, so the next epoch holds every sample of the
+        shard e times. (DALI's iterators ignore a reset inside an epoch, with a warning.)
+        """
         self._epoch_done = False
         self._step_in_epoch = 0
         if self.finite:
-            self.pipeline.reset()
+            self.pipeline.reset(drop_rest=True)
 
     # -- checkpointing --
 

@@ -29,7 +29,7 @@ class DownstreamQueue:
         input_done: the pass's end was drawn (a batch without a real sample).
         exhausted: nothing more to hand out in this pass.
         wait_s: seconds the consumer waited for downstream batches.
-        copies_discarded: real copies still queued when a reset ended the pass.
+        copies_discarded: real copies of the pass a reset ended before they were handed out.
     """
 
     def __init__(
@@ -215,8 +215,9 @@ class DownstreamQueue:
 
     def end_pass(self) -> None:
         """Clears the ended pass: the iterations scheduled after its end hold padding only
-        (a real copy among them is counted in :attr:`copies_discarded`)."""
+        (a real copy among them, or in the stash, is counted in :attr:`copies_discarded`)."""
         self.release_outputs()
+        self.copies_discarded += sum(int(info[:, 0].sum()) for _, info in self.stash)
         while self._scheduled > 0:
             info = host_dense(self._downstream.outputs()[-1])
             self.copies_discarded += int(info[:, 0].sum())
