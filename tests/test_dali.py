@@ -445,9 +445,10 @@ def test_cpu_outputs_become_tensors_with_one_host_copy(jpegs: list[str]) -> None
 def test_upstream_time_is_recorded_per_upstream_batch(
     jpegs: list[str], deterministic: bool
 ) -> None:
+    # A state saved inside the reader's epoch needs DALI's checkpoints (refused without them).
     pipe = _make(
         jpegs, batch_size=6, upstream_batch_size=3, echo_factor=2.0, shuffle_buffer=6,
-        cache_samples=32, deterministic=deterministic,
+        cache_samples=32, deterministic=deterministic, enable_checkpointing=True,
     )  # fmt: skip
     assert pipe.upstream_time() == (0, 0.0) and math.isnan(pipe.upstream_step_seconds())
     with edali.EchoIterator(pipe, ["data", "label"], steps_per_epoch=8) as it:
@@ -464,7 +465,7 @@ def test_upstream_time_is_recorded_per_upstream_batch(
         state = it.state_dict()
     restored = _make(
         jpegs, batch_size=6, upstream_batch_size=3, echo_factor=2.0, shuffle_buffer=6,
-        cache_samples=32, deterministic=deterministic,
+        cache_samples=32, deterministic=deterministic, enable_checkpointing=True,
     )  # fmt: skip
     with restored:
         restored.load_state_dict(state["pipeline"])

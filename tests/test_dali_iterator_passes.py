@@ -1,6 +1,7 @@
 """Where one epoch-aligned pass ends and the next begins: ``EchoIterator.reset()`` inside an
-epoch, and ``set_echo_factor`` between two epochs under DALI's own iterator (real CPU
-pipelines, real JPEGs).
+epoch, a state saved inside the reader's epoch without DALI's checkpoints, and
+``set_echo_factor`` between two epochs under DALI's own iterator (real CPU pipelines, real
+JPEGs).
 
 Every JPEG is one flat grey, unique per file, and the random crop and flip after the echo point
 keep it, so each delivered image names its file by content (as in
@@ -104,6 +105,45 @@ def test_a_reset_before_the_first_batch_or_twice_drops_nothing(files) -> None:
         it.reset()
         assert Counter(_epoch(it)) == _each(2)
         assert pipe.copies_discarded == 0
+
+
+# ---- state_dict() inside the reader's epoch needs DALI's checkpoints ----------------------------
+
+
+@pytest.mark.parametrize("epochs", ["auto", None])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_state_inside_the_reader_epoch_needs_dalis_checkpoints(files, epochs, deterministic):
+    """A cache of 12 samples cannot hold the 30-file epoch, so after one batch the reader stands
+    inside its epoch: without enable_checkpointing=True the state is refused when it is saved
+    (a restored reader would start from the first file while the echo state goes on from the
+    saved iteration: files repeated and missed), and the epoch goes on unharmed."""
+    opts = {"echo_factor": 2, "cache_samples": 12, "epochs": epochs}
+    with echo_pipe(files, deterministic=deterministic, **opts) as pipe:
+        it = edali.EchoIterator(pipe, reader_name="Reader", last_batch_policy=LBP.PARTIAL)
+        first = _files_of(next(it))
+        with pytest.raises(ValueError, match=r"enable_checkpointing=True$") as err:
+            it.state_dict()
+        assert isinstance(err.value, edali.DaliCheckpointNeededError)
+        assert "\n" not in str(err.value) and "'Reader'" in str(err.value)
+        if epochs == "auto":
+            assert Counter(first + _epoch(it)) == _each(2)
+
+
+def test_a_state_saved_at_an_epochs_end_needs_no_dali_checkpoint(files) -> None:
+    """Saved after the epoch's end, the reader stands at its next epoch's start, which is where
+    a fresh reader starts: the restored pipeline's next epoch is every file twice."""
+    opts = {"echo_factor": 2, "cache_samples": 12}
+    with echo_pipe(files, **opts) as pipe:
+        it = edali.EchoIterator(pipe, reader_name="Reader", last_batch_policy=LBP.PARTIAL)
+        assert Counter(_epoch(it)) == _each(2)
+        state = it.state_dict()
+    with echo_pipe(files, **opts) as pipe:
+        it = edali.EchoIterator(pipe, reader_name="Reader", last_batch_policy=LBP.PARTIAL)
+        it.load_state_dict(state)
+        it.reset()
+        assert Counter(_epoch(it)) == _each(2)
+        it.reset()
+        assert Counter(_epoch(it)) == _each(2)
 
 
 # ---- set_echo_factor between two epochs under DALI's iterator -----------------------------------

@@ -46,6 +46,7 @@ from .builders import (
     index_imagenet_split,
     resolve_split_dir,
 )
+from .checkpointing import DaliCheckpointNeededError
 from .config import EchoPipelineConfig
 from .definition import echo_pipeline_def
 from .epochs import EpochSizeChangedError
@@ -86,6 +87,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "AugmentSpec",
+    "DaliCheckpointNeededError",
     "DaliPluginMissingError",
     "DaliVersionMismatchError",
     "EchoIterator",

@@ -12,11 +12,19 @@ from dataclasses import asdict
 from typing import Any
 
 from .config import EchoPipelineConfig
+from .epochs import ReaderEpochs
 from .queue import DownstreamQueue
 from .upstream import UpstreamRunner
 
 # 2: the config holds the echo configuration as its own "echo" entry.
 _STATE_VERSION = 2
+
+
+class DaliCheckpointNeededError(ValueError):
+    """A state saved inside the upstream reader's epoch without DALI's own checkpoint (the
+    pipeline was built without ``enable_checkpointing=True``): a restored reader would start
+    its epoch again from the first file while the echo state goes on, so files would be
+    repeated and missed."""
 
 
 def _compared(config: dict[str, Any]) -> dict[str, Any]:
@@ -38,11 +46,14 @@ def capture_state(
     queue: DownstreamQueue,
     upstream_wait_s: float,
     dali_pipelines: tuple[Any, Any] | None,
+    reader: ReaderEpochs | None = None,
     pass_pending: bool = False,
 ) -> dict[str, Any]:
     """The echo state of a started pipeline, aligned with the batches handed out so far;
-    ``dali_pipelines`` (upstream, downstream) adds DALI's own checkpoints of both.
-    ``pass_pending``: a reset ended the last pass and the next starts at the next draw."""
+    ``dali_pipelines`` (upstream, downstream) adds DALI's own checkpoints of both. Without
+    them, a pipeline whose upstream ``reader`` stands inside an epoch is refused
+    (:class:`DaliCheckpointNeededError`). ``pass_pending``: a reset ended the last pass and
+    the next starts at the next draw."""
     # Take DALI's prepared batches out first, while the upstream still feeds the cache. An
     # upstream iteration blocked on a cache full by bytes reaches its end only after more draws:
     # while it is, downstream batches go into the stash too.
@@ -54,6 +65,8 @@ def capture_state(
 
     runner.pause(while_waiting=draw_if_blocked)
     try:
+        if dali_pipelines is None and reader is not None:
+            _refuse_inside_a_reader_epoch(runner, reader, config.upstream_batch_size)
         state: dict[str, Any] = {
             "version": _STATE_VERSION,
             "config": asdict(config),
@@ -75,6 +88,27 @@ def capture_state(
     finally:
         runner.resume()
     return state
+
+
+def _refuse_inside_a_reader_epoch(
+    runner: UpstreamRunner, reader: ReaderEpochs, upstream_batch_size: int
+) -> None:
+    """A fresh reader starts at the first file of its first epoch: right only where the saved
+    one stood at an epoch's start, with a shard of that epoch's size."""
+    at = runner.iter_in_epoch
+    moved = not reader.fixed_size and runner.epoch_index % reader.shards != 0
+    if at == 0 and not moved:
+        return
+    where = (
+        f"{at} of its epoch's {reader.iterations(upstream_batch_size)} batches in"
+        if at
+        else f"at epoch {runner.epoch_index}, on a shard of another size"
+    )
+    raise DaliCheckpointNeededError(
+        f"state_dict(): the upstream reader {reader.name!r} stands {where}, and without DALI's "
+        "own checkpoint a restored reader starts from the first file of its first epoch "
+        "(files repeated and missed); build the pipeline with enable_checkpointing=True"
+    )
 
 
 def check_state(

@@ -294,6 +294,7 @@ class EchoPair(EchoPipelineBase):
             queue=queue,
             upstream_wait_s=self.upstream_wait_s,
             dali_pipelines=(self.upstream, self.downstream) if self._enable_checkpointing else None,
+            reader=self.reader_epochs,
             pass_pending=self._pass_pending,
         )
 
