@@ -286,7 +286,10 @@ def test_timm_shaped_program(echo_factor, distributed, workers, inside) -> None:
     read = [list(s)[:24] if distributed else list(range(56)) for s in share]  # drop_last
     copies = math.floor(e) * len(read[0])
     copies += math.floor((e - math.floor(e)) * len(read[0]) + 0.5)
-    assert steps == [math.ceil(copies / 8)] * 2 and updates_per_epoch == math.ceil(steps[0] / 3)
+    # drop_last (a training loader): EchoLoader drops its own short last batch too, every batch
+    # is full (timm's Mixup asserts an even batch size, BatchNorm needs more than one row)
+    assert steps == [copies // 8] * 2 and updates_per_epoch == math.ceil(steps[0] / 3)
+    assert all(len(ids) == 8 for ids in model[0].batches)
     assert dataset.epochs == [0, 1]  # _set_loader_epoch reached the dataset
     assert loader.mixup_enabled is False and loader.loader.collate_fn.mixup_enabled is False
     first, rest = model[0].batches[: steps[0]], model[0].batches[steps[0] :]
@@ -295,8 +298,10 @@ def test_timm_shaped_program(echo_factor, distributed, workers, inside) -> None:
     model[0].batches = [[i % 1000 for i in ids] for ids in model[0].batches]
     for ep, got in enumerate(per_epoch(model, loss, steps)):
         # drop_last: a RandomSampler drops 2 of 58, the DistributedSampler's share 5 of 29
-        assert set(got) == set(read[ep]) if distributed else len(got) == 56
-        assert sum(got.values()) == copies
-        assert set(got.values()) <= {math.floor(e), math.ceil(e)}
+        # the dropped batch's copies (fewer than 8) are missing, as DataLoader drops samples
+        assert sum(got.values()) == 8 * steps[ep] > copies - 8
+        assert set(got) <= set(read[ep]) if distributed else len(got) <= 56
+        assert len(got) > len(read[ep]) - 8 and max(got.values()) <= math.ceil(e)
+        assert sum(math.floor(e) - v for v in got.values() if v < math.floor(e)) < 8
     if echo_factor is not None:
         (loader.loader if inside else loader).close()

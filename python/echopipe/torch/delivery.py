@@ -97,7 +97,8 @@ def next_batch(loader: EchoLoader, producer: Producer) -> tuple[Any, int] | None
     """The next output batch and its samples, or None at the end of the epoch.
 
     ``take`` may return a short part before the end (a full, small cache): the rest is taken
-    too, so only an epoch's last batch can be short.
+    too, so only an epoch's last batch can be short; it is dropped (its copies drawn and not
+    delivered) where the wrapped loader drops its own short batch, as a DataLoader does.
     """
     want = loader.batch_size
     assembler = None
@@ -118,7 +119,7 @@ def next_batch(loader: EchoLoader, producer: Producer) -> tuple[Any, int] | None
             parts.append(got)
             n += len(got)
         want = loader.batch_size
-    if n == 0:
+    if n == 0 or n < producer.drop_below:
         return None
     assert assembler is not None
     batch = assembler.finish(buffers, n) if buffers is not None else assembler.decode(parts, n)

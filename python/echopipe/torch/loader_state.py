@@ -73,8 +73,9 @@ def epoch_position(producer: Any, counts: tuple[int, ...], resume: dict[str, Any
     one not started yet (``resume``), else between epochs."""
     if producer is not None:
         stats = cache.stats() if cache is not None else None
+        # Fewer copies left than a dropped short batch takes (drop_last) is none left.
         if producer.error is None and stats is not None and stats.input_ended and (
-                stats.tickets_left == 0):  # fmt: skip
+                stats.tickets_left < max(1, producer.drop_below)):  # fmt: skip
             return EpochPosition(False, counts=counts, ended=True)
         return EpochPosition(True, producer.batches_done, producer.rows_in_flight, counts,
                              sampler_epoch=producer.sampler_epoch)  # fmt: skip

@@ -62,6 +62,7 @@ class Producer(threading.Thread):
         self.layout: bl.Layout | None = None  # the stream's, once a batch was accepted
         # (samples, batch size) where the DataLoader's batching fixes every batch's rows
         self.batching = wrapped.batch_rows(self.source)
+        self.drop_last = wrapped.drops_last(self.source)
         # The epoch of the wrapped loader's epoch-seeded sampler whose order this pass reads:
         # known once its first batch came (the sampler's order is fixed by then); a resumed
         # pass starts with the saved one.
@@ -188,6 +189,14 @@ class Producer(threading.Thread):
                 "one row per sample in every tensor (a collate_fn that returns a list of "
                 "per-sample tensors gives none: stack or pad them into one tensor)"
             )
+
+    @property
+    def drop_below(self) -> int:
+        """An epoch's last batch with fewer samples is dropped (0: none is): the batch size where
+        the wrapped loader drops its own short batch (:func:`.wrapped.drops_last`)."""
+        owner = self.owner_ref()
+        size = owner.batch_size if owner is not None and self.drop_last else None
+        return size or 0
 
     def shutdown(self, timeout: float) -> None:
         """Stops reading; returns once the thread ended (or ``timeout`` passed, with a warning)."""

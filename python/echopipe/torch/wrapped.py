@@ -28,6 +28,7 @@ __all__ = [
     "UnshardedLoaderError",
     "batch_rows",
     "check_sharded",
+    "drops_last",
     "epoch_batches",
     "input_batch_size",
     "sampler_epoch",
@@ -99,6 +100,17 @@ def _kept(batching: tuple[int | None, int | None, bool, bool] | None) -> int | N
     if n is None or size is None:
         return None
     return n - n % size if drop else n
+
+
+def drops_last(loader: Any) -> bool:
+    """Whether the wrapped loader drops a pass's short last batch: ``drop_last`` of the innermost
+    DataLoader or of its batch sampler (timm's training loaders set it, so that every batch is
+    full for BatchNorm and pairwise mixup). EchoLoader then drops its own short last batch."""
+    b = _batching(loader)
+    if b is not None:
+        return b[2]
+    dl = _innermost_dataloader(loader)
+    return dl is not None and getattr(dl.batch_sampler, "drop_last", None) is True
 
 
 def batch_rows(loader: Any) -> tuple[int, int] | None:
@@ -197,7 +209,8 @@ def check_sharded(loader: Any) -> None:
 
 
 def epoch_batches(loader: Any, echo_factor: float | None, batch_size: int | None) -> int:
-    """Batches an epoch of ``EchoLoader`` yields: ``ceil(copies / batch_size)``, exactly.
+    """Batches an epoch of ``EchoLoader`` yields: ``ceil(copies / batch_size)``, exactly
+    (``floor`` when the wrapped loader drops its short last batch: :func:`drops_last`).
 
     ``copies`` is :func:`~echopipe.echo.copies_per_epoch` of ``e`` and :func:`samples_per_epoch`
     (the cache's ``epoch_size`` makes that total exact; only the last batch is short).
@@ -215,7 +228,8 @@ def epoch_batches(loader: Any, echo_factor: float | None, batch_size: int | None
             f"{type(loader).__name__}, which it does not tell (a DataLoader over a sized dataset "
             "with a batch_size, or a wrapper with .loader around one, does)"
         )
-    return -(-copies_per_epoch(echo_factor, samples) // batch_size)
+    copies = copies_per_epoch(echo_factor, samples)
+    return copies // batch_size if drops_last(loader) else -(-copies // batch_size)
 
 
 class PassThrough:
