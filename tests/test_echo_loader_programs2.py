@@ -1,6 +1,6 @@
 """More training programs around EchoLoader: timm's training loader (``drop_last``, persistent
-workers, ``worker_init_fn``) with the in-loop ``Mixup`` and BatchNorm, a webdataset-like
-iterable dataset.
+workers, ``worker_init_fn``) with the in-loop ``Mixup`` and BatchNorm, an ImageFolder-like
+dataset of real JPEGs whose file names are not valid UTF-8, a webdataset-like iterable dataset.
 
 Written in this file in the shape of timm's ``create_loader``/``train_one_epoch`` (timm has no
 build for the CPU torch used here). Samples are identified by value.
@@ -11,10 +11,13 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
@@ -86,6 +89,43 @@ def test_a_drop_last_training_loader_gets_only_full_batches_for_mixup_and_batchn
         assert sum(ids.values()) == 16 * steps > copies - 16 and max(ids.values()) <= math.ceil(e)
     # The state after the last full batch is the one after the epoch: a resume starts the next.
     assert [(s["epoch"], s["mid_epoch"]) for s in states] == [(1, False), (2, False)]
+
+
+def _jpeg(path: bytes, value: int) -> None:
+    Image.fromarray(np.full((6, 5, 3), value, dtype=np.uint8)).save(path, format="JPEG")
+
+
+class Folder(Dataset):
+    """ImageFolder's shape: file names from ``os.listdir`` of a ``str`` folder, so a name that
+    is not valid UTF-8 on disk comes with lone surrogates (``surrogateescape``)."""
+
+    def __init__(self, root: str) -> None:
+        self.paths = sorted(os.path.join(root, name) for name in os.listdir(root))
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):
+        with Image.open(self.paths[i]) as im:
+            image = torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
+        return image, i, self.paths[i]
+
+
+def test_file_names_that_are_not_utf8_come_back_as_os_listdir_gave_them(tmp_path) -> None:
+    root = os.fsencode(tmp_path)
+    for i in range(12):
+        name = b"img_%d\xff\xfe.jpg" % i if i % 3 == 0 else "img_%d_é.jpg".encode() % i
+        _jpeg(os.path.join(root, name), 20 * i)
+    dataset = Folder(str(tmp_path))
+    assert any("\udcff" in p for p in dataset.paths)  # the surrogates the test is about
+    got: collections.Counter = collections.Counter()
+    with EchoLoader(DataLoader(dataset, batch_size=4, num_workers=2), 2.0, timeout=60) as el:
+        for images, index, paths in el:
+            for image, i, path in zip(images, index.tolist(), paths, strict=True):
+                assert path == dataset.paths[i] and os.path.exists(path)
+                assert torch.equal(image, dataset[i][0])
+                got[path] += 1
+    assert got == {p: 2 for p in dataset.paths}
 
 
 class Shards(IterableDataset):

@@ -286,8 +286,10 @@ def encode(layout: Layout, leaves: list[Any], rows: int) -> list[np.ndarray]:
 
 
 def encode_strings(layout: Layout, leaves: list[Any], row: int) -> tuple[np.ndarray, np.ndarray]:
-    """One sample's strings: UTF-8 bytes back to back (plus one pad byte) and their lengths."""
-    data = [leaves[i][row].encode("utf-8") for i in layout.strings]
+    """One sample's strings: UTF-8 bytes back to back (plus one pad byte) and their lengths.
+    ``surrogatepass``: file names not valid UTF-8 on disk come from ``os.listdir`` with lone
+    surrogates, which strict UTF-8 refuses; kept as 3 bytes each, decoded back the same way."""
+    data = [leaves[i][row].encode("utf-8", "surrogatepass") for i in layout.strings]
     lengths = np.array([len(d) for d in data], dtype=np.int64)
     return np.frombuffer(b"".join(data) + b"\0", dtype=np.uint8), lengths
 
@@ -371,7 +373,7 @@ def _decode_strings(
         blob = data[offs[row] : offs[row + 1]].tobytes()
         pos = 0
         for j, length in enumerate(lengths[row].tolist()):
-            columns[j].append(blob[pos : pos + length].decode("utf-8"))
+            columns[j].append(blob[pos : pos + length].decode("utf-8", "surrogatepass"))
             pos += length
     return columns
 
