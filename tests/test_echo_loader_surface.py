@@ -254,6 +254,7 @@ def _rank(rank: int, store: str, out: str) -> None:
             results.append(_outcome(lambda: el.load_state_dict(states[0]), LoaderStateError))
         auto = EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), "auto")
         results.append(_outcome(lambda: iter(auto), ValueError))
+        results.append(_outcome(lambda: len(auto), ValueError))  # a progress bar asks first
         auto.close()
         with open(out, "w") as f:
             f.write("\n".join(results))
@@ -274,7 +275,7 @@ def test_several_processes_reading_the_whole_dataset_each_get_one_clear_error() 
             assert p.exitcode == 0
         for out in outs:
             with open(out) as f:
-                len_error, iter_error, sharded, rank0_state, auto = f.read().split("\n")
+                len_error, iter_error, sharded, rank0_state, auto, auto_len = f.read().split("\n")
             assert len_error == iter_error
             assert "2 torch.distributed processes" in len_error and "RandomSampler" in len_error
             assert "DistributedSampler" in len_error
@@ -286,6 +287,7 @@ def test_several_processes_reading_the_whole_dataset_each_get_one_clear_error() 
                 assert "this loader is rank 1 of 2" in rank0_state
             # "auto" would choose e per rank, and the ranks' step counts would differ.
             assert "echo_factor='auto'" in auto and "2 torch.distributed processes" in auto
+            assert auto_len == auto
 
 
 def test_an_iterator_dropped_before_its_first_batch_reads_nothing() -> None:

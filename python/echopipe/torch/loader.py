@@ -215,10 +215,11 @@ class EchoLoader(PassThrough):
     def __len__(self) -> int:
         """Batches the next epoch yields, exactly (:func:`.wrapped.epoch_batches`).
 
-        ``TypeError`` with ``echo_factor="auto"`` (``e`` changes within an epoch) or a wrapped
-        loader that does not tell its samples per epoch, as ``len()`` of an unsized iterable.
+        ``TypeError`` with ``echo_factor="auto"`` (``e`` changes within an epoch) or a loader
+        that does not tell its samples per epoch, as ``len()`` of an unsized iterable; before
+        that, ``"auto"`` under several processes gets :meth:`__iter__`'s ``ValueError``.
         """
-        auto = self._controller is not None
+        passes.check_auto_alone(auto := self._controller is not None)
         return wrapped.epoch_batches(self._loader, None if auto else self._factor, self._batch_size)
 
     @property
