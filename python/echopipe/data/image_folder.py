@@ -313,8 +313,9 @@ def _walk_images(
     folder: Path, exts: tuple[str, ...], real_root: str, links_skipped: list[tuple[str, str]]
 ) -> Iterator[str]:
     # Depth first with the real paths of the folders being walked, so a link back into one of
-    # them is seen as a loop; links out of the root are refused before they are followed.
-    stack = [(str(folder), frozenset({os.path.realpath(folder)}))]
+    # them is seen as a loop; links out of the root are refused before they are followed. The
+    # root counts as walked: a link to it would file every class's images under this one.
+    stack = [(str(folder), frozenset({real_root, os.path.realpath(folder)}))]
     while stack:
         dirpath, walking = stack.pop()
         try:
