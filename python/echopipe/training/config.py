@@ -20,6 +20,7 @@ from typing import Any
 
 from ..echo.config import MODES, PLACEMENTS, EchoConfig
 from ..models import MODEL_NAMES
+from .crosschecks import check_combination
 from .options import (
     MAX_IMAGE_SIZE,
     DataError,
@@ -29,9 +30,6 @@ from .options import (
     check_balance,
     check_bool,
     check_devices,
-    check_gpu_needs,
-    check_model_input,
-    check_model_split,
     check_optional,
     check_output,
     check_path,
@@ -48,6 +46,7 @@ from .options import (
     parse_echo,
     parse_float,
     parse_int,
+    parse_path,
     parse_stages,
 )
 
@@ -63,6 +62,13 @@ __all__ = [
 ]
 
 DEFAULT_OUTPUT_BASE = "echopipe-train"  # runs without --output get a dated folder in it
+
+# The optimizer's step is a float32 scalar on float32 parameters: a larger --lr or --wd is a
+# traceback at the first update ("cannot be converted to type float without overflow").
+FLOAT32_MAX = 3.4028234663852886e38
+# torch.distributed keeps deadlines in int64 nanoseconds: from about 1e10 s on, a wait times out
+# at once, hangs, or Gloo refuses it as negative. A billion seconds (31 years) is still no limit.
+MAX_DIST_TIMEOUT_S = 1e9
 
 _D, _E, _P, RUN_FOLDER_GROUP = (
     "data and schedule",
@@ -85,7 +91,7 @@ class TrainConfig:
         "ImageNet-layout folder with train/<class>/*.JPEG and "
         "val/<class>/*.JPEG (default: the cached synthetic set)",
         check=check_path(True),
-        parse=Path,
+        parse=parse_path,
         metavar="DIR",
     )
     model: str = opt("resnet_small", "model from echopipe.models", choices=MODEL_NAMES)
@@ -125,7 +131,10 @@ class TrainConfig:
         short="-b",
     )
     lr: float = opt(
-        0.1, "peak learning rate (SGD, Nesterov)", check=finite(positive=True), parse=parse_float
+        0.1,
+        "peak learning rate (SGD, Nesterov)",
+        check=finite(positive=True, maximum=FLOAT32_MAX),
+        parse=parse_float,
     )
     momentum: float = opt(
         0.9,
@@ -136,7 +145,7 @@ class TrainConfig:
     weight_decay: float = opt(
         5e-4,
         "weight decay (not on biases and norm scales)",
-        check=finite(),
+        check=finite(maximum=FLOAT32_MAX),
         parse=parse_float,
         alias="--wd",
     )
@@ -259,7 +268,7 @@ class TrainConfig:
     dist_timeout_s: float = opt(
         600.0,
         "under torchrun: longest wait for another rank",
-        check=finite(positive=True),
+        check=finite(positive=True, maximum=MAX_DIST_TIMEOUT_S),
         parse=parse_float,
         group=_P,
         on_resume="free",
@@ -270,7 +279,7 @@ class TrainConfig:
         "run folder: metrics.json/.csv, steps.csv, config.json, plot, checkpoints/ (default: a "
         f"new folder {DEFAULT_OUTPUT_BASE}/<date>-<time>-<model> per run)",
         check=check_output,
-        parse=Path,
+        parse=parse_path,
         metavar="DIR",
         group=RUN_FOLDER_GROUP,
         on_resume="each",
@@ -326,37 +335,7 @@ class TrainConfig:
         if isinstance(self.resume, Path) and not self.resume.is_file():
             what = "is not a file" if self.resume.exists() else "does not exist"
             raise UsageError(f"--resume checkpoint {str(self.resume)!r} {what}")
-        if (
-            isinstance(self.balance, list)
-            and isinstance(self.stages, int)
-            and len(self.balance) != self.stages
-        ):
-            raise UsageError(
-                f"--balance {self.balance} has {len(self.balance)} stages but "
-                f"--stages is {self.stages}"
-            )
-        if (
-            self.devices is not None
-            and isinstance(self.stages, int)
-            and len(self.devices) not in (1, self.stages)
-        ):
-            raise UsageError(
-                f"--devices {','.join(self.devices)} gives {len(self.devices)} "
-                f"devices for {self.stages} stages; give one, or one per stage"
-            )
-        if self.warmup_epochs > self.epochs:
-            raise UsageError(
-                f"--warmup-epochs {self.warmup_epochs:g} is longer than the run (--epochs "
-                f"{self.epochs}): the rate would never reach --lr"
-            )
-        if isinstance(self.hybrid_switch, int) and self.hybrid_switch > self.epochs:
-            raise UsageError(
-                f"--hybrid-switch {self.hybrid_switch} is after the last epoch (--epochs "
-                f"{self.epochs}): the run would never switch"
-            )
-        check_model_split(self.model, self.balance, self.stages)
-        check_model_input(self.model, self.image_size)
-        check_gpu_needs(self.decode, self.devices)
+        check_combination(self)
 
     def echo_config(self) -> EchoConfig:
         """The run's :class:`~echopipe.echo.EchoConfig`, from the options that give its fields

@@ -24,9 +24,6 @@ __all__ = [
     "TrainError",
     "UsageError",
     "add_field_arguments",
-    "check_gpu_needs",
-    "check_model_input",
-    "check_model_split",
     "check_value",
     "echo_opt",
     "flag",
@@ -90,6 +87,13 @@ def parse_int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def parse_path(text: str) -> Path:
+    # Path("") is ".": an unset shell variable would put a run into the current folder.
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give a folder (. for the current one)")
+    return Path(text)
 
 
 def parse_echo(text: str) -> float | str:
@@ -183,7 +187,7 @@ def check_devices(name: str, value: Any) -> None:
 
 
 def _path(name: str, value: Any) -> Path:
-    if not isinstance(value, str | Path):
+    if not isinstance(value, str | Path) or value == "":
         raise UsageError(f"{flag(name)} must be a path, got {value!r}")
     return Path(value)
 
@@ -208,68 +212,6 @@ def check_output(name: str, value: Any) -> None:
     path = _path(name, value)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag(name)} {str(path)!r} is a file; give a run folder")
-
-
-def check_model_split(model: str, balance: Any, stages: Any) -> None:
-    """Refuse a ``--balance`` or ``--stages`` that does not fit ``model``'s blocks."""
-    # The model's block count, from a build on the meta device (no memory, no init cost).
-    import torch
-
-    from ..models import build_model
-
-    with torch.device("meta"):
-        blocks = len(build_model(model, num_classes=2))
-    if isinstance(balance, list) and sum(balance) != blocks:
-        raise UsageError(
-            f"--balance {','.join(map(str, balance))} covers "
-            f"{sum(balance)} blocks; {model} has {blocks}"
-        )
-    if isinstance(stages, int) and stages > blocks:
-        raise UsageError(f"--stages {stages}: {model} has only {blocks} blocks")
-
-
-def check_model_input(model: str, image_size: int) -> None:
-    """Refuse an ``--image-size`` that ``model``'s layers cannot take (lenet5's classifier is
-    sized for 32x32), found by a forward pass on the meta device."""
-    import torch
-
-    from ..models import build_model
-
-    with torch.device("meta"):
-        net = build_model(model, num_classes=2).eval()  # eval: batch norm takes one image
-
-        def fits(size: int) -> bool:
-            try:
-                net(torch.empty(1, 3, size, size))
-            except RuntimeError:
-                return False
-            return True
-
-        if fits(image_size):
-            return
-        # The first run of sizes that fit: a model with a fixed input takes one small range.
-        sizes: list[int] = []
-        for size in range(16, MAX_IMAGE_SIZE + 1):
-            if fits(size):
-                sizes.append(size)
-            elif sizes:
-                break
-    takes = f"{sizes[0]} to {sizes[-1]}" if sizes else f"none of 16 to {MAX_IMAGE_SIZE}"
-    raise UsageError(f"--image-size {image_size} does not fit --model {model}, which takes {takes}")
-
-
-def check_gpu_needs(decode: str, devices: list[str] | None) -> None:
-    """Refuse ``--decode mixed`` without a GPU to decode on."""
-    import torch
-
-    has_cuda = torch.cuda.is_available()
-    wants_gpu = devices is not None and any(d.startswith("cuda") for d in devices)
-    if decode == "mixed" and devices is not None and not wants_gpu:
-        raise UsageError(
-            f"--decode mixed decodes on a GPU, but --devices {','.join(devices)} has none"
-        )
-    if decode == "mixed" and not has_cuda:
-        raise UsageError("--decode mixed decodes on a GPU, but torch sees no CUDA device")
 
 
 def check_optional(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
