@@ -148,6 +148,7 @@ class EpochLoop:
                 fresh=self.data.counters()["fresh"] - fresh0,
             )
         self.drain()
+        self.progress.drained()
         average_buffers(self.model, self.ctx)
         self._count_time()
         self._mark = None

@@ -71,6 +71,10 @@ class Progress:
         self._base = (0.0, 0.0)  # samples delivered and fresh before this epoch
         self._last = (0.0, 0.0)  # this epoch's counts at its latest step
         self._last_step_at: float | None = None
+        # After a drain the first steps of an epoch only refill the pipeline (no minibatch has
+        # finished: their loss is None) and return at once; a line there would show thousands
+        # of img/s. Only on a process that sees losses at all (one with the last stage).
+        self._losses_seen = False
         if enabled and tb_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -88,6 +92,12 @@ class Progress:
 
         with tqdm.external_write_mode(file=sys.stderr):
             log(message)
+
+    def drained(self) -> None:
+        """The epoch's in-flight minibatches finished: training time up to here, since the
+        drain is where the last steps' compute is waited for."""
+        if self._last_step_at is not None:
+            self._last_step_at = self.clock()
 
     def start_epoch(self, epoch: int, steps: int, done: int) -> None:
         now = self.clock()
@@ -114,8 +124,9 @@ class Progress:
         """One step done; ``delivered`` and ``fresh`` count samples since the epoch began.
 
         The rates shown are over the steps since the previous line (or bar refresh), also
-        across an epoch end, with the time between epochs left out, and none before the
-        process's first ``warmup_steps`` steps are done.
+        across an epoch end, with the time between epochs (after :meth:`drained`) left out, and
+        none before the process's first ``warmup_steps`` steps are done, nor on an epoch's first
+        steps that only refill the pipeline (``loss`` still None on a process that gets losses).
         """
         if not self.enabled:
             return
@@ -124,9 +135,11 @@ class Progress:
         self._last, self._last_step_at = (delivered, fresh), now
         total, total_fresh = self._base[0] + delivered, self._base[1] + fresh
         fields: dict[str, float | None] = {"loss": loss, "e": e}
+        self._losses_seen = self._losses_seen or loss is not None
+        refilling = loss is None and self._losses_seen
         if self._seen <= self.warmup_steps:
             self._window = (now, total, total_fresh)  # the rates start after the warm-up
-        else:
+        elif not refilling:
             t0, d0, f0 = self._window
             seconds = max(now - t0, 1e-9)
             fields["img/s"] = (total - d0) / seconds
@@ -135,11 +148,11 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
             self.bar.update(1)
-            if step % self.interval == 0 and self._seen > self.warmup_steps:
+            if step % self.interval == 0 and "img/s" in fields:
                 self._window = (now, total, total_fresh)
         elif step % self.interval == 0:
             self.say(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
-            if self._seen > self.warmup_steps:
+            if "img/s" in fields:
                 self._window = (now, total, total_fresh)
         if self.tb is not None and loss is not None:
             self.tb.add_scalar("train/loss", loss, step)
