@@ -183,6 +183,9 @@ BAD_ARGUMENTS = [
     (["--shuffle-buffer", "1e8"], "'1e8' is not an integer"),
     (["--shuffle-buffer", "-1"], "--shuffle-buffer must be an integer in [0, 2147483647], got -1"),
     (["--shuffle-buffer", "4294967296"], "--shuffle-buffer must be an integer in [0, 2147483647]"),
+    # Within its own bound, but the default cache has twice the slots it needs: the line says
+    # the largest buffer that fits, not a bound the value is already under.
+    (["--shuffle-buffer", "1073741792"], "give a shuffle_buffer of at most 1073741791"),
     (["--echo-mode", "epoch"], "'epoch'"),
     (["--devices", "tpu:0"], "tpu:0"),
     (["--devices", "cuda:7"], "cuda:7"),

@@ -56,6 +56,13 @@ class EchoPipelineConfig:
             fill = EchoConfig.check_field("shuffle_buffer", fill)
         need = max(fill, self.batch_size) + up
         samples = self.cache_samples if self.cache_samples is not None else max(2 * need, 256)
+        if self.cache_samples is None and samples > MAX_CAPACITY_SAMPLES:
+            raise ValueError(
+                f"shuffle_buffer={fill} needs {samples} sample slots (twice max(shuffle_buffer, "
+                f"batch_size) + upstream_batch_size, so that neither side stalls), more than a "
+                f"cache has ({MAX_CAPACITY_SAMPLES}); give a shuffle_buffer of at most "
+                f"{MAX_CAPACITY_SAMPLES // 2 - up}"
+            )
         if not isinstance(samples, int) or not need <= samples <= MAX_CAPACITY_SAMPLES:
             raise ValueError(
                 f"cache_samples={samples!r} is out of bounds: it must hold max(shuffle_buffer, "
