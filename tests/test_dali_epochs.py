@@ -422,7 +422,9 @@ def test_a_free_running_upstream_checkpoint_resumes_the_epoch_exactly(files: lis
 def test_a_state_saved_in_an_epochs_last_batches_resumes(files: list[str], saved_after) -> None:
     """After 9 or 10 of the epoch's 10 batches every copy was drawn (the rest is stashed or
     delivered): the restored pipeline hands out the stash and ends the epoch without a draw
-    (one would meet only the end, with no sample to pad), then runs the next epoch whole."""
+    (one would meet only the end, with no sample to pad), then runs the next epoch whole.
+    After 10, len() steps, the epoch is over (Lightning never asks for an 11th batch): the
+    next iter() starts the next epoch."""
 
     def iterator(pipe):
         return edali.EchoIterator(pipe, ["data", "label"], reader_name="Reader",
@@ -436,7 +438,8 @@ def test_a_state_saved_in_an_epochs_last_batches_resumes(files: list[str], saved
     second = echo_pipe(files, batch_size=BATCH, echo_factor=2, enable_checkpointing=True)
     it = iterator(second)
     it.load_state_dict(state)
-    got += _epochs(it, 1)[0]
+    if saved_after < len(it):
+        got += _epochs(it, 1)[0]
     assert Counter(_flat(got)) == {i: 2 for i in range(N)}
     assert Counter(_flat(_epochs(it, 1)[0])) == {i: 2 for i in range(N)}
     second.close()

@@ -256,6 +256,18 @@ class EchoIterator:
     # -- iteration --
 
     def __iter__(self) -> Iterator[list[dict[str, torch.Tensor]]]:
+        # As DALI's iterators do, iter() after a finished epoch starts the next (auto_reset or
+        # not). A loop that stops after len() steps (Lightning's) never draws the end that
+        # would finish it, so the epoch is also over once it has taken len() steps.
+        if self._step_in_epoch and not self._epoch_done and self._step_in_epoch >= len(self):
+            while self.finite:  # the pass's rest: DROP's short batches, DALI's padding
+                try:
+                    self.stats.dropped += int(self.pipeline.next_batch()[1][:, 0].sum())
+                except StopIteration:
+                    break
+            self._end_epoch()
+        if self._epoch_done:
+            self.reset()
         return self
 
     def __next__(self) -> list[dict[str, torch.Tensor]]:
