@@ -163,9 +163,9 @@ class EchoPair(EchoPipelineBase):
         """Fresh samples per epoch of this shard (the upstream reader's), 0 without a reader.
 
         Known once the DALI pipelines are built; reading it builds them (nothing runs, so a
-        checkpoint can still be loaded afterwards).
-        """
-        if self._closed:
+        checkpoint can still be loaded afterwards), and still after :meth:`close` (Lightning's
+        teardown reads ``len()`` after the hooks that close the pipeline)."""
+        if self._closed and self.upstream is None:
             raise RuntimeError("this EchoPipeline was closed")
         self._build()
         return self._shard_size
