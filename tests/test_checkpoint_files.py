@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from echopipe.dali import state_codec
+from echopipe.dali.torch_copy import tensors_as_arrays
 from echopipe.filecheck import FileCheckError, check_tree, read_npz
 from echopipe.pipeline.checkpoint import CheckpointFileError, atomic_save, load_file
 from echopipe.torch import EchoLoader
@@ -452,7 +453,8 @@ def test_an_echo_value_error_stays_one_short_line() -> None:
 
 
 def _dali_blob(base: Path, edit=None) -> bytes:
-    state = _state(base)["input"]["pipeline"]
+    # The iterator's state holds the pipeline's arrays as tensors (for weights_only loads)
+    state = tensors_as_arrays(_state(base)["input"]["pipeline"])
     state["iterator_data"] = ""
     if edit is not None:
         edit(state)

@@ -19,7 +19,7 @@ import torch
 from nvidia.dali.plugin.base_iterator import LastBatchPolicy
 
 from .pipeline import EchoPipeline
-from .torch_copy import to_torch
+from .torch_copy import arrays_as_tensors, tensors_as_arrays, to_torch
 
 
 @dataclass
@@ -363,9 +363,10 @@ class EchoIterator:
     # -- checkpointing --
 
     def state_dict(self) -> dict[str, Any]:
-        """Pipeline echo state (:meth:`EchoPipeline.state_dict`) plus the iterator's position."""
+        """Pipeline echo state (:meth:`EchoPipeline.state_dict`, its arrays as tensors, so
+        ``torch.load(weights_only=True)`` reads it) plus the iterator's position."""
         return {
-            "pipeline": self.pipeline.state_dict(),
+            "pipeline": arrays_as_tensors(self.pipeline.state_dict()),
             "iterator": {
                 "stats": dict(self.stats.__dict__),
                 "step_in_epoch": self._step_in_epoch,
@@ -375,7 +376,7 @@ class EchoIterator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` output into a freshly created iterator."""
-        self.pipeline.load_state_dict(state["pipeline"])
+        self.pipeline.load_state_dict(tensors_as_arrays(state["pipeline"]))
         it = state["iterator"]
         self.stats = EchoIteratorStats(**it["stats"])
         self._step_in_epoch = int(it["step_in_epoch"])

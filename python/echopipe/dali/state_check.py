@@ -303,9 +303,10 @@ def check_iterator_state(state: Any, where: str = "iterator state") -> None:
     """Check an :meth:`EchoIterator.state_dict` result (the pipeline's state and the
     iterator's position and counters)."""
     from .iterator import EchoIteratorStats
+    from .torch_copy import tensors_as_arrays
 
     _keys(state, where, {"pipeline", "iterator"})
-    check_echo_state(state["pipeline"], f"{where} 'pipeline'")
+    check_echo_state(tensors_as_arrays(state["pipeline"]), f"{where} 'pipeline'")
     it = state["iterator"]
     _keys(it, f"{where} 'iterator'", {"stats", "step_in_epoch", "epoch_done"})
     _int(it["step_in_epoch"], f"{where} 'step_in_epoch'")

@@ -49,3 +49,27 @@ def _gpu_to_torch(value: Any) -> torch.Tensor:
     # ``out`` is ordered after it because both run on ``stream``.
     feed_ndarray(tensor, out, cuda_stream=stream)
     return out
+
+
+def arrays_as_tensors(tree: Any) -> Any:
+    """``tree`` (nested dicts, lists and tuples) with each numpy array as a CPU tensor sharing
+    its memory, so that ``torch.load(weights_only=True)`` (Lightning's default on torch >= 2.6)
+    reads a saved state; :func:`tensors_as_arrays` reverses it."""
+    if isinstance(tree, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(tree))
+    if isinstance(tree, dict):
+        return {k: arrays_as_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(arrays_as_tensors(v) for v in tree)
+    return tree
+
+
+def tensors_as_arrays(tree: Any) -> Any:
+    """The inverse of :func:`arrays_as_tensors` (a tree without tensors comes back equal)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().numpy()
+    if isinstance(tree, dict):
+        return {k: tensors_as_arrays(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(tensors_as_arrays(v) for v in tree)
+    return tree
