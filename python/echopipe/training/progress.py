@@ -71,10 +71,6 @@ class Progress:
         self._base = (0.0, 0.0)  # samples delivered and fresh before this epoch
         self._last = (0.0, 0.0)  # this epoch's counts at its latest step
         self._last_step_at: float | None = None
-        # After a drain the first steps of an epoch only refill the pipeline (no minibatch has
-        # finished: their loss is None) and return at once; a line there would show thousands
-        # of img/s. Only on a process that sees losses at all (one with the last stage).
-        self._losses_seen = False
         if enabled and tb_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -125,8 +121,8 @@ class Progress:
 
         The rates shown are over the steps since the previous line (or bar refresh), also
         across an epoch end, with the time between epochs (after :meth:`drained`) left out, and
-        none before the process's first ``warmup_steps`` steps are done, nor on an epoch's first
-        steps that only refill the pipeline (``loss`` still None on a process that gets losses).
+        none before the process's first ``warmup_steps`` steps are done, nor on a step that
+        finished no minibatch (``loss`` None: an epoch's first steps refill the drained pipeline).
         """
         if not self.enabled:
             return
@@ -135,8 +131,11 @@ class Progress:
         self._last, self._last_step_at = (delivered, fresh), now
         total, total_fresh = self._base[0] + delivered, self._base[1] + fresh
         fields: dict[str, float | None] = {"loss": loss, "e": e}
-        self._losses_seen = self._losses_seen or loss is not None
-        refilling = loss is None and self._losses_seen
+        # A step that finished no minibatch (loss None: the first steps after a drain only
+        # refill the pipeline) returns at once; a line there would show thousands of img/s, and
+        # a window restarted there would leave out the compute the next step waits for. (The
+        # process that shows progress has the last stage, so every computed step has a loss.)
+        refilling = loss is None
         if self._seen <= self.warmup_steps:
             self._window = (now, total, total_fresh)  # the rates start after the warm-up
         elif not refilling:
