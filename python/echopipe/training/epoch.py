@@ -195,7 +195,7 @@ class EpochLoop:
         try:
             batch = next(self.data.iterator)[0]
         except RuntimeError as exc:  # the DALI pipeline's failure, e.g. a full echo cache
-            raise self._input_error(exc) from None
+            raise self.data.explain(exc) from None
         x, y = batch["data"], batch["label"].reshape(-1).long()
         if cfg.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -222,32 +222,6 @@ class EpochLoop:
                 f"the training loss became {bad} at step {self.run_state.global_step}: training "
                 f"diverged; lower --lr (now {self.cfg.lr:g}) or the warm-up (--warmup-epochs)"
             )
-
-    def _input_error(self, exc: RuntimeError) -> Exception:
-        from ..dali.upstream import CacheTooSmallError  # (the trainer's input is DALI's)
-
-        small = exc.__cause__
-        if isinstance(small, CacheTooSmallError):
-            return DataError(
-                f"--deterministic: the echo cache (--cache-mb {self.cfg.cache_mb}) holds only "
-                f"{small.resident} decoded training images, but the first draw waits for "
-                f"{small.wanted} (the shuffle buffer or the batch); raise --cache-mb to at least "
-                f"{math.ceil(small.need_bytes / 2**20)} or lower --shuffle-buffer"
-            )
-        # DALI passes the sink's SampleTooLargeError on as text; the cache keeps the typed one.
-        cache = getattr(self.data.pipe, "cache", None)
-        too_large = cache.refused_sample if cache is not None else None
-        if too_large is not None:
-            need = too_large.sample_bytes / 2**20
-            files = getattr(getattr(self.data.pipe, "folder_index", None), "files", [])
-            found = _image_larger_than(files, self.data.echo.cache_bytes)
-            which = f" ({found})" if found else ""
-            return DataError(
-                f"a decoded training image{which} needs {need:.1f} MiB, more than the echo "
-                f"cache holds (--cache-mb {self.cfg.cache_mb}); raise --cache-mb to at least "
-                f"{math.ceil(need) * 4}"
-            )
-        return exc
 
     def _retune_echo(self, within_epoch: bool) -> None:
         """Adopt rank 0's echo factor. Within an epoch, the fresh samples it still owes are
@@ -369,32 +343,3 @@ def fault_exit(rank: int, step: int) -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
             os._exit(17)
-
-
-def _image_larger_than(files: list[str], capacity: int, budget_s: float = 5.0) -> str | None:
-    """``'PATH, WxH'`` of an image whose decoded RGB pixels exceed ``capacity`` bytes, or None.
-
-    The cache's error does not name the sample, so the image headers are read (largest files
-    first, no decoding) until one is found or ``budget_s`` has passed: a huge dataset is not
-    read in full only to improve an error message.
-    """
-    from PIL import Image
-
-    def size(path: str) -> int:
-        try:
-            return os.stat(path).st_size
-        except OSError:
-            return 0
-
-    deadline = time.perf_counter() + budget_s
-    for path in sorted(files, key=size, reverse=True):
-        if time.perf_counter() > deadline:
-            return None
-        try:
-            with Image.open(path) as im:
-                w, h = im.size
-        except Exception:  # Pillow raises many types; the run's own error is what counts
-            continue
-        if 3 * w * h > capacity:
-            return f"{path}, {w}x{h}"
-    return None

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -135,6 +137,34 @@ class TrainInput:
         t_up = self.pipe.upstream_step_seconds()
         return None if math.isnan(t_up) else t_up
 
+    def explain(self, exc: RuntimeError) -> Exception:
+        """The training input's failure ``exc`` (raised by the DALI pipeline) as one line: a
+        cache too small for what it must hold names --cache-mb; anything else is ``exc``."""
+        from ..dali.upstream import CacheTooSmallError  # (the trainer's input is DALI's)
+
+        small = exc.__cause__
+        if isinstance(small, CacheTooSmallError):
+            return DataError(
+                f"--deterministic: the echo cache (--cache-mb {self.cfg.cache_mb}) holds only "
+                f"{small.resident} decoded training images, but the first draw waits for "
+                f"{small.wanted} (the shuffle buffer or the batch); raise --cache-mb to at least "
+                f"{math.ceil(small.need_bytes / 2**20)} or lower --shuffle-buffer"
+            )
+        # DALI passes the sink's SampleTooLargeError on as text; the cache keeps the typed one.
+        cache = getattr(self.pipe, "cache", None)
+        too_large = cache.refused_sample if cache is not None else None
+        if too_large is not None:
+            need = too_large.sample_bytes / 2**20
+            files = getattr(getattr(self.pipe, "folder_index", None), "files", [])
+            found = _image_larger_than(files, self.echo.cache_bytes)
+            which = f" ({found})" if found else ""
+            return DataError(
+                f"a decoded training image{which} needs {need:.1f} MiB, more than the echo "
+                f"cache holds (--cache-mb {self.cfg.cache_mb}); raise --cache-mb to at least "
+                f"{math.ceil(need) * 4}"
+            )
+        return exc
+
     def state_dict(self) -> dict[str, Any]:
         return self.iterator.state_dict()
 
@@ -235,3 +265,32 @@ def evaluate_checkpoint(
                 return model(x)
 
     return evaluate(_Plain(), cfg, data_dir, ctx, None, [])[:3]
+
+
+def _image_larger_than(files: list[str], capacity: int, budget_s: float = 5.0) -> str | None:
+    """``'PATH, WxH'`` of an image whose decoded RGB pixels exceed ``capacity`` bytes, or None.
+
+    The cache's error does not name the sample, so the image headers are read (largest files
+    first, no decoding) until one is found or ``budget_s`` has passed: a huge dataset is not
+    read in full only to improve an error message.
+    """
+    from PIL import Image
+
+    def size(path: str) -> int:
+        try:
+            return os.stat(path).st_size
+        except OSError:
+            return 0
+
+    deadline = time.perf_counter() + budget_s
+    for path in sorted(files, key=size, reverse=True):
+        if time.perf_counter() > deadline:
+            return None
+        try:
+            with Image.open(path) as im:
+                w, h = im.size
+        except Exception:  # Pillow raises many types; the run's own error is what counts
+            continue
+        if 3 * w * h > capacity:
+            return f"{path}, {w}x{h}"
+    return None
