@@ -23,6 +23,7 @@ from .distributed import DistContext, average_buffers
 from .input import TrainInput, evaluate
 from .progress import Progress, StepLog
 from .schedule import EpochClock, LrSchedule, hybrid_switch_epoch
+from .start import signals_deferred
 from .state import RunState
 
 __all__ = ["EpochLoop"]
@@ -85,6 +86,9 @@ class EpochLoop:
         self._mark: float | None = None
         self.epoch_times: list[float] = []
         self._val: list[Any] = []  # the validation iterator, built on first use
+        # Whether the BatchNorm statistics are averaged over the replicas for the steps taken:
+        # so a checkpoint written by a stop during validation holds them (see end_epoch).
+        self._averaged = run_state.validation_due
 
     def checkpoint(self, *, best: bool) -> None:
         """Drain the pipeline (nothing in flight, its losses kept), then ``save``; the drain
@@ -149,7 +153,6 @@ class EpochLoop:
             )
         self.drain()
         self.progress.drained()
-        average_buffers(self.model, self.ctx)
         self._count_time()
         self._mark = None
         self.epoch_fresh = self.data.counters()["fresh"] - fresh0
@@ -200,6 +203,7 @@ class EpochLoop:
         if cfg.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         result = self.pipeline.train_step(x, y)
+        self._averaged = False
         self._step_of[result.index] = st.global_step + 1
         self._keep_losses(result.finished)
         st.global_step += 1
@@ -251,19 +255,27 @@ class EpochLoop:
             data.set_steps(st.steps_per_epoch)
 
     def end_epoch(self) -> None:
-        """Validate, record the row, retune echo, checkpoint, rewrite the run folder's files."""
+        """Validate, record the row, retune echo, checkpoint, rewrite the run folder's files.
+
+        A stop (Ctrl-C, SIGTERM) during validation first writes the checkpoint of the epoch as
+        trained, not validated (:meth:`_keep_trained`): the resume validates it and goes on,
+        rather than training it again from the checkpoint before.
+        """
         cfg, st = self.cfg, self.run_state
         if st.rows and st.rows[-1]["step"] == st.global_step:
             return  # --max-steps fell on an epoch end: that epoch is already recorded
-        top1, val_loss, val_n, top5 = evaluate(
-            self.pipeline, cfg, self.data_dir, self.ctx, self.data.device_id, self._val
-        )
+        try:
+            top1, val_loss, val_n, top5 = self._validate()
+            counters = self._counters()
+        except KeyboardInterrupt:
+            self._keep_trained()
+            raise
         finished = st.step_in_epoch >= st.steps_per_epoch
         if finished:
             st.epoch += 1
             st.step_in_epoch = 0
             st.epoch_fresh = 0.0
-        row = self._row(top1, val_loss, val_n)
+        row = self._row(top1, val_loss, val_n, counters)
         row["val_top5"] = top5
         self._epoch_figures(row)
         st.rows.append(row)
@@ -285,6 +297,34 @@ class EpochLoop:
         if self.ctx.is_main:
             self._write_metrics()
 
+    def _validate(self) -> tuple[float, float, int, float]:
+        """The replicas' BatchNorm statistics averaged (whole: a stop between a buffer's sum and
+        its division would leave it summed, and a checkpoint of the trained epoch would keep
+        it), then :func:`~.input.evaluate`."""
+        st = self.run_state
+        if not self._averaged:
+            with signals_deferred():
+                average_buffers(self.model, self.ctx)
+            self._averaged = True
+        self.progress.validating(st.epoch, st.global_step)
+        return evaluate(
+            self.pipeline, self.cfg, self.data_dir, self.ctx, self.data.device_id, self._val
+        )
+
+    def _keep_trained(self) -> None:
+        """A stop during validation: the checkpoint of what validation was given, whole (a
+        second stop meanwhile is dropped; the first one ends the run). After an epoch's last
+        step its validation is due (RunState.validation_due) and a resume begins with it; after
+        a --max-steps stop inside an epoch it is a checkpoint of that step, as
+        --checkpoint-every writes."""
+        with signals_deferred(resend=False):
+            self.checkpoint(best=False)
+
+    def _counters(self) -> list[float]:
+        """Fresh and echoed samples and upstream time, summed over the replicas."""
+        c = self.data.counters()
+        return self.ctx.all_reduce_sum([c["fresh"], c["echoed"], c["up_s"], c["up_iters"]])
+
     def _epoch_figures(self, row: dict[str, Any]) -> None:
         """This epoch's own time and rates (the row's other rates are over the whole run)."""
         world, st = self.ctx.world_size, self.run_state
@@ -293,12 +333,11 @@ class EpochLoop:
         row["epoch_img_per_s"] = world * st.epoch_samples / train_s
         row["epoch_fresh_per_s"] = world * self.epoch_fresh / train_s
 
-    def _row(self, top1: float, val_loss: float, val_n: int) -> dict[str, Any]:
+    def _row(
+        self, top1: float, val_loss: float, val_n: int, counters: list[float]
+    ) -> dict[str, Any]:
         st = self.run_state
-        c = self.data.counters()
-        fresh, echoed, up_s, up_n = self.ctx.all_reduce_sum(
-            [c["fresh"], c["echoed"], c["up_s"], c["up_iters"]]
-        )
+        fresh, echoed, up_s, up_n = counters
         t_up = up_s / up_n if up_n else math.nan
         world = self.ctx.world_size
         n = st.global_step  # the LR after n updates, as the stages' schedulers computed it

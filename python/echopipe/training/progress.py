@@ -95,6 +95,12 @@ class Progress:
         if self._last_step_at is not None:
             self._last_step_at = self.clock()
 
+    def validating(self, epoch: int, step: int) -> None:
+        """Validation of ``epoch`` (0-based) starts after ``step``: a line (it may take minutes,
+        and a stop during it keeps the trained epoch)."""
+        if self.enabled:
+            self.say(f"validating epoch {epoch + 1}/{self.epochs} at step {step}")
+
     def start_epoch(self, epoch: int, steps: int, done: int) -> None:
         now = self.clock()
         t0, d0, f0 = self._window

@@ -40,7 +40,7 @@ class RunStart:
     with a resumed checkpoint's), ``folder``/``out``/``ckpts``, ``saved`` and ``resume_path``,
     ``changed`` (options given anew on a resume), ``finished`` (a resumed run that has nothing
     left to train), ``data_dir`` and ``classes``. ``last_saved`` is the last checkpoint written
-    (``(epochs done, step in epoch, step)``), which the trainer updates as it saves.
+    (``(step, RunState.position())``), which the trainer updates as it saves.
     """
 
     def __init__(
@@ -56,7 +56,7 @@ class RunStart:
         self.resume_path: Path | None = None
         self.changed: dict[str, list[Any]] = {}
         self.finished: str | None = None
-        self.last_saved: tuple[int, int, int] | None = None
+        self.last_saved: tuple[int, str] | None = None
         self._fell_back = False  # the ranks agreed on this rank's prev.pt
         self.data_dir = Path()
         self.classes: list[str] = []
@@ -178,7 +178,7 @@ class RunStart:
         ensure_same_run(self.out, st.run_id, path, bool(self.ckpts.existing()))
         self.cfg, self.changed = merge_options(cfg, saved, self.given, path)
         self.saved, self.resume_path = saved, path
-        self.last_saved = (st.epoch, st.step_in_epoch, st.global_step)
+        self.last_saved = (st.global_step, st.position())
         if st.epoch >= self.cfg.epochs:
             self.finished = (
                 f"resume: the run finished its {st.epoch} epoch(s) at step {st.global_step}; "
@@ -317,8 +317,7 @@ class RunStart:
         if self.last_saved is None or out is None:
             where = f" in {out}" if out is not None else ""
             return f"interrupted {at}; no checkpoint{where} yet: there is nothing to resume"
-        epochs, in_epoch, done = self.last_saved
-        when = f"end of epoch {epochs}" if in_epoch == 0 else f"epoch {epochs + 1}"
+        done, when = self.last_saved
         return (
             f"interrupted {at}; --resume --output {out} continues from "
             f"{self.ckpts.last} (step {done}, {when})"

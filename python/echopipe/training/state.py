@@ -96,6 +96,22 @@ class RunState:
         return out
 
     @property
+    def validation_due(self) -> bool:
+        """The epoch's steps are all taken but it is not validated yet: so stands a checkpoint
+        written by a stop during the epoch's validation, and a resume from it validates the
+        epoch before anything else (``--checkpoint-every`` never writes one at the epoch's last
+        step, so no other checkpoint is of this kind)."""
+        return 0 < self.steps_per_epoch <= self.step_in_epoch
+
+    def position(self) -> str:
+        """Where in the run this state stands, as the interrupt and resume lines say it."""
+        if self.validation_due:
+            return f"epoch {self.epoch + 1} trained, not validated"
+        if self.step_in_epoch == 0:
+            return f"end of epoch {self.epoch}"
+        return f"epoch {self.epoch + 1}"
+
+    @property
     def t_down_s(self) -> float:
         """Mean compute seconds per step, or NaN before any was timed."""
         return self.step_time_s / self.steps_timed if self.steps_timed else float("nan")

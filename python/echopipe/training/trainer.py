@@ -304,7 +304,9 @@ class Trainer:
             self.pipeline.load_state_dict(saved["pipeline"])
             set_rng_state(saved["rng"])
             st = self.run_state
-            self.say(f"resume: {self.start.resume_path} (step {st.global_step}, epoch {st.epoch})")
+            due = f"; {st.position()}: it is validated first" if st.validation_due else ""
+            where = f"step {st.global_step}, epoch {st.epoch}{due}"
+            self.say(f"resume: {self.start.resume_path} ({where})")
 
     def _model(self) -> nn.Sequential:
         from ..models import build_model
@@ -350,7 +352,7 @@ class Trainer:
             self.step_log.flush()  # every step the checkpoint holds is in steps.csv
         with signals_deferred():  # (a stop held back names this checkpoint, so set it inside)
             self.start.ckpts.save(payload, best=best)
-            self.start.last_saved = (st.epoch, st.step_in_epoch, st.global_step)
+            self.start.last_saved = (st.global_step, st.position())
 
     def _write_metrics(self, summary: TrainSummary | None = None) -> None:
         history = (

@@ -1,0 +1,146 @@
+"""A stop (SIGTERM) during an epoch's validation keeps the epoch just trained.
+
+Real ``echopipe train`` processes on the tiny JPEG set, stopped by a real SIGTERM sent when the
+run prints ``validating epoch ...``, then resumed with ``--resume``: the resume validates the
+trained epoch instead of training it again, and the run ends with the rows, steps and summary
+of an uninterrupted run. The first validation batch waits for the stop (at most 120 s, ended
+by the signal's handler), so the stop always lands inside validation, not after it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from echopipe.training.checkpoints import read_checkpoint
+
+pytestmark = pytest.mark.dali
+
+ARGS = ["--batch-size", "8", "--image-size", "32", "--no-progress", "--warmup-epochs", "0",
+        "--stages", "1", "--echo", "2", "--epochs", "2"]  # fmt: skip
+
+# Runs echopipe's CLI with the first validation batch held until a stop arrives.
+HOLD = """\
+import sys, time
+from echopipe.cli import main
+from echopipe.pipeline.engine import StalePipeline
+
+evaluate = StalePipeline.evaluate
+held = []
+
+def held_evaluate(self, x, batch_size=None):
+    if not held:
+        held.append(True)
+        end = time.monotonic() + 120
+        while time.monotonic() < end:  # the stop's handler raises out of this wait
+            time.sleep(0.01)
+    return evaluate(self, x, batch_size)
+
+StalePipeline.evaluate = held_evaluate
+sys.exit(main(sys.argv[1:]))
+"""
+
+# Row entries an uninterrupted run and a stopped-and-resumed one share (not times, not the
+# input's build count, which counts the resume's rebuild).
+SAME = ["epoch", "step", "train_loss", "val_top1", "val_loss", "val_top5", "val_images",
+        "fresh_samples", "echoed_samples", "echo_factor", "lr", "pipelined"]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    import echopipe
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
+    )
+    return env
+
+
+def _cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "echopipe.cli", *argv], env=_env(),
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+
+
+def _stop_in_validation(cmd: list[str]) -> tuple[int, str]:
+    """Run ``cmd``; SIGTERM it when it says validation started; its status and stderr."""
+    seen: list[str] = []
+    with subprocess.Popen(cmd, env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                          text=True) as proc:  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                seen.append(line)
+                if line.startswith("validating epoch 1/"):
+                    proc.send_signal(signal.SIGTERM)
+                    break
+            seen.append(proc.stderr.read())
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return proc.returncode, "".join(seen)
+
+
+def _rows(run: Path) -> list[dict[str, Any]]:
+    doc = json.loads((run / "metrics.json").read_text())
+    return [{k: r[k] for k in SAME} for r in doc["epochs"]]
+
+
+def _steps(run: Path) -> dict[int, str]:
+    with open(run / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len({r["step"] for r in rows}), "a step appears twice in steps.csv"
+    return {int(r["step"]): r["train_loss"] for r in rows}
+
+
+def test_a_sigterm_during_validation_keeps_the_trained_epoch(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """Stopped in epoch 1's validation (after its 8 steps), the run writes the checkpoint of
+    the trained epoch and names it; the resume validates epoch 1 first, then trains epoch 2:
+    --deterministic, so the same input gives every step the uninterrupted run's loss."""
+    argv = ["train", "--data", str(tiny_imagenet), *ARGS, "--deterministic"]
+    ref = tmp_path / "ref"  # (a process as the others: the same threads, the same sums)
+    assert _cli([*argv, "--output", str(ref)]).returncode == 0
+    run = tmp_path / "run"
+    last = run / "checkpoints" / "last.pt"
+    hold = tmp_path / "hold.py"
+    hold.write_text(HOLD)
+    code, err = _stop_in_validation([sys.executable, str(hold), *argv, "--output", str(run)])
+    assert code == 143, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        f"echopipe train: interrupted at step 8; --resume --output {run} continues from {last} "
+        "(step 8, epoch 1 trained, not validated)"
+    ), err
+    saved = read_checkpoint(last)["run"]
+    assert (saved["global_step"], saved["epoch"], saved["step_in_epoch"]) == (8, 0, 8)
+    assert saved["rows"] == []
+
+    done = _cli(["train", "--output", str(run), "--resume"])
+    assert done.returncode == 0, done.stderr
+    assert (
+        f"resume: {last} (step 8, epoch 0; epoch 1 trained, not validated: it is validated first)"
+        in done.stderr
+    ), done.stderr
+    assert "validating epoch 1/2 at step 8" in done.stderr
+    assert _rows(run) == _rows(ref)
+    assert [r["step"] for r in _rows(run)] == [8, 16]
+    assert _steps(run) == _steps(ref) and sorted(_steps(run)) == list(range(1, 17))
+    summary = json.loads((run / "metrics.json").read_text())["summary"]
+    want = json.loads((ref / "metrics.json").read_text())["summary"]
+    for key in ("steps", "epochs", "top1", "fresh_samples", "echoed_samples"):
+        assert summary[key] == want[key], key
+    assert len((run / "metrics.csv").read_text().splitlines()) == 3
+    config = json.loads((run / "config.json").read_text())
+    (restart,) = config["restarts"]
+    assert restart["from"] == {"checkpoint": str(last), "epoch": 0, "step": 8}
