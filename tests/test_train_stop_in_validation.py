@@ -13,6 +13,7 @@ import csv
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +145,80 @@ def test_a_sigterm_during_validation_keeps_the_trained_epoch(
     config = json.loads((run / "config.json").read_text())
     (restart,) = config["restarts"]
     assert restart["from"] == {"checkpoint": str(last), "epoch": 0, "step": 8}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_sigterm_to_torchrun_during_validation_keeps_the_epoch_on_both_ranks(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """torchrun, 2 Gloo processes: SIGTERM to torchrun during epoch 1's validation (it sends
+    SIGTERM to both ranks) ends the job without a hang; both ranks hold the trained epoch's
+    checkpoint of one step, and the resumed job validates it and ends as a whole run.
+
+    Then the ranks as a stop that reached rank 0 after its validation leaves them: rank 0 with
+    the validated end of epoch 1 (and the trained one as prev.pt), rank 1 with the trained one.
+    Both are step 4, yet not the same state: resumed together, rank 0 trained on while rank 1
+    validated (their collectives crossed until --dist-timeout-s). They agree on the trained
+    epoch instead, and the job ends with the same rows."""
+    hold = tmp_path / "hold.py"
+    hold.write_text(HOLD)
+    run = tmp_path / "run"
+    ranks = [run / "checkpoints" / f"rank{r}" for r in (0, 1)]
+
+    def torchrun(script: list[str], *extra: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                "--nproc_per_node=2", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{_port()}", "--monitor-interval=0.2", *script,
+                "train", "--data", str(tiny_imagenet), *ARGS, "--deterministic",
+                "--dist-timeout-s", "30", "--output", str(run), *extra]  # fmt: skip
+
+    def resume() -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(torchrun(["-m", "echopipe.cli"], "--resume"), env=_env(),
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        doc = json.loads((run / "metrics.json").read_text())
+        assert [r["step"] for r in doc["epochs"]] == [4, 8]
+        assert [r["epoch"] for r in doc["epochs"]] == [1, 2]
+        assert all(r["val_images"] == 8 for r in doc["epochs"])
+        assert doc["summary"]["steps"] == 8 and doc["summary"]["epochs"] == 2
+        assert sorted(_steps(run)) == list(range(1, 9))
+        for folder in ranks:
+            saved = read_checkpoint(folder / "last.pt")["run"]
+            assert (saved["global_step"], saved["epoch"]) == (8, 2)
+        return done
+
+    code, err = _stop_in_validation(torchrun([str(hold)]))
+    assert code != 0, err
+    assert (
+        f"interrupted at step 4; --resume --output {run} continues from {ranks[0] / 'last.pt'} "
+        "(step 4, epoch 1 trained, not validated)"
+    ) in err, err[-3000:]
+    trained = []
+    for folder in ranks:
+        saved = read_checkpoint(folder / "last.pt")["run"]
+        assert (saved["global_step"], saved["epoch"], saved["step_in_epoch"]) == (4, 0, 4)
+        trained.append((folder / "last.pt").read_bytes())
+    done = resume()
+    assert "epoch 1 trained, not validated: it is validated first" in done.stderr
+    rows = _rows(run)
+
+    # Rank 0: the validated end of epoch 1 (last.pt) and the trained epoch (prev.pt); rank 1:
+    # the trained epoch only.
+    (ranks[0] / "prev.pt").replace(ranks[0] / "last.pt")
+    (ranks[0] / "prev.pt").write_bytes(trained[0])
+    (ranks[1] / "last.pt").write_bytes(trained[1])
+    (ranks[1] / "prev.pt").unlink()
+    assert read_checkpoint(ranks[0] / "last.pt")["run"]["epoch"] == 1
+    done = resume()
+    assert (
+        "the ranks' checkpoints differ (rank 0: step 4, rank 1: step 4 (not validated)): all "
+        "resume from step 4 (not validated), the newest step every rank holds" in done.stderr
+    ), done.stderr[-3000:]
+    assert _rows(run) == rows

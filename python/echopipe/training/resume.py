@@ -107,6 +107,11 @@ def agree_on_checkpoint(
     """The checkpoint this rank resumes from, the same step on every rank; None when no rank
     has one.
 
+    A step is also told by whether its epoch is validated: a stop during an epoch's validation
+    checkpoints the epoch as trained, not validated, and a rank the stop reached later may
+    hold the validated epoch end of the same step; resumed together, one would validate while
+    the other trains on (their collectives crossed), so they count as different steps.
+
     When the ranks' ``last.pt`` differ (a rank killed between two writes), every rank falls back
     to the newest step all of them hold (``last.pt`` or the ``prev.pt`` kept beside it); the
     newer ``last.pt`` of a rank that falls back is of steps the others never took, and goes.
@@ -124,17 +129,16 @@ def agree_on_checkpoint(
     prev = _read_step(ckpts.prev, read, ctx) if ckpts.prev.is_file() else (None, None)
     views = ctx.all_gather_object([_view(last), _view(prev)])
     _raise_first_error([v[1] for v in views], prev, ctx)
-    held = [{s for s in v if isinstance(s, int)} for v in views]
+    held = [{s for s in v if isinstance(s, tuple)} for v in views]
     common = set.intersection(*held)
-    where = ", ".join(f"rank {r}: step {v[0] if v[0] is not None else 'none'}"
-                      for r, v in enumerate(views))  # fmt: skip
+    where = ", ".join(f"rank {r}: {_told(v[0])}" for r, v in enumerate(views))
     if not common:
         raise UsageError(
             f"--resume: the ranks' checkpoints are of different steps ({where}) and no step is "
             "held by every rank; resuming would train the replicas out of step"
         )
-    step = max(common)
-    say(f"resume: the ranks' checkpoints differ ({where}): all resume from step {step}, the "
+    step = max(common)  # (of one step, its validated epoch end is the newer)
+    say(f"resume: the ranks' checkpoints differ ({where}): all resume from {_told(step)}, the "
         "newest step every rank holds")  # fmt: skip
     if last[0] == step:
         return ckpts.last, last[1]  # type: ignore[return-value]
@@ -162,7 +166,7 @@ def agree_on_file(
     steps = ctx.all_gather_object(_view(got))
     _raise_first_error(steps, got, ctx)
     if len(set(steps)) != 1:
-        where = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+        where = ", ".join(f"rank {r}: {_told(s)}" for r, s in enumerate(steps))
         raise UsageError(
             f"--resume {str(ckpt)!r}: the ranks' files are of different steps ({where}); "
             "resuming would train the replicas out of step"
@@ -173,21 +177,31 @@ def agree_on_file(
 def _read_step(
     path: Path, read: Callable[[Path], dict[str, Any]], ctx: DistContext
 ) -> tuple[Any, Any]:
-    """``(step, saved)``, ``(None, None)`` without a file, or ``(exception, None)``."""
+    """``((step, validated), saved)``, ``(None, None)`` without a file, or
+    ``(exception, None)``; ``validated`` is False for an epoch trained but not validated."""
     if not path.is_file():
         return None, None
     try:
         saved = read(path)
-        return int(saved["run"]["global_step"]), saved
+        st = RunState.from_state_dict(saved["run"])  # (read() checked its fields)
+        return (st.global_step, not st.validation_due), saved
     except (CheckpointError, OSError, UsageError) as exc:
         if not ctx.enabled:
             raise
         return exc, None
 
 
-def _view(read: tuple[Any, Any]) -> int | str | None:
+def _view(read: tuple[Any, Any]) -> tuple[int, bool] | str | None:
     step = read[0]
     return str(step) if isinstance(step, BaseException) else step
+
+
+def _told(view: tuple[int, bool] | None) -> str:
+    """A rank's checkpoint as the lines name it: ``step 8``, ``step 8 (not validated)``."""
+    if view is None:
+        return "step none"
+    step, validated = view
+    return f"step {step}" + ("" if validated else " (not validated)")
 
 
 def _raise_first_error(views: list[Any], mine: tuple[Any, Any], ctx: DistContext) -> None:
