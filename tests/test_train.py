@@ -534,6 +534,9 @@ def test_max_steps_and_a_diverging_loss(tiny_imagenet: Path, tmp_path: Path) -> 
         DataError, match=r"training loss became (nan|inf).*lower --lr \(now 1e\+30\)"
     ):
         train(TrainConfig(**base, lr=1e30, output=tmp_path / "nan"), log=lambda m: None)
+    # A weight decay that alone makes the loss diverge: the line names it too.
+    with pytest.raises(DataError, match=r"or --weight-decay \(now 3e\+38\)"):
+        train(TrainConfig(**base, weight_decay=3e38, output=tmp_path / "wd"), log=lambda m: None)
 
 
 def inject_timings(monkeypatch: pytest.MonkeyPatch, t_up: float, t_down: float) -> None:

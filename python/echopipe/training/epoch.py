@@ -224,7 +224,8 @@ class EpochLoop:
         if bad is not None:
             raise DataError(
                 f"the training loss became {bad} at step {self.run_state.global_step}: training "
-                f"diverged; lower --lr (now {self.cfg.lr:g}) or the warm-up (--warmup-epochs)"
+                f"diverged; lower --lr (now {self.cfg.lr:g}) or --weight-decay (now "
+                f"{self.cfg.weight_decay:g}), or lengthen the warm-up (--warmup-epochs)"
             )
 
     def _retune_echo(self, within_epoch: bool) -> None:
