@@ -122,25 +122,28 @@ def test_each_epoch_holds_each_shard_sample_e_times(files, e, policy, shard) -> 
     (mine,) = set(map(frozenset, _plain_epochs(files, shard, 3, kw)))
     pipe = echo_pipe(files, shard, 3, batch_size=BATCH, echo_factor=e, reader_kw=kw)
     copies = e * len(mine)  # DALI's shard sizes 6, 7, 7 times e: 12, 14, 14 at e = 2
+    # Every shard's epoch is padded to the largest one's batches (DROP: the smallest one's
+    # whole batches), as DALI's padded reader does, so the shards take equal steps.
+    size = 6 * e if policy == LBP.DROP else 7 * e
     with pipe:
         it = DALIClassificationIterator(
             pipe, reader_name="Reader", last_batch_policy=policy, auto_reset=True
         )
-        assert it._size == copies
-        steps = copies // BATCH if policy == LBP.DROP else math.ceil(copies / BATCH)
+        assert it._size == size
+        steps = size // BATCH if policy == LBP.DROP else math.ceil(size / BATCH)
         assert len(it) == steps
         for epoch in _epochs(it, 3):
             labels = [x for batch in epoch for x in batch]
             counts = Counter(labels)
-            assert len(epoch) == steps and all(len(b) == BATCH for b in epoch[:-1])
+            assert len(epoch) == steps and all(len(b) == BATCH for b in epoch[: copies // BATCH])
             if policy == LBP.PARTIAL:
                 assert counts == {i: e for i in mine}  # at e = 1: no duplicate, none missing
             elif policy == LBP.FILL:
-                # Only the last batch is filled (with repeats of its own samples), as in DALI.
+                # Only the last batches are filled (with repeats of samples), as in DALI.
                 extra = counts - Counter({i: e for i in mine})
                 assert len(labels) == steps * BATCH and set(counts) == mine
                 assert min(counts.values()) == e and sum(extra.values()) == len(labels) - copies
-                assert set(extra) <= set(epoch[-1])
+                assert set(extra) <= set(_flat(epoch[copies // BATCH :]))
             else:
                 assert len(labels) == steps * BATCH and max(counts.values()) <= e
         assert pipe.copies_discarded == pipe.stats().copies_discarded == 0
@@ -182,10 +185,9 @@ def test_at_e1_the_epochs_match_plain_dali(files: list[str], policy) -> None:
             auto_reset=True,
         )  # fmt: skip
         epochs = _epochs(it, 3)
-        # DALI's DROP size is the whole data set's // shards (6 here, for a shard of 7); the
-        # echo pipeline reports its own shard, so only the other policies' sizes compare.
-        size = it._size if policy != LBP.DROP else None
-        shape.append((len(it), size, [[len(b) for b in ep] for ep in epochs]))
+        # DALI's DROP size is the whole data set's // shards (6 here, for a shard of 7), the
+        # smallest shard's, and so is the echo pipeline's.
+        shape.append((len(it), it._size, [[len(b) for b in ep] for ep in epochs]))
         files_per_epoch.append([Counter(_flat(ep)) for ep in epochs])
         if make is echo_pipe:
             pipe.close()
@@ -227,7 +229,7 @@ def test_a_fractional_echo_factor_has_an_exact_total_per_epoch(files, e) -> None
                 pipe, reader_name="Reader", last_batch_policy=LBP.PARTIAL, auto_reset=True
             )
             total = copies_per_epoch(e, len(mine))  # 6 files at 1.5: 9; 7 files at 2.3: 16
-            assert it._size == total
+            assert it._size == copies_per_epoch(e, 7)  # the largest shard's, on every shard
             for epoch in _epochs(it, 3):
                 counts = Counter(_flat(epoch))
                 assert set(counts) == mine and sum(counts.values()) == total
@@ -253,8 +255,8 @@ def test_shards_that_move_every_epoch_keep_their_size_when_equal(files: list[str
 def test_shards_of_unequal_size_that_move_are_refused_in_one_line(files: list[str]) -> None:
     with echo_pipe(files, 0, 3, batch_size=BATCH, echo_factor=2) as pipe:
         expected = r"reader 'Reader': 20 samples over 3 shards .* stick_to_shard=True"
-        with pytest.raises(ValueError, match=expected):
-            DALIClassificationIterator(pipe, reader_name="Reader")
+        with pytest.raises(ValueError, match=expected):  # PARTIAL trims by the first epoch's
+            DALIClassificationIterator(pipe, reader_name="Reader", last_batch_policy=LBP.PARTIAL)
         # EchoIterator's epochs end with the data: each holds the reader epoch's files twice.
         it = edali.EchoIterator(
             pipe, ["data", "label"], reader_name="Reader", last_batch_policy=LBP.PARTIAL
@@ -491,8 +493,8 @@ def test_a_factor_set_between_auto_reset_epochs_makes_the_whole_next_epoch(files
             pipe, reader_name="Reader", last_batch_policy=LBP.PARTIAL, auto_reset=True
         )
         resets: list[int] = []
-        reset = pipe.reset
-        pipe.reset = lambda **kw: (resets.append(1), reset(**kw))[1]  # type: ignore[method-assign]
+        finish = pipe.finish_pass
+        pipe.finish_pass = lambda: (resets.append(1), finish())[1]  # type: ignore[method-assign]
         first = [b[0]["label"].reshape(-1).tolist() for b in it]
         assert resets == []  # nothing of the next pass before the caller's next()
         pipe.set_echo_factor(3)

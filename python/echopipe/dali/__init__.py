@@ -48,6 +48,7 @@ from .builders import (
 )
 from .checkpointing import DaliCheckpointNeededError
 from .config import EchoPipelineConfig
+from .dali_api import UntrimmedPaddingWarning
 from .definition import echo_pipeline_def
 from .epochs import EpochSizeChangedError
 from .iterator import EchoIterator, EchoIteratorStats
@@ -101,6 +102,7 @@ __all__ = [
     "PythonEchoBuffer",
     "PythonEchoPipeline",
     "ReaderSpec",
+    "UntrimmedPaddingWarning",
     "UpstreamTap",
     "built_dali_version",
     "check_dali_version",

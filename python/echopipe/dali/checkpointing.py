@@ -78,6 +78,7 @@ def capture_state(
             "stash": [([a.copy() for a in arrays], info.copy()) for arrays, info in queue.stash],
             "input_done": queue.input_done,
             "handed": queue.handed,
+            "batches": queue.batches,
             "pass_pending": pass_pending,
             "upstream_wait_s": upstream_wait_s,
             "downstream_wait_s": queue.wait_s,
@@ -142,7 +143,13 @@ def apply_state(
     cache.layouts = list(state["layouts"])
     cache.quota = int(state["quota"])
     runner.load(state["runner"])
-    queue.restore(state["stash"], state["input_done"], state["handed"], state["downstream_wait_s"])
+    queue.restore(
+        state["stash"],
+        state["input_done"],
+        state["handed"],
+        state["downstream_wait_s"],
+        state.get("batches", 0),
+    )
     if runner.ended:
         cache.end_of_input()
         if cache.stats().tickets_left == 0 and not state.get("pass_pending", False):

@@ -16,12 +16,49 @@ they compute, each given what it needs.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
 
-from . import state_codec
-from .epochs import ReaderEpochs, epoch_copies
+from nvidia.dali.plugin.base_iterator import LastBatchPolicy
 
-__all__ = ["decode_checkpoint", "encode_checkpoint", "scaled_meta"]
+from . import state_codec
+from .epochs import PassSpan, ReaderEpochs, pass_span
+
+__all__ = [
+    "UntrimmedPaddingWarning",
+    "asking_iterator_policy",
+    "decode_checkpoint",
+    "encode_checkpoint",
+    "scaled_meta",
+]
+
+
+class UntrimmedPaddingWarning(UserWarning):
+    """DALI's ``PARTIAL`` policy will hand out some padding copies each epoch on this shard
+    (see :func:`scaled_meta`); :class:`~echopipe.dali.EchoIterator` trims them."""
+
+
+def asking_iterator_policy() -> Any:
+    """The ``LastBatchPolicy`` of the DALI iterator whose constructor is reading the reader's
+    metadata, or None when the caller is not one of DALI's iterators.
+
+    Why the stack: DALI's iterators take an epoch's length and where it ends from
+    ``reader_meta`` alone, and ``DROP`` must be told the smallest shard's copies where
+    ``PARTIAL`` must be told this shard's own (it trims the last batch by them); no one figure
+    serves both when the shards' copies differ by more than one, and DALI passes nothing else.
+    The iterator is ``self`` in the frames of its constructor, a few calls up."""
+    from nvidia.dali.plugin.base_iterator import _DaliBaseIterator
+
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _DaliBaseIterator):
+            return getattr(owner, "_last_batch_policy", None)
+        frame = frame.f_back
+    return None
 
 
 def scaled_meta(
@@ -29,10 +66,12 @@ def scaled_meta(
     config: Any,
     reader: ReaderEpochs | None,
     unaligned_reader: str | None,
+    policy: Any = None,
 ) -> dict[str, Any]:
     """The reader's metadata ``meta`` as DALI's iterators should see it for a pipeline with
-    the resolved ``config``: an epoch-aligned stream reports its own shard's copies as a whole
-    data set; a free-running one the reader's sizes times the echo factor."""
+    the resolved ``config``: an epoch-aligned stream reports its own shard's pass as a whole
+    data set, padded to the largest shard's (for ``policy`` DROP: the smallest shard's); a
+    free-running one the reader's sizes times the echo factor."""
     if unaligned_reader is not None:
         raise ValueError(
             f"reader {unaligned_reader!r} has no pad_last_batch=True, so its epochs cannot be "
@@ -40,46 +79,89 @@ def scaled_meta(
             "free-running stream whose copies cross epochs; create the reader with "
             "pad_last_batch=True, or pass epochs=None to the pipeline to accept that"
         )
-    if config.epochs is not None and reader is not None:
-        # This pipeline's own epoch, exactly: DALI's iterators split a reported data set
-        # over the shards themselves (floor(k * size / shards)), which for e copies of
-        # shards of unequal size gives the wrong lengths (20 files, 3 shards, e = 2: 13, 13,
-        # 14 instead of 12, 14, 14). So each pipeline reports its own shard as a whole data
-        # set; an epoch then ends exactly where its copies end, and the padding after them
-        # is never counted.
-        if not reader.fixed_size:
-            raise ValueError(
-                f"reader {reader.name!r}: {reader.size} samples over {reader.shards} shards "
-                "give shards of unequal size, and without stick_to_shard=True the reader "
-                "moves to the next shard every epoch, so the epoch length changes while "
-                "DALI's iterators keep the first one; pass stick_to_shard=True to the reader, "
-                "or iterate with echopipe.dali.EchoIterator (its epochs end with the data)"
-            )
-        up = config.upstream_batch_size
-        if config.echo.mode == "batch" and reader.fresh() % up:
-            # A short last unit makes short batches within the epoch, padded with repeats that
-            # only `info` marks, which DALI's iterators do not read: they would hand them out.
-            raise ValueError(
-                f"batch echoing under DALI's iterators needs this shard's {reader.fresh()} "
-                f"samples to be whole upstream batches of {up}; use a shard size that is a "
-                "multiple of it, example echoing, or echopipe.dali.EchoIterator (it reads info)"
-            )
-        copies = epoch_copies(config, reader)
-        return {
-            **meta,
-            "epoch_size": copies,
-            "epoch_size_padded": copies,
-            "number_of_shards": 1,
-            "shard_id": 0,
-            "stick_to_shard": 1,
-            "pad_last_batch": 1,
-        }
+    span = pass_span(config, reader)
+    if span is not None and reader is not None:
+        return {**meta, **_pass_meta(config, reader, span, policy)}
     e = float(config.echo.factor)
     out = dict(meta)
     for key in ("epoch_size", "epoch_size_padded"):
         if key in out:
             out[key] = max(1, round(int(out[key]) * e))
     return out
+
+
+def _pass_meta(config: Any, reader: ReaderEpochs, span: PassSpan, policy: Any) -> dict[str, Any]:
+    """The figures of an epoch-aligned pass for DALI's iterator (see :func:`scaled_meta`).
+
+    DALI's iterators split a reported data set over the shards themselves
+    (``floor(k * size / shards)``), which for e copies of shards of unequal size gives the wrong
+    lengths (20 files, 3 shards, e = 2: 13, 13, 14 instead of 12, 14, 14). So each pipeline
+    reports its own shard as a whole data set: ``epoch_size_padded`` is the largest shard's
+    pass, so every rank's iterator counts the same steps, as over DALI's padded shards, and
+    ``epoch_size`` is where ``PARTIAL`` trims this shard's last batch; ``DROP``, which stops at
+    ``epoch_size``, is told the smallest shard's pass.
+    """
+    b, up = config.batch_size, config.upstream_batch_size
+    if not reader.fixed_size and policy in (None, LastBatchPolicy.PARTIAL):
+        raise ValueError(
+            f"reader {reader.name!r}: {reader.size} samples over {reader.shards} shards give "
+            "shards of unequal size, and without stick_to_shard=True the reader moves to the "
+            "next shard every epoch, while DALI's PARTIAL policy trims every epoch's last batch "
+            "by the first one's copies; pass stick_to_shard=True to the reader, or iterate with "
+            "echopipe.dali.EchoIterator (it trims by the data)"
+        )
+    short = [k for k in range(reader.shards) if reader.shard_files(k) % up]
+    if config.echo.mode == "batch" and short:
+        # A short last unit makes short batches within the epoch, padded with repeats that
+        # only `info` marks, which DALI's iterators do not read: they would hand them out.
+        raise ValueError(
+            "batch echoing under DALI's iterators needs every shard to be whole upstream "
+            f"batches, but shard {short[0]} has {reader.shard_files(short[0])} samples in "
+            f"upstream batches of {up}; use shard sizes that are multiples of it, example "
+            "echoing, or echopipe.dali.EchoIterator (it reads info)"
+        )
+    if policy == LastBatchPolicy.DROP:
+        trim = padded = span.least
+    else:  # FILL trims nothing; PARTIAL (or a caller that is no iterator) by this shard
+        trim, padded = _partial_trim(span, b, reader, policy == LastBatchPolicy.PARTIAL), span.most
+    return {
+        "epoch_size": trim,
+        "epoch_size_padded": padded,
+        "number_of_shards": 1,
+        "shard_id": 0,
+        "stick_to_shard": 1,
+        "pad_last_batch": 1,
+    }
+
+
+def _partial_trim(span: PassSpan, batch_size: int, reader: ReaderEpochs, warn: bool) -> int:
+    """The ``epoch_size`` that ``PARTIAL`` trims this shard's batches by: its own copies.
+
+    DALI hands out the first ``epoch_size - (step - 1) * batch`` samples of each batch from the
+    one where that falls below a batch on. That is exact while this shard's copies reach the
+    last batch, as DALI's own padded shards always do (they differ by one file). With e copies
+    per file they may end two batches before the largest shard's: the batch after the partial
+    one then hands out as many samples again (a negative slice), ``R = copies % batch`` of
+    padding, and rounding ``epoch_size`` up to whole batches hands out ``batch - R`` of padding
+    in the partial one instead. No ``epoch_size`` gives exactly the copies, so the smaller leak
+    is taken and, for ``warn``, named in an :class:`UntrimmedPaddingWarning`."""
+    own, steps = span.own, span.batches(batch_size)
+    rest = own % batch_size
+    if own >= (steps - 1) * batch_size or rest == 0:
+        return own
+    leaked = min(rest, batch_size - rest)
+    if warn:
+        warnings.warn(
+            UntrimmedPaddingWarning(
+                f"reader {reader.name!r}, shard {reader.shard_id}: its {own} copies per epoch "
+                f"end more than a batch before the largest shard's {span.most}, which DALI's "
+                f"PARTIAL policy cannot trim exactly: {leaked} padding copies per epoch reach "
+                "the batches; echopipe.dali.EchoIterator trims them (it reads which copies are "
+                "padding)"
+            ),
+            stacklevel=4,
+        )
+    return own if rest <= batch_size - rest else own - rest + batch_size
 
 
 def encode_checkpoint(state: dict[str, Any], iterator_data: str) -> bytes:

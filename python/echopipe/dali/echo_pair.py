@@ -25,15 +25,16 @@ from .base import EchoPipelineBase
 from .builder_checks import positive_or_default
 from .checkpointing import apply_state, capture_state, check_state
 from .config import EchoPipelineConfig, make_cache
-from .epochs import ReaderEpochs, await_pass_end, drop_rest_of_pass, epoch_copies
+from .epochs import ReaderEpochs
 from .pair import PairSettings, build_pair
+from .passes import EpochPasses
 from .queue import DownstreamQueue
 from .upstream import UpstreamPlan, UpstreamResources, UpstreamRunner
 
 _name_counter = itertools.count()
 
 
-class EchoPair(EchoPipelineBase):
+class EchoPair(EpochPasses, EchoPipelineBase):
     """An upstream and a downstream DALI pipeline joined by a native echo cache (see
     :class:`~.pipeline.EchoPipeline`, which is this plus DALI's pipeline interface)."""
 
@@ -97,10 +98,8 @@ class EchoPair(EchoPipelineBase):
         # The reader's name when epochs="auto" fell back to free-running (no pad_last_batch).
         self.unaligned_reader: str | None = None
         self._cache_epoch_size = 0
-        # A reset came inside the pass (see reset()); the pass's end was reported since then.
-        self._pass_goes_on = self._end_reported = False
-        # The pass ended and was reset; the next one starts at the next draw (see reset()).
-        self._pass_pending = False
+        # Where the pass stands (see EpochPasses, which documents each).
+        self._pass_goes_on = self._end_reported = self._passes_counted = self._pass_pending = False
         # The downstream's scheduling state, made with the DALI pipelines.
         self._queue: DownstreamQueue | None = None
         self._restore: dict[str, Any] | None = None
@@ -147,6 +146,7 @@ class EchoPair(EchoPipelineBase):
             cfg.deterministic,
             fill=self._fill_for_next_run,
             check_upstream=self._raise_runner_error,
+            pass_batches=self._padded_pass_batches,
         )
 
     def _replace_cache(self, config: EchoPipelineConfig, epoch_size: int) -> None:
@@ -210,68 +210,6 @@ class EchoPair(EchoPipelineBase):
         except Exception as exc:
             raise self._upstream_failed(exc) from exc
         self.upstream_wait_s += time.perf_counter() - t0
-
-    # -- passes (:mod:`.epochs`) --
-
-    @property
-    def finite(self) -> bool:
-        """True when the stream ends after ``epochs`` reader epochs (epoch-aligned, the default
-        with a reader); False for the free-running stream (``epochs=None``). Builds the DALI
-        pipelines (nothing runs)."""
-        _ = self.shard_size  # builds: resolves epochs="auto"
-        return self.config.epochs is not None
-
-    def epoch_copies(self) -> int:
-        """Copies of samples in one pass of an epoch-aligned stream: ``epochs`` times e times
-        this shard's size (see :meth:`ReaderEpochs.copies`); 0 for a free-running stream."""
-        return epoch_copies(self.config, self.reader_epochs) if self.finite else 0
-
-    def reset(self, drop_rest: bool = False) -> None:
-        """Ends this pass of an epoch-aligned stream once it is over: its end was drawn
-        (:meth:`next_batch` raised StopIteration) or all its copies were handed out (DALI's
-        iterators count the epoch and stop before the padding). The next pass starts at the
-        next draw, so a :meth:`set_echo_factor` before it applies to all of it. Inside a pass,
-        an iterator that counts its own epochs (DALI's, given ``size=``) ended one: the stream
-        then goes on into the next pass at its end (:meth:`EchoPipeline.share_outputs`);
-        ``drop_rest=True`` (:meth:`EchoIterator.reset`) drops the rest of the pass instead, so
-        that the next epoch is a whole pass."""
-        if (not self._started and self._restore is None) or self._pass_pending:
-            return
-        self.start()  # (idempotent) a restored pass that had ended: its reset starts the next
-        if not self.finite:
-            return
-        runner, queue = self._built_parts()
-        over = queue.input_done or queue.handed >= self.epoch_copies()
-        if not over and drop_rest:
-            queue.end_pass()  # DALI's prepared batches and the stash, counted as discarded
-            queue.copies_discarded += drop_rest_of_pass(
-                self.cache, self.config.batch_size, **self._pass_waits()
-            )
-        self._pass_goes_on = not (over or drop_rest)
-        if not self._pass_goes_on:
-            self._end_pass(runner, queue)
-
-    def _pass_waits(self) -> dict[str, Any]:
-        return {
-            "fill": self._fill_for_next_run if self.config.deterministic else None,
-            "check_upstream": self._raise_runner_error,
-            "closed": lambda: self._closed,
-        }
-
-    def _end_pass(self, runner: UpstreamRunner, queue: DownstreamQueue) -> None:
-        self._pass_goes_on = self._end_reported = False
-        await_pass_end(runner, **self._pass_waits())
-        queue.end_pass()
-        self._pass_pending = True
-
-    def _begin_pass(self) -> None:
-        """Starts the pass a reset ended the last one for. The cache takes puts again before
-        the runner may step: a runner that stepped first would put into an ended cache
-        (InputEndedError ends the upstream for good)."""
-        if self._pass_pending:
-            self._pass_pending = False
-            self.cache.reset_input()
-            self._built_parts()[0].next_pass()
 
     # -- checkpoints --
 

@@ -6,7 +6,9 @@ it, and ends the stream; the next pass starts after ``reset()``. DALI's reader d
 files an epoch of a shard holds: with ``pad_last_batch=True`` every shard's epoch takes the same
 number of reader batches (the larger shards' size, padded with the last sample), and unless
 ``stick_to_shard=True`` the reader moves to the next shard every epoch, so a shard's epoch can
-hold one file more or less than the first one (20 files over 3 shards: 6, 7, 7 files).
+hold one file more or less than the first one (20 files over 3 shards: 6, 7, 7 files). Every
+shard's pass is padded to the batches of the largest shard's (:class:`PassSpan`), as the reader
+pads its epochs, so that the ranks of a job take equal steps.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..echo import copies_per_epoch
@@ -152,6 +154,71 @@ def epoch_geometry(
     return EpochGeometry(
         resolved, reader, unaligned, reader.fresh(0), reader.iterations(upstream_batch_size)
     )
+
+
+def _copies_between(echo_factor: float, units: int, block: int) -> tuple[int, int]:
+    """Fewest and most copies of ``units`` units put after a ``reset_input`` into a cache whose
+    ``epoch_size`` is ``block``: each whole block gives exactly ``round(frac(e) * block)`` units
+    an extra ticket (:func:`~echopipe.echo.copies_per_epoch`), and a part of a block any share
+    of them that fits (which ones is the cache's seeded choice)."""
+    whole = math.floor(echo_factor)
+    extra = math.floor((echo_factor - whole) * block + 0.5)  # as the native core computes it
+    full, rest = divmod(units, block)
+    base = whole * units + full * extra
+    return base + max(0, rest - (block - extra)), base + min(rest, extra)
+
+
+@dataclass(frozen=True)
+class PassSpan:
+    """Copies in one pass of an epoch-aligned stream, on this shard and on every other.
+
+    DALI's reader pads every shard's epoch to as many batches as the largest shard's
+    (``pad_last_batch``), so that the ranks of a job take equal steps; an echo pass is padded
+    the same way, to :meth:`batches`. ``most`` and ``least`` are exact with a whole e or shards
+    that keep their size; where a fractional e meets reader epochs of another size than the
+    cache's blocks (shards that move), they are the bounds of what the blocks can give.
+
+    Attributes:
+        own: this shard's copies in its first pass (:func:`epoch_copies`).
+        most: copies of the largest pass any shard runs.
+        least: copies of the smallest pass any shard runs.
+    """
+
+    own: int
+    most: int
+    least: int
+
+    def batches(self, batch_size: int) -> int:
+        """Batches of every shard's pass: the largest pass's, padded to that on the others."""
+        return max(1, math.ceil(self.most / batch_size))
+
+    def full_batches(self, batch_size: int) -> int:
+        """Batches of real copies every shard's pass fills (what ``DROP`` keeps)."""
+        return self.least // batch_size
+
+
+def pass_span(config: Any, reader: ReaderEpochs | None) -> PassSpan | None:
+    """The :class:`PassSpan` of an epoch-aligned stream with the resolved ``config`` (None for
+    a free-running one). Each shard's size comes from the reader's meta (DALI's split), so
+    every rank computes the same ``most`` and ``least``."""
+    if config.epochs is None or reader is None:
+        return None
+    epochs, e = int(config.epochs), float(config.echo.factor)
+    own = epoch_copies(config, reader)
+    sizes = [reader.shard_files(k) for k in range(reader.shards)]
+    if config.echo.mode == "batch" or reader.stick_to_shard or len(set(sizes)) == 1:
+        # Each shard reads itself every epoch (or all are alike): its cache's blocks are its
+        # own epochs, and its pass is what epoch_copies gives it.
+        passes = [
+            epoch_copies(config, replace(reader, shard_id=k, stick_to_shard=True))
+            for k in range(reader.shards)
+        ]
+        return PassSpan(own, max(passes), min(passes))
+    # Shards that move: a rank's cache blocks hold its first epoch's files, and a pass reads
+    # `epochs` shards in turn, starting anywhere.
+    windows = {sum(sizes[(s + i) % len(sizes)] for i in range(epochs)) for s in range(len(sizes))}
+    bounds = [_copies_between(e, u, block) for u in windows for block in set(sizes)]
+    return PassSpan(own, max(hi for _, hi in bounds), min(lo for lo, _ in bounds))
 
 
 def epoch_copies(config: Any, reader: ReaderEpochs | None) -> int:

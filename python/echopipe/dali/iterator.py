@@ -83,7 +83,6 @@ class EchoIterator:
             pipeline's reader).
         prepare_first_batch: as in DALI's iterators: start both pipelines now, so the first
             batch is being prepared before the first ``next()``.
-
         size: as in DALI's iterators: samples handed out per epoch of an endless stream.
         fill_last_batch: DALI's older spelling: True is ``FILL``, False ``PARTIAL``.
         dynamic_shape, last_batch_padded: accepted for DALI compatibility, without effect
@@ -220,8 +219,8 @@ class EchoIterator:
             return self._steps_per_epoch * cfg.batch_size
         if self._size_arg is not None:
             return self._size_arg
-        if self.finite:  # (its length cannot be set)
-            return self.pipeline.epoch_copies()  # exact, for a fractional e too
+        if self.finite:  # (its length cannot be set) every shard's: the ranks take equal steps
+            return self.pipeline.pass_copies(self.last_batch_policy)
         fresh = self._epoch_size or self.pipeline.shard_size
         if not fresh:
             raise ValueError(
@@ -233,7 +232,8 @@ class EchoIterator:
     @property
     def size(self) -> int:
         """Samples an epoch hands out, before the last-batch policy (DALI's iterators' ``size``:
-        the reader's shard size, here times the echo factor)."""
+        the reader's shard size, here times the echo factor; of an epoch-aligned stream
+        :meth:`EchoPipeline.pass_copies`, the same on every shard)."""
         return self._epoch_samples()
 
     @property
@@ -243,9 +243,9 @@ class EchoIterator:
         return self._epoch_samples()
 
     def __len__(self) -> int:
-        """Steps per epoch: of an endless stream, and of an epoch-aligned one the steps of its
-        first epoch (exact; the epochs end where the data ends, which differs only when the
-        reader's shard moves to one of another size)."""
+        """Steps per epoch: of an endless stream, and of an epoch-aligned one the steps of every
+        epoch, the same on every shard of the reader (the largest shard's batches; for ``DROP``
+        the smallest shard's whole batches)."""
         b = self.pipeline.config.batch_size
         samples = self._epoch_samples()
         if self.last_batch_policy == LastBatchPolicy.DROP:
@@ -290,14 +290,17 @@ class EchoIterator:
     def _next(self) -> list[dict[str, torch.Tensor]]:
         pipe = self.pipeline
         b = pipe.config.batch_size
-        if not self.finite and self._step_in_epoch >= len(self):
-            raise StopIteration
         if self._step_in_epoch == 0 and len(self) == 0:  # as DALI's iterators refuse it
             raise ValueError(
-                f"last_batch_policy=DROP drops every batch: an epoch of this shard has "
+                f"last_batch_policy=DROP drops every batch: an epoch of the smallest shard has "
                 f"{self._epoch_samples()} copies, fewer than batch_size={b}; use PARTIAL or "
                 "FILL, a smaller batch, or fewer shards"
             )
+        drop = self.last_batch_policy == LastBatchPolicy.DROP
+        if (not self.finite or drop) and self._step_in_epoch >= len(self):
+            if self.finite:  # the copies past the smallest shard's whole batches
+                self.stats.dropped += self.pipeline.drop_rest()
+            raise StopIteration
         outputs, info = self._timed_next_batch()
         valid = int(info[:, 0].sum())
         # A finite stream's tail may hold more than one short batch (batch mode: the input's
@@ -350,14 +353,16 @@ class EchoIterator:
     def reset(self) -> None:
         """Starts the next epoch (for a finite stream: the next pass over the data, whole).
 
-        Inside an epoch of a finite stream, the rest of its pass is dropped (counted in the
-        pipeline's ``copies_discarded``): the upstream reads the rest of its reader epoch
-        and those copies are drawn and discarded, so the next epoch holds every sample of the
-        shard e times. (DALI's iterators ignore a reset inside an epoch, with a warning.)
-        """
-        self._epoch_done = False
-        self._step_in_epoch = 0
-        if self.finite:
+        After an epoch's last step, the copies ``DROP`` left of the pass are dropped (counted in
+        ``stats.dropped``); inside an epoch, the rest of its pass is (counted in the pipeline's
+        ``copies_discarded``): the upstream reads the rest of its reader epoch, so the next
+        epoch holds every sample of the shard e times. (DALI's iterators ignore a reset inside
+        an epoch, with a warning.)"""
+        complete = self._epoch_done or self._step_in_epoch >= len(self) > 0
+        self._epoch_done, self._step_in_epoch = False, 0
+        if self.finite and complete:
+            self.stats.dropped += self.pipeline.finish_pass()
+        elif self.finite:
             self.pipeline.reset(drop_rest=True)
 
     # -- checkpointing --

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .base import PipelineStats, per_batch_seconds
-from .dali_api import decode_checkpoint, encode_checkpoint, scaled_meta
+from .dali_api import asking_iterator_policy, decode_checkpoint, encode_checkpoint, scaled_meta
 from .echo_pair import EchoPair
 from .epochs import EpochSizeChangedError
 
@@ -62,8 +62,10 @@ class EchoPipeline(EchoPair):
     # DALI's checkpoint route: created with checkpoint=, and the iterator's data in it.
     _is_restored = False
     _iterator_data = ""
-    # The copies of a pass reader_meta() last reported (what DALI's iterators count).
+    # The copies of a pass reader_meta() last reported (what DALI's iterators count), and the
+    # last-batch policy of the iterator that asked (which copies it counts).
     _told_copies: int | None = None
+    _told_policy: Any = None
 
     # -- the methods DALI's iterators call (:mod:`.dali_api`) --
 
@@ -108,20 +110,27 @@ class EchoPipeline(EchoPair):
 
     def reader_meta(self, name: str | None = None) -> dict[str, Any]:
         """The upstream reader's metadata with ``epoch_size`` and ``epoch_size_padded`` scaled
-        by the echo factor (e fresh-sample epochs' worth of emitted samples per epoch).
+        by the echo factor (e fresh-sample epochs' worth of emitted samples per epoch); for an
+        epoch-aligned stream, this shard's pass padded to the largest shard's, as a whole data
+        set (:func:`~.dali_api.scaled_meta`).
 
         Read once by DALI's iterators when they are created: after ``set_echo_factor`` create
         the iterator again, or use :class:`EchoIterator`, whose epoch follows the factor.
         """
         self.build()
+        policy = asking_iterator_policy()
+        if policy is not None:
+            # A DALI iterator given reader_name= counts whole passes: its reset() ends one.
+            self._passes_counted = True
         if self.config.epochs is not None:
-            self._told_copies = self.epoch_copies()
+            self._told_policy = policy
+            self._told_copies = self.pass_copies(policy)
         if name is not None:
-            return self._scaled_meta(self.upstream.reader_meta(name))
-        return {k: self._scaled_meta(m) for k, m in self.upstream.reader_meta().items()}
+            return self._scaled_meta(self.upstream.reader_meta(name), policy)
+        return {k: self._scaled_meta(m, policy) for k, m in self.upstream.reader_meta().items()}
 
-    def _scaled_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
-        return scaled_meta(meta, self.config, self.reader_epochs, self.unaligned_reader)
+    def _scaled_meta(self, meta: dict[str, Any], policy: Any = None) -> dict[str, Any]:
+        return scaled_meta(meta, self.config, self.reader_epochs, self.unaligned_reader, policy)
 
     def epoch_size(self, name: str | None = None) -> int | dict[str, int]:
         """Like ``Pipeline.epoch_size``: the scaled ``epoch_size_padded`` of the reader(s)."""
@@ -160,7 +169,7 @@ class EchoPipeline(EchoPair):
     def _check_told_copies(self) -> None:
         # DALI's iterators read the epoch's length once; after set_echo_factor they would end
         # the epoch inside the pass, or ask for batches after its end.
-        told, copies = self._told_copies, self.epoch_copies()
+        told, copies = self._told_copies, self.pass_copies(self._told_policy)
         if told is not None and told != copies:
             raise EpochSizeChangedError(
                 f"set_echo_factor({self.echo_factor:g}) made an epoch {copies} copies, but DALI's "

@@ -26,8 +26,11 @@ class DownstreamQueue:
     Attributes:
         stash: batches restored from a checkpoint (numpy), handed out before new ones.
         handed: real copies handed out in this pass.
+        batches: batches handed out in this pass (padding-only ones included).
         input_done: the pass's end was drawn (a batch without a real sample).
-        exhausted: nothing more to hand out in this pass.
+        exhausted: nothing more to hand out in this pass: its data ended and it handed out as
+            many batches as every shard's pass (padding-only ones after the data, as DALI's
+            reader pads a smaller shard's epoch to the largest one's batches).
         wait_s: seconds the consumer waited for downstream batches.
         copies_discarded: real copies of the pass a reset ended before they were handed out.
     """
@@ -39,6 +42,7 @@ class DownstreamQueue:
         deterministic: bool,
         fill: Callable[[], None],
         check_upstream: Callable[[], None],
+        pass_batches: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._downstream = downstream
         # DALI's first schedule_run() prefetches its whole queue only with a pipelined executor
@@ -63,6 +67,12 @@ class DownstreamQueue:
         self.exhausted = False
         self.wait_s = 0.0
         self.copies_discarded = 0
+        # Batches every shard's pass hands out (None: as many as its data fills), read at the
+        # pass's first batch (set_echo_factor between passes changes it).
+        self._pass_batches = pass_batches
+        self._limit: int | None = None
+        self._limit_read = False
+        self.batches = 0
 
     def next_batch(self) -> Batch:
         """Next batch: (pipeline outputs, info); StopIteration at the end of a finite pass."""
@@ -102,13 +112,29 @@ class DownstreamQueue:
         elif not self._deterministic:
             self._downstream.schedule_run()
             self._scheduled += 1
-        self.handed += int(info[:, 0].sum())
+        self._count(info)
         return outputs[:-1], info
+
+    def _count(self, info: np.ndarray) -> None:
+        self._pass_limit()
+        self.batches += 1
+        self.handed += int(info[:, 0].sum())
+
+    def _pass_limit(self) -> int | None:
+        if not self._limit_read:
+            self._limit, self._limit_read = self._pass_batches(), True
+        return self._limit
 
     def _from_stash(self) -> Batch:
         outputs, info = self.stash.pop(0)
-        self.handed += int(info[:, 0].sum())
+        self._count(info)
         return outputs, info
+
+    def _owes_padding(self, ahead: int = 0) -> bool:
+        """True while this pass has handed out (with ``ahead`` batches more) fewer batches than
+        every shard's pass."""
+        limit = self._pass_limit()
+        return limit is not None and self.batches + ahead < limit
 
     def _schedule_free_running(self) -> None:
         if self._scheduled == 0 and not self.input_done:
@@ -120,13 +146,16 @@ class DownstreamQueue:
             self._scheduled = self._prefetch
 
     def _end_of_stream(self, info_list: Any) -> np.ndarray | None:
-        """The batch's ``info`` as numpy, or None (and the pass marked ended) when it holds
-        no real sample. Only such a batch ends the pass: in batch mode the input's short last
-        unit can make a batch short while whole units are still to come."""
+        """The batch's ``info`` as numpy, or None (and the pass marked exhausted) when it
+        holds no real sample and the pass owes no more batches. Only such a batch ends the
+        data: in batch mode the input's short last unit can make a batch short while whole
+        units are still to come."""
         info = host_dense(info_list)
         if info[:, 0].any():
             return info
         self.input_done = True
+        if self._owes_padding():
+            return info
         self.exhausted = True
         return None
 
@@ -178,7 +207,7 @@ class DownstreamQueue:
         if info is None:
             self._downstream.release_outputs()
             raise StopIteration
-        self.handed += int(info[:, 0].sum())
+        self._count(info)
         self._shared = True
         return tuple(outputs[:-1])
 
@@ -202,7 +231,7 @@ class DownstreamQueue:
             outputs = list(self._downstream.outputs())
             self._scheduled -= 1
             info = host_dense(outputs[-1])
-            if int(info[:, 0].sum()) > 0:
+            if info[:, 0].any() or self._owes_padding(len(self.stash)):
                 self.stash.append(([to_numpy(o) for o in outputs[:-1]], info))
 
     def stash_one(self) -> None:
@@ -212,6 +241,29 @@ class DownstreamQueue:
             return
         self._schedule_one()
         self.take_prepared()
+
+    def drop_rest(self) -> int:
+        """Draws the copies of this pass not handed out yet and drops them; returns how many.
+        ``DROP`` ends every shard's epoch after the smallest shard's whole batches, before a
+        larger shard's last copies; the upstream finishes its pass only once they are drawn."""
+        self.release_outputs()
+        dropped = sum(int(info[:, 0].sum()) for _, info in self.stash)
+        self.stash.clear()
+        self._refill_due = False
+        while not self.input_done:
+            self._check_upstream()
+            if self._scheduled == 0:
+                if self._deterministic:
+                    self._fill()
+                # A synchronous executor runs the iteration in schedule_run(), into a free buffer.
+                self._downstream.release_outputs()
+                self._schedule_one()
+            info = host_dense(self._downstream.outputs()[-1])
+            self._scheduled -= 1
+            real = int(info[:, 0].sum())
+            self.input_done = real == 0
+            dropped += real
+        return dropped
 
     def end_pass(self) -> None:
         """Clears the ended pass: the iterations scheduled after its end hold padding only
@@ -229,14 +281,18 @@ class DownstreamQueue:
         self.stash.clear()
         self.input_done = False
         self.exhausted = False
-        self.handed = 0
+        self.handed = self.batches = 0
+        self._limit_read = False
 
-    def restore(self, stash: list[Batch], input_done: bool, handed: int, wait_s: float) -> None:
+    def restore(
+        self, stash: list[Batch], input_done: bool, handed: int, wait_s: float, batches: int
+    ) -> None:
         """Takes a checkpoint's batches and counters (before anything ran)."""
         self.stash = [(list(arrays), info) for arrays, info in stash]
         self.input_done = bool(input_done)
         self.handed = int(handed)
         self.wait_s = float(wait_s)
+        self.batches = int(batches)
 
 
 def _as_tensor_list(value: Any) -> Any:

@@ -217,6 +217,7 @@ _STATE_OPTIONAL = frozenset(
     {
         "input_done",
         "handed",
+        "batches",
         "pass_pending",
         "upstream_wait_s",
         "downstream_wait_s",
@@ -272,8 +273,9 @@ def check_echo_state(state: Any, where: str = "echo state") -> None:
     _check_stash(state["stash"], where)
     _of(state.get("input_done", False), bool, f"{where} 'input_done'")
     _of(state.get("pass_pending", False), bool, f"{where} 'pass_pending'")
-    if _of(state.get("handed", 0), int, f"{where} 'handed'") < 0:
-        raise _fail(f"{where} 'handed'", "is negative")
+    for key in ("handed", "batches"):
+        if _of(state.get(key, 0), int, f"{where} {key!r}") < 0:
+            raise _fail(f"{where} {key!r}", "is negative")
     for key in ("upstream_wait_s", "downstream_wait_s"):
         _number(state.get(key, 0.0), f"{where} {key!r}")
     for key in ("dali_upstream", "dali_downstream"):
