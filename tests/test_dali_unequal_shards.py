@@ -195,6 +195,33 @@ def test_dalis_partial_over_moving_shards_is_refused_in_one_line(jpegs) -> None:
         _loader(pipe, "dali", LBP.PARTIAL)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("iterator", ["dali", "echo"])
+def test_a_state_saved_after_the_smaller_shards_last_copy_keeps_the_steps(
+    jpegs, iterator, deterministic
+) -> None:
+    """Shard 0 of 21 files (10) has 20 copies at e = 2, 5 batches of 4, and owes one
+    padding-only batch to take shard 1's 6 steps. A state saved after its last copy carries
+    that batch: the restored source has drawn nothing, so it has no sample to pad with."""
+    files = jpegs[:21]
+    opts = dict(batch_size=4, echo_factor=2, seed=3, deterministic=deterministic)
+    pipe = echo_pipe(files, 0, 2, True, enable_checkpointing=True, **opts)
+    with pipe:
+        loader = _loader(pipe, iterator, LBP.PARTIAL)
+        first = [_files_of(next(loader)) for _ in range(5)]
+        state = loader.checkpoints()[0] if iterator == "dali" else loader.state_dict()
+    restored = dict(checkpoint=state) if iterator == "dali" else {}
+    with echo_pipe(files, 0, 2, True, enable_checkpointing=True, **opts, **restored) as pipe:
+        loader = _loader(pipe, iterator, LBP.PARTIAL)
+        if iterator == "echo":
+            loader.load_state_dict(state)
+        rest, following = _run(loader)
+    assert [len(b) for b in first + rest] == [4, 4, 4, 4, 4, 0] == [len(b) for b in following]
+    for epoch in (first + rest, following):
+        counts = Counter(f for b in epoch for f in b)
+        assert len(counts) == 10 and set(counts.values()) == {2}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

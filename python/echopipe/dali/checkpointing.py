@@ -67,6 +67,8 @@ def capture_state(
     try:
         if dali_pipelines is None and reader is not None:
             _refuse_inside_a_reader_epoch(runner, reader, config.upstream_batch_size)
+        if runner.ended and cache.stats().tickets_left == 0:
+            queue.stash_padding()
         state: dict[str, Any] = {
             "version": _STATE_VERSION,
             "config": asdict(config),

@@ -234,6 +234,15 @@ class DownstreamQueue:
             if info[:, 0].any() or self._owes_padding(len(self.stash)):
                 self.stash.append(([to_numpy(o) for o in outputs[:-1]], info))
 
+    def stash_padding(self) -> None:
+        """Runs downstream iterations into the stash while this pass owes padding-only batches
+        nothing prepared yet, for a checkpoint taken once every copy was drawn: a restored
+        source has drawn nothing, so it has no sample to pad with."""
+        while self._owes_padding(len(self.stash)):
+            self._downstream.release_outputs()  # a synchronous executor runs into a free buffer
+            self._schedule_one()
+            self.take_prepared()
+
     def stash_one(self) -> None:
         """Runs one more downstream iteration into the stash, for a checkpoint whose upstream
         iteration is blocked on a full cache: its draws free the space the sink waits for."""
