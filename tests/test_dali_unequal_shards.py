@@ -22,6 +22,7 @@ import subprocess
 import sys
 import warnings
 from collections import Counter
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,133 @@ def test_a_state_saved_after_the_smaller_shards_last_copy_keeps_the_steps(
     for epoch in (first + rest, following):
         counts = Counter(f for b in epoch for f in b)
         assert len(counts) == 10 and set(counts.values()) == {2}
+
+
+# ---- with main's pass handling: resets, factor changes, loops that stop at len() --------------
+
+
+def _expect_whole_epochs(runs, n: int, shards: int, e: int, steps: int, start: int = 0) -> None:
+    """``runs[k][t]``, shard k's epoch t, reads shard ``(k + start + t) % shards`` (the reader
+    moves): it takes ``steps`` steps, as on every shard, with each of that shard's files e
+    times, and the shards' epochs t together hold every file e times."""
+    sizes = shard_sizes(n, shards)
+    for t in range(len(runs[0])):
+        together: Counter[int] = Counter()
+        for k, epochs in enumerate(runs):
+            assert len(epochs[t]) == steps, (k, t)
+            counts = Counter(f for b in epochs[t] for f in b)
+            assert len(counts) == sizes[(k + start + t) % shards] and set(counts.values()) == {e}
+            together += counts
+        assert together == dict.fromkeys(range(n), e), t
+
+
+def _expect_dropped_epochs(runs, batch: int, steps: int) -> None:
+    """DROP: every shard's epochs take ``steps`` whole batches, no file more than twice."""
+    for t in range(len(runs[0])):
+        assert all(len(epochs[t]) == steps for epochs in runs)
+        assert all(len(b) == batch for epochs in runs for b in epochs[t])
+        assert max(Counter(f for epochs in runs for b in epochs[t] for f in b).values()) <= 2
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(
+    ("batch", "after", "policy"),
+    [(4, 1, LBP.PARTIAL), (4, 3, LBP.PARTIAL), (5, 2, LBP.PARTIAL), (5, 3, LBP.PARTIAL),
+     (5, 1, LBP.DROP)],
+)  # fmt: skip
+def test_a_reset_inside_an_epoch_gives_every_shard_whole_equal_epochs(
+    jpegs, batch, after, policy, deterministic
+) -> None:
+    """22 files on 3 shards that move (7, 7, 8), e = 2, EchoIterator: a reset() after ``after``
+    steps drops the rest of the pass on each shard (``copies_discarded``), and the next two
+    epochs take the largest shard's steps on every shard, each file of the shard twice (DROP:
+    the smallest shard's whole batches). At batch 5 a 7-file shard's 14 copies are out after 3
+    of 4 steps: a reset there meets a pass that owes only its padding-only batch."""
+    sizes = shard_sizes(FILES, 3)
+    drop = policy == LBP.DROP
+    steps = 2 * min(sizes) // batch if drop else math.ceil(2 * max(sizes) / batch)
+    runs = []
+    for k in range(3):
+        opts = dict(batch_size=batch, echo_factor=2, seed=3 + k, deterministic=deterministic)
+        with echo_pipe(jpegs, k, 3, False, **opts) as pipe:
+            it = _loader(pipe, "echo", policy)
+            handed = sum(len(_files_of(next(it))) for _ in range(after))
+            it.reset()
+            runs.append(_run(it))
+            assert pipe.copies_discarded == 2 * sizes[k] - handed
+            assert pipe.stats().fresh_in == FILES  # three whole reader epochs of 3 shards
+    if drop:
+        _expect_dropped_epochs(runs, batch, steps)
+    else:
+        _expect_whole_epochs(runs, FILES, 3, 2, steps, start=1)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("batch", [4, 5])
+def test_a_factor_set_between_epochs_gives_every_shard_the_new_steps(
+    jpegs, batch, deterministic
+) -> None:
+    """set_echo_factor(3) after an epoch at e = 2 (EchoIterator with auto_reset: the next pass
+    starts at the next next()): len() becomes the largest shard's 24 copies' steps, and every
+    shard's pass is padded to them, each file of its shard 3 times."""
+    sizes = shard_sizes(FILES, 3)
+    runs = []
+    for k in range(3):
+        opts = dict(batch_size=batch, echo_factor=2, seed=3 + k, deterministic=deterministic)
+        with echo_pipe(jpegs, k, 3, False, **opts) as pipe:
+            it = _loader(pipe, "echo", LBP.PARTIAL)
+            first = _run(it, 1)
+            pipe.set_echo_factor(3)
+            assert len(it) == math.ceil(3 * max(sizes) / batch)
+            runs.append((first, _run(it)))
+    _expect_whole_epochs([r[0] for r in runs], FILES, 3, 2, math.ceil(2 * max(sizes) / batch))
+    _expect_whole_epochs([r[1] for r in runs], FILES, 3, 3, len(it), start=1)
+
+
+def test_dalis_iterator_kept_after_a_factor_change_is_refused_on_every_shard(jpegs) -> None:
+    """DALI's iterators count the largest shard's copies: 16 at e = 2 over 22 files on 3 shards
+    that stick (7, 7, 8), 4 steps of 4. At e = 2.07 the 8-file shard has 17 copies (5 steps)
+    and the 7-file shards still 14: a kept iterator would take 4 steps where every shard's pass
+    now takes 5, so each shard refuses it, naming the 16 it was told and the 17 now (the
+    7-file shards compared their own 14 and went on); one created again takes 5 steps."""
+    for k in range(3):
+        with echo_pipe(jpegs, k, 3, True, batch_size=4, echo_factor=2, seed=3 + k) as pipe:
+            it = _loader(pipe, "dali", LBP.FILL)
+            assert [len(epoch) for epoch in _run(it, 1)] == [4]
+            pipe.set_echo_factor(2.07)
+            with pytest.raises(edali.EpochSizeChangedError) as err:
+                next(it)
+            assert (err.value.told, err.value.copies) == (16, 17), k
+            it = _loader(pipe, "dali", LBP.FILL)
+            (epoch,) = _run(it, 1)
+        counts = Counter(f for b in epoch for f in b)
+        assert len(epoch) == len(it) == 5 and all(len(b) == 4 for b in epoch)
+        assert len(counts) == shard_sizes(FILES, 3)[k] and min(counts.values()) >= 2
+
+
+@pytest.mark.parametrize("policy", [LBP.PARTIAL, LBP.DROP])
+@pytest.mark.parametrize("batch", [4, 5])
+def test_a_loop_that_stops_at_len_gives_every_shard_whole_equal_epochs(
+    jpegs, batch, policy
+) -> None:
+    """Lightning's loop: iter(), then len() batches, never the end. Every shard's epochs take
+    the same len() steps, each file of the shard twice (PARTIAL; at batch 5 a 7-file shard's
+    last step is its padding-only batch), or DROP's whole batches, the rest dropped."""
+    sizes = shard_sizes(FILES, 3)
+    drop = policy == LBP.DROP
+    steps = 2 * min(sizes) // batch if drop else math.ceil(2 * max(sizes) / batch)
+    runs = []
+    for k in range(3):
+        with echo_pipe(jpegs, k, 3, False, batch_size=batch, echo_factor=2, seed=3 + k) as pipe:
+            it = _loader(pipe, "echo", policy)
+            runs.append([[_files_of(b) for b in islice(it, len(it))] for _ in range(3)])
+            assert it.stats.epochs == 2  # the third one's end is not drawn yet
+            owns = [2 * sizes[(k + t) % 3] for t in range(2)]
+            assert it.stats.dropped == (sum(own - steps * batch for own in owns) if drop else 0)
+    if drop:
+        _expect_dropped_epochs(runs, batch, steps)
+    else:
+        _expect_whole_epochs(runs, FILES, 3, 2, steps)
 
 
 def _free_port() -> int:
