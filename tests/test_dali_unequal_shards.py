@@ -223,6 +223,38 @@ def test_a_state_saved_after_the_smaller_shards_last_copy_keeps_the_steps(
         assert len(counts) == 10 and set(counts.values()) == {2}
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("iterator", ["dali", "echo"])
+def test_a_state_saved_between_epochs_holds_no_padding_of_the_next_pass(
+    jpegs, iterator, deterministic
+) -> None:
+    """Shard 0 of 21 files (10) owes one padding-only batch after its 20 copies. A state saved
+    after an epoch and its reset, before the next pass began (DALI's ``checkpoints()`` after an
+    epoch; EchoIterator's ``state_dict()`` after ``reset()``), ran the next pass's 6 owed
+    batches into the stash: the next epoch, live or restored, began with them (DALI: 20 copies
+    of one file; EchoIterator: 6 empty batches before 5 real ones)."""
+    files = jpegs[:21]
+    opts = dict(batch_size=4, echo_factor=2, seed=3, deterministic=deterministic)
+    with echo_pipe(files, 0, 2, True, enable_checkpointing=True, **opts) as pipe:
+        loader = _loader(pipe, iterator, LBP.PARTIAL)
+        epochs = _run(loader, 1)
+        if iterator == "echo":
+            loader.reset()
+        state = loader.checkpoints()[0] if iterator == "dali" else loader.state_dict()
+        epochs += _run(loader)
+    restored = dict(checkpoint=state) if iterator == "dali" else {}
+    with echo_pipe(files, 0, 2, True, enable_checkpointing=True, **opts, **restored) as pipe:
+        loader = _loader(pipe, iterator, LBP.PARTIAL)
+        if iterator == "echo":
+            loader.load_state_dict(state)
+        epochs += _run(loader)
+    shard = {f for b in epochs[0] for f in b}  # (the reader's shuffled split)
+    assert len(shard) == 10
+    for epoch in epochs:
+        assert [len(b) for b in epoch] == [4, 4, 4, 4, 4, 0]
+        assert Counter(f for b in epoch for f in b) == dict.fromkeys(shard, 2)
+
+
 # ---- with main's pass handling: resets, factor changes, loops that stop at len() --------------
 
 

@@ -67,7 +67,9 @@ def capture_state(
     try:
         if dali_pipelines is None and reader is not None:
             _refuse_inside_a_reader_epoch(runner, reader, config.upstream_batch_size)
-        if runner.ended and cache.stats().tickets_left == 0:
+        if runner.ended and cache.stats().tickets_left == 0 and not pass_pending:
+            # (A pending pass was reset: its padding was handed out or dropped, and what the
+            # queue would owe now is the next pass's, which starts at the next draw.)
             queue.stash_padding()
         state: dict[str, Any] = {
             "version": _STATE_VERSION,
