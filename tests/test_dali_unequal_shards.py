@@ -382,6 +382,29 @@ def test_a_loop_that_stops_at_len_gives_every_shard_whole_equal_epochs(
         _expect_whole_epochs(runs, FILES, 3, 2, steps)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(("n", "shards"), [(22, 3), (22, 2)])
+def test_a_loop_that_stops_at_len_takes_a_factor_set_between_epochs(
+    jpegs, n, shards, deterministic
+) -> None:
+    """Lightning's loop with set_echo_factor(3) between epochs (on_train_epoch_end, say): the
+    epoch at e = 2 took its len() steps, fewer than len() at e = 3, and the next iter() still
+    starts the next epoch (it went on with the old pass instead: an epoch of 0 steps, on
+    shards of equal size too). Every shard then takes the new len() steps, each file 3 times."""
+    sizes = shard_sizes(n, shards)
+    runs = []
+    for k in range(shards):
+        opts = dict(batch_size=4, echo_factor=2, seed=3 + k, deterministic=deterministic)
+        with echo_pipe(jpegs[:n], k, shards, False, **opts) as pipe:
+            it = _loader(pipe, "echo", LBP.PARTIAL)
+            first = [_files_of(b) for b in islice(it, len(it))]
+            pipe.set_echo_factor(3)
+            assert len(it) == math.ceil(3 * max(sizes) / 4)
+            runs.append(([first], [[_files_of(b) for b in islice(it, len(it))] for _ in range(2)]))
+    _expect_whole_epochs([r[0] for r in runs], n, shards, 2, math.ceil(2 * max(sizes) / 4))
+    _expect_whole_epochs([r[1] for r in runs], n, shards, 3, len(it), start=1)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

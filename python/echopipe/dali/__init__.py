@@ -51,7 +51,8 @@ from .config import EchoPipelineConfig
 from .dali_api import UntrimmedPaddingWarning
 from .definition import echo_pipeline_def
 from .epochs import EpochSizeChangedError
-from .iterator import EchoIterator, EchoIteratorStats
+from .iterator import EchoIterator
+from .iterator_stats import EchoIteratorStats
 from .peer import PythonEchoPipeline, python_echo_train_pipeline
 from .peer_buffer import PythonEchoBuffer
 from .pipeline import EchoPipeline

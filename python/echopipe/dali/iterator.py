@@ -11,54 +11,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from nvidia.dali.plugin.base_iterator import LastBatchPolicy
 
+from .iterator_stats import EchoIteratorStats
 from .pipeline import EchoPipeline
 from .torch_copy import arrays_as_tensors, tensors_as_arrays, to_torch
-
-
-@dataclass
-class EchoIteratorStats:
-    """Counters of an :class:`EchoIterator` since it was created (restored with its state)."""
-
-    steps: int = 0
-    samples: int = 0  #: samples handed out (after the last-batch policy)
-    fresh: int = 0  #: of those, first copies of a sample (emission 0)
-    echoed: int = 0  #: of those, repeated copies
-    padded: int = 0  #: padding samples handed out (FILL policy at the end of a finite stream)
-    dropped: int = 0  #: real samples not handed out (DROP / PARTIAL trimming)
-    epochs: int = 0
-    #: upstream seconds per downstream batch of fresh samples (the pipeline's
-    #: :meth:`~echopipe.dali.EchoPipeline.upstream_step_seconds`, in both modes); nan before any
-    t_up: float = math.nan
-    t_down: float = 0.0  #: seconds the consumer waited for downstream batches, in total
-    upstream_batches: int = 0  #: upstream (reader) iterations run so far
-    upstream_time_s: float = 0.0  #: seconds those upstream iterations took
-
-    @property
-    def echo_ratio(self) -> float:
-        """Samples handed out per fresh sample (the realised echo factor)."""
-        return self.samples / self.fresh if self.fresh else math.nan
-
-    @property
-    def t_down_per_step(self) -> float:
-        """Mean seconds the consumer waited per step for the downstream (nan before a step)."""
-        return self.t_down / self.steps if self.steps else math.nan
-
-    @property
-    def ratio(self) -> float:
-        """``R = t_up / t_down`` per step, as the iterator sees it (nan until both are known).
-
-        ``t_down`` here is the wait for the downstream DALI pipeline only; a training loop that
-        computes between steps should divide :attr:`t_up` by its own step time instead.
-        """
-        down = self.t_down_per_step
-        return self.t_up / down if down > 0 else math.nan
 
 
 class EchoIterator:
@@ -154,6 +115,8 @@ class EchoIterator:
         self._size_arg = size if size > 0 else None
         self._step_in_epoch = 0
         self._epoch_done = False
+        # len() at this epoch's first step (see _took_its_steps); None before it.
+        self._epoch_steps: int | None = None
 
     # -- epoch geometry (endless streams) --
 
@@ -259,7 +222,7 @@ class EchoIterator:
         # As DALI's iterators do, iter() after a finished epoch starts the next (auto_reset or
         # not). A loop that stops after len() steps (Lightning's) never draws the end that
         # would finish it, so the epoch is also over once it has taken len() steps.
-        if self._step_in_epoch and not self._epoch_done and self._step_in_epoch >= len(self):
+        if not self._epoch_done and self._took_its_steps():
             while self.finite:  # the pass's rest: DROP's short batches, DALI's padding
                 try:
                     self.stats.dropped += int(self.pipeline.next_batch()[1][:, 0].sum())
@@ -280,6 +243,13 @@ class EchoIterator:
         except StopIteration:
             self._end_epoch()
             raise
+
+    def _took_its_steps(self) -> bool:
+        """True once this epoch took its len() steps: of a finite stream, the len() it had at
+        its first step (a set_echo_factor since then, between two epochs of Lightning's loop,
+        sets the next epoch's length, not this one's)."""
+        steps = self._epoch_steps if self.finite and self._epoch_steps is not None else len(self)
+        return 0 < steps <= self._step_in_epoch
 
     def _end_epoch(self) -> None:
         # auto_reset resets at the next next(), not here: a set_echo_factor between the epochs
@@ -326,6 +296,8 @@ class EchoIterator:
         self.stats.samples += keep
         self.stats.steps += 1
         self._step_in_epoch += 1
+        if self._step_in_epoch == 1:  # the pass began at this draw, at the factor of now
+            self._epoch_steps = len(self)
         batch = {}
         for name, value in zip(self.output_map, outputs, strict=True):
             tensor = to_torch(value)
@@ -358,8 +330,8 @@ class EchoIterator:
         ``copies_discarded``): the upstream reads the rest of its reader epoch, so the next
         epoch holds every sample of the shard e times. (DALI's iterators ignore a reset inside
         an epoch, with a warning.)"""
-        complete = self._epoch_done or self._step_in_epoch >= len(self) > 0
-        self._epoch_done, self._step_in_epoch = False, 0
+        complete = self._epoch_done or self._took_its_steps()
+        self._epoch_done, self._step_in_epoch, self._epoch_steps = False, 0, None
         if self.finite and complete:
             self.stats.dropped += self.pipeline.finish_pass()
         elif self.finite:

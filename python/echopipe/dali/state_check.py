@@ -304,7 +304,7 @@ def _check_stash(stash: Any, where: str) -> None:
 def check_iterator_state(state: Any, where: str = "iterator state") -> None:
     """Check an :meth:`EchoIterator.state_dict` result (the pipeline's state and the
     iterator's position and counters)."""
-    from .iterator import EchoIteratorStats
+    from .iterator_stats import EchoIteratorStats
     from .torch_copy import tensors_as_arrays
 
     _keys(state, where, {"pipeline", "iterator"})
