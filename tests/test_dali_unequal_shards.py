@@ -347,6 +347,8 @@ def test_dalis_iterator_kept_after_a_factor_change_is_refused_on_every_shard(jpe
             it = _loader(pipe, "dali", LBP.FILL)
             assert [len(epoch) for epoch in _run(it, 1)] == [4]
             pipe.set_echo_factor(2.07)
+            # The caller's own look at the sizes is not the kept iterator being told them.
+            assert pipe.epoch_size("Reader") == 17
             with pytest.raises(edali.EpochSizeChangedError) as err:
                 next(it)
             assert (err.value.told, err.value.copies) == (16, 17), k
@@ -405,6 +407,33 @@ def test_a_loop_that_stops_at_len_takes_a_factor_set_between_epochs(
     _expect_whole_epochs([r[1] for r in runs], n, shards, 3, len(it), start=1)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_state_saved_after_a_factor_set_at_the_epochs_end_resumes_a_whole_epoch(
+    jpegs, deterministic
+) -> None:
+    """Lightning's order at an epoch's end: the loop stops at len() steps, an epoch-end hook
+    calls set_echo_factor(3), then ModelCheckpoint saves. The restored iterator must know the
+    epoch took its len() steps at e = 2 (fewer than len() at e = 3): it went on with the old,
+    drained pass instead, an epoch of 0 steps."""
+    files = jpegs[:21]
+    opts = dict(batch_size=4, echo_factor=2, seed=3, deterministic=deterministic)
+    with echo_pipe(files, 0, 2, True, enable_checkpointing=True, **opts) as pipe:
+        it = _loader(pipe, "echo", LBP.PARTIAL)
+        first = [_files_of(b) for b in islice(it, len(it))]
+        pipe.set_echo_factor(3)
+        state = it.state_dict()
+    shard = {f for b in first for f in b}
+    assert len(shard) == 10 and Counter(f for b in first for f in b) == dict.fromkeys(shard, 2)
+    with echo_pipe(files, 0, 2, True, enable_checkpointing=True, **opts) as pipe:
+        it = _loader(pipe, "echo", LBP.PARTIAL)
+        it.load_state_dict(state)  # (the factor, 3, comes with it)
+        steps = len(it)
+        assert steps == math.ceil(3 * 11 / 4)  # the largest shard's copies at e = 3
+        epoch = [_files_of(b) for b in islice(it, steps)]
+    assert len(epoch) == steps
+    assert Counter(f for b in epoch for f in b) == dict.fromkeys(shard, 3)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -424,7 +453,10 @@ def test_two_gloo_ranks_train_two_epochs_with_ddp(jpegs, tmp_path: Path) -> None
     out = tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    python_dir = Path(__file__).resolve().parent.parent / "python"
+    import echopipe
+
+    # The package this test imported (the installed one in CI, the tree in a dev checkout).
+    python_dir = Path(echopipe.__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(python_dir), env.get("PYTHONPATH")] if p)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

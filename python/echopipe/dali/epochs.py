@@ -192,10 +192,6 @@ class PassSpan:
         """Batches of every shard's pass: the largest pass's, padded to that on the others."""
         return max(1, math.ceil(self.most / batch_size))
 
-    def full_batches(self, batch_size: int) -> int:
-        """Batches of real copies every shard's pass fills (what ``DROP`` keeps)."""
-        return self.least // batch_size
-
 
 def pass_span(config: Any, reader: ReaderEpochs | None) -> PassSpan | None:
     """The :class:`PassSpan` of an epoch-aligned stream with the resolved ``config`` (None for

@@ -34,8 +34,9 @@ class EchoIterator:
             (``epochs=N``, the default with a padded reader) ends its epochs with the data, so
             it refuses this, ``steps_per_epoch`` and ``size`` (as :meth:`set_epoch_size` does).
         steps_per_epoch: steps per epoch (overrides ``epoch_size``).
-        last_batch_policy: ``FILL`` returns the last batch full (padded with repeats of its own
-            samples at the end of a finite stream), ``DROP`` drops an incomplete last batch,
+        last_batch_policy: ``FILL`` returns the last batch full (at the end of a finite stream,
+            padded with repeats of its own samples; a smaller shard's padding-only batches
+            repeat the first sample the pipeline drew), ``DROP`` drops an incomplete last batch,
             ``PARTIAL`` trims it to the samples that belong to the epoch.
         auto_reset: start the next epoch automatically after StopIteration (also ``"yes"`` /
             ``"no"``, as DALI's iterators take it).
@@ -348,6 +349,9 @@ class EchoIterator:
                 "stats": dict(self.stats.__dict__),
                 "step_in_epoch": self._step_in_epoch,
                 "epoch_done": self._epoch_done,
+                # A set_echo_factor after the epoch's last step (an epoch-end callback) must
+                # not turn the restored, finished epoch into one still short of its new len().
+                "epoch_steps": self._epoch_steps,
             },
         }
 
@@ -358,6 +362,8 @@ class EchoIterator:
         self.stats = EchoIteratorStats(**it["stats"])
         self._step_in_epoch = int(it["step_in_epoch"])
         self._epoch_done = bool(it["epoch_done"])
+        steps = it.get("epoch_steps")  # (absent from states saved before it was kept)
+        self._epoch_steps = None if steps is None else int(steps)
 
     # -- lifetime --
 

@@ -119,15 +119,19 @@ class EchoPipeline(EchoPair):
         """
         self.build()
         policy = asking_iterator_policy()
-        if policy is not None:
-            # A DALI iterator given reader_name= counts whole passes: its reset() ends one.
-            self._passes_counted = True
-        if self.config.epochs is not None:
-            self._told_policy = policy
-            self._told_copies = self.pass_copies(policy)
         if name is not None:
-            return self._scaled_meta(self.upstream.reader_meta(name), policy)
-        return {k: self._scaled_meta(m, policy) for k, m in self.upstream.reader_meta().items()}
+            meta: dict[str, Any] = self._scaled_meta(self.upstream.reader_meta(name), policy)
+        else:
+            meta = {k: self._scaled_meta(m, policy) for k, m in self.upstream.reader_meta().items()}
+        # Only a DALI iterator (given reader_name=) that accepted the figures counts whole
+        # passes (its reset() ends one) and holds the size it was told; a refused one, or the
+        # caller's own look at the sizes, does not.
+        if policy is not None:
+            self._passes_counted = True
+            if self.config.epochs is not None:
+                self._told_policy = policy
+                self._told_copies = self.pass_copies(policy)
+        return meta
 
     def _scaled_meta(self, meta: dict[str, Any], policy: Any = None) -> dict[str, Any]:
         return scaled_meta(meta, self.config, self.reader_epochs, self.unaligned_reader, policy)

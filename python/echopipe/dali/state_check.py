@@ -310,8 +310,11 @@ def check_iterator_state(state: Any, where: str = "iterator state") -> None:
     _keys(state, where, {"pipeline", "iterator"})
     check_echo_state(tensors_as_arrays(state["pipeline"]), f"{where} 'pipeline'")
     it = state["iterator"]
-    _keys(it, f"{where} 'iterator'", {"stats", "step_in_epoch", "epoch_done"})
+    _keys(it, f"{where} 'iterator'", {"stats", "step_in_epoch", "epoch_done"},
+          frozenset({"epoch_steps"}))  # fmt: skip
     _int(it["step_in_epoch"], f"{where} 'step_in_epoch'")
+    if it.get("epoch_steps") is not None:
+        _int(it["epoch_steps"], f"{where} 'epoch_steps'")
     _of(it["epoch_done"], bool, f"{where} 'epoch_done'")
     names = {f.name: f.type for f in fields(EchoIteratorStats)}
     _keys(it["stats"], f"{where} 'stats'", set(), frozenset(names))
