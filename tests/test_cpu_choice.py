@@ -54,6 +54,53 @@ def test_replicas_are_not_advised_inside_a_replica_or_with_one_thread() -> None:
     assert "replica" not in line
 
 
+def test_a_step_is_the_slope_between_two_windows_not_one_windows_mean() -> None:
+    from echopipe.training.decide import _LONG_STEPS, _SHORT_STEPS, steady_step_seconds
+
+    # Two stages of 50 ms: each drained-to-drained window pays one more stage time to fill and
+    # drain. One window's mean reads that as step time (4 steps: 62.5 ms, 1.25x).
+    step, fill = 0.05, 0.05
+
+    def window(n: int) -> float:
+        return fill + n * step
+
+    got = steady_step_seconds(window(_SHORT_STEPS), window(_LONG_STEPS), stages=2)
+    assert got == pytest.approx(step)
+    assert window(4) / 4 == pytest.approx(1.25 * step)
+    # A short window slowed by load: the slope would be negative; it is held to the fill the
+    # stages can have (at most stages - 1 whole steps) ...
+    long_s = window(_LONG_STEPS)
+    assert steady_step_seconds(long_s, long_s, stages=2) == pytest.approx(
+        long_s / (_LONG_STEPS + 1)
+    )
+    # ... and a long window slowed by load to no more than its own mean.
+    assert steady_step_seconds(0.0, long_s, stages=2) == pytest.approx(long_s / _LONG_STEPS)
+    # One stage has no fill to take away: a slope below the mean is noise.
+    assert steady_step_seconds(window(_SHORT_STEPS), long_s, stages=1) == pytest.approx(
+        long_s / _LONG_STEPS
+    )
+
+
+def test_the_trial_times_a_real_two_stage_pipeline_by_its_windows() -> None:
+    from echopipe.models import build_model
+    from echopipe.training.decide import _LONG_STEPS, _SHORT_STEPS, measure_step_seconds
+
+    # The clock is read at each window's start and end, in that order; its readings make the
+    # two windows T(n) = 0.02 + n * 0.03 s (a fill of two thirds of a step), whatever the
+    # pipeline really took.
+    ends = iter([0.0, 0.02 + _SHORT_STEPS * 0.03, 10.0, 10.02 + _LONG_STEPS * 0.03])
+    model = build_model("resnet_small", num_classes=4)
+    got = measure_step_seconds(
+        model,
+        torch.randn(4, 3, 32, 32),
+        [2, len(model) - 2],
+        ["cpu", "cpu"],
+        clock=lambda: next(ends),
+    )
+    assert got == pytest.approx(0.03)
+    assert next(ends, None) is None  # both windows were timed, nothing else read the clock
+
+
 def test_the_trial_times_one_thread_and_restores_the_threads() -> None:
     from echopipe.models import build_model
     from echopipe.training import TrainConfig

@@ -29,18 +29,45 @@ __all__ = [
     "choose_split",
     "measure_copy_bytes_per_s",
     "measure_step_seconds",
+    "steady_step_seconds",
 ]
 
 _WARMUP_STEPS = 2
-_TIMED_STEPS = 4
+# A step is timed as the slope between two windows, each from a drained pipeline to a drained
+# pipeline: T(n) = L + n * step, where L is the fill and drain of the stages (about K - 1 stage
+# times). One window of 4 steps read L / 4 as step time: the 2-stage pipeline's step came out
+# 1.2x its steady value, which both slowed `--stages auto` against one stage and lowered the
+# R that `--echo auto` starts from (docs/design.md, "`--echo auto`").
+_SHORT_STEPS = 2
+_LONG_STEPS = 8
+
+
+def steady_step_seconds(short_s: float, long_s: float, stages: int) -> float:
+    """Seconds per step of a full pipeline from two windows of :data:`_SHORT_STEPS` and
+    :data:`_LONG_STEPS` steps, each timed from a drained pipeline to a drained one.
+
+    The slope between them drops the fill and drain both windows share. It is clamped to what
+    the long window allows: at most its mean (no fill at all), at least its mean with the fill
+    and drain taken as ``stages - 1`` whole steps (the most they can be), so a window disturbed
+    by load cannot give a negative or an absurd step.
+    """
+    slope = (long_s - short_s) / (_LONG_STEPS - _SHORT_STEPS)
+    lowest = long_s / (_LONG_STEPS + max(stages - 1, 0))
+    return min(max(slope, lowest), long_s / _LONG_STEPS)
 
 
 def measure_step_seconds(
-    model: nn.Sequential, sample: torch.Tensor, balance: list[int], devices: list[str]
+    model: nn.Sequential,
+    sample: torch.Tensor,
+    balance: list[int],
+    devices: list[str],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Seconds per training step of a copy of ``model`` split by ``balance``.
+    """Seconds per training step of a copy of ``model`` split by ``balance``, in the steady
+    state of its pipeline (:func:`steady_step_seconds`).
 
     Random labels, plain SGD; the copy is thrown away, so the real model is untouched.
+    ``clock`` is read at the start and end of each timed window (a test can inject it).
     """
     from ..pipeline import StalePipeline
 
@@ -53,15 +80,20 @@ def measure_step_seconds(
         balance=balance,
         devices=devices[: len(balance)],
     )
+
+    def window(steps: int) -> float:
+        t0 = clock()
+        for _ in range(steps):
+            pipe.train_step(sample, target)
+        pipe.drain()
+        return clock() - t0
+
     try:
         for _ in range(_WARMUP_STEPS):
             pipe.train_step(sample, target)
         pipe.drain()
-        t0 = time.perf_counter()
-        for _ in range(_TIMED_STEPS):
-            pipe.train_step(sample, target)
-        pipe.drain()
-        return (time.perf_counter() - t0) / _TIMED_STEPS
+        short_s = window(_SHORT_STEPS)
+        return steady_step_seconds(short_s, window(_LONG_STEPS), len(balance))
     finally:
         pipe.close()
 
