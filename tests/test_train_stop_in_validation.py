@@ -1,10 +1,13 @@
-"""A stop (SIGTERM) during an epoch's validation keeps the epoch just trained.
+"""A stop (SIGTERM) during an epoch's validation keeps the epoch just trained; one after it
+keeps the validated epoch.
 
 Real ``echopipe train`` processes on the tiny JPEG set, stopped by a real SIGTERM sent when the
 run prints ``validating epoch ...``, then resumed with ``--resume``: the resume validates the
 trained epoch instead of training it again, and the run ends with the rows, steps and summary
 of an uninterrupted run. The first validation batch waits for the stop (at most 120 s, ended
-by the signal's handler), so the stop always lands inside validation, not after it.
+by the signal's handler), so the stop always lands inside validation, not after it. For a stop
+after validation's last collective, the epoch line holds the run until the stop has reached the
+process's handler (an event, not a time).
 """
 
 from __future__ import annotations
@@ -49,6 +52,42 @@ StalePipeline.evaluate = held_evaluate
 sys.exit(main(sys.argv[1:]))
 """
 
+# Runs echopipe's CLI held after the first epoch line (validation's collectives are over, the
+# epoch-end checkpoint not yet written) until a stop has reached the handler in place there.
+HOLD_AFTER = """\
+import signal, sys, time
+from echopipe.cli import main
+from echopipe.training.progress import Progress
+
+end_epoch = Progress.end_epoch
+held = []
+
+def held_end_epoch(self, row, eta_s):
+    end_epoch(self, row, eta_s)
+    if held:
+        return
+    held.append(True)
+    stops, handlers = [], {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def seen(number, frame):
+        stops.append(number)
+        handlers[number](number, frame)  # the run's own handler: it raises, or holds the stop
+
+    try:
+        for sig in handlers:
+            signal.signal(sig, seen)
+        print("held after validation", file=sys.stderr, flush=True)
+        end = time.monotonic() + 120
+        while not stops and time.monotonic() < end:
+            time.sleep(0.01)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+Progress.end_epoch = held_end_epoch
+sys.exit(main(sys.argv[1:]))
+"""
+
 # Row entries an uninterrupted run and a stopped-and-resumed one share (not times, not the
 # input's build count, which counts the resume's rebuild).
 SAME = ["epoch", "step", "train_loss", "val_top1", "val_loss", "val_top5", "val_images",
@@ -70,8 +109,11 @@ def _cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=180)  # fmt: skip
 
 
-def _stop_in_validation(cmd: list[str]) -> tuple[int, str]:
-    """Run ``cmd``; SIGTERM it when it says validation started; its status and stderr."""
+def _stop_in_validation(
+    cmd: list[str], when: str = "validating epoch 1/", times: int = 1
+) -> tuple[int, str]:
+    """Run ``cmd``; SIGTERM it when it has said ``when`` (``times`` times: once per rank),
+    by default when validation started; its status and stderr."""
     seen: list[str] = []
     with subprocess.Popen(cmd, env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                           text=True) as proc:  # fmt: skip
@@ -79,7 +121,7 @@ def _stop_in_validation(cmd: list[str]) -> tuple[int, str]:
             assert proc.stderr is not None
             for line in proc.stderr:
                 seen.append(line)
-                if line.startswith("validating epoch 1/"):
+                if sum(s.startswith(when) for s in seen) == times:
                     proc.send_signal(signal.SIGTERM)
                     break
             seen.append(proc.stderr.read())
@@ -222,3 +264,86 @@ def test_a_sigterm_to_torchrun_during_validation_keeps_the_epoch_on_both_ranks(
         "resume from step 4 (not validated), the newest step every rank holds" in done.stderr
     ), done.stderr[-3000:]
     assert _rows(run) == rows
+
+
+def test_a_sigterm_after_validation_keeps_the_validated_epoch(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """Stopped after epoch 1's validation (its epoch line printed, its checkpoint not yet
+    written), the run writes the validated end of epoch 1 and names it; the resume trains
+    epoch 2 at once and ends with the uninterrupted run's rows, steps and summary."""
+    argv = ["train", "--data", str(tiny_imagenet), *ARGS, "--deterministic"]
+    ref = tmp_path / "ref"
+    assert _cli([*argv, "--output", str(ref)]).returncode == 0
+    run = tmp_path / "run"
+    last = run / "checkpoints" / "last.pt"
+    hold = tmp_path / "hold.py"
+    hold.write_text(HOLD_AFTER)
+    cmd = [sys.executable, str(hold), *argv, "--output", str(run)]
+    code, err = _stop_in_validation(cmd, when="held after validation")
+    assert code == 143, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        f"echopipe train: interrupted at step 8; --resume --output {run} continues from {last} "
+        "(step 8, end of epoch 1)"
+    ), err
+    saved = read_checkpoint(last)["run"]
+    assert (saved["global_step"], saved["epoch"], saved["step_in_epoch"]) == (8, 1, 0)
+    assert [r["step"] for r in saved["rows"]] == [8]
+
+    done = _cli(["train", "--output", str(run), "--resume"])
+    assert done.returncode == 0, done.stderr
+    assert f"resume: {last} (step 8, epoch 1)" in done.stderr, done.stderr
+    assert "validating epoch 1/" not in done.stderr
+    assert _rows(run) == _rows(ref)
+    assert [r["step"] for r in _rows(run)] == [8, 16]
+    assert _steps(run) == _steps(ref) and sorted(_steps(run)) == list(range(1, 17))
+    summary = json.loads((run / "metrics.json").read_text())["summary"]
+    want = json.loads((ref / "metrics.json").read_text())["summary"]
+    for key in ("steps", "epochs", "top1", "fresh_samples", "echoed_samples"):
+        assert summary[key] == want[key], key
+    assert len((run / "metrics.csv").read_text().splitlines()) == 3
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_sigterm_to_torchrun_after_validation_keeps_the_validated_epoch_on_both_ranks(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """torchrun, 2 Gloo processes, both held after epoch 1's validation: SIGTERM to torchrun
+    leaves both ranks with the validated end of epoch 1 (one step, one kind), and the resumed
+    job trains epoch 2 at once and ends with an uninterrupted job's rows and steps."""
+    hold = tmp_path / "hold.py"
+    hold.write_text(HOLD_AFTER)
+
+    def torchrun(script: list[str], out: Path, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                "--nproc_per_node=2", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{_port()}", "--monitor-interval=0.2", *script,
+                "train", "--data", str(tiny_imagenet), *ARGS, "--deterministic",
+                "--dist-timeout-s", "30", "--output", str(out), *extra]  # fmt: skip
+
+    def job(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    job(torchrun(["-m", "echopipe.cli"], ref))
+    cmd = torchrun([str(hold)], run)
+    code, err = _stop_in_validation(cmd, when="held after validation", times=2)
+    assert code != 0, err
+    ranks = [run / "checkpoints" / f"rank{r}" for r in (0, 1)]
+    assert (
+        f"interrupted at step 4; --resume --output {run} continues from {ranks[0] / 'last.pt'} "
+        "(step 4, end of epoch 1)"
+    ) in err, err[-3000:]
+    for folder in ranks:
+        saved = read_checkpoint(folder / "last.pt")["run"]
+        assert (saved["global_step"], saved["epoch"], saved["step_in_epoch"]) == (4, 1, 0)
+    done = job(torchrun(["-m", "echopipe.cli"], run, "--resume"))
+    assert "the ranks' checkpoints differ" not in done.stderr, done.stderr[-3000:]
+    assert "validating epoch 1/" not in done.stderr, done.stderr[-3000:]
+    assert _rows(run) == _rows(ref)
+    assert [r["step"] for r in _rows(run)] == [4, 8]
+    assert _steps(run) == _steps(ref) and sorted(_steps(run)) == list(range(1, 9))

@@ -260,22 +260,37 @@ class EpochLoop:
 
         A stop (Ctrl-C, SIGTERM) during validation first writes the checkpoint of the epoch as
         trained, not validated (:meth:`_keep_trained`): the resume validates it and goes on,
-        rather than training it again from the checkpoint before.
+        rather than training it again from the checkpoint before. Once validation's last
+        collective has returned, the epoch's metrics are known on every rank: a stop from then
+        on waits until the epoch-end checkpoint, which holds them, is written.
         """
-        cfg, st = self.cfg, self.run_state
+        st = self.run_state
         if st.rows and st.rows[-1]["step"] == st.global_step:
             return  # --max-steps fell on an epoch end: that epoch is already recorded
+        recording = False
         try:
             top1, val_loss, val_n, top5 = self._validate()
             counters = self._counters()
+            # Entered inside the try: a stop before it holds still keeps the trained epoch; in
+            # it, no stop leaves the state half updated.
+            with signals_deferred():
+                recording = True
+                self._record(top1, val_loss, val_n, top5, counters)
         except KeyboardInterrupt:
-            self._keep_trained()
+            if not recording:  # (else the checkpoint of the validated epoch is written)
+                self._keep_trained()
             raise
+        if self.ctx.is_main:
+            self._write_metrics()
+
+    def _record(
+        self, top1: float, val_loss: float, val_n: int, top5: float, counters: list[float]
+    ) -> None:
+        """The validated epoch: its row, the echo retune, the next pass, the checkpoint."""
+        cfg, st = self.cfg, self.run_state
         finished = st.step_in_epoch >= st.steps_per_epoch
         if finished:
-            st.epoch += 1
-            st.step_in_epoch = 0
-            st.epoch_fresh = 0.0
+            st.epoch, st.step_in_epoch, st.epoch_fresh = st.epoch + 1, 0, 0.0
         row = self._row(top1, val_loss, val_n, counters)
         row["val_top5"] = top5
         self._epoch_figures(row)
@@ -285,8 +300,7 @@ class EpochLoop:
             self.stopped = (
                 f"--stop-at-top1 {target:g} reached (top-1 {top1:.3f}, step {st.global_step})"
             )
-        best = top1 > st.best_top1
-        st.best_top1 = max(st.best_top1, top1)
+        best, st.best_top1 = top1 > st.best_top1, max(st.best_top1, top1)
         self.epoch_times.append(row["epoch_s"])
         left = 0 if self.stopped else max(cfg.epochs - st.epoch, 0)
         self.progress.end_epoch(row, left * float(np.mean(self.epoch_times)))
@@ -295,8 +309,6 @@ class EpochLoop:
         if finished:
             self.data.iterator.reset()
         self.checkpoint(best=best)
-        if self.ctx.is_main:
-            self._write_metrics()
 
     def _validate(self) -> tuple[float, float, int, float]:
         """The replicas' BatchNorm statistics averaged (whole: a stop between a buffer's sum and

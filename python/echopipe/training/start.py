@@ -346,9 +346,10 @@ def signals_deferred(resend: bool = True) -> Iterator[None]:
         return
     caught: list[int] = []
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in handlers:
-        signal.signal(sig, lambda number, frame: caught.append(number))
     try:
+        # Inside the try: a stop between the two installs still gets both handlers back.
+        for sig in handlers:
+            signal.signal(sig, lambda number, frame: caught.append(number))
         yield
     finally:
         for sig, handler in handlers.items():
