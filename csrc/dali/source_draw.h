@@ -25,19 +25,30 @@ enum class DrawEnd { kFull, kEnded, kClosed };
 /// Takes from `cache` into `leases` until it holds `batch_size` samples. Each wait is bounded
 /// (100 ms), so close() from Python ends the loop; after every wait that took nothing,
 /// `between_attempts` runs (when set) to give back what the caller no longer needs. Batch mode
-/// hands out whole units and only the input's last unit may be short: once it is in, the free
-/// slots may not fit another unit, so the batch ends short (kFull, padded by the caller).
+/// hands out whole units, `batch_size / unit` of them per batch, and only the input's last unit
+/// may be short: a batch that drew it ends short (kFull, padded by the caller) rather than
+/// taking another unit into the room it left, so the batches of a pass do not depend on which
+/// draws meet the short unit (ceil(unit copies / units per batch), the same on every rank).
 inline DrawEnd take_batch(echopipe::EchoCache& cache, int batch_size,
                           std::vector<echopipe::SampleLease>& leases,
                           const std::function<void()>& between_attempts) {
   const auto& config = cache.config();
-  const size_t unit = config.mode == echopipe::EchoMode::kBatch ? config.batch_size : 1;
-  while (static_cast<int>(leases.size()) < batch_size) {
-    size_t want = batch_size - leases.size();
-    want -= want % unit;
-    if (want == 0) break;
-    auto status = cache.take(want, leases, 0.1);
-    if (status == echopipe::TakeStatus::kOk) continue;
+  const bool units_of_batches = config.mode == echopipe::EchoMode::kBatch;
+  const size_t unit = units_of_batches ? config.batch_size : 1;
+  const size_t per_batch = static_cast<size_t>(batch_size) / unit;
+  size_t units = 0;
+  for (const auto& lease : leases) units += !units_of_batches || lease.index_in_unit() == 0;
+  while (units < per_batch) {
+    const size_t before = leases.size();
+    auto status = cache.take((per_batch - units) * unit, leases, 0.1);
+    if (status == echopipe::TakeStatus::kOk) {
+      // A take may end with fewer units than asked (a full cache's producer waits): counted
+      // by their first samples, so the rest of the batch is whole units again.
+      for (size_t i = before; i < leases.size(); ++i) {
+        units += !units_of_batches || leases[i].index_in_unit() == 0;
+      }
+      continue;
+    }
     if (status == echopipe::TakeStatus::kTimeout) {
       if (between_attempts) between_attempts();
       continue;

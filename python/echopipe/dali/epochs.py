@@ -182,14 +182,23 @@ class PassSpan:
         own: this shard's copies in its first pass (:func:`epoch_copies`).
         most: copies of the largest pass any shard runs.
         least: copies of the smallest pass any shard runs.
+        most_batches: in batch mode, the batches of the pass of most batches: a batch holds
+            ``batch_size / upstream_batch_size`` units, and one that drew a short last unit
+            ends short, so the batches are counted in units, not samples.
+        least_full: in batch mode, the fewest full batches any shard's pass can hold, whatever
+            the draws (each copy of a short unit in a batch of its own): what ``DROP`` keeps.
     """
 
     own: int
     most: int
     least: int
+    most_batches: int | None = None
+    least_full: int | None = None
 
     def batches(self, batch_size: int) -> int:
         """Batches of every shard's pass: the largest pass's, padded to that on the others."""
+        if self.most_batches is not None:
+            return max(1, self.most_batches)
         return max(1, math.ceil(self.most / batch_size))
 
 
@@ -209,7 +218,18 @@ def pass_span(config: Any, reader: ReaderEpochs | None) -> PassSpan | None:
             epoch_copies(config, replace(reader, shard_id=k, stick_to_shard=True))
             for k in range(reader.shards)
         ]
-        return PassSpan(own, max(passes), min(passes))
+        if config.echo.mode != "batch":
+            return PassSpan(own, max(passes), min(passes))
+        up = config.upstream_batch_size
+        per_batch = config.batch_size // up
+        # The last unit of a shard's epoch is short; its copies are at most ceil(e) per epoch.
+        units = [(math.ceil(n / up), n % up != 0) for n in sizes]
+        totals = [(epochs * copies_per_epoch(e, n), epochs * math.ceil(e) * s) for n, s in units]
+        return PassSpan(
+            own, max(passes), min(passes),
+            most_batches=max(math.ceil(t / per_batch) for t, _ in totals),
+            least_full=min(max(0, t // per_batch - min(s, t)) for t, s in totals),
+        )  # fmt: skip
     # Shards that move: a rank's cache blocks hold its first epoch's files, and a pass reads
     # `epochs` shards in turn, starting anywhere.
     windows = {sum(sizes[(s + i) % len(sizes)] for i in range(epochs)) for s in range(len(sizes))}

@@ -211,6 +211,11 @@ class EchoIterator:
         epoch, the same on every shard of the reader (the largest shard's batches; for ``DROP``
         the smallest shard's whole batches)."""
         b = self.pipeline.config.batch_size
+        span = self.pipeline.pass_span() if self.finite else None
+        if span is not None and self.last_batch_policy != LastBatchPolicy.DROP:
+            return span.batches(b)  # (batch mode counts a pass's batches in units)
+        if span is not None and span.least_full is not None:
+            return span.least_full
         samples = self._epoch_samples()
         if self.last_batch_policy == LastBatchPolicy.DROP:
             # An endless stream's epoch takes at least one batch; a finite one whole batches.
