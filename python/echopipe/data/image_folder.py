@@ -10,6 +10,7 @@ re-exported by :mod:`echopipe.data`.
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import BinaryIO, Literal
 
 from PIL import Image
+
+from .jpeg_scan import scan_cut_short
 
 __all__ = [
     "MAX_IMAGE_PIXELS",
@@ -85,9 +88,9 @@ _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _MAX_JPEG_SEGMENTS = 1024
 
 
-def _jpeg_frame_size(fh: BinaryIO, length: int) -> tuple[int, int]:
-    """``(width, height)`` of the frame header of the JPEG in ``fh``, read segment by segment up
-    to its first scan (a few bytes per segment; the segments' data are skipped by seeking).
+def _jpeg_frame_size(fh: BinaryIO, length: int) -> tuple[int, int, int]:
+    """``(width, height, offset of the first scan)`` of the JPEG in ``fh``, read segment by
+    segment up to its first scan (a few bytes per segment; their data are skipped by seeking).
     Raises ValueError saying what is wrong when there is no frame before the scan."""
     pos, size = 2, None
     for _ in range(_MAX_JPEG_SEGMENTS):
@@ -117,9 +120,23 @@ def _jpeg_frame_size(fh: BinaryIO, length: int) -> tuple[int, int]:
         elif marker == 0xDA:
             if size is None:
                 raise ValueError("JPEG has a scan but no frame header (SOF) before it")
-            return size
+            return (*size, pos)
         pos += 2 + seg
     raise ValueError(f"JPEG has more than {_MAX_JPEG_SEGMENTS} segments before its first scan")
+
+
+def _eoi_after(fh: BinaryIO, pos: int) -> bool:
+    """Whether an EOI marker follows ``pos`` (in entropy-coded data ``FF`` is always followed by
+    ``00`` or a restart marker, so ``FF D9`` there is the end). Read only for a JPEG whose last
+    KiB holds none: one with more than that of other data after its end, which decoders
+    ignore (a camera's trailer, an appended video)."""
+    fh.seek(pos)
+    carry = b""
+    while chunk := fh.read(1 << 20):
+        if b"\xff\xd9" in carry + chunk:
+            return True
+        carry = chunk[-1:]
+    return False
 
 
 def _check_size(width: int, height: int) -> str | None:
@@ -139,15 +156,21 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
 
     ``"header"`` reads the first bytes, the marker segments up to the first scan, and the last
     bytes: the file must be non-empty, start with a JPEG SOI marker (``FF D8 FF``), have a
-    frame header (SOF) before its first scan (SOS) and an EOI marker (``FF D9``) within its last
-    1 KiB, or start with the PNG signature and an ``IHDR`` chunk and hold an ``IEND`` chunk
-    within its last 1 KiB. The size in the frame header or ``IHDR`` must be non-zero and at most
-    :data:`MAX_IMAGE_PIXELS`. ``"decode"`` also decodes the whole image with Pillow.
+    frame header (SOF) before its first scan (SOS) and an EOI marker (``FF D9``) after it
+    (looked for in its last 1 KiB, and only when none is there in the rest of the file), or
+    start with the PNG signature and an ``IHDR`` chunk and hold an ``IEND`` chunk within its
+    last 1 KiB. The size in the frame header or ``IHDR`` must be non-zero and at most
+    :data:`MAX_IMAGE_PIXELS`.
+
+    ``"decode"`` also decodes the whole image with Pillow, and a JPEG a second time to find
+    image data that stops before the image is complete: a file cut inside its scan and ended
+    with an EOI marker, which Pillow and DALI's CPU decoder both decode without an error,
+    filling the rest grey (:mod:`echopipe.data.jpeg_scan`).
     """
     if check not in ("header", "decode"):
         raise ValueError(f"check must be 'header' or 'decode', got {check!r}")
     path = os.fspath(path)
-    size_problem = None
+    size_problem, ended = None, False
     try:
         with open(path, "rb") as fh:
             head = fh.read(24)
@@ -155,9 +178,12 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
             length = fh.tell()
             fh.seek(max(0, length - _TAIL_BYTES))
             tail = fh.read()
-            if head.startswith(b"\xff\xd8\xff") and b"\xff\xd9" in tail:
+            ended = b"\xff\xd9" in tail
+            if head.startswith(b"\xff\xd8\xff"):
                 try:
-                    size_problem = _check_size(*_jpeg_frame_size(fh, length))
+                    width, height, scan = _jpeg_frame_size(fh, length)
+                    size_problem = _check_size(width, height)
+                    ended = ended or _eoi_after(fh, scan)
                 except ValueError as exc:
                     size_problem = str(exc)
     except OSError as exc:
@@ -165,7 +191,7 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
     if length == 0:
         raise CorruptImageError(path, "empty file (0 bytes)")
     if head.startswith(b"\xff\xd8\xff"):
-        if b"\xff\xd9" not in tail:
+        if not ended:
             raise CorruptImageError(
                 path, f"JPEG has no end-of-image marker FFD9 (truncated? {length} bytes)"
             )
@@ -184,13 +210,27 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
     if size_problem is not None:
         raise CorruptImageError(path, size_problem)
     if check == "decode":
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with Image.open(path) as im:
-                    im.load()
-        except Exception as exc:  # Pillow raises many types for bad data
-            raise CorruptImageError(path, f"decode failed: {exc}") from exc
+        _decode(path)
+
+
+def _decode(path: str) -> None:
+    """The ``"decode"`` check of a file whose header passed."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise CorruptImageError(path, f"cannot read: {exc.strerror or exc}") from exc
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(data)) as im:
+                im.load()
+                # libjpeg's warnings never reach Pillow's caller; see jpeg_scan.
+                cut = scan_cut_short(data, im) if im.format == "JPEG" else None
+    except Exception as exc:  # Pillow raises many types for bad data
+        raise CorruptImageError(path, f"decode failed: {exc}") from exc
+    if cut is not None:
+        raise CorruptImageError(path, cut)
 
 
 def scan_image_folder(
@@ -215,7 +255,8 @@ def scan_image_folder(
     Args:
         root: the dataset split folder, e.g. ``.../train``.
         check: ``"none"`` (extension and name only), ``"header"`` (markers and size, see
-            :func:`check_image_file`) or ``"decode"`` (full Pillow decode).
+            :func:`check_image_file`) or ``"decode"`` (full Pillow decode, which also finds a
+            JPEG cut inside its image data and ended with an EOI marker).
         on_corrupt: ``"error"`` raises on the first bad file; ``"skip"`` leaves it out and
             records it in ``skipped``.
         extensions: file name endings counted as images.
