@@ -1,9 +1,10 @@
-"""Damaged images written by Pillow: what the checks, Pillow and DALI's CPU decoder do with
-each (docs/train.md, "Damaged images")."""
+"""Damaged images written by Pillow: what the checks, Pillow, DALI's CPU decoder and
+``echopipe train`` do with each (docs/train.md, "Damaged images")."""
 
 from __future__ import annotations
 
 import io
+import json
 import warnings
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from echopipe.cli import main
 from echopipe.data import CorruptImageError, check_image_file, scan_image_folder
 
 # Encodings a dataset holds: baseline, progressive, optimised tables, no chroma subsampling,
@@ -169,3 +171,87 @@ def test_scan_skips_and_counts_each_damaged_file(
     assert set(index.files) == {str(p) for k, p in files.items() if k not in left_out} | {
         str(tmp_path / "d" / "whole.jpg")
     }
+
+
+# ---- echopipe train ----------------------------------------------------------------------------
+
+
+def _dataset(root: Path) -> Path:
+    for split, count in (("train", 4), ("val", 2)):
+        for c in ("ant", "cat"):
+            for i in range(count):
+                _write(root / split / c / f"{i}.JPEG", _jpeg(seed=i))
+    return root
+
+
+def _train(data: Path, run: Path, *extra: str) -> list[str]:
+    return ["train", "--data", str(data), "--output", str(run), "-b", "4", "--image-size", "32",
+            "--epochs", "1", "--stages", "1", "--no-progress", *extra]  # fmt: skip
+
+
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("echopipe train: error: "), err
+    assert not any(line.startswith("echopipe train: error") for line in lines[:-1]), err
+    return lines[-1]
+
+
+def test_train_check_decode_stops_naming_a_jpeg_cut_and_ended_with_eoi(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = _dataset(tmp_path / "data")
+    cut = _write(data / "train" / "cat" / "cut.JPEG", _cut_with_eoi(_jpeg(seed=7)))
+    assert main(_train(data, tmp_path / "run", "--check", "decode")) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert str(cut) in line and "stops before the image is complete" in line
+
+
+def test_train_check_decode_skips_counts_and_sums_up_damaged_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = _dataset(tmp_path / "data")
+    _write(data / "train" / "cat" / "cut.JPEG", _cut_with_eoi(_jpeg(seed=7)))
+    _write(data / "train" / "ant" / "cut.JPEG", _cut_with_eoi(_jpeg(seed=8), 0.3))
+    _write(data / "val" / "ant" / "cut.JPEG", _cut_with_eoi(_jpeg(seed=9)))
+    run = tmp_path / "run"
+    assert main(_train(data, run, "--check", "decode", "--on-corrupt", "skip")) == 0
+    out, err = capsys.readouterr()
+    assert "2 corrupt image(s) left out of train/" in err, err
+    assert "1 corrupt image(s) left out of val/" in err, err
+    summary = out[out.index("echopipe train: summary") :]
+    counts = ["2 corrupt image(s) of train/", "1 corrupt image(s) of val/"]
+    assert f"left out            {', '.join(counts)}" in summary, summary
+    doc = json.loads((run / "metrics.json").read_text())
+    assert doc["summary"]["left_out"] == counts
+    assert doc["epochs"][0]["val_images"] == 4
+    assert json.loads((run / "config.json").read_text())["options"]["check"] == "decode"
+
+
+def test_train_header_check_skips_empty_and_cut_files_and_trains_on_trailers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 0-byte file mid-folder and a JPEG cut without an end marker are left out and counted;
+    a JPEG with more than a KiB after its end marker is trained on, as DALI decodes it."""
+    data = _dataset(tmp_path / "data")
+    whole = _jpeg(seed=5)
+    _write(data / "train" / "ant" / "1a_empty.JPEG", b"")
+    _write(data / "train" / "cat" / "1a_cut.JPEG", whole[: len(whole) // 2])
+    _write(data / "train" / "cat" / "9_trailer.JPEG", whole + bytes(range(256)) * 16)
+    run = tmp_path / "run"
+    assert main(_train(data, run, "--on-corrupt", "skip")) == 0
+    out, err = capsys.readouterr()
+    assert "2 corrupt image(s) left out of train/" in err, err
+    assert "left out            2 corrupt image(s) of train/ (named at the start)" in out, out
+    assert "Traceback" not in err
+
+
+def test_train_names_a_png_cut_with_iend_that_dali_cannot_decode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It passes the header check; DALI's decoder fails on it, and the run stops naming it."""
+    data = _dataset(tmp_path / "data")
+    png = _write(data / "train" / "ant" / "cut.png", _png_cut_with_iend(_encode(_pixels(3), "PNG")))
+    assert main(_train(data, tmp_path / "run", "--on-corrupt", "skip")) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert str(png) in line and "--check decode" in line, line

@@ -124,10 +124,12 @@ def explain_decode_failure(tap: UpstreamTap, error: BaseException) -> BaseExcept
     if tap.check == "decode":
         hint = "it decoded when the folder was scanned (it changed since?): remove or replace it"
     else:
-        also = "" if tap.on_corrupt == "skip" else " and on_corrupt='skip'"
+        skip = tap.on_corrupt == "skip"
+        also, flags = ("", "") if skip else (" and on_corrupt='skip'", " --on-corrupt skip")
         hint = (
             f"the scan's check ({tap.check!r}) does not decode: remove or replace it, or scan "
-            f"with check='decode'{also} to leave such files out"
+            f"with check='decode'{also} (echopipe train: --check decode{flags}) to leave such "
+            "files out"
         )
     exc = CorruptImageError(path, f"DALI's decoder failed on it ({reason}){more}; {hint}")
     exc.__cause__ = error

@@ -170,6 +170,14 @@ class TrainConfig:
         "a corrupt image stops the run naming it, or is skipped and counted",
         choices=("error", "skip"),
     )
+    check: str = opt(
+        "header",
+        "what is checked of every image before training: its markers and size (header), or "
+        "also a full decode (decode: about two Pillow decodes per image; finds a JPEG cut "
+        "inside its image data and ended with an end marker, which DALI trains on grey)",
+        choices=("header", "decode"),
+        on_resume="free",
+    )
     seed: int = opt(
         0,
         "seed for model init, DALI and echo draws",

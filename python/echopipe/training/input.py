@@ -24,7 +24,7 @@ from torch import nn
 
 from .config import DataError, TrainConfig
 from .distributed import DistContext
-from .preflight import IMAGE_CHECK, cache_does_not_fit
+from .preflight import cache_does_not_fit
 
 __all__ = ["TrainInput", "evaluate", "evaluate_checkpoint"]
 
@@ -62,7 +62,7 @@ class TrainInput:
             # file order that this seed permutes, so the resumed epoch goes on where it stopped.
             seed=cfg.seed + 104729 * self.ctx.rank,
             on_corrupt=cfg.on_corrupt,  # type: ignore[arg-type]
-            check=IMAGE_CHECK,  # type: ignore[arg-type]
+            check=cfg.check,  # type: ignore[arg-type]
             read_delay_ms=cfg.read_delay_ms,
             decode_device=cfg.decode,  # type: ignore[arg-type]
             device_id=self.device_id,
@@ -202,8 +202,8 @@ def evaluate(
             num_threads=cfg.workers,
             device_id=device_id,
             on_corrupt=cfg.on_corrupt,
-            # check_data has read every val/ header; with skip, the bad files are left out here
-            check="none" if cfg.on_corrupt == "error" else "header",
+            # check_data has checked every val/ image; with skip, the bad ones are left out here
+            check="none" if cfg.on_corrupt == "error" else cfg.check,
         )
         pipe.build()
         val_iter.append(

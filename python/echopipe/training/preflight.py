@@ -11,16 +11,12 @@ from .checkpoints import read_checkpoint
 from .config import DataError, TrainConfig, TrainError, UsageError
 
 __all__ = [
-    "IMAGE_CHECK",
     "cache_does_not_fit",
     "check_cache_fits",
     "check_data",
     "read_resume",
     "say_left_out",
 ]
-
-IMAGE_CHECK = "header"
-"""How every image of train/ and val/ is checked before training (markers, no decode)."""
 
 
 def read_resume(path: Path, world_size: int) -> dict[str, Any]:
@@ -77,11 +73,14 @@ def check_cache_fits(cfg: TrainConfig) -> None:
         raise cache_does_not_fit(cfg)
 
 
-def check_data(cfg: TrainConfig, say: Callable[[str], None]) -> tuple[Path, list[str]]:
+def check_data(
+    cfg: TrainConfig, say: Callable[[str], None], left_out: list[str] | None = None
+) -> tuple[Path, list[str]]:
     """The data folder and its classes; the synthetic set is made here when needed.
 
-    Lists train/ (the train input's scan checks each image) and checks val/'s headers; warns
-    about empty class folders, which stay classes of the model.
+    Lists train/ (the train input's scan checks each image) and checks val/'s images as
+    ``--check`` says; warns about empty class folders, which stay classes of the model. What
+    the scan of val/ left out is said, and added to ``left_out`` when given.
     """
     from ..data import scan_image_folder
 
@@ -112,11 +111,11 @@ def check_data(cfg: TrainConfig, say: Callable[[str], None]) -> tuple[Path, list
             check="none",
             on_corrupt=cfg.on_corrupt,  # type: ignore[arg-type]
         )
-        # val/ is checked here as the train input's scan checks train/ (IMAGE_CHECK), before
-        # any training, so a corrupt validation file stops the run before its first epoch.
+        # val/ is checked here as the train input's scan checks train/ (--check), before any
+        # training, so a corrupt validation file stops the run before its first epoch.
         val = scan_image_folder(
             data_dir / "val",
-            check=IMAGE_CHECK,
+            check=cfg.check,  # type: ignore[arg-type]
             on_corrupt=cfg.on_corrupt,  # type: ignore[arg-type]
         )
     except (ValueError, FileNotFoundError) as exc:
@@ -132,7 +131,7 @@ def check_data(cfg: TrainConfig, say: Callable[[str], None]) -> tuple[Path, list
             f"--data {str(data_dir)!r}: val/ and train/ have different class folders (e.g. "
             f"{extra[0]!r})"
         )
-    say_left_out(val, "val", say)
+    (left_out if left_out is not None else []).extend(say_left_out(val, "val", say))
     for name, n in zip(train.classes, train.counts_per_class(), strict=True):
         if n == 0:
             say(
@@ -142,8 +141,10 @@ def check_data(cfg: TrainConfig, say: Callable[[str], None]) -> tuple[Path, list
     return data_dir, train.classes
 
 
-def say_left_out(index: Any, split: str, say: Callable[[str], None]) -> None:
-    """One line per kind of file a scan of ``split``/ left out (links, corrupt images)."""
+def say_left_out(index: Any, split: str, say: Callable[[str], None]) -> list[str]:
+    """One line per kind of file a scan of ``split``/ left out (links, corrupt images), said
+    and returned (without the example) for the summary."""
+    counts = []
     for what, items in (
         ("symbolic link(s)", index.links_skipped),
         ("corrupt image(s)", index.skipped),
@@ -151,3 +152,5 @@ def say_left_out(index: Any, split: str, say: Callable[[str], None]) -> None:
         if items:
             path, why = items[0]
             say(f"data: {len(items)} {what} left out of {split}/ (e.g. {path}: {why})")
+            counts.append(f"{len(items)} {what} of {split}/")
+    return counts

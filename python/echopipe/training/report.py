@@ -181,6 +181,8 @@ class TrainSummary:
     ``images_per_s`` counts delivered samples (fresh and echoed copies) and
     ``fresh_images_per_s`` fresh ones, both over ``train_s``, the time the training steps took
     (start-up and validation excluded). ``decisions`` says what ``auto`` options chose and why.
+    ``left_out`` counts the files the data scans left out (``--on-corrupt skip``, links), each
+    kind once per split, so that none is lost unsaid in a long log.
     """
 
     top1: float
@@ -209,6 +211,7 @@ class TrainSummary:
     decisions: list[str]
     stopped: str | None = None
     resumed_finished: bool = False
+    left_out: list[str] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The summary as plain JSON-able values."""
@@ -239,6 +242,8 @@ def format_summary(s: TrainSummary) -> str:
         f"stage {s.staleness}",
     ]
     lines += [f"  decision            {d}" for d in s.decisions]
+    if s.left_out:
+        lines.append(f"  left out            {', '.join(s.left_out)} (named at the start)")
     if s.stopped:
         lines.append(f"  stopped             {s.stopped}")
     lines.append(f"  checkpoints written {s.checkpoints_written}")
@@ -249,7 +254,7 @@ def format_summary(s: TrainSummary) -> str:
 
 def summarize(st: RunState, *, echo_factor: float, staleness: list[int], balance: list[int],
               devices: list[str], wall_s: float, output: Path | None, decisions: list[str],
-              stopped: str | None) -> TrainSummary:  # fmt: skip
+              stopped: str | None, left_out: Sequence[str] = ()) -> TrainSummary:  # fmt: skip
     """The run's summary: counters from the run state, rates and samples from its last row."""
     last: dict[str, Any] = st.rows[-1] if st.rows else {}
     return TrainSummary(
@@ -278,4 +283,5 @@ def summarize(st: RunState, *, echo_factor: float, staleness: list[int], balance
         plots=[str(output / "training.png")] if output is not None and st.rows else [],
         decisions=decisions,
         stopped=stopped,
+        left_out=list(left_out),
     )

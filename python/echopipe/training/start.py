@@ -60,6 +60,7 @@ class RunStart:
         self._fell_back = False  # the ranks agreed on this rank's prev.pt
         self.data_dir = Path()
         self.classes: list[str] = []
+        self.left_out: list[str] = []  # what the data scans left out, for the summary
 
     def prepare(self) -> None:
         """Run folder, lock, stale files, the checkpoint to resume, options, the data folder."""
@@ -79,7 +80,7 @@ class RunStart:
         self._find_resume()
         if self.finished is None:
             check_cache_fits(self.cfg)
-            self.data_dir, self.classes = check_data(self.cfg, self.say)
+            self.data_dir, self.classes = check_data(self.cfg, self.say, self.left_out)
             self._same_classes_on_every_rank()
             if self.saved and self.saved["model"]["num_classes"] != len(self.classes):
                 raise DataError(

@@ -269,7 +269,7 @@ class Trainer:
             self.data.builds = int(saved["input_builds"])
             self.data.base = dict(saved["input_counters"])
         self.data.build(factor, None, saved["input"] if saved else None)
-        say_left_out(self.data.pipe.folder_index, "train", self.say)
+        self.start.left_out[:0] = say_left_out(self.data.pipe.folder_index, "train", self.say)
         return factor
 
     def _build_pipeline(self, model: nn.Sequential, balance: list[int], devices: list[str]) -> None:
@@ -375,6 +375,7 @@ class Trainer:
             output=self.out if ctx.is_main else None,
             decisions=self.decisions + notes,
             stopped=stopped,
+            left_out=self.start.left_out,
         )
         if ctx.is_main:
             self._write_metrics(summary)
