@@ -267,6 +267,21 @@ def test_an_echo_max_over_the_cores_bound_is_refused_before_any_work(
     assert code == 1 and f"--data {str(data)!r} has no val/ folder" in line, line
 
 
+@pytest.mark.parametrize("option", ["--epoch", "--checkpoint", "--warmup"])
+def test_an_option_is_never_taken_for_a_longer_one(
+    option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A prefix of --epochs, --checkpoint-every, --warmup-epochs: read as that option, a typo or an
+    # option of another version would change the run without a word.
+    try:
+        code = main(["train", option, "1"])
+    except SystemExit as exc:
+        code = exc.code  # type: ignore[assignment]
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "unrecognized arguments" in line and option in line
+
+
 @pytest.mark.parametrize("case", sorted(BAD_DATA))
 def test_bad_data_gives_one_line_and_exit_1(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -39,7 +39,15 @@ BENCH_SUITES: tuple[str, ...] = BENCH_DEFAULT + BENCH_STUDIES
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """``parser.error`` prints one line (no usage block) and exits with status 2."""
+    """``parser.error`` prints one line (no usage block) and exits with status 2.
+
+    Options are never abbreviated: with prefixes accepted, ``--check`` was silently read as
+    ``--checkpoint-every``, and an option added later can change what an old command means.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

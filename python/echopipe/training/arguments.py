@@ -61,7 +61,7 @@ def given_options(train_argv: list[str]) -> set[str]:
     ``train``) sets, also to their default value: a resumed run takes the others from its
     checkpoint."""
     unset = object()
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # as the CLI parses
     add_arguments(parser)
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     parser.set_defaults(**dict.fromkeys(names, unset))
