@@ -4,6 +4,7 @@ DALI's own PyTorch iterators on it, unchanged (real CPU pipelines over real JPEG
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -137,17 +138,21 @@ def test_dali_iterator_given_size_counts_its_own_epochs(files: list[str]) -> Non
     """DALI's size= (no reader_name) counts that many samples per epoch over the stream; on the
     epoch-aligned default (48 copies a pass) every epoch after the first pass was empty."""
     for size in (48, 20, 30):  # a pass; epochs that end with it; epochs that cross its end
-        with _make(files) as pipe:
+        with _make(files) as pipe, warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always", edali.CountedSizeWarning)
             it = DALIGenericIterator(
                 pipe, ["data", "label"], size=size, auto_reset=True,
                 last_batch_policy=LastBatchPolicy.PARTIAL,
             )  # fmt: skip
+            # Epochs other than a pass (10 batches of 5) are named in one warning.
+            ours = [w for w in warned if issubclass(w.category, edali.CountedSizeWarning)]
+            assert len(ours) == (size != 48), size
             epochs = [[x for b in it for x in b[0]["label"].reshape(-1).tolist()] for _ in "1234"]
             assert [len(labels) for labels in epochs] == [size] * 4, size
             if size == 48:  # each epoch is a pass: every file twice
                 assert all(Counter(labels) == {i: 2 for i in range(N)} for labels in epochs)
     # Longer than a pass (10 batches): the first epoch ends with it, the second is refused.
-    with _make(files) as pipe:
+    with _make(files) as pipe, pytest.warns(edali.CountedSizeWarning, match=r"size=70: .* 48\)"):
         it = DALIGenericIterator(pipe, ["data", "label"], size=70, auto_reset=True)
         assert sum(len(b[0]["label"]) for b in it) == 50
         with pytest.raises(ValueError, match=r"pass of 48 copies ended, without reset\(\)"):

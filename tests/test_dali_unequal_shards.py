@@ -15,6 +15,7 @@ content (and its label must agree).
 from __future__ import annotations
 
 import json
+import linecache
 import math
 import os
 import socket
@@ -347,8 +348,9 @@ def test_dalis_iterator_kept_after_a_factor_change_is_refused_on_every_shard(jpe
             it = _loader(pipe, "dali", LBP.FILL)
             assert [len(epoch) for epoch in _run(it, 1)] == [4]
             pipe.set_echo_factor(2.07)
-            # The caller's own look at the sizes is not the kept iterator being told them.
-            assert pipe.epoch_size("Reader") == 17
+            # The caller's own look at the sizes is not the kept iterator being told them
+            # (plain DALI's figure: the largest shard's, times the shards).
+            assert pipe.epoch_size("Reader") == 3 * 17
             with pytest.raises(edali.EpochSizeChangedError) as err:
                 next(it)
             assert (err.value.told, err.value.copies) == (16, 17), k
@@ -475,3 +477,107 @@ def test_two_gloo_ranks_train_two_epochs_with_ddp(jpegs, tmp_path: Path) -> None
                 f for r in ranks for batch in r["seen"][6 * epoch : 6 * epoch + 6] for f in batch
             )
             assert seen == {f: 2 for f in range(21)}
+
+
+# ---- DALI's iterators given size= (older DALI programs), and where warnings point ------------
+
+
+def _sized(pipe, size: int, policy: LastBatchPolicy):
+    return DALIGenericIterator(
+        pipe, ["data", "label"], size=size, last_batch_policy=policy, auto_reset=True
+    )
+
+
+def _fill_steps(size: int, batch: int, epochs: int) -> list[int]:
+    """DALI's count of FILL's batches per epoch with size= (and no last_batch_padded): each
+    epoch starts at what the last one took beyond ``size`` (``counter % size``)."""
+    counter, steps = 0, []
+    for _ in range(epochs):
+        steps.append(math.ceil((size - counter) / batch))
+        counter = (counter + steps[-1] * batch) % size
+    return steps
+
+
+@pytest.mark.filterwarnings("ignore:Please set `reader_name`")  # DALI's, for any size=
+@pytest.mark.parametrize("policy", [LBP.PARTIAL, LBP.FILL, LBP.DROP])
+@pytest.mark.parametrize("batch", [4, 5])
+@pytest.mark.parametrize("e", [1, 2])
+@pytest.mark.parametrize(("n", "shards"), [(22, 3), (21, 2)])
+def test_dalis_size_from_epoch_size_counts_whole_passes_as_plain_dali(
+    jpegs, n, shards, e, batch, policy
+) -> None:
+    """An older DALI program: ``size=pipe.epoch_size("Reader") // num_shards`` and no
+    reader_name, over the example's moving shards. Plain DALI's epoch_size is the largest
+    shard's files times the shards, so each epoch is one padded reader epoch; the echoed
+    pipeline reported its own pass as the whole data set, and the division made every epoch
+    1/shards of a pass (e = 1: 5 samples where plain DALI hands out 11), a smaller shard's
+    padding batches among them. Now: at e = 1 plain DALI's lengths, sizes and batch sizes; at
+    e = 2 each epoch is one pass on every rank (PARTIAL: the largest shard's copies, each file
+    twice over the ranks, the rest padding: e times plain DALI's)."""
+    files, sizes = jpegs[:n], shard_sizes(n, shards)
+    epochs, most = 3, e * max(sizes)
+    shapes, runs = [], []
+    for k in range(shards):
+        plain = plain_pipe(files, k, shards, False, batch_size=batch, seed=3 + k)
+        plain.build()
+        plain_it = _sized(plain, plain.epoch_size("Reader") // shards, policy)
+        plain_shape = _shape(plain_it, _run(plain_it, epochs))
+        with echo_pipe(
+            files, k, shards, False, batch_size=batch, echo_factor=e, seed=3 + k
+        ) as pipe:
+            pipe.build()
+            assert pipe.epoch_size("Reader") == shards * most
+            it = _sized(pipe, pipe.epoch_size("Reader") // shards, policy)
+            runs.append(_run(it, epochs))
+        shape = _shape(it, runs[-1])
+        shapes.append(shape)
+        if e == 1:
+            assert shape == plain_shape
+        assert shape[1] == most
+        if policy == LBP.FILL:  # DALI's own count of FILL's epochs, as on a plain pipeline
+            assert [len(epoch) for epoch in shape[2]] == _fill_steps(most, batch, epochs)
+        elif policy == LBP.DROP:
+            assert shape[2] == [[batch] * (most // batch)] * epochs
+        else:
+            assert [sum(epoch) for epoch in shape[2]] == [most] * epochs
+            assert [len(epoch) for epoch in shape[2]] == [math.ceil(most / batch)] * epochs
+    assert len(set(map(str, shapes))) == 1  # every rank: the same steps in every epoch
+    for t in range(epochs if policy == LBP.PARTIAL else 0):
+        together = Counter(f for run in runs for b in run[t] for f in b)
+        assert set(together) == set(range(n)) and min(together.values()) == e
+
+
+@pytest.mark.filterwarnings("ignore:Please set `reader_name`")
+@pytest.mark.parametrize("e", [1, 2])
+def test_dalis_size_of_a_plain_figure_is_warned_about_at_the_users_line(jpegs, e) -> None:
+    """A size computed for plain DALI (the largest shard's files, 11 of 21 on 2 shards) counts
+    half a pass at e = 2 (3 of 6 batches): the epochs cannot hold each file twice, whatever
+    the pipeline does, so creating the iterator warns once, naming size= and what to pass,
+    at this file's line; at e = 1 the stream is plain DALI's, and nothing is said."""
+    pipe = echo_pipe(jpegs[:21], 0, 2, False, batch_size=4, echo_factor=e, seed=3)
+    with pipe, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always", edali.CountedSizeWarning)
+        _run(_sized(pipe, 11, LBP.PARTIAL), 2)
+    ours = [w for w in warned if issubclass(w.category, edali.CountedSizeWarning)]
+    if e == 1:
+        assert ours == []
+        return
+    (w,) = ours
+    assert w.filename == __file__ and "\n" not in str(w.message)
+    assert "DALIGenericIterator(" in linecache.getline(__file__, w.lineno)  # (in _sized)
+    assert "size=11" in str(w.message) and "reader_name='Reader'" in str(w.message)
+    assert "size=pipe.epoch_size('Reader') // 2 (= 22)" in str(w.message)
+
+
+def test_untrimmed_padding_warning_points_at_the_users_line(jpegs) -> None:
+    """22 files on 3 shards that stick (7, 7, 8), e = 2, batch 5: shard 0's 14 copies end two
+    batches before the largest shard's 16, which DALI's PARTIAL cannot trim exactly; the
+    warning named echopipe's own code (a fixed stacklevel) instead of the line that created
+    the iterator."""
+    pipe = echo_pipe(jpegs, 0, 3, True, batch_size=5, echo_factor=2, seed=3)
+    with pipe, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always", edali.UntrimmedPaddingWarning)
+        DALIGenericIterator(pipe, ["d", "l"], reader_name="Reader", last_batch_policy=LBP.PARTIAL)
+    (w,) = [w for w in warned if issubclass(w.category, edali.UntrimmedPaddingWarning)]
+    assert w.filename == __file__
+    assert "DALIGenericIterator(pipe, " in linecache.getline(__file__, w.lineno)

@@ -48,7 +48,7 @@ from .builders import (
 )
 from .checkpointing import DaliCheckpointNeededError
 from .config import EchoPipelineConfig
-from .dali_api import UntrimmedPaddingWarning
+from .dali_api import CountedSizeWarning, UntrimmedPaddingWarning
 from .definition import echo_pipeline_def
 from .epochs import EpochSizeChangedError
 from .iterator import EchoIterator
@@ -89,6 +89,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "AugmentSpec",
+    "CountedSizeWarning",
     "DaliCheckpointNeededError",
     "DaliPluginMissingError",
     "DaliVersionMismatchError",

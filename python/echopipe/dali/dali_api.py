@@ -16,6 +16,8 @@ they compute, each given what it needs.
 
 from __future__ import annotations
 
+import functools
+import math
 import sys
 import warnings
 from typing import Any
@@ -26,11 +28,15 @@ from . import state_codec
 from .epochs import PassSpan, ReaderEpochs, pass_span
 
 __all__ = [
+    "CountedSizeWarning",
     "UntrimmedPaddingWarning",
+    "asking_iterator",
     "asking_iterator_policy",
+    "counted_size_warning",
     "decode_checkpoint",
     "encode_checkpoint",
     "scaled_meta",
+    "user_stacklevel",
 ]
 
 
@@ -39,15 +45,44 @@ class UntrimmedPaddingWarning(UserWarning):
     (see :func:`scaled_meta`); :class:`~echopipe.dali.EchoIterator` trims them."""
 
 
-def asking_iterator_policy() -> Any:
-    """The ``LastBatchPolicy`` of the DALI iterator whose constructor is reading the reader's
-    metadata, or None when the caller is not one of DALI's iterators.
+class CountedSizeWarning(UserWarning):
+    """DALI's iterator was given ``size=`` (no ``reader_name``) that does not count one echoed
+    pass per epoch (see :func:`counted_size_warning`)."""
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    import contextlib
+    import os
+
+    import nvidia.dali
+
+    echopipe_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dali_dir = os.path.dirname(os.path.abspath(nvidia.dali.__file__))
+    return (echopipe_dir + os.sep, dali_dir + os.sep, contextlib.__file__)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` with which the caller's ``warnings.warn`` names the innermost line
+    outside echopipe, DALI and contextlib: the user's line that created the iterator (or drew
+    the batch) the warning is about, however many library frames lie between."""
+    library = _library_dirs()
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(library):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def asking_iterator() -> Any:
+    """The DALI iterator whose constructor (or batch) called into the pipeline, or None when
+    the caller is not one of DALI's iterators.
 
     Why the stack: DALI's iterators take an epoch's length and where it ends from
-    ``reader_meta`` alone, and ``DROP`` must be told the smallest shard's copies where
-    ``PARTIAL`` must be told this shard's own (it trims the last batch by them); no one figure
-    serves both when the shards' copies differ by more than one, and DALI passes nothing else.
-    The iterator is ``self`` in the frames of its constructor, a few calls up."""
+    ``reader_meta`` alone (or from their own ``size=``, which the pipeline is never told), and
+    ``DROP`` must be told the smallest shard's copies where ``PARTIAL`` must be told this
+    shard's own (it trims the last batch by them); no one figure serves both when the shards'
+    copies differ by more than one, and DALI passes nothing else. The iterator is ``self`` in
+    the frames of its constructor, a few calls up."""
     from nvidia.dali.plugin.base_iterator import _DaliBaseIterator
 
     frame = sys._getframe(1)
@@ -56,9 +91,45 @@ def asking_iterator_policy() -> Any:
             return None
         owner = frame.f_locals.get("self")
         if isinstance(owner, _DaliBaseIterator):
-            return getattr(owner, "_last_batch_policy", None)
+            return owner
         frame = frame.f_back
     return None
+
+
+def asking_iterator_policy() -> Any:
+    """The ``LastBatchPolicy`` of the DALI iterator whose constructor is reading the reader's
+    metadata (see :func:`asking_iterator`), or None when the caller is not one of DALI's
+    iterators."""
+    iterator = asking_iterator()
+    return None if iterator is None else getattr(iterator, "_last_batch_policy", None)
+
+
+def counted_size_warning(
+    size: int, batch_size: int, span: PassSpan, config: Any, reader: ReaderEpochs
+) -> str | None:
+    """Why DALI's iterator given ``size`` (and no ``reader_name``) will not hand out one whole
+    echoed pass per epoch, or None when it will.
+
+    DALI counts ``size`` samples per epoch over the stream, in whole batches, and hands out
+    whatever the pipeline yields. A pass is ``span.batches`` batches on every shard (the
+    largest shard's copies, the smaller shards padded to them), so ``ceil(size / batch)`` must
+    be that. A plain-DALI figure (the reader's files per shard) counts 1/e of a pass: each
+    epoch then holds part of the files, and a smaller shard's padding-only batches land among
+    them as full batches. At e = 1 the echoed stream is plain DALI's, so any size matches."""
+    e = float(config.echo.factor)
+    steps = span.batches(batch_size)
+    if e == 1 or math.ceil(size / batch_size) == steps:
+        return None
+    padding = " and a smaller shard's padding batches reach the loop" * (span.most > span.least)
+    return (
+        f"DALI's iterator was given size={size}: it counts {size} samples "
+        f"({math.ceil(size / batch_size)} batches) per epoch, but an epoch of this echoed "
+        f"pipeline (e = {e:g}) is a pass of {steps} batches of {batch_size} on every shard, so "
+        f"its epochs will not hold each file e times{padding}; pass "
+        f"reader_name={reader.name!r} instead of size=, or "
+        f"size=pipe.epoch_size({reader.name!r}){f' // {reader.shards}' * (reader.shards > 1)} "
+        f"(= {span.most})"
+    )
 
 
 def scaled_meta(
@@ -159,7 +230,7 @@ def _partial_trim(span: PassSpan, batch_size: int, reader: ReaderEpochs, warn: b
                 "the batches; echopipe.dali.EchoIterator trims them (it reads which copies are "
                 "padding)"
             ),
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
     return own if rest <= batch_size - rest else own - rest + batch_size
 

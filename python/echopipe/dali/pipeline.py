@@ -26,11 +26,22 @@ manager, or at interpreter exit (``weakref.finalize``), so nothing hangs.
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from .base import PipelineStats, per_batch_seconds
-from .dali_api import asking_iterator_policy, decode_checkpoint, encode_checkpoint, scaled_meta
+from .dali_api import (
+    CountedSizeWarning,
+    asking_iterator,
+    asking_iterator_policy,
+    counted_size_warning,
+    decode_checkpoint,
+    encode_checkpoint,
+    scaled_meta,
+    user_stacklevel,
+)
 from .echo_pair import EchoPair
 from .epochs import EpochSizeChangedError
 
@@ -66,6 +77,8 @@ class EchoPipeline(EchoPair):
     # last-batch policy of the iterator that asked (which copies it counts).
     _told_copies: int | None = None
     _told_policy: Any = None
+    # The DALI iterator whose size= was checked (each is checked once, when it builds us).
+    _size_checked_for: Any = None
 
     # -- the methods DALI's iterators call (:mod:`.dali_api`) --
 
@@ -80,8 +93,25 @@ class EchoPipeline(EchoPair):
         return self.max_batch_size
 
     def build(self) -> None:
-        """Builds both DALI pipelines (idempotent; nothing runs)."""
+        """Builds both DALI pipelines (idempotent; nothing runs). A DALI iterator being created
+        with ``size=`` that will not count one echoed pass per epoch is warned about
+        (:class:`~.dali_api.CountedSizeWarning`, at the line that created it)."""
         self._build()
+        iterator = asking_iterator()
+        checked = self._size_checked_for
+        if iterator is not None and (checked is None or checked() is not iterator):
+            self._size_checked_for = weakref.ref(iterator)  # (no cycle through the iterator)
+            self._check_counted_size(int(getattr(iterator, "_size", -1)))
+
+    def _check_counted_size(self, size: int) -> None:
+        if size <= 0:
+            return  # (reader_name=, or no size: DALI counts what reader_meta reports)
+        span = self.pass_span()
+        if span is None or self.reader_epochs is None:
+            return  # a free-running stream: any count of samples is an epoch
+        why = counted_size_warning(size, self.max_batch_size, span, self.config, self.reader_epochs)
+        if why is not None:
+            warnings.warn(CountedSizeWarning(why), stacklevel=user_stacklevel())
 
     @property
     def device_id(self) -> int | None:
@@ -137,10 +167,22 @@ class EchoPipeline(EchoPair):
         return scaled_meta(meta, self.config, self.reader_epochs, self.unaligned_reader, policy)
 
     def epoch_size(self, name: str | None = None) -> int | dict[str, int]:
-        """Like ``Pipeline.epoch_size``: the scaled ``epoch_size_padded`` of the reader(s)."""
+        """Like ``Pipeline.epoch_size``: the reader's ``epoch_size_padded`` times the echo
+        factor, over all its shards, as DALI reports it (for an epoch-aligned stream: the
+        number of shards times the largest shard's pass, so that an iterator given
+        ``size=pipe.epoch_size("Reader") // num_shards``, as older DALI programs do, counts
+        one whole pass per epoch on every rank)."""
+        self.build()
         if name is not None:
-            return int(self.reader_meta(name)["epoch_size_padded"])
-        return {k: int(m["epoch_size_padded"]) for k, m in self.reader_meta().items()}
+            return self._whole_epoch_size(name)
+        return {k: self._whole_epoch_size(k) for k in self.upstream.reader_meta()}
+
+    def _whole_epoch_size(self, name: str) -> int:
+        meta = self.upstream.reader_meta(name)
+        span = self.pass_span()
+        if span is None:
+            return int(self._scaled_meta(meta)["epoch_size_padded"])
+        return int(meta["number_of_shards"]) * span.most
 
     def schedule_run(self) -> None:
         """Schedules downstream iterations up to the prefetch depth (fills the cache first in
