@@ -8,7 +8,9 @@ LightningModule shaped like a user's: ``setup()`` builds the training pipeline o
 ``trainer.world_size``, echoed twice), ``train_dataloader()`` wraps it in ``EchoIterator``
 (ITERATOR ``echo``; the reader as DALI's ResNet-50 example has it, its shards moving every
 epoch) or in DALI's ``DALIClassificationIterator`` (``dali``; ``stick_to_shard=True``, which
-DALI's PARTIAL needs on shards of unequal size). Every JPEG is one flat grey, unique per file
+DALI's PARTIAL needs on shards of unequal size; ``dali_size``: an older DALI program's
+``size=pipe.epoch_size("Reader") // world_size`` instead of ``reader_name``, moving shards).
+Every JPEG is one flat grey, unique per file
 (:func:`dali_lightning_program.make_jpegs`), so each image names its file. Rank r writes
 ``OUT/rank<r>.json``: ``len()`` per epoch as Lightning read it, the steps it took per epoch,
 ``global_step`` and, per epoch, ``[grey, label]`` of every sample it trained on.
@@ -71,9 +73,17 @@ class ShardedFit(lightning.LightningModule):
         )  # fmt: skip
 
     def train_dataloader(self):
-        cls = edali.EchoIterator if self.iterator == "echo" else DALIClassificationIterator
-        return cls(self.pipe, reader_name="Reader", auto_reset=True,
-                   last_batch_policy=LastBatchPolicy.PARTIAL)  # fmt: skip
+        if self.iterator == "echo":
+            return edali.EchoIterator(self.pipe, reader_name="Reader", auto_reset=True,
+                                      last_batch_policy=LastBatchPolicy.PARTIAL)  # fmt: skip
+        if self.iterator == "dali_size":  # an older DALI program: its own size, no reader_name
+            self.pipe.build()
+            size = self.pipe.epoch_size("Reader") // self.trainer.world_size
+            policy = LastBatchPolicy.PARTIAL
+            return DALIClassificationIterator(self.pipe, size=size, auto_reset=True,
+                                              last_batch_policy=policy)  # fmt: skip
+        return DALIClassificationIterator(self.pipe, reader_name="Reader", auto_reset=True,
+                                          last_batch_policy=LastBatchPolicy.PARTIAL)  # fmt: skip
 
     def on_train_epoch_start(self) -> None:
         self.lengths.append(self.trainer.num_training_batches)
