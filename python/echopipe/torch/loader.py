@@ -210,6 +210,7 @@ class EchoLoader(PassThrough):
         self._last_yield = None
         self._observed = (0.0, 0)
         self._started = True
+        passes.warn_evaluation(self._factor, self._controller is not None)
         producer.start()
 
     def __len__(self) -> int:
@@ -280,8 +281,7 @@ class EchoLoader(PassThrough):
                           "len() was off", RuntimeWarning, stacklevel=3)  # fmt: skip
 
     def _delivered_batches(self) -> int:
-        """Batches delivered so far: the totals (between epochs they hold the last one), plus a
-        running epoch's, or a restored epoch's not started yet."""
+        """Batches delivered so far: the totals, plus a running or restored epoch's."""
         if self._shared.producer is not None:
             return self._totals["delivered_batches"] + self._delivered_epoch[0]
         restored = self._resume["delivered_batches_epoch"] if self._resume is not None else 0
@@ -341,6 +341,7 @@ class EchoLoader(PassThrough):
             "batch_size": self._batch_size,
             "shard": ls.shard(),
             "sampler_epoch": at.sampler_epoch,
+            "order_rng": at.order_rng,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -363,6 +364,7 @@ class EchoLoader(PassThrough):
             memory_bytes=memory_bytes(),
         )
         ls.check_position(clean, self._loader)
+        passes.check_resume_order(clean, self._loader)
         cache = ls.restored_cache(clean, self._controller)
         shutdown(self._shared, self._close_timeout)
         self._epoch = clean["epoch"]
@@ -380,10 +382,8 @@ class EchoLoader(PassThrough):
 
     # ---- lifecycle ----
     def close(self) -> None:
-        """Stops the reader and the wrapped loader's workers, frees the cache. Idempotent.
-
-        Also runs when the ``EchoLoader`` is garbage collected and at interpreter exit.
-        """
+        """Stops the reader and the wrapped loader's workers, frees the cache. Idempotent; also
+        runs when the ``EchoLoader`` is garbage collected and at interpreter exit."""
         self._closed = True
         self._current = None
         self._finalizer()

@@ -57,7 +57,8 @@ class EpochPosition:
     counts (``COUNTS`` order), or between epochs. ``ended``: the running epoch has delivered
     everything (a caller that knows the length, as Lightning does, never asks for the batch
     that would end it), so the state is the one after its end. ``sampler_epoch``: the epoch of
-    the wrapped loader's epoch-seeded sampler whose order the position counts in (mid-epoch)."""
+    the wrapped loader's epoch-seeded sampler whose order the position counts in (mid-epoch);
+    ``order_rng``: the states its order generators had when that pass began (mid-epoch)."""
 
     mid_epoch: bool
     batches_done: int = 0
@@ -65,6 +66,7 @@ class EpochPosition:
     counts: tuple[int, ...] = (0, 0, 0, 0)
     ended: bool = False
     sampler_epoch: int | None = None
+    order_rng: list[bytes] | None = None
 
 
 def epoch_position(producer: Any, counts: tuple[int, ...], resume: dict[str, Any] | None,
@@ -78,11 +80,13 @@ def epoch_position(producer: Any, counts: tuple[int, ...], resume: dict[str, Any
                 stats.tickets_left < max(1, producer.drop_below)):  # fmt: skip
             return EpochPosition(False, counts=counts, ended=True)
         return EpochPosition(True, producer.batches_done, producer.rows_in_flight, counts,
-                             sampler_epoch=producer.sampler_epoch)  # fmt: skip
+                             sampler_epoch=producer.sampler_epoch,
+                             order_rng=producer.order_rng)  # fmt: skip
     if resume is not None:
         counts = tuple(resume[k] for k in _POSITION if k != "rows_in_flight")  # COUNTS order
         return EpochPosition(True, resume["batches_done"], resume["rows_in_flight"], counts,
-                             sampler_epoch=resume["sampler_epoch"])  # fmt: skip
+                             sampler_epoch=resume["sampler_epoch"],
+                             order_rng=resume["order_rng"])  # fmt: skip
     return EpochPosition(False)
 
 
@@ -178,6 +182,8 @@ def check_loader_state(
     sampler_epoch = state.get("sampler_epoch")  # (states of earlier versions have none)
     out["sampler_epoch"] = None if sampler_epoch is None else _int(sampler_epoch, "'sampler_epoch'")
     _need(out["mid_epoch"] or out["sampler_epoch"] is None, "'sampler_epoch' is set between epochs")
+    out["order_rng"] = _order_rng(state.get("order_rng"))  # (earlier versions have none)
+    _need(out["mid_epoch"] or out["order_rng"] is None, "'order_rng' is set between epochs")
     saved, here = state.get("shard"), shard()  # (states of earlier versions have none)
     pair = isinstance(saved, list) and len(saved) == 2 and all(type(v) is int for v in saved)
     _need(saved is None or pair, "'shard' is not [rank, world_size]")
@@ -210,6 +216,22 @@ def _history(history: Any) -> list[tuple[int, float]]:
         _need(not out or step >= out[-1][0], "'echo_history' steps go backwards")
         out.append((step, _factor(entry[1], "echo_history factor")))
     return out
+
+
+def _order_rng(states: Any) -> list[bytes] | None:
+    """Generator states as :meth:`torch.Generator.get_state` gives them, each tried on a
+    scratch generator (a wrong one would raise only when the resumed pass starts)."""
+    if states is None:
+        return None
+    _need(isinstance(states, list) and 0 < len(states) <= 8
+          and all(isinstance(s, bytes | bytearray) for s in states),
+          "'order_rng' is not a list of bytes")  # fmt: skip
+    for saved in states:
+        try:
+            torch.Generator().set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
+        except (RuntimeError, ValueError):
+            raise LoaderStateError("EchoLoader state 'order_rng' is not generator states") from None
+    return [bytes(s) for s in states]
 
 
 def _cache_config(config: Any, memory_bytes: int) -> dict[str, int] | None:

@@ -17,7 +17,8 @@ from ..echo import config as echo_config
 from ..echo.config import FACTOR_AUTO, EchoConfig
 from ..echo.controller import AUTO_HEADROOM, EchoController
 from . import batch_layout as bl
-from .loader_state import epoch_position, shard
+from . import wrapped
+from .loader_state import LoaderStateError, epoch_position, shard
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COUNTS", "EchoLoaderStats", "EpochIterator", "cache_config", "check_count", "check_device",
-    "check_echo", "check_factor", "check_seed",
-    "observe",
+    "check_echo", "check_factor", "check_resume_order", "check_seed",
+    "observe", "warn_evaluation",
 ]  # fmt: skip
 
 COUNTS = ("fresh_batches", "fresh_samples", "delivered_batches", "delivered_samples")
@@ -250,3 +251,41 @@ def check_auto_alone(auto: bool) -> None:
             "rank (e.g. rank 0's EchoController.factor, broadcast and set with "
             "set_echo_factor between epochs)"
         )
+
+
+def warn_evaluation(factor: float, auto: bool) -> None:
+    """Warns when an echoing epoch starts with gradients off: an evaluation or prediction loop
+    (Lightning's ``validate``/``test``/``predict`` run under ``inference_mode``) would count
+    each sample about ``e`` times in its metrics and predictions, with no error."""
+    if (factor > 1 or auto) and not torch.is_grad_enabled():
+        e = "auto" if auto else f"{factor:g}"
+        warnings.warn(
+            f"EchoLoader(echo_factor={e}) starts an epoch with gradients off (an evaluation or "
+            "prediction loop?): it delivers each sample about e times, so metrics and "
+            "predictions count it that often; evaluate on the plain DataLoader",
+            RuntimeWarning, stacklevel=4,
+        )  # fmt: skip
+
+
+def check_resume_order(clean: dict[str, Any], loader: Any) -> None:
+    """A mid-epoch state re-reads its epoch in the saved order: the saved generator states must
+    fit the wrapped loader's (LoaderStateError), and an unseeded shuffle, whose order a new
+    process cannot draw again, is warned about (the skipped batches are another order's)."""
+    if not clean["mid_epoch"]:
+        return
+    have = len(wrapped.order_generators(loader))
+    if clean["order_rng"] is not None and len(clean["order_rng"]) != have:
+        raise LoaderStateError(
+            f"EchoLoader state 'order_rng' holds {len(clean['order_rng'])} generator states, but "
+            f"the wrapped loader draws its order from {have}"
+        )
+    unseeded = wrapped.unseeded_shuffle(loader)
+    if unseeded is not None and (clean["batches_done"] or clean["rows_in_flight"]):
+        warnings.warn(
+            f"EchoLoader: resuming mid-epoch, but the wrapped loader shuffles with a {unseeded} "
+            "without a generator, so the epoch is re-read in another order and the batches "
+            "skipped as already read are not the ones that were: some samples of this epoch "
+            "are missed, others repeated. Build the DataLoader with "
+            "generator=torch.Generator().manual_seed(seed)",
+            RuntimeWarning, stacklevel=3,
+        )  # fmt: skip

@@ -13,6 +13,8 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..echo import CacheClosedError, EchoCache
 from . import batch_layout as bl
 from . import wrapped
@@ -67,6 +69,9 @@ class Producer(threading.Thread):
         # known once its first batch came (the sampler's order is fixed by then); a resumed
         # pass starts with the saved one.
         self.sampler_epoch: int | None = resume["sampler_epoch"] if resume is not None else None
+        # The states of the generators the pass draws its order from (a shuffling DataLoader
+        # with generator=), taken before it starts; a resumed pass starts from the saved ones.
+        self.order_rng: list[bytes] | None = resume["order_rng"] if resume is not None else None
 
     def run(self) -> None:
         it: Any = None
@@ -77,6 +82,12 @@ class Producer(threading.Thread):
                 # was set to since (Lightning's set_epoch comes after the first batch when the
                 # loader has no len()).
                 wrapped.set_sampler_epoch(self.source, self.sampler_epoch)
+            generators = wrapped.order_generators(self.source)
+            if self.order_rng is not None and len(self.order_rng) == len(generators):
+                for gen, saved in zip(generators, self.order_rng, strict=True):
+                    gen.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
+            with self.lock:
+                self.order_rng = [bytes(g.get_state().numpy()) for g in generators] or None
             it = iter(self.source)
             index = 0
             while not self.stop.is_set():

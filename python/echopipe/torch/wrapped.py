@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -31,9 +32,11 @@ __all__ = [
     "drops_last",
     "epoch_batches",
     "input_batch_size",
+    "order_generators",
     "sampler_epoch",
     "samples_per_epoch",
     "set_sampler_epoch",
+    "unseeded_shuffle",
 ]
 
 # Wrappers nest (timm's PrefetchLoader around a DataLoader, a user's wrapper around that).
@@ -163,6 +166,48 @@ def set_sampler_epoch(loader: Any, epoch: int) -> None:
     obj = _epoch_sampler(loader)
     if obj is not None and obj.epoch != epoch:
         obj.set_epoch(epoch)
+
+
+def _random_sampler(loader: Any) -> tuple[DataLoader, Any] | None:
+    """The innermost DataLoader and its sampler (or its batch sampler's), where that sampler
+    draws its order from a ``generator`` attribute (``RandomSampler``, ``SubsetRandomSampler``,
+    ``WeightedRandomSampler``, or a custom one with that attribute)."""
+    dl = _innermost_dataloader(loader)
+    if dl is None or isinstance(dl.dataset, IterableDataset):
+        return None
+    for obj in (dl.sampler, getattr(dl.batch_sampler, "sampler", None)):
+        if obj is not None and hasattr(obj, "generator") and not hasattr(obj, "set_epoch"):
+            return dl, obj
+    return None
+
+
+def order_generators(loader: Any) -> list[Any]:
+    """The ``torch.Generator`` objects a pass of the wrapped loader draws its order from: its
+    random sampler's and the DataLoader's own (its workers' seeds), each once.
+
+    Their states at the start of a pass fix that pass's order, so a resumed pass that starts
+    from the saved states re-reads the same batches (and the epochs after it draw what an
+    uninterrupted run would have drawn)."""
+    found = _random_sampler(loader)
+    if found is None:
+        return []
+    dl, sampler = found
+    out: list[Any] = []
+    for gen in (sampler.generator, dl.generator):
+        cpu = isinstance(gen, torch.Generator) and gen.device.type == "cpu"
+        if cpu and all(gen is not g for g in out):
+            out.append(gen)
+    return out
+
+
+def unseeded_shuffle(loader: Any) -> str | None:
+    """The wrapped loader's random sampler by name when it has no ``generator`` (each pass
+    draws its order from torch's global RNG, which a resumed process does not share), else
+    None."""
+    found = _random_sampler(loader)
+    if found is None or found[1].generator is not None:
+        return None
+    return type(found[1]).__name__
 
 
 def input_batch_size(loader: Any) -> int | None:

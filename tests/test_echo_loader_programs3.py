@@ -1,0 +1,183 @@
+"""More programs around EchoLoader, as users write them: a shuffling DataLoader seeded with
+``generator=`` resumed mid-epoch (plain PyTorch and Lightning's ``max_steps`` then
+``fit(ckpt_path="last")``), an unseeded one resumed, and an EchoLoader handed to Lightning's
+``validate``/``test``/``predict``. Samples are identified by value."""
+
+from __future__ import annotations
+
+import collections
+import warnings
+
+import lightning  # in the test extra: a missing Lightning fails here rather than skipping
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from echopipe.torch import EchoLoader
+from echopipe.torch.loader_state import LoaderStateError
+
+# Lightning 2.6 uses torch's pytree LeafSpec, which torch 2.13 deprecates: theirs, not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.* is deprecated:FutureWarning")
+
+
+class Ids(Dataset):
+    """Sample i is a row of 4 values i, its label i % 3."""
+
+    def __init__(self, n: int = 45) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.full((4,), float(i)), i % 3
+
+
+def _shuffled(workers: int, seed: int | None = 7) -> DataLoader:
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return DataLoader(Ids(), batch_size=6, shuffle=True, generator=gen, num_workers=workers)
+
+
+def _ids(batch) -> list[int]:
+    return [int(v) for v in batch[0][:, 0]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_seeded_shuffle_resumed_mid_epoch_delivers_each_sample_e_times(workers) -> None:
+    """The resumed process's generator starts at its seed, i.e. at epoch 0's order: re-reading
+    epoch 1 in that order skipped other batches than the ones read (7 to 11 of 45 samples
+    missed, as many 4 times, before the generators' states went into the state)."""
+    first = EchoLoader(_shuffled(workers), echo_factor=2.0, seed=1)
+    seen: collections.Counter = collections.Counter()
+    with first:
+        assert sum(1 for _ in first) == 15  # epoch 0
+        for i, batch in enumerate(first):
+            seen.update(_ids(batch))
+            if i == 6:
+                state = first.state_dict()
+                break
+    with EchoLoader(_shuffled(workers), echo_factor=2.0, seed=1) as resumed:
+        resumed.load_state_dict(state)
+        for batch in resumed:
+            seen.update(_ids(batch))
+    assert sorted(seen) == list(range(45)) and set(seen.values()) == {2}
+    # the generator went on from the restored epoch, as an uninterrupted run's after 2 epochs
+    plain = _shuffled(workers)
+    for _ in range(2):
+        assert sum(1 for _ in plain) == 8
+    assert torch.equal(resumed.generator.get_state(), plain.generator.get_state())
+
+
+def test_a_saved_order_that_does_not_fit_the_loader_is_refused() -> None:
+    with EchoLoader(_shuffled(0), echo_factor=2.0) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+    plain = DataLoader(Ids(), batch_size=6)  # no generator to restore the order into
+    with pytest.raises(LoaderStateError, match="order_rng"):
+        EchoLoader(plain, echo_factor=2.0).load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="order_rng"):
+        EchoLoader(_shuffled(0)).load_state_dict({**state, "order_rng": [b"\0" * 7]})
+
+
+def test_an_unseeded_shuffle_resumed_mid_epoch_warns_that_it_cannot_reread_the_order() -> None:
+    with EchoLoader(_shuffled(0, seed=None), echo_factor=2.0) as loader:
+        it = iter(loader)
+        for _ in range(4):
+            next(it)
+        state = loader.state_dict()
+    with pytest.warns(RuntimeWarning, match="generator=torch.Generator"):
+        EchoLoader(_shuffled(0, seed=None), echo_factor=2.0).load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a seeded one re-reads its order: nothing to say
+        EchoLoader(_shuffled(0), echo_factor=2.0).load_state_dict(state | {"order_rng": None})
+
+
+class Module(lightning.LightningModule):
+    """Counts the samples each epoch trains on; a seeded shuffling loader with workers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+        self.seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.evaluated: collections.Counter = collections.Counter()
+        self.loaders: list[EchoLoader] = []
+
+    def train_dataloader(self) -> EchoLoader:
+        self.loaders.append(EchoLoader(_shuffled(2), echo_factor=2.0))
+        return self.loaders[-1]
+
+    def training_step(self, batch, batch_idx):
+        self.seen[self.current_epoch].update(_ids(batch))
+        return nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Evaluated(Module):
+    """Counts the samples its evaluation steps see."""
+
+    def validation_step(self, batch, batch_idx) -> None:
+        self.evaluated.update(_ids(batch))
+
+    test_step = validation_step
+
+    def predict_step(self, batch, batch_idx):
+        self.evaluated.update(_ids(batch))
+        return batch[0]
+
+
+def _trainer(**kw) -> lightning.Trainer:
+    return lightning.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+def test_lightning_max_steps_mid_epoch_then_fit_from_last_trains_each_sample_e_times(
+    tmp_path,
+) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def saving() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path, save_last=True)
+
+    first = Module()
+    _trainer(max_steps=20, callbacks=[saving()]).fit(first)  # 15 steps an epoch: 5 into epoch 1
+    resumed = Module()
+    again = _trainer(max_steps=30, callbacks=[saving()])
+    again.fit(resumed, ckpt_path="last")
+    assert again.global_step == 30 and set(resumed.seen) == {1}
+    epoch1 = first.seen[1] + resumed.seen[1]
+    assert sorted(epoch1) == list(range(45)) and set(epoch1.values()) == {2}
+    for module in (first, resumed):
+        for loader in module.loaders:
+            loader.close()
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_lightning_evaluating_on_an_echoloader_warns_that_each_sample_counts_e_times(stage):
+    """Lightning evaluates whatever loader it is given: every sample twice at e = 2, silently,
+    before the warning."""
+    module = Evaluated()
+    loader = EchoLoader(DataLoader(Ids(12), batch_size=4), echo_factor=2.0)
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False,
+                                enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    with loader, pytest.warns(RuntimeWarning, match="gradients off"):
+        getattr(trainer, stage)(module, dataloaders=loader)
+    assert module.evaluated == dict.fromkeys(range(12), 2)
+
+
+def test_training_and_e_1_evaluation_do_not_warn(tmp_path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        module = Module()
+        _trainer(max_epochs=1, default_root_dir=tmp_path).fit(module)
+        module.loaders[0].close()
+        loader = EchoLoader(DataLoader(Ids(12), batch_size=4), echo_factor=1.0)
+        with loader, torch.no_grad():
+            assert sum(len(b[0]) for b in loader) == 12
+    assert sum(module.seen[0].values()) == 2 * 45
