@@ -19,7 +19,7 @@ import torch
 
 from ..echo import CacheClosedError
 from . import batch_layout as bl
-from .reader import POLL_S, Producer
+from .reader import POLL_S, CacheTooSmallError, Producer
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
@@ -119,6 +119,8 @@ def next_batch(loader: EchoLoader, producer: Producer) -> tuple[Any, int] | None
             parts.append(got)
             n += len(got)
         want = loader.batch_size
+    if producer.lockstep is not None:
+        producer.lockstep.took()  # (the direct takes released their copies' slots already)
     if n == 0 or n < producer.drop_below:
         return None
     assert assembler is not None
@@ -155,6 +157,8 @@ def _take(
             producer.ready.wait(POLL_S)
             if not planned and loader._layout is not None:
                 return 0
+        elif producer.lockstep is not None and not producer.lockstep.wait():
+            pass  # deterministic: the reader is still filling the cache
         else:
             size = loader.batch_size
             assert size is not None
@@ -165,6 +169,7 @@ def _take(
                     got = cache.take_batch(size - have, timeout=POLL_S)
             except TimeoutError:
                 got = False
+                _check_stuck(producer, loader)
             except CacheClosedError:
                 if producer.error is not None:
                     raise producer.error from None
@@ -179,3 +184,15 @@ def _take(
                 f" {loader._delivered_epoch[0]} batches delivered, {producer.batches_done} "
                 "read from the wrapped loader)"
             )
+
+
+def _check_stuck(producer: Producer, loader: EchoLoader) -> None:
+    """In lockstep a draw that times out while the reader waits on a full cache can never
+    start: the cache filled by bytes before it held the samples a draw needs."""
+    step = producer.lockstep
+    if step is not None and step.ready() and not step.over:
+        raise CacheTooSmallError(
+            f"EchoLoader(deterministic=True): the cache is full by bytes but holds too few "
+            f"samples for a draw of {loader.batch_size}; give a larger capacity_bytes (or a "
+            "smaller shuffle_buffer)"
+        )

@@ -69,6 +69,9 @@ class EchoLoader(PassThrough):
         timeout: Longest wait for one output batch, seconds (``None``: no limit; closing and
             errors of the wrapped loader always end a wait).
         close_timeout: How long :meth:`close` waits for the wrapped loader to return.
+        deterministic: Each draw waits until the reader filled the cache (or the input ended),
+            so that two runs with the same ``seed`` and input order give the same batches
+            (a fixed ``echo_factor`` only).
 
     Iterating yields about ``e`` times as many batches per epoch as the wrapped loader. A
     failure of the wrapped loader raises :class:`LoaderError` naming the batch; a batch that
@@ -91,11 +94,13 @@ class EchoLoader(PassThrough):
         echo_interval: int = 50,
         timeout: float | None = None,
         close_timeout: float = 10.0,
+        deterministic: bool = False,
     ) -> None:
         if not hasattr(loader, "__iter__"):
             raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
         self._loader = loader
         self._factor, self._controller = passes.check_echo(echo_factor, echo_max)
+        self._deterministic = passes.check_deterministic(deterministic, self._controller)
         self._shuffle_buffer = passes.check_count("shuffle_buffer", shuffle_buffer)
         self._batch_size = passes.check_count("batch_size", batch_size)
         self._explicit_batch = self._batch_size is not None
@@ -225,13 +230,11 @@ class EchoLoader(PassThrough):
 
     @property
     def batch_size(self) -> int | None:
-        """Samples per output batch (the last of an epoch can be short); set it with
-        ``EchoLoader(batch_size=...)``, as a DataLoader's."""
+        """Samples per output batch (an epoch's last can be short); set by the constructor."""
         return self._batch_size
 
     def _new_epoch_size(self) -> None:
-        """Exact totals need the cache's blocks to be the wrapped loader's epoch: a cache made
-        for another size (the sampler or dataset changed between epochs) is replaced."""
+        """A cache made for another epoch size (the sampler changed) is replaced (exact totals)."""
         config = self._cache_config
         if config is not None and config.get("epoch_size", 0) != (self._epoch_samples or 0):
             config["epoch_size"] = self._epoch_samples or 0
@@ -307,12 +310,9 @@ class EchoLoader(PassThrough):
         )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything to continue later, mid-epoch too (call it between batches).
-
-        Holds the samples in the cache with their remaining tickets, the position in the
-        wrapped loader's epoch, the counters and the ``"auto"`` controller. Plain Python values
-        and bytes (``torch.save`` it with the model).
-        """
+        """Everything to continue later, mid-epoch too (call it between batches): the cached
+        samples with their remaining tickets, the position in the wrapped loader's epoch, the
+        counters and the ``"auto"`` controller; plain values and bytes (``torch.save`` it)."""
         producer, cache = self._shared.producer, self._shared.cache
         passes.warn_cut_short(self._cut_short)  # set only between an early end and the next epoch
         guard = producer.lock if producer is not None else threading.Lock()

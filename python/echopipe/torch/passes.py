@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from .reader import Producer
 
 __all__ = [
-    "COUNTS", "EchoLoaderStats", "EpochIterator", "cache_config", "check_count", "check_device",
-    "check_echo", "check_factor", "check_resume_order", "check_seed",
-    "observe", "warn_evaluation",
+    "COUNTS", "EchoLoaderStats", "EpochIterator", "cache_config", "check_count",
+    "check_deterministic", "check_device", "check_echo", "check_factor", "check_resume_order",
+    "check_seed", "observe", "warn_evaluation",
 ]  # fmt: skip
 
 COUNTS = ("fresh_batches", "fresh_samples", "delivered_batches", "delivered_samples")
@@ -67,6 +67,15 @@ def check_echo(echo_factor: Any, echo_max: Any) -> tuple[float, EchoController |
     if factor == FACTOR_AUTO:
         return 1.0, EchoController(1.0, e_max=e_max, headroom=AUTO_HEADROOM)
     return factor, None
+
+
+def check_deterministic(value: Any, controller: EchoController | None) -> bool:
+    """``deterministic`` as a bool; with ``"auto"`` (a timing-based e) it is refused."""
+    if not isinstance(value, bool):
+        raise TypeError(f"deterministic must be True or False, got {value!r}")
+    if value and controller is not None:
+        raise ValueError("deterministic=True needs a fixed echo_factor: 'auto' follows timings")
+    return value
 
 
 #: EchoLoader's arguments that are EchoConfig fields, and the field (whose bound they keep).

@@ -30,6 +30,60 @@ class LoaderError(RuntimeError):
     """The wrapped loader raised; the message names the batch, ``__cause__`` is the original."""
 
 
+class CacheTooSmallError(ValueError):
+    """A deterministic EchoLoader's cache is full by bytes before it holds enough samples for a
+    draw: no draw can start, and the reader has nothing to wait for."""
+
+
+class Lockstep:
+    """The hand-over of a deterministic ``EchoLoader``: the consumer draws a batch only once the
+    reader has put every fresh sample the cache has room for (or the input is over), and the
+    reader puts again only after that batch; so every draw sees resident samples that depend on
+    the seed and the input order alone, not on how far the reader thread got."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.takes = 0  # batches the consumer drew
+        self.settled = -1  # the ``takes`` after which the reader found the cache full
+        self.over = False  # the reader puts nothing more this epoch
+
+    def seen(self) -> int:
+        """Reader: the draws so far, read before a put (a draw after it frees more room)."""
+        with self.cond:
+            return self.takes
+
+    def settle(self, seen: int, stop: threading.Event) -> None:
+        """Reader: the cache was full after ``seen`` draws; waits for the next one."""
+        with self.cond:
+            self.settled = seen
+            self.cond.notify_all()
+            while self.takes == seen and not stop.is_set():
+                self.cond.wait(POLL_S)
+
+    def finish(self) -> None:
+        """Reader: the epoch's input ended (or failed, or was stopped)."""
+        with self.cond:
+            self.over = True
+            self.cond.notify_all()
+
+    def ready(self) -> bool:
+        """Consumer: whether it may draw now."""
+        return self.over or self.settled == self.takes
+
+    def wait(self) -> bool:
+        """Consumer: waits at most one poll slice for :meth:`ready`."""
+        with self.cond:
+            if not self.ready():
+                self.cond.wait(POLL_S)
+            return self.ready()
+
+    def took(self) -> None:
+        """Consumer: a batch was drawn (its copies' slots are free again)."""
+        with self.cond:
+            self.takes += 1
+            self.cond.notify_all()
+
+
 class Producer(threading.Thread):
     """Reads one epoch of the wrapped loader into the cache (one thread per epoch)."""
 
@@ -72,6 +126,7 @@ class Producer(threading.Thread):
         # The states of the generators the pass draws its order from (a shuffling DataLoader
         # with generator=), taken before it starts; a resumed pass starts from the saved ones.
         self.order_rng: list[bytes] | None = resume["order_rng"] if resume is not None else None
+        self.lockstep = Lockstep() if owner._deterministic else None
 
     def run(self) -> None:
         it: Any = None
@@ -135,6 +190,8 @@ class Producer(threading.Thread):
             _release_iterator(it, finished)
             it = None
             self.ready.set()
+            if self.lockstep is not None:
+                self.lockstep.finish()
 
     def _put(self, batch: Any, index: int, start: int, skip: bool = False) -> None:
         try:
@@ -160,28 +217,35 @@ class Producer(threading.Thread):
             return
         fields = bl.encode(layout, leaves, rows)
         done = start
+        step = self.lockstep
+        wait = POLL_S if step is None else 0.0  # in lockstep a full cache waits for a draw
         while done < rows:
             if self.stop.is_set():
                 raise CacheClosedError("stopped")
+            seen = step.seen() if step is not None else 0
+            full = False
             with self.lock:
                 before = done
                 if layout.strings:
                     texts, lengths = bl.encode_strings(layout, leaves, done)
                     try:
-                        cache.put((*(f[done] for f in fields), texts, lengths), timeout=POLL_S)
+                        cache.put((*(f[done] for f in fields), texts, lengths), timeout=wait)
                         done += 1
                     except TimeoutError:
-                        pass
+                        full = True
                 else:
                     try:
-                        done += cache.put_batch([f[done:] for f in fields], timeout=POLL_S)
+                        done += cache.put_batch([f[done:] for f in fields], timeout=wait)
                     except TimeoutError as exc:  # the cache stayed full: retry the rest
                         done += exc.rows_put
+                        full = True
                 self.samples_put += done - before
                 self.rows_in_flight = done
                 if done == rows:
                     self.batches_done = index + 1
                     self.rows_in_flight = 0
+            if full and step is not None:
+                step.settle(seen, self.stop)
 
     def _check_rows(self, index: int, rows: int) -> None:
         """A batch's rows against the samples the DataLoader's batching gives batch ``index``:
