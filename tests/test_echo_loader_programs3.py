@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 import time
 import warnings
 
@@ -14,10 +15,11 @@ import lightning  # in the test extra: a missing Lightning fails here rather tha
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from echopipe.torch import EchoLoader
 from echopipe.torch.loader_state import LoaderStateError
+from echopipe.torch.reader import CacheTooSmallError
 
 # Lightning 2.6 uses torch's pytree LeafSpec, which torch 2.13 deprecates: theirs, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.* is deprecated:FutureWarning")
@@ -230,3 +232,13 @@ def test_deterministic_needs_a_fixed_factor() -> None:
         EchoLoader(DataLoader(Ids()), echo_factor="auto", deterministic=True)
     with pytest.raises(TypeError, match="deterministic"):
         EchoLoader(DataLoader(Ids()), deterministic="yes")
+
+
+def test_a_deterministic_cache_too_small_in_bytes_for_a_draw_is_named() -> None:
+    """About 4 samples of 4 KB fit in 20 kB: a free-running loader takes short parts while its
+    reader waits, a deterministic one would wait for a fill that cannot come."""
+    data = DataLoader(TensorDataset(torch.zeros(45, 1000)), batch_size=6)
+    loader = EchoLoader(data, deterministic=True, capacity_bytes=20000, shuffle_buffer=12)
+    with loader, pytest.raises(CacheTooSmallError, match="capacity_bytes"):
+        next(iter(loader))
+    assert not [t for t in threading.enumerate() if t.name.startswith("echopipe-echoloader")]
