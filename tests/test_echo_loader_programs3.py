@@ -242,3 +242,40 @@ def test_a_deterministic_cache_too_small_in_bytes_for_a_draw_is_named() -> None:
     with loader, pytest.raises(CacheTooSmallError, match="capacity_bytes"):
         next(iter(loader))
     assert not [t for t in threading.enumerate() if t.name.startswith("echopipe-echoloader")]
+
+
+class Encoding(collections.UserDict):
+    """Shaped like Hugging Face's ``BatchEncoding`` (a ``UserDict``, not a dict), which a
+    ``DataCollatorWithPadding`` returns and training loops move with ``batch.to(device)``."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self.data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to(self, device: str) -> Encoding:
+        return Encoding({k: v.to(device) if torch.is_tensor(v) else v for k, v in self.items()})
+
+
+@pytest.mark.parametrize("names", [False, True])  # the direct take path, and the decoding one
+def test_a_batchencoding_like_mapping_comes_back_as_its_own_class(names) -> None:
+    """It came back as a plain dict: ``batch.to(device)`` raised AttributeError."""
+
+    def collate(items) -> Encoding:
+        out = Encoding(input_ids=torch.stack([x for x, _ in items]),
+                       labels=torch.tensor([y for _, y in items]))  # fmt: skip
+        if names:
+            out["names"] = [f"s{int(x[0])}" for x, _ in items]
+        return out
+
+    model = nn.Linear(4, 3)
+    data = DataLoader(Ids(20), batch_size=4, shuffle=True, collate_fn=collate)
+    seen: collections.Counter = collections.Counter()
+    with EchoLoader(data, echo_factor=2.0) as loader:
+        for batch in loader:
+            batch = batch.to("cpu")
+            assert type(batch) is Encoding and torch.equal(batch.labels, batch.input_ids[:, 0] % 3)
+            nn.functional.cross_entropy(model(batch.input_ids), batch.labels).backward()
+            seen.update(int(v) for v in batch["input_ids"][:, 0])
+    assert seen == dict.fromkeys(range(20), 2)

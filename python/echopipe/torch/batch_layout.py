@@ -18,13 +18,14 @@ cannot be stacked again and is rejected with :class:`LayoutError`, naming the le
 from __future__ import annotations
 
 import json
-import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+from .batch_tree import builder, tree_text
 
 __all__ = [
     "Layout", "LayoutError", "builder", "decode", "decode_many", "describe", "encode", "match",
@@ -68,27 +69,17 @@ class Layout:
     def signature(self) -> str:
         """A JSON description (kept in state dicts to check that a resumed stream matches)."""
         leaves = [[x.path, x.kind, x.dtype, list(x.shape)] for x in self.leaves]
-        return json.dumps({"tree": _tree_text(self.treedef), "leaves": leaves})
-
-
-def _tree_text(treedef: Any) -> Any:
-    kind = treedef[0]
-    if kind == "leaf":
-        return treedef[1]
-    if kind == "dict":
-        return {"dict": [repr(k) for k in treedef[1]], "of": [_tree_text(c) for c in treedef[2]]}
-    if kind == "namedtuple":
-        return {treedef[1].__qualname__: [_tree_text(c) for c in treedef[2]]}
-    return {kind: [_tree_text(c) for c in treedef[1]]}
+        return json.dumps({"tree": tree_text(self.treedef), "leaves": leaves})
 
 
 def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         out.append((path, obj))
         return ("leaf", len(out) - 1)
-    if isinstance(obj, Mapping):
+    if isinstance(obj, Mapping):  # its own class is rebuilt too (a Hugging Face BatchEncoding)
         keys = tuple(obj)
-        return ("dict", keys, tuple(_flatten(obj[k], f"{path}[{k!r}]", out) for k in keys))
+        children = tuple(_flatten(obj[k], f"{path}[{k!r}]", out) for k in keys)
+        return ("dict", keys, children, None if type(obj) is dict else type(obj))
     if isinstance(obj, (list, tuple)):
         if obj and all(isinstance(v, str) for v in obj):
             out.append((path, obj))
@@ -243,8 +234,8 @@ def check_same(layout: Layout, other: Layout) -> None:
         return
     if layout.treedef != other.treedef:
         raise LayoutError(
-            f"the batch structure changed: {_tree_text(other.treedef)} instead of "
-            f"{_tree_text(layout.treedef)}"
+            f"the batch structure changed: {tree_text(other.treedef)} instead of "
+            f"{tree_text(layout.treedef)}"
         )
     for a, b in zip(layout.leaves, other.leaves, strict=True):
         if a != b:
@@ -376,23 +367,3 @@ def _decode_strings(
             columns[j].append(blob[pos : pos + length].decode("utf-8", "surrogatepass"))
             pos += length
     return columns
-
-
-def builder(treedef: Any) -> Callable[[list[Any]], Any]:
-    """A function rebuilding the batch tree of ``treedef`` from its leaves' values."""
-    kind = treedef[0]
-    if kind == "leaf":
-        return operator.itemgetter(treedef[1])
-    if kind == "dict":
-        keys, subs = treedef[1], [builder(c) for c in treedef[2]]
-        return lambda v: {k: b(v) for k, b in zip(keys, subs, strict=True)}
-    children = treedef[2] if kind == "namedtuple" else treedef[1]
-    if kind == "tuple" and len(children) > 1 and all(c[0] == "leaf" for c in children):
-        return operator.itemgetter(*(c[1] for c in children))  # (images, labels): one C call
-    subs = [builder(c) for c in children]
-    if kind == "namedtuple":
-        cls = treedef[1]
-        return lambda v: cls(*[b(v) for b in subs])
-    if kind == "tuple":
-        return lambda v: tuple([b(v) for b in subs])
-    return lambda v: [b(v) for b in subs]
