@@ -279,3 +279,31 @@ def test_a_batchencoding_like_mapping_comes_back_as_its_own_class(names) -> None
             nn.functional.cross_entropy(model(batch.input_ids), batch.labels).backward()
             seen.update(int(v) for v in batch["input_ids"][:, 0])
     assert seen == dict.fromkeys(range(20), 2)
+
+
+def test_the_train_echoloader_also_given_as_the_validation_loader_is_named(tmp_path) -> None:
+    """Lightning's mid-epoch validation (``val_check_interval=0.5``) calls ``iter()`` on the
+    loader the training epoch still reads: a DataLoader runs two iterators side by side, an
+    EchoLoader one epoch at a time, and the training iterator failed with "replaced by a newer
+    one", which did not say why."""
+
+    class SameForValidation(Evaluated):
+        def val_dataloader(self) -> EchoLoader:
+            return self.train_dataloader()  # Lightning asks for it after train_dataloader
+
+        def train_dataloader(self) -> EchoLoader:
+            if not self.loaders:
+                self.loaders.append(EchoLoader(_shuffled(0), echo_factor=2.0))
+            return self.loaders[-1]
+
+    module = SameForValidation()
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, max_epochs=1, val_check_interval=0.5,
+        num_sanity_val_steps=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    raised = pytest.raises(RuntimeError, match="Is it also the validation loader")
+    with raised, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a shuffling validation loader, an echoing evaluation
+        trainer.fit(module)
+    module.loaders[0].close()

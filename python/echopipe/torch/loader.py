@@ -244,7 +244,7 @@ class EchoLoader(PassThrough):
         if self._closed:
             raise RuntimeError("EchoLoader is closed")
         if token != self._current:
-            raise RuntimeError("this EchoLoader iterator was replaced by a newer one")
+            raise passes.replaced(self._epoch)
         if not self._started:
             self._start_epoch()
         producer = self._shared.producer

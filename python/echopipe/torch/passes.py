@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COUNTS", "EchoLoaderStats", "EpochIterator", "cache_config", "check_count",
     "check_deterministic", "check_device", "check_echo", "check_factor", "check_resume_order",
-    "check_seed", "observe", "warn_evaluation",
+    "check_seed", "observe", "replaced", "warn_evaluation",
 ]  # fmt: skip
 
 COUNTS = ("fresh_batches", "fresh_samples", "delivered_batches", "delivered_samples")
@@ -298,3 +298,15 @@ def check_resume_order(clean: dict[str, Any], loader: Any) -> None:
             "generator=torch.Generator().manual_seed(seed)",
             RuntimeWarning, stacklevel=3,
         )  # fmt: skip
+
+
+def replaced(epoch: int) -> RuntimeError:
+    """The error of an iterator whose epoch a newer ``iter()`` ended: one epoch runs at a time
+    (one cache, one reader), where a ``DataLoader`` without persistent workers lets two
+    iterators run side by side."""
+    return RuntimeError(
+        f"this EchoLoader iterator's epoch was ended by a newer iter() of the same EchoLoader "
+        f"(now at epoch {epoch}): an EchoLoader runs one epoch at a time. Is it also the "
+        "validation loader (val_dataloaders=, or val_dataloader() returning it)? Validate "
+        "on the plain DataLoader it wraps"
+    )
