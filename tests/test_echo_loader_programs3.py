@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import threading
 import time
@@ -307,3 +308,36 @@ def test_the_train_echoloader_also_given_as_the_validation_loader_is_named(tmp_p
         warnings.simplefilter("ignore")  # a shuffling validation loader, an echoing evaluation
         trainer.fit(module)
     module.loaders[0].close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A collate_fn's dataclass batch; ``rows`` is computed, not taken by ``__init__``."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    names: list[str]
+    rows: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", len(self.labels))
+
+
+def test_a_collate_fn_returning_a_dataclass_is_echoed_into_that_dataclass() -> None:
+    """It was refused (``LayoutError``: "field batch is a Batch"), where a DataLoader and
+    Lightning's ``apply_to_collection`` take dataclass batches."""
+
+    def collate(items) -> Batch:
+        images = torch.stack([x for x, _ in items])
+        return Batch(images, torch.tensor([y for _, y in items]),
+                     [f"s{int(x[0])}" for x, _ in items])  # fmt: skip
+
+    data = DataLoader(Ids(21), batch_size=4, num_workers=2, collate_fn=collate)
+    seen: collections.Counter = collections.Counter()
+    with EchoLoader(data, echo_factor=1.5) as loader:
+        for batch in loader:
+            assert type(batch) is Batch and batch.rows == len(batch.images)
+            assert batch.names == [f"s{int(v)}" for v in batch.images[:, 0]]
+            assert torch.equal(batch.labels, batch.images[:, 0].long() % 3)
+            seen.update(int(v) for v in batch.images[:, 0])
+    assert sorted(seen) == list(range(21)) and sum(seen.values()) == 32  # 1.5 * 21, rounded

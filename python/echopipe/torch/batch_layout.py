@@ -17,6 +17,7 @@ cannot be stacked again and is rejected with :class:`LayoutError`, naming the le
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -80,6 +81,10 @@ def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
         keys = tuple(obj)
         children = tuple(_flatten(obj[k], f"{path}[{k!r}]", out) for k in keys)
         return ("dict", keys, children, None if type(obj) is dict else type(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # rebuilt by its __init__
+        names = tuple(f.name for f in dataclasses.fields(obj) if f.init)
+        children = tuple(_flatten(getattr(obj, n), f"{path}.{n}", out) for n in names)
+        return ("dataclass", type(obj), names, children)
     if isinstance(obj, (list, tuple)):
         if obj and all(isinstance(v, str) for v in obj):
             out.append((path, obj))
@@ -90,7 +95,7 @@ def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
         return ("tuple" if isinstance(obj, tuple) else "list", children)
     raise LayoutError(
         f"field batch{path} is a {type(obj).__name__}; EchoLoader echoes tensors, numpy arrays "
-        "and lists of str (nested in dicts, tuples and lists)"
+        "and lists of str (nested in dicts, dataclasses, tuples and lists)"
     )
 
 
@@ -209,6 +214,9 @@ def _walk(treedef: Any, obj: Any, out: list[Any]) -> bool:
         if not isinstance(obj, Mapping) or tuple(obj) != treedef[1]:
             return False
         return all(_walk(c, obj[k], out) for k, c in zip(treedef[1], treedef[2], strict=True))
+    if kind == "dataclass":
+        pairs = zip(treedef[2], treedef[3], strict=True)
+        return type(obj) is treedef[1] and all(_walk(c, getattr(obj, n), out) for n, c in pairs)
     if kind == "namedtuple":
         ok, children = type(obj) is treedef[1], treedef[2]
     elif kind == "tuple":

@@ -2,7 +2,8 @@
 that rebuilds a batch of the same structure from its leaves' values.
 
 A tree is ``("leaf", index)``, ``("dict", keys, children, cls)`` (``cls``: the mapping's own
-class, None for a plain dict), ``("namedtuple", cls, children)``, ``("tuple", children)`` or
+class, None for a plain dict), ``("namedtuple", cls, children)``,
+``("dataclass", cls, field names, children)``, ``("tuple", children)`` or
 ``("list", children)``.
 """
 
@@ -38,6 +39,10 @@ def tree_text(treedef: Any) -> Any:
         return {"dict": [repr(k) for k in treedef[1]], "of": [tree_text(c) for c in treedef[2]]}
     if kind == "namedtuple":
         return {treedef[1].__qualname__: [tree_text(c) for c in treedef[2]]}
+    if kind == "dataclass":
+        return {
+            treedef[1].__qualname__: dict(zip(treedef[2], map(tree_text, treedef[3]), strict=True))
+        }
     return {kind: [tree_text(c) for c in treedef[1]]}
 
 
@@ -51,6 +56,9 @@ def builder(treedef: Any) -> Callable[[list[Any]], Any]:
         if make is dict:
             return lambda v: {k: b(v) for k, b in zip(keys, subs, strict=True)}
         return lambda v: make({k: b(v) for k, b in zip(keys, subs, strict=True)})
+    if kind == "dataclass":  # its fields that __init__ takes (the others it computes)
+        cls, names, subs = treedef[1], treedef[2], [builder(c) for c in treedef[3]]
+        return lambda v: cls(**{n: b(v) for n, b in zip(names, subs, strict=True)})
     children = treedef[2] if kind == "namedtuple" else treedef[1]
     if kind == "tuple" and len(children) > 1 and all(c[0] == "leaf" for c in children):
         return operator.itemgetter(*(c[1] for c in children))  # (images, labels): one C call
