@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from echopipe.echo import CacheTooSmallError, EchoCacheError
 from echopipe.torch import EchoLoader
 from echopipe.torch.loader_state import LoaderStateError
-from echopipe.torch.reader import CacheTooSmallError
 
 # Lightning 2.6 uses torch's pytree LeafSpec, which torch 2.13 deprecates: theirs, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.* is deprecated:FutureWarning")
@@ -240,9 +240,17 @@ def test_a_deterministic_cache_too_small_in_bytes_for_a_draw_is_named() -> None:
     reader waits, a deterministic one would wait for a fill that cannot come."""
     data = DataLoader(TensorDataset(torch.zeros(45, 1000)), batch_size=6)
     loader = EchoLoader(data, deterministic=True, capacity_bytes=20000, shuffle_buffer=12)
-    with loader, pytest.raises(CacheTooSmallError, match="capacity_bytes"):
+    with loader, pytest.raises(CacheTooSmallError, match="capacity_bytes") as refused:
         next(iter(loader))
     assert not [t for t in threading.enumerate() if t.name.startswith("echopipe-echoloader")]
+    small = refused.value
+    assert isinstance(small, EchoCacheError)  # one class with a DALI pipeline's refusal
+    assert small.wanted == 6 and small.resident < 6 and small.need_bytes > 20000
+    # The size it names is enough: the same loader with it draws its first batch.
+    roomy = EchoLoader(data, deterministic=True, capacity_bytes=small.need_bytes, shuffle_buffer=12)
+    with roomy:
+        (first,) = next(iter(roomy))
+    assert first.shape == (6, 1000)
 
 
 class Encoding(collections.UserDict):

@@ -10,20 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..echo.values import CacheTooSmallError
 from .epochs import ReaderEpochs
 from .host_copy import host_dense
 
 _POLL_S = 0.005
-
-
-class CacheTooSmallError(ValueError):
-    """A deterministic pipeline's cache, full by bytes, holds fewer samples than its first draw
-    waits for; ``resident``, ``wanted`` and ``need_bytes`` (the ``cache_bytes`` that would do)
-    say by how much."""
-
-    def __init__(self, message: str, resident: int, wanted: int, need_bytes: int) -> None:
-        super().__init__(message)
-        self.resident, self.wanted, self.need_bytes = resident, wanted, need_bytes
 
 
 # How long pause() waits for an iteration boundary before it asks the caller to draw: longer

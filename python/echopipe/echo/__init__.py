@@ -21,6 +21,7 @@ from .controller import EchoChange, EchoController
 from .values import (
     CacheClosedError,
     CacheStateError,
+    CacheTooSmallError,
     EchoBatch,
     EchoCacheError,
     EchoSample,
@@ -32,6 +33,7 @@ from .values import (
 __all__ = [
     "CacheClosedError",
     "CacheStateError",
+    "CacheTooSmallError",
     "EchoBatch",
     "EchoCache",
     "EchoCacheError",

@@ -13,6 +13,7 @@ import numpy as np
 __all__ = [
     "CacheClosedError",
     "CacheStateError",
+    "CacheTooSmallError",
     "EchoBatch",
     "EchoCacheError",
     "EchoSample",
@@ -52,6 +53,26 @@ class SampleTooLargeError(EchoCacheError, ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.sample_bytes, self.capacity_bytes))
+
+
+class CacheTooSmallError(EchoCacheError, ValueError):
+    """A deterministic reader's cache (a DALI pipeline's with ``deterministic=True``, an
+    ``EchoLoader(deterministic=True)``) is full by bytes while it holds fewer samples than a
+    draw waits for: the draw can never start, and the reader waits for it.
+
+    Attributes:
+        resident: Samples the cache held.
+        wanted: Samples the draw waits for.
+        need_bytes: A ``capacity_bytes`` that would hold them (estimated from the samples'
+            sizes).
+    """
+
+    def __init__(self, message: str, resident: int, wanted: int, need_bytes: int) -> None:
+        super().__init__(message)
+        self.resident, self.wanted, self.need_bytes = int(resident), int(wanted), int(need_bytes)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.resident, self.wanted, self.need_bytes))
 
 
 class CacheStateError(EchoCacheError, ValueError):

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..echo import CacheClosedError
+from ..echo import CacheClosedError, CacheTooSmallError
 from . import batch_layout as bl
-from .reader import POLL_S, CacheTooSmallError, Producer
+from .reader import POLL_S, Producer
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
@@ -190,9 +190,18 @@ def _check_stuck(producer: Producer, loader: EchoLoader) -> None:
     """In lockstep a draw that times out while the reader waits on a full cache can never
     start: the cache filled by bytes before it held the samples a draw needs."""
     step = producer.lockstep
-    if step is not None and step.ready() and not step.over:
-        raise CacheTooSmallError(
-            f"EchoLoader(deterministic=True): the cache is full by bytes but holds too few "
-            f"samples for a draw of {loader.batch_size}; give a larger capacity_bytes (or a "
-            "smaller shuffle_buffer)"
-        )
+    cache = loader._shared.cache
+    if step is None or cache is None or not step.ready() or step.over:
+        return
+    stats = cache.stats()
+    wanted = loader.batch_size
+    per_sample = max(1, -(-stats.bytes_used // max(stats.resident, 1)))  # the residents' mean
+    need = stats.capacity_bytes + (wanted - stats.resident) * per_sample
+    raise CacheTooSmallError(
+        f"EchoLoader(deterministic=True): capacity_bytes={stats.capacity_bytes} is full with "
+        f"{stats.resident} samples of about {per_sample} bytes, fewer than a draw of {wanted}; "
+        f"give capacity_bytes of at least {need} (or a smaller shuffle_buffer)",
+        stats.resident,
+        wanted,
+        need,
+    )

@@ -30,11 +30,6 @@ class LoaderError(RuntimeError):
     """The wrapped loader raised; the message names the batch, ``__cause__`` is the original."""
 
 
-class CacheTooSmallError(ValueError):
-    """A deterministic EchoLoader's cache is full by bytes before it holds enough samples for a
-    draw: no draw can start, and the reader has nothing to wait for."""
-
-
 class Lockstep:
     """The hand-over of a deterministic ``EchoLoader``: the consumer draws a batch only once the
     reader has put every fresh sample the cache has room for (or the input is over), and the

@@ -140,7 +140,7 @@ class TrainInput:
     def explain(self, exc: RuntimeError) -> Exception:
         """The training input's failure ``exc`` (raised by the DALI pipeline) as one line: a
         cache too small for what it must hold names --cache-mb; anything else is ``exc``."""
-        from ..dali.upstream import CacheTooSmallError  # (the trainer's input is DALI's)
+        from ..echo import CacheTooSmallError
 
         small = exc.__cause__
         if isinstance(small, CacheTooSmallError):
