@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -94,6 +95,10 @@ class Producer(threading.Thread):
         self.stop = threading.Event()
         self.ready = threading.Event()  # the cache exists and the batches' layout is known
         self.lock = threading.Lock()  # held while samples go in: state_dict() waits on it
+        # The wrapped loader's iterator while the reader waits in its next() (else None; set
+        # under wake_lock): shutdown() wakes that wait (see _wake).
+        self.wake_lock = threading.Lock()
+        self.waiting_in: Any = None
         self.error: BaseException | None = None
         self.batches_done = self.skip_batches  # whole batches in the cache (this epoch)
         # Rows of the next batch already in the cache: a resumed epoch starts with the saved
@@ -140,7 +145,11 @@ class Producer(threading.Thread):
                 self.order_rng = [bytes(g.get_state().numpy()) for g in generators] or None
             it = iter(self.source)
             index = 0
-            while not self.stop.is_set():
+            while True:
+                with self.wake_lock:  # stop checked under it: shutdown() sees the wait or stop
+                    if self.stop.is_set():
+                        break
+                    self.waiting_in = it
                 t0 = time.perf_counter()
                 try:
                     batch = next(it)
@@ -152,6 +161,8 @@ class Producer(threading.Thread):
                         f"EchoLoader: the wrapped loader raised at batch {index} of epoch "
                         f"{self.epoch}: {type(exc).__name__}: {_summary(exc)}"
                     ) from exc
+                finally:
+                    self.waiting_in = None
                 if index == 0 and self.sampler_epoch is None:
                     with self.lock:
                         self.sampler_epoch = wrapped.sampler_epoch(self.source)
@@ -176,6 +187,10 @@ class Producer(threading.Thread):
             pass  # closed by close() or an aborted epoch
         except BaseException as exc:
             self.error = exc
+            if self.stop.is_set():
+                # Nobody takes the error of a reader told to stop (_wake's, say): its frames
+                # would keep the wrapped iterator, its queues and their threads alive.
+                _drop_frames(exc)
             # A reader left behind by close() (its wrapped loader did not return in time) must
             # not end the input of the cache a later epoch made.
             cache = self.shared.cache
@@ -272,6 +287,10 @@ class Producer(threading.Thread):
         """Stops reading; returns once the thread ended (or ``timeout`` passed, with a warning)."""
         self.stop.set()
         if self.is_alive() and threading.current_thread() is not self:
+            with self.wake_lock:
+                waiting_in = self.waiting_in
+            if waiting_in is not None:
+                _wake(waiting_in)
             self.join(timeout)
             if self.is_alive():
                 warnings.warn(
@@ -282,12 +301,44 @@ class Producer(threading.Thread):
                 )
 
 
+def _drop_frames(exc: BaseException | None) -> None:
+    """Clears the finished frames of ``exc`` and of the exceptions it chains to."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
 def _summary(exc: BaseException) -> str:
     """First and last line: a worker's error arrives as a header, a traceback and its line."""
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     if len(lines) <= 1:
         return lines[0] if lines else ""
     return f"{lines[0]} ... {lines[-1].strip()}"
+
+
+def _wake(it: Any) -> None:
+    """Ends the wait of a reader inside ``next()`` of a ``DataLoader``'s multi-process iterator.
+
+    That iterator waits for its workers in slices of 5 s and checks them between slices, so a
+    reader whose workers died (Ctrl-C in a terminal signals them too) would hold the interrupted
+    program for up to 5 s. A message ends the slice at once: ``(None, None)``, which torch's own
+    shutdown sends to wake its pin-memory thread. It is no task's result, so the iterator raises
+    and the reader, told to stop, ends and ends the workers; a persistent iterator drops the
+    message at its next ``iter()``, as it drops the other results of a pass left early.
+    """
+    data_queue = getattr(it, "_data_queue", None)
+    put = getattr(data_queue, "put", None)
+    if not callable(put) or not callable(getattr(it, "_shutdown_workers", None)):
+        return  # not a multi-process DataLoader iterator: shutdown() waits as before
+    try:
+        put((None, None))
+        cancel = getattr(data_queue, "cancel_join_thread", None)
+        if callable(cancel):
+            cancel()  # its feeder thread must not hold up the interpreter's exit
+    except (ValueError, OSError):
+        pass  # closed: the iterator has already been shut down
 
 
 def _release_iterator(it: Any, finished: bool) -> None:
