@@ -192,12 +192,14 @@ def test_sigterm_ends_the_program_without_tracebacks_or_workers(group) -> None:
 
 @pytest.mark.parametrize(
     ("end", "persistent"),
-    [("raise", False), ("with", False), ("with", True)],
+    [("raise", False), ("with", False), ("with", True), ("timm", False), ("timm", True)],
 )
 def test_workers_end_while_the_program_goes_on(end, persistent) -> None:
     """The program leaves the loader and goes on: an exception in the step caught outside the
     loop ends the epoch's workers (persistent ones stay with their DataLoader, as without
-    EchoLoader: close() ends them); the end of a ``with EchoLoader(...)`` block ends them."""
+    EchoLoader: close() ends them); the end of a ``with EchoLoader(...)`` block ends them; and
+    ``close()`` ends those of a loader that keeps one iterator for its whole life (timm's
+    ``MultiEpochsDataLoader``: its workers were left running before)."""
     child = Child("echo", persistent, end)
     try:
         child.wait_for("closed")

@@ -30,7 +30,7 @@ from . import loader_state as ls
 from . import passes, wrapped
 from .delivery import Assembler, next_batch
 from .passes import EchoLoaderStats
-from .reader import LoaderError, Producer, Shared, end_persistent_workers, shutdown
+from .reader import LoaderError, Producer, Shared, end_loader_workers, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
 
 __all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "UnshardedLoaderError"]
@@ -382,12 +382,13 @@ class EchoLoader(PassThrough):
 
     # ---- lifecycle ----
     def close(self) -> None:
-        """Stops the reader and the wrapped loader's workers, frees the cache. Idempotent; also
-        runs when the ``EchoLoader`` is garbage collected and at interpreter exit."""
+        """Stops the reader and the workers of the wrapped loader, also of the DataLoader
+        iterators it keeps (:func:`.reader.end_loader_workers`), frees the cache. Idempotent;
+        the reader part also runs when the ``EchoLoader`` is garbage collected and at exit."""
         self._closed = True
         self._current = None
         self._finalizer()
-        end_persistent_workers(self._loader)
+        end_loader_workers(self._loader)
 
     def __enter__(self) -> EchoLoader:
         return self

@@ -363,19 +363,32 @@ def _release_iterator(it: Any, finished: bool) -> None:
                       stacklevel=2)  # fmt: skip
 
 
-def end_persistent_workers(loader: Any) -> None:
-    """Ends a ``DataLoader``'s persistent workers (kept between epochs; ``close()`` ends them).
+def end_loader_workers(loader: Any) -> None:
+    """Ends the worker processes of the multi-process ``DataLoader`` iterators the wrapped loader
+    keeps between passes (``close()`` calls it, after the reader ended).
 
-    The DataLoader makes new ones at its next ``iter()``, as after a fresh start."""
-    it = getattr(loader, "_iterator", None)
-    shutdown_workers = getattr(it, "_shutdown_workers", None)
-    if callable(shutdown_workers) and getattr(it, "_persistent_workers", False):
-        try:
-            shutdown_workers()  # idempotent: the iterator's finalizer may call it again
-        except Exception as exc:
-            warnings.warn(f"EchoLoader: ending the wrapped loader's workers failed: {exc}",
-                          RuntimeWarning, stacklevel=3)  # fmt: skip
-        loader._iterator = None
+    Those are the attributes of the wrapped loader, and of each loader it wraps through
+    ``.loader`` (:func:`.wrapped.dataloaders`), that have torch's ``_shutdown_workers``: a
+    ``DataLoader``'s persistent ``_iterator`` (dropped, so that its next ``iter()`` starts new
+    workers, as after a fresh start), and an iterator a loader made once for its whole life
+    (timm's ``MultiEpochsDataLoader`` makes one in ``__init__`` and takes every pass from it),
+    which cannot deliver after that, as after the end of any of its workers.
+    """
+    for obj in wrapped.dataloaders(loader):
+        for name, value in list(vars(obj).items()) if hasattr(obj, "__dict__") else ():
+            try:
+                shutdown_workers = getattr(value, "_shutdown_workers", None)
+            except Exception:  # an attribute of a wrapper's own that refuses the question
+                continue
+            if not callable(shutdown_workers):
+                continue
+            try:
+                shutdown_workers()  # idempotent: the iterator's finalizer may call it again
+            except Exception as exc:
+                warnings.warn(f"EchoLoader: ending the workers of the wrapped loader's {name} "
+                              f"failed: {exc}", RuntimeWarning, stacklevel=3)  # fmt: skip
+            if name == "_iterator":
+                obj._iterator = None  # a DataLoader's persistent one: the next iter() remakes it
 
 
 class Shared:

@@ -29,6 +29,7 @@ __all__ = [
     "UnshardedLoaderError",
     "batch_rows",
     "check_sharded",
+    "dataloaders",
     "drops_last",
     "epoch_batches",
     "input_batch_size",
@@ -55,7 +56,7 @@ def _length(obj: Any) -> int | None:
         return None
 
 
-def _dataloaders(loader: Any) -> Iterator[Any]:
+def dataloaders(loader: Any) -> Iterator[Any]:
     """The wrapped object, then each loader it wraps through ``.loader`` with the same length
     (timm's ``PrefetchLoader`` yields its DataLoader's batches one for one)."""
     obj = loader
@@ -72,7 +73,7 @@ def _dataloaders(loader: Any) -> Iterator[Any]:
 
 
 def _innermost_dataloader(loader: Any) -> DataLoader | None:
-    for obj in _dataloaders(loader):
+    for obj in dataloaders(loader):
         if isinstance(obj, DataLoader):
             return obj
     return None
@@ -213,7 +214,7 @@ def unseeded_shuffle(loader: Any) -> str | None:
 def input_batch_size(loader: Any) -> int | None:
     """The wrapped loader's batch size, where it says so (``batch_size`` of it or its
     ``BatchSampler``, through wrappers)."""
-    for obj in _dataloaders(loader):
+    for obj in dataloaders(loader):
         size = getattr(obj, "batch_size", None)
         if size is None:
             size = getattr(getattr(obj, "batch_sampler", None), "batch_size", None)
