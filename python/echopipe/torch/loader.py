@@ -385,8 +385,7 @@ class EchoLoader(PassThrough):
         """Stops the reader and the workers of the wrapped loader, also of the DataLoader
         iterators it keeps (:func:`.reader.end_loader_workers`), frees the cache. Idempotent;
         the reader part also runs when the ``EchoLoader`` is garbage collected and at exit."""
-        self._closed = True
-        self._current = None
+        self._closed, self._current = True, None
         self._finalizer()
         end_loader_workers(self._loader)
 
