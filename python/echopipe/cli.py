@@ -39,15 +39,11 @@ BENCH_SUITES: tuple[str, ...] = BENCH_DEFAULT + BENCH_STUDIES
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """``parser.error`` prints one line (no usage block) and exits with status 2.
-
-    Options are never abbreviated: with prefixes accepted, ``--check`` was silently read as
-    ``--checkpoint-every``, and an option added later can change what an old command means.
-    """
+    """``parser.error`` prints one line (no usage block) and exits with status 2. No option is
+    abbreviated: a prefix read ``--check`` as ``--checkpoint-every``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -27,10 +27,10 @@ from ..echo import CacheClosedError, EchoCache
 from ..filecheck import memory_bytes
 from . import batch_layout as bl
 from . import loader_state as ls
-from . import passes, wrapped
+from . import passes, workers, wrapped
 from .delivery import Assembler, next_batch
 from .passes import EchoLoaderStats
-from .reader import LoaderError, Producer, Shared, end_loader_workers, shutdown
+from .reader import LoaderError, Producer, Shared, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
 
 __all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "UnshardedLoaderError"]
@@ -383,11 +383,11 @@ class EchoLoader(PassThrough):
     # ---- lifecycle ----
     def close(self) -> None:
         """Stops the reader and the workers of the wrapped loader, also of the DataLoader
-        iterators it keeps (:func:`.reader.end_loader_workers`), frees the cache. Idempotent;
+        iterators it keeps (:func:`.workers.end_loader_workers`), frees the cache. Idempotent;
         the reader part also runs when the ``EchoLoader`` is garbage collected and at exit."""
         self._closed, self._current = True, None
         self._finalizer()
-        end_loader_workers(self._loader)
+        workers.end_loader_workers(self._loader)
 
     def __enter__(self) -> EchoLoader:
         return self

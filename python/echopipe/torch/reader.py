@@ -19,6 +19,7 @@ import torch
 from ..echo import CacheClosedError, EchoCache
 from . import batch_layout as bl
 from . import wrapped
+from .workers import release_iterator, wake
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
@@ -96,7 +97,7 @@ class Producer(threading.Thread):
         self.ready = threading.Event()  # the cache exists and the batches' layout is known
         self.lock = threading.Lock()  # held while samples go in: state_dict() waits on it
         # The wrapped loader's iterator while the reader waits in its next() (else None; set
-        # under wake_lock): shutdown() wakes that wait (see _wake).
+        # under wake_lock): shutdown() wakes that wait (see .workers.wake).
         self.wake_lock = threading.Lock()
         self.waiting_in: Any = None
         self.error: BaseException | None = None
@@ -188,7 +189,7 @@ class Producer(threading.Thread):
         except BaseException as exc:
             self.error = exc
             if self.stop.is_set():
-                # Nobody takes the error of a reader told to stop (_wake's, say): its frames
+                # Nobody takes the error of a reader told to stop (wake's, say): its frames
                 # would keep the wrapped iterator, its queues and their threads alive.
                 _drop_frames(exc)
             # A reader left behind by close() (its wrapped loader did not return in time) must
@@ -197,7 +198,7 @@ class Producer(threading.Thread):
             if cache is not None and not self.stop.is_set():
                 cache.end_of_input()  # wakes the consumer, which raises self.error
         finally:
-            _release_iterator(it, finished)
+            release_iterator(it, finished)
             it = None
             self.ready.set()
             if self.lockstep is not None:
@@ -290,7 +291,7 @@ class Producer(threading.Thread):
             with self.wake_lock:
                 waiting_in = self.waiting_in
             if waiting_in is not None:
-                _wake(waiting_in)
+                wake(waiting_in)
             self.join(timeout)
             if self.is_alive():
                 warnings.warn(
@@ -316,79 +317,6 @@ def _summary(exc: BaseException) -> str:
     if len(lines) <= 1:
         return lines[0] if lines else ""
     return f"{lines[0]} ... {lines[-1].strip()}"
-
-
-def _wake(it: Any) -> None:
-    """Ends the wait of a reader inside ``next()`` of a ``DataLoader``'s multi-process iterator.
-
-    That iterator waits for its workers in slices of 5 s and checks them between slices, so a
-    reader whose workers died (Ctrl-C in a terminal signals them too) would hold the interrupted
-    program for up to 5 s. A message ends the slice at once: ``(None, None)``, which torch's own
-    shutdown sends to wake its pin-memory thread. It is no task's result, so the iterator raises
-    and the reader, told to stop, ends and ends the workers; a persistent iterator drops the
-    message at its next ``iter()``, as it drops the other results of a pass left early.
-    """
-    data_queue = getattr(it, "_data_queue", None)
-    put = getattr(data_queue, "put", None)
-    if not callable(put) or not callable(getattr(it, "_shutdown_workers", None)):
-        return  # not a multi-process DataLoader iterator: shutdown() waits as before
-    try:
-        put((None, None))
-        cancel = getattr(data_queue, "cancel_join_thread", None)
-        if callable(cancel):
-            cancel()  # its feeder thread must not hold up the interpreter's exit
-    except (ValueError, OSError):
-        pass  # closed: the iterator has already been shut down
-
-
-def _release_iterator(it: Any, finished: bool) -> None:
-    """Ends the wrapped loader's iterator now: DataLoader workers exit, generators close.
-
-    An exhausted DataLoader iterator has shut its workers down itself, and persistent workers
-    belong to the DataLoader (its next ``iter()`` reuses them), so both are left alone.
-    """
-    if it is None:
-        return
-    # torch DataLoader's multi-process iterator
-    shutdown = getattr(it, "_shutdown_workers", None)
-    keep = finished or getattr(it, "_persistent_workers", False)
-    try:
-        if callable(shutdown) and not keep:
-            shutdown()
-        close = getattr(it, "close", None)
-        if callable(close):
-            close()
-    except Exception as exc:  # a failing close must not hide the reason the epoch ended
-        warnings.warn(f"EchoLoader: closing the wrapped loader failed: {exc}", RuntimeWarning,
-                      stacklevel=2)  # fmt: skip
-
-
-def end_loader_workers(loader: Any) -> None:
-    """Ends the worker processes of the multi-process ``DataLoader`` iterators the wrapped loader
-    keeps between passes (``close()`` calls it, after the reader ended).
-
-    Those are the attributes of the wrapped loader, and of each loader it wraps through
-    ``.loader`` (:func:`.wrapped.dataloaders`), that have torch's ``_shutdown_workers``: a
-    ``DataLoader``'s persistent ``_iterator`` (dropped, so that its next ``iter()`` starts new
-    workers, as after a fresh start), and an iterator a loader made once for its whole life
-    (timm's ``MultiEpochsDataLoader`` makes one in ``__init__`` and takes every pass from it),
-    which cannot deliver after that, as after the end of any of its workers.
-    """
-    for obj in wrapped.dataloaders(loader):
-        for name, value in list(vars(obj).items()) if hasattr(obj, "__dict__") else ():
-            try:
-                shutdown_workers = getattr(value, "_shutdown_workers", None)
-            except Exception:  # an attribute of a wrapper's own that refuses the question
-                continue
-            if not callable(shutdown_workers):
-                continue
-            try:
-                shutdown_workers()  # idempotent: the iterator's finalizer may call it again
-            except Exception as exc:
-                warnings.warn(f"EchoLoader: ending the workers of the wrapped loader's {name} "
-                              f"failed: {exc}", RuntimeWarning, stacklevel=3)  # fmt: skip
-            if name == "_iterator":
-                obj._iterator = None  # a DataLoader's persistent one: the next iter() remakes it
 
 
 class Shared:

@@ -1,0 +1,89 @@
+"""Ending the wrapped loader's worker processes: waking a reader that waits on dead workers,
+ending the iterator a pass used, and the iterators a loader keeps between passes.
+
+A ``DataLoader`` iterator is recognised by what torch's shutdown needs (``_shutdown_workers``,
+``_data_queue``), never by its class, so loaders that wrap or subclass ``DataLoader`` are ended
+the same way.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from . import wrapped
+
+__all__ = ["end_loader_workers", "release_iterator", "wake"]
+
+
+def wake(it: Any) -> None:
+    """Ends the wait of a reader inside ``next()`` of a ``DataLoader``'s multi-process iterator.
+
+    That iterator waits for its workers in slices of 5 s and checks them between slices, so a
+    reader whose workers died (Ctrl-C in a terminal signals them too) would hold the interrupted
+    program for up to 5 s. A message ends the slice at once: ``(None, None)``, which torch's own
+    shutdown sends to wake its pin-memory thread. It is no task's result, so the iterator raises
+    and the reader, told to stop, ends and ends the workers; a persistent iterator drops the
+    message at its next ``iter()``, as it drops the other results of a pass left early.
+    """
+    data_queue = getattr(it, "_data_queue", None)
+    put = getattr(data_queue, "put", None)
+    if not callable(put) or not callable(getattr(it, "_shutdown_workers", None)):
+        return  # not a multi-process DataLoader iterator: shutdown() waits as before
+    try:
+        put((None, None))
+        cancel = getattr(data_queue, "cancel_join_thread", None)
+        if callable(cancel):
+            cancel()  # its feeder thread must not hold up the interpreter's exit
+    except (ValueError, OSError):
+        pass  # closed: the iterator has already been shut down
+
+
+def release_iterator(it: Any, finished: bool) -> None:
+    """Ends the wrapped loader's iterator now: DataLoader workers exit, generators close.
+
+    An exhausted DataLoader iterator has shut its workers down itself, and persistent workers
+    belong to the DataLoader (its next ``iter()`` reuses them), so both are left alone.
+    """
+    if it is None:
+        return
+    # torch DataLoader's multi-process iterator
+    shutdown = getattr(it, "_shutdown_workers", None)
+    keep = finished or getattr(it, "_persistent_workers", False)
+    try:
+        if callable(shutdown) and not keep:
+            shutdown()
+        close = getattr(it, "close", None)
+        if callable(close):
+            close()
+    except Exception as exc:  # a failing close must not hide the reason the epoch ended
+        warnings.warn(f"EchoLoader: closing the wrapped loader failed: {exc}", RuntimeWarning,
+                      stacklevel=2)  # fmt: skip
+
+
+def end_loader_workers(loader: Any) -> None:
+    """Ends the worker processes of the multi-process ``DataLoader`` iterators the wrapped loader
+    keeps between passes (``close()`` calls it, after the reader ended).
+
+    Those are the attributes of the wrapped loader, and of each loader it wraps through
+    ``.loader`` (:func:`.wrapped.dataloaders`), that have torch's ``_shutdown_workers``: a
+    ``DataLoader``'s persistent ``_iterator`` (dropped, so that its next ``iter()`` starts new
+    workers, as after a fresh start), and an iterator a loader made once for its whole life
+    (timm's ``MultiEpochsDataLoader`` makes one in ``__init__`` and takes every pass from it),
+    which cannot deliver after that, as after the end of any of its workers.
+    """
+    for obj in wrapped.dataloaders(loader):
+        for name, value in list(vars(obj).items()) if hasattr(obj, "__dict__") else ():
+            try:
+                shutdown_workers = getattr(value, "_shutdown_workers", None)
+            except Exception:  # an attribute of a wrapper's own that refuses the question
+                continue
+            if not callable(shutdown_workers):
+                continue
+            try:
+                shutdown_workers()  # idempotent: the iterator's finalizer may call it again
+            except Exception as exc:
+                warnings.warn(f"EchoLoader: ending the workers of the wrapped loader's {name} "
+                              f"failed: {exc}", RuntimeWarning, stacklevel=3)  # fmt: skip
+            if name == "_iterator":
+                obj._iterator = None  # a DataLoader's persistent one: the next iter() remakes it
