@@ -588,7 +588,7 @@ def test_echo_auto_raises_the_factor_when_reading_is_slow(
     (primed,) = [d for d in s.decisions if "from step 0" in d]
     e0 = s.echo_factors_used[0]
     assert e0 == 3.0 and primed.startswith("echo: e = 3 from step 0 (R = 6.00: t_up 120.0 ms")
-    assert primed.endswith("; aimed 10 % above R)")  # the trainer's headroom, said where it acts
+    assert primed.endswith("in the stage trial)")  # no headroom: the target is R itself
     assert s.echo_factors_used == [3.0] and s.echo_factor == 3.0
     doc = json.loads((out / "metrics.json").read_text())
     assert doc["epochs"][0]["echo_factor"] == e0
