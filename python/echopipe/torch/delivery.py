@@ -146,8 +146,11 @@ def _take(
     while True:
         if producer.error is not None:
             raise producer.error
+        # The layout first: a pass whose layout changed publishes it after dropping the old
+        # cache (.passes.drop_cache), so a layout read here never comes with that cache.
+        layout = loader._layout
         cache = shared.cache
-        if cache is None or loader._layout is None:
+        if cache is None or layout is None:
             if loader._closed:
                 raise RuntimeError("EchoLoader was closed")
             if producer.ready.is_set() and not producer.is_alive():

@@ -118,6 +118,7 @@ class EchoLoader(PassThrough):
         self._layout: bl.Layout | None = None
         self._decode: Assembler | None = None  # output batches of self._layout
         self._saved_layout: str | None = None  # signature a resumed stream must match
+        self._stream: bl.Layout | None = None  # the layout the cache was made for
         self._cache_config: dict[str, int] | None = None
         self._epoch = 0
         self._totals = dict.fromkeys(passes.COUNTS, 0)
@@ -158,10 +159,13 @@ class EchoLoader(PassThrough):
         with self._shared.lock:
             if stop.is_set() or self._closed:
                 raise CacheClosedError("EchoLoader is closed")
-            if self._layout is None:
+            if self._layout is None:  # the first batch of a pass
                 bl.check_saved(layout, self._saved_layout)
+                if self._stream is not None and layout != self._stream:
+                    passes.drop_cache(self)  # a new layout (fresh epoch: the cache is drained)
                 self._decode = Assembler(layout, self._pin)  # first: the consumer reads both
-                self._layout = layout
+                self._layout = self._stream = layout
+                self._saved_layout = None
             else:
                 bl.check_same(self._layout, layout)
             if self._batch_size is None:
@@ -205,11 +209,7 @@ class EchoLoader(PassThrough):
             self._delivered_epoch = [resume["delivered_batches_epoch"],
                                      resume["delivered_samples_epoch"]]  # fmt: skip
         else:
-            self._fresh_base = 0
-            self._delivered_epoch = [0, 0]
-            self._new_epoch_size()
-            if self._shared.cache is not None:
-                self._shared.cache.reset_input()
+            passes.fresh_epoch(self)
         producer = Producer(self, self._epoch, resume)
         self._shared.producer = producer
         self._last_yield = None
@@ -232,13 +232,6 @@ class EchoLoader(PassThrough):
     def batch_size(self) -> int | None:
         """Samples per output batch (an epoch's last can be short); set by the constructor."""
         return self._batch_size
-
-    def _new_epoch_size(self) -> None:
-        """A cache made for another epoch size (the sampler changed) is replaced (exact totals)."""
-        config = self._cache_config
-        if config is not None and config.get("epoch_size", 0) != (self._epoch_samples or 0):
-            config["epoch_size"] = self._epoch_samples or 0
-            shutdown(self._shared, self._close_timeout)  # between epochs: the cache is drained
 
     def _next(self, token: int) -> Any:
         if self._closed:
@@ -337,7 +330,7 @@ class EchoLoader(PassThrough):
             "controller": self._controller.state_dict() if self._controller else None,
             "cache": blob,
             "cache_config": dict(self._cache_config) if self._cache_config else None,
-            "layout": self._layout.signature() if self._layout else self._saved_layout,
+            "layout": self._stream.signature() if self._stream else self._saved_layout,
             "batch_size": self._batch_size,
             "shard": ls.shard(),
             "sampler_epoch": at.sampler_epoch,
@@ -377,6 +370,7 @@ class EchoLoader(PassThrough):
             self._batch_size = clean["batch_size"]
         self._cache_config = clean["cache_config"]
         self._layout, self._decode, self._saved_layout = None, None, clean["layout"]
+        self._stream = None  # the restored cache's layout is the saved one
         self._shared.cache = cache  # (None after the shutdown above when there is none)
         self._resume, self._cut_short = (clean if clean["mid_epoch"] else None), None
 

@@ -19,6 +19,7 @@ from ..echo.controller import AUTO_HEADROOM, EchoController
 from . import batch_layout as bl
 from . import wrapped
 from .loader_state import LoaderStateError, epoch_position, shard
+from .reader import shutdown
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COUNTS", "EchoLoaderStats", "EpochIterator", "cache_config", "check_count",
     "check_deterministic", "check_device", "check_echo", "check_factor", "check_resume_order",
-    "check_seed", "observe", "replaced", "warn_evaluation",
+    "check_seed", "drop_cache", "fresh_epoch", "observe", "replaced", "warn_evaluation",
 ]  # fmt: skip
 
 COUNTS = ("fresh_batches", "fresh_samples", "delivered_batches", "delivered_samples")
@@ -310,3 +311,27 @@ def replaced(epoch: int) -> RuntimeError:
         "validation loader (val_dataloaders=, or val_dataloader() returning it)? Validate "
         "on the plain DataLoader it wraps"
     )
+
+
+def fresh_epoch(loader: EchoLoader) -> None:
+    """Readies the drained cache for a new (not resumed) epoch: replaced where the epoch size
+    changed (the sampler's; exact totals), its input reopened, and the layout forgotten, so
+    that the epoch's first batch may bring another one (a transform set between epochs,
+    progressive resizing): :meth:`EchoLoader._accept_layout` then replaces the cache."""
+    loader._fresh_base, loader._delivered_epoch = 0, [0, 0]
+    config = loader._cache_config
+    if config is not None and config.get("epoch_size", 0) != (loader._epoch_samples or 0):
+        config["epoch_size"] = loader._epoch_samples or 0
+        shutdown(loader._shared, loader._close_timeout)  # between epochs: the cache is drained
+    if loader._shared.cache is not None:
+        loader._shared.cache.reset_input()
+    # Before the reader starts: the consumer waits for the first batch's layout and cache.
+    loader._layout, loader._decode = None, None
+
+
+def drop_cache(loader: EchoLoader) -> None:
+    """Closes the drained cache of another layout (the reader, under the loader's lock, before
+    it publishes the new layout: the consumer reads the layout first, then the cache)."""
+    if loader._shared.cache is not None:
+        loader._shared.cache.close()
+    loader._shared.cache, loader._cache_config = None, None
