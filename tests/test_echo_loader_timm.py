@@ -447,3 +447,14 @@ def test_mixup_off_that_changes_the_targets_and_a_resume_after_a_new_size() -> N
         resumed.load_state_dict(state)
         rest = [len(images) for images, target in resumed]
     assert len(rest) == 8 - 3 and sum(rest) == 32 - 12
+
+
+def test_multi_epochs_loader_without_drop_last_after_an_epoch_left_early() -> None:
+    # Its passes come from one stream of batches: after a pass left early the next starts
+    # mid-way, so its short batch (2 of 10 rows) comes mid-pass, which a DataLoader takes.
+    inner = MultiEpochs(Pictures(10), batch_size=4, shuffle=False, drop_last=False)
+    with EchoLoader(inner, echo_factor=1.0, shuffle_buffer=8) as loader:
+        for _ in loader:
+            break
+        got = collections.Counter(i for images, _ in loader for i in _ids(images).tolist())
+    assert sum(got.values()) == 10  # a pass: len() batches of the stream

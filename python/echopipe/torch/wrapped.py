@@ -120,10 +120,15 @@ def drops_last(loader: Any) -> bool:
 def batch_rows(loader: Any) -> tuple[int, int] | None:
     """``(samples, batch size)`` where every batch of a pass but the last has exactly
     ``batch size`` rows and the last the rest: a map-style DataLoader's own batching. ``None``
-    elsewhere (an iterable dataset's workers each end with a short batch of their own)."""
+    elsewhere (an iterable dataset's workers each end with a short batch of their own), and for a
+    DataLoader subclass with an ``__iter__`` of its own: timm's ``MultiEpochsDataLoader`` takes
+    each pass from one stream of batches, so after a pass left early the short batch comes
+    mid-pass."""
     b = _batching(loader)
     n = _kept(b)
     if b is None or not b[3] or n is None or b[1] is None:
+        return None
+    if type(_innermost_dataloader(loader)).__iter__ is not DataLoader.__iter__:
         return None
     return n, b[1]
 
