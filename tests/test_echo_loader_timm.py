@@ -33,7 +33,7 @@ from torch.utils.data import (
 )
 
 from echopipe.echo import copies_per_epoch
-from echopipe.torch import EchoLoader
+from echopipe.torch import EchoLoader, LayoutError
 
 CLASSES = 5
 MEAN, STD = 0.5 * 255, 0.25 * 255
@@ -458,3 +458,32 @@ def test_multi_epochs_loader_without_drop_last_after_an_epoch_left_early() -> No
             break
         got = collections.Counter(i for images, _ in loader for i in _ids(images).tolist())
     assert sum(got.values()) == 10  # a pass: len() batches of the stream
+
+
+class TwoViews(Pictures):
+    """AugMixDataset's shape (timm's ``--aug-splits 2``): each sample is a tuple of views."""
+
+    def __getitem__(self, i: int):
+        image, target = super().__getitem__(i)
+        return (image, image.copy()), target
+
+
+def split_collate(batch):
+    """fast_collate of tuple samples: view j of sample i goes to row i + j * len(batch)."""
+    views = len(batch[0][0])
+    tensor = torch.zeros((len(batch) * views, *batch[0][0][0].shape), dtype=torch.uint8)
+    targets = torch.zeros(len(batch) * views, dtype=torch.int64)
+    for i, (images, target) in enumerate(batch):
+        for j, image in enumerate(images):
+            tensor[i + j * len(batch)] += torch.from_numpy(image)
+            targets[i + j * len(batch)] = target
+    return tensor, targets
+
+
+def test_aug_split_batches_are_refused_naming_the_views() -> None:
+    # Rows of one sample's views must stay in one batch at i, i + B...: no row can be echoed
+    # alone, so EchoLoader refuses them, and its message names this case, not only lists.
+    loader = create_loader(TwoViews(16), collate_fn=split_collate, prefetcher=False)
+    with EchoLoader(loader, echo_factor=2.0) as el, pytest.raises(LayoutError) as info:
+        next(iter(el))
+    assert "8 rows" in str(info.value) and "augmentation splits" in str(info.value)

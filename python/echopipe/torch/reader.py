@@ -273,7 +273,9 @@ class Producer(threading.Thread):
                 f"its fields have {rows} rows, but the wrapped DataLoader's batch {index} holds "
                 f"{want} samples (batch_size={size}, {samples} per epoch); EchoLoader needs "
                 "one row per sample in every tensor (a collate_fn that returns a list of "
-                "per-sample tensors gives none: stack or pad them into one tensor)"
+                "per-sample tensors gives none: stack or pad them into one tensor; one that "
+                "puts several views of a sample in rows of their own, as timm's fast_collate "
+                "with augmentation splits, gives more: echo the wrapped loader without them)"
             )
 
     @property
