@@ -10,17 +10,13 @@ re-exported by :mod:`echopipe.data`.
 
 from __future__ import annotations
 
-import io
 import os
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Literal
 
-from PIL import Image
-
-from .jpeg_scan import scan_cut_short
+from .decode_check import decode_problem
 
 __all__ = [
     "MAX_IMAGE_PIXELS",
@@ -214,23 +210,15 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
 
 
 def _decode(path: str) -> None:
-    """The ``"decode"`` check of a file whose header passed."""
+    """The ``"decode"`` check of a file whose header passed (:mod:`.decode_check`)."""
     try:
         with open(path, "rb") as fh:
             data = fh.read()
     except OSError as exc:
         raise CorruptImageError(path, f"cannot read: {exc.strerror or exc}") from exc
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with Image.open(io.BytesIO(data)) as im:
-                im.load()
-                # libjpeg's warnings never reach Pillow's caller; see jpeg_scan.
-                cut = scan_cut_short(data, im) if im.format == "JPEG" else None
-    except Exception as exc:  # Pillow raises many types for bad data
-        raise CorruptImageError(path, f"decode failed: {exc}") from exc
-    if cut is not None:
-        raise CorruptImageError(path, cut)
+    problem = decode_problem(data)
+    if problem is not None:
+        raise CorruptImageError(path, problem)
 
 
 def scan_image_folder(

@@ -18,7 +18,7 @@ import io
 
 from PIL import Image
 
-__all__ = ["end_of_image", "scan_cut_short"]
+__all__ = ["end_of_image", "scan_cut_short", "strict_jpeg_decode"]
 
 # Entropy-coded bytes are anything but FF (FF would need a stuffed 00); a varied pattern decodes
 # to non-zero coefficients whatever the Huffman tables, where zeros could decode to nothing.
@@ -26,6 +26,16 @@ _FILL = bytes((i * 151 + 89) % 255 for i in range(64))
 # A real JPEG has a few dozen segments (a progressive one a few per scan); more are refused.
 _MAX_SEGMENTS = 4096
 _NO_LENGTH = frozenset(range(0xD0, 0xD8)) | {0x01}  # RSTn and TEM: markers without a length
+
+
+def strict_jpeg_decode(data: bytes) -> Image.Image:
+    """The JPEG in ``data`` decoded whole; raises (ValueError, OSError and Pillow's other
+    types) when it cannot be, whatever ``LOAD_TRUNCATED_IMAGES`` says."""
+    with Image.open(io.BytesIO(data)) as im:
+        tile = im.tile[0]
+        mode, size = im.mode, im.size
+    # (codec, extents, offset, args): the JPEG decoder reads the whole file, markers and all.
+    return Image.frombytes(mode, size, data[tile[2] :], tile[0], tile[3])
 
 
 def end_of_image(data: bytes) -> int:
@@ -71,10 +81,9 @@ def scan_cut_short(data: bytes, decoded: Image.Image) -> str | None:
         return f"{exc} (truncated?); decoders fill what is missing"
     cut = _CUT
     try:
-        with Image.open(io.BytesIO(data[:end] + _FILL + data[end:])) as probe:
-            probe.load()
-            if probe.mode == decoded.mode and probe.tobytes() == decoded.tobytes():
-                cut = None
+        probe = strict_jpeg_decode(data[:end] + _FILL + data[end:])
+        if probe.mode == decoded.mode and probe.tobytes() == decoded.tobytes():
+            cut = None
     except Exception:  # Pillow raises many types: the extra bytes were read as image data
         pass
     return cut
