@@ -22,6 +22,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from ..data import ImageFolderIndex
 from ..echo.config import EchoConfig
 from ..echo.memory import resolve_memory
 from .builder_checks import check_common, check_positive_int
@@ -88,7 +89,7 @@ class ImagenetEchoPipeline(EchoPipeline):
 
 
 def imagenet_train_pipeline(
-    data_dir: str | Path,
+    data_dir: str | Path | ImageFolderIndex,
     *,
     batch_size: int,
     reader: ReaderSpec | None = None,
@@ -111,7 +112,8 @@ def imagenet_train_pipeline(
     :class:`~echopipe.dali.EchoIterator`.
 
     Args:
-        data_dir: dataset root holding ``train/``, or the class-folder root itself.
+        data_dir: dataset root holding ``train/``, or the class-folder root itself, or
+            the split's :class:`~echopipe.data.ImageFolderIndex` (used as it is).
         batch_size: downstream (training) batch size.
         reader: files, shards, checks, decode and DALI threads (:class:`ReaderSpec`).
         augment: crop size, dtype and crop area (:class:`AugmentSpec`).

@@ -49,7 +49,7 @@ def resolve_split_dir(data_dir: str | Path, split: str) -> Path:
 
 
 def index_imagenet_split(
-    data_dir: str | Path,
+    data_dir: str | Path | ImageFolderIndex,
     split: str,
     *,
     check: CheckLevel = "header",
@@ -57,11 +57,17 @@ def index_imagenet_split(
 ) -> ImageFolderIndex:
     """List and check the images of one split (see the module notes on the accepted layouts).
 
+    An :class:`~echopipe.data.ImageFolderIndex` given as ``data_dir`` (a split scanned and
+    checked already, as ``echopipe train`` does before it builds its pipelines) is used as it
+    is: its files are not listed or checked again.
+
     Raises:
         FileNotFoundError: no such folder.
         ValueError: no class folders or no images.
         CorruptImageError: a bad file and ``on_corrupt="error"`` (names the file).
     """
+    if isinstance(data_dir, ImageFolderIndex):
+        return data_dir
     return scan_image_folder(resolve_split_dir(data_dir, split), check=check, on_corrupt=on_corrupt)
 
 

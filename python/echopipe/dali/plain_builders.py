@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..data import ImageFolderIndex
 from .builder_checks import check_common, check_resize
 from .imagenet_files import attach, index_imagenet_split, train_reader_args, val_reader_args
 from .imagenet_graph import (
@@ -30,7 +31,7 @@ __all__ = ["imagenet_decode_pipeline", "imagenet_plain_train_pipeline", "imagene
 
 
 def imagenet_plain_train_pipeline(
-    data_dir: str | Path,
+    data_dir: str | Path | ImageFolderIndex,
     *,
     batch_size: int,
     image_size: int = 224,
@@ -95,7 +96,7 @@ def imagenet_plain_train_pipeline(
 
 
 def imagenet_decode_pipeline(
-    data_dir: str | Path,
+    data_dir: str | Path | ImageFolderIndex,
     *,
     batch_size: int,
     num_threads: int = 1,
@@ -142,7 +143,7 @@ def imagenet_decode_pipeline(
 
 
 def imagenet_val_pipeline(
-    data_dir: str | Path,
+    data_dir: str | Path | ImageFolderIndex,
     *,
     batch_size: int,
     image_size: int = 224,
@@ -175,7 +176,8 @@ def imagenet_val_pipeline(
     shard every epoch; with ``False`` the shards rotate like DALI's default, still disjoint.
 
     Args:
-        data_dir: dataset root holding ``val/``, or the class-folder root itself.
+        data_dir: dataset root holding ``val/``, or the class-folder root itself, or
+            the split's :class:`~echopipe.data.ImageFolderIndex` (used as it is).
         batch_size: samples per batch (the last one of an epoch may be partial).
         image_size: side of the square centre crop.
         resize_size: shorter side after resize; default ``round(image_size * 256 / 224)``.

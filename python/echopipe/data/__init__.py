@@ -10,13 +10,15 @@ This module is the public face of three pieces, each in its own module:
   deterministic in its arguments and atomic on disk, so several processes (torchrun ranks) can
   ask for the same set at once and all get one complete copy;
 * folder scanning (:mod:`echopipe.data.image_folder`): an ImageFolder tree indexed with labels,
-  its files checked, bad ones named (:class:`CorruptImageError`) or left out;
+  its files checked (on a pool of threads, and under torchrun shared out among the ranks:
+  :mod:`echopipe.data.folder_check`), bad ones named (:class:`CorruptImageError`) or left out;
 * scikit-learn's digits as tensors (:mod:`echopipe.data.digits`).
 """
 
 from __future__ import annotations
 
 from .digits import load_digits
+from .folder_check import ScanShare, default_workers
 from .image_folder import (
     MAX_IMAGE_PIXELS,
     CorruptImageError,
@@ -40,8 +42,10 @@ __all__ = [
     "SYNTHETIC_GENERATOR_VERSION",
     "CorruptImageError",
     "ImageFolderIndex",
+    "ScanShare",
     "check_image_file",
     "default_dataset_dir",
+    "default_workers",
     "ensure_synthetic_imagenet",
     "load_digits",
     "make_synthetic_imagenet",

@@ -11,12 +11,14 @@ re-exported by :mod:`echopipe.data`.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Literal
 
 from .decode_check import decode_problem
+from .folder_check import ScanShare, check_files
+from .folder_walk import link_problem, walk_images
 
 __all__ = [
     "MAX_IMAGE_PIXELS",
@@ -227,6 +229,10 @@ def scan_image_folder(
     check: Literal["none", "header", "decode"] = "header",
     on_corrupt: Literal["error", "skip"] = "error",
     extensions: Sequence[str] = (".jpg", ".jpeg", ".JPEG", ".png"),
+    workers: int = 1,
+    share: ScanShare | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    on_classes: Callable[[list[str]], None] | None = None,
 ) -> ImageFolderIndex:
     """Index an ImageFolder tree, checking each image as asked.
 
@@ -248,6 +254,14 @@ def scan_image_folder(
         on_corrupt: ``"error"`` raises on the first bad file; ``"skip"`` leaves it out and
             records it in ``skipped``.
         extensions: file name endings counted as images.
+        workers: threads that check files side by side (:mod:`.folder_check`); the tree is
+            listed first, and the result is the one-thread scan's, in the same order.
+        share: under torchrun, this rank's share of the checks; the ranks combine what they
+            found (a collective: every rank must call the scan with the same folder).
+        progress: called with ``(checked, total)`` of this process's share at the start of the
+            checks and then about every 30 seconds.
+        on_classes: called with the class names before any image is listed (torchrun's ranks
+            compare theirs there); what it raises stops the scan.
 
     Raises:
         FileNotFoundError: ``root`` does not exist (or is not a folder).
@@ -271,34 +285,22 @@ def scan_image_folder(
         raise ValueError(f"image folder {str(root_path)!r} has a name that is not UTF-8{_RENAME}")
     real_root = os.path.realpath(root_path)
     index = ImageFolderIndex(root=str(root_path))
-    classes = []
-    for e in sorted(os.scandir(root_path), key=lambda e: e.name):
-        if e.name.startswith(".") or not e.is_dir(follow_symlinks=True):
-            continue
-        if not _is_utf8(e.name):  # its label would be a name no one can print or type
-            raise ValueError(f"class folder {e.path!r} has a name that is not UTF-8{_RENAME}")
-        reason = _link_problem(e.path, real_root, set()) if e.is_symlink() else None
-        if reason is None:
-            classes.append(e.name)
-        else:
-            index.links_skipped.append((e.path, reason))
+    classes = _class_folders(root_path, real_root, index.links_skipped)
     if not classes:
         raise ValueError(f"image folder {str(root_path)!r} has no class sub-folders")
     index.classes = classes
+    if on_classes is not None:
+        on_classes(classes)
+    # Listed whole first: a folder that cannot be listed stops the scan before an hour of
+    # decoding, and the count gives the progress lines their total.
+    paths: list[str] = []
+    labels: list[int] = []
     for label, name in enumerate(classes):
-        for path in _walk_images(root_path / name, exts, real_root, index.links_skipped):
-            try:
-                if not _is_utf8(path):
-                    raise CorruptImageError(path, f"its name is not UTF-8{_RENAME}")
-                if check != "none":
-                    check_image_file(path, check)
-            except CorruptImageError as exc:
-                if on_corrupt == "error":
-                    raise
-                index.skipped.append((exc.path, exc.reason))
-                continue
-            index.files.append(path)
-            index.labels.append(label)
+        for path in walk_images(root_path / name, exts, real_root, index.links_skipped):
+            paths.append(path)
+            labels.append(label)
+
+    _check_listed(index, paths, labels, check, on_corrupt, workers, share, progress)
     if not index.files:
         detail = f" ({len(index.skipped)} corrupt files skipped)" if index.skipped else ""
         raise ValueError(
@@ -321,49 +323,59 @@ def _is_utf8(name: str) -> bool:
     return True
 
 
-def _inside(path: str, real_root: str) -> bool:
-    return path == real_root or path.startswith(real_root.rstrip(os.sep) + os.sep)
+def _class_folders(
+    root_path: Path, real_root: str, links_skipped: list[tuple[str, str]]
+) -> list[str]:
+    """The sorted class folder names of ``root_path`` (links that leave it are skipped)."""
+    classes = []
+    for e in sorted(os.scandir(root_path), key=lambda e: e.name):
+        if e.name.startswith(".") or not e.is_dir(follow_symlinks=True):
+            continue
+        if not _is_utf8(e.name):  # its label would be a name no one can print or type
+            raise ValueError(f"class folder {e.path!r} has a name that is not UTF-8{_RENAME}")
+        reason = link_problem(e.path, real_root, set()) if e.is_symlink() else None
+        if reason is None:
+            classes.append(e.name)
+        else:
+            links_skipped.append((e.path, reason))
+    return classes
 
 
-def _link_problem(path: str, real_root: str, walking: set[str]) -> str | None:
-    """Why the symbolic link ``path`` is left out, or ``None`` if it may be followed."""
-    try:
-        target = os.path.realpath(path, strict=True)
-    except (OSError, RuntimeError):
-        return "link loops or dangles"
-    if not _inside(target, real_root):
-        return f"link leaves the data folder (to {target})"
-    if target in walking:
-        return "link loops back into a folder above it"
-    return None
+def _check_listed(
+    index: ImageFolderIndex,
+    paths: list[str],
+    labels: list[int],
+    check: str,
+    on_corrupt: str,
+    workers: int,
+    share: ScanShare | None,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """Check the listed files (:mod:`.folder_check`) and fill ``index`` with the good ones."""
 
-
-def _walk_images(
-    folder: Path, exts: tuple[str, ...], real_root: str, links_skipped: list[tuple[str, str]]
-) -> Iterator[str]:
-    # Depth first with the real paths of the folders being walked, so a link back into one of
-    # them is seen as a loop; links out of the root are refused before they are followed. The
-    # root counts as walked: a link to it would file every class's images under this one.
-    stack = [(str(folder), frozenset({real_root, os.path.realpath(folder)}))]
-    while stack:
-        dirpath, walking = stack.pop()
+    def check_one(path: str) -> str | None:
         try:
-            entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
-        except OSError as exc:  # its images would be left out unnoticed: refuse instead
-            raise OSError(exc.errno, f"cannot list the data folder {dirpath!r}: "
-                          f"{exc.strerror or exc}") from None  # fmt: skip
-        subdirs = []
-        for e in entries:
-            if e.name.startswith("."):
-                continue
-            if e.is_symlink():
-                reason = _link_problem(e.path, real_root, set(walking))
-                if reason is not None:
-                    links_skipped.append((e.path, reason))
-                    continue
-            if e.is_dir(follow_symlinks=True):
-                subdirs.append(e.path)
-            elif e.name.lower().endswith(exts) and e.is_file(follow_symlinks=True):
-                yield e.path
-        for sub in reversed(subdirs):
-            stack.append((sub, walking | {os.path.realpath(sub)}))
+            if not _is_utf8(path):
+                raise CorruptImageError(path, f"its name is not UTF-8{_RENAME}")
+            if check != "none":
+                check_image_file(path, check)  # type: ignore[arg-type]
+        except CorruptImageError as exc:
+            return exc.reason
+        return None
+
+    heavy = check != "none"  # the name check alone is not worth threads or a collective
+    bad = check_files(
+        paths,
+        check_one,
+        stop_at_first=on_corrupt == "error",
+        workers=workers if heavy else 1,
+        share=share if heavy else None,
+        progress=progress if heavy else None,
+        names=[p[len(index.root) + 1 :] for p in paths] if heavy and share else None,
+    )
+    if bad and on_corrupt == "error":
+        raise CorruptImageError(paths[bad[0][0]], bad[0][1])
+    left_out = {i for i, _ in bad}
+    index.skipped = [(paths[i], reason) for i, reason in bad]
+    index.files = [p for i, p in enumerate(paths) if i not in left_out]
+    index.labels = [n for i, n in enumerate(labels) if i not in left_out]

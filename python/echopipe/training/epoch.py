@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from .schedule import EpochClock, LrSchedule, hybrid_switch_epoch
 from .start import signals_deferred
 from .state import RunState
 
+if TYPE_CHECKING:
+    from ..data import ImageFolderIndex
+
 __all__ = ["EpochLoop"]
 
 
@@ -33,7 +36,7 @@ class EpochLoop:
     """Training steps and epoch ends on the run state ``run_state``.
 
     Given what the trainer built: the options, the distributed context, the run state, the
-    input (``data``, with its validation folder ``data_dir``), the stale pipeline and its
+    input (``data``, with its checked validation files ``data_dir``), the stale pipeline and its
     ``model``, the epoch clock and LR schedule, the progress display and step log, the echo
     controller (None without ``--echo auto``), where to say things, the run's start time
     ``wall0``, and the trainer's ``save`` (writes the checkpoint files; the loop drains the
@@ -49,7 +52,7 @@ class EpochLoop:
         ctx: DistContext,
         run_state: RunState,
         data: TrainInput,
-        data_dir: Path,
+        data_dir: Path | ImageFolderIndex,
         pipeline: Any,
         model: Any,
         clock: EpochClock,

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from torch import nn
 from .config import DataError, TrainConfig
 from .distributed import DistContext
 from .preflight import cache_does_not_fit
+
+if TYPE_CHECKING:
+    from ..data import ImageFolderIndex
 
 __all__ = ["TrainInput", "evaluate", "evaluate_checkpoint"]
 
@@ -36,7 +39,13 @@ class TrainInput:
     changes the running cache's ``e`` in place (no rebuild).
     """
 
-    def __init__(self, cfg: TrainConfig, data_dir: Path, ctx: DistContext, device_id: int | None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        data_dir: Path | ImageFolderIndex,
+        ctx: DistContext,
+        device_id: int | None,
+    ):
         self.cfg = cfg
         # Built once: every pipeline of the run takes it as it is, with the factor of the moment.
         self.echo = cfg.echo_config()
@@ -180,13 +189,14 @@ class TrainInput:
 def evaluate(
     pipeline: Any,
     cfg: TrainConfig,
-    data_dir: Path,
+    data_dir: Path | ImageFolderIndex,
     ctx: DistContext,
     device_id: int | None,
     val_iter: list[Any],
 ) -> tuple[float, float, int, float]:
     """``(top1, mean loss, images, top5)`` over this rank's validation shard, summed over
-    ranks (top-5 is top-k with k = min(5, classes))."""
+    ranks (top-5 is top-k with k = min(5, classes)). ``data_dir`` is the data folder, or the
+    index of val/ that check_data checked (then it is not listed or checked again)."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     from ..dali import imagenet_val_pipeline
@@ -202,8 +212,9 @@ def evaluate(
             num_threads=cfg.workers,
             device_id=device_id,
             on_corrupt=cfg.on_corrupt,
-            # check_data has checked every val/ image; with skip, the bad ones are left out here
-            check="none" if cfg.on_corrupt == "error" else cfg.check,
+            # data_dir is val/'s index, checked by check_data (bad files left out with skip);
+            # the check names what a decoder failure's message may suggest.
+            check=cfg.check,
         )
         pipe.build()
         val_iter.append(
@@ -246,7 +257,8 @@ def evaluate_checkpoint(
 
     weights, saved = export_state_dict(checkpoint)
     ctx = DistContext()
-    data_dir, classes = check_data(cfg, log or (lambda m: print(m, file=sys.stderr, flush=True)))
+    say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    _, classes, indexes = check_data(cfg, say)
     name, num_classes = saved["model"]["name"], saved["model"]["num_classes"]
     if len(classes) != num_classes:
         raise DataError(
@@ -264,7 +276,7 @@ def evaluate_checkpoint(
             with torch.no_grad():
                 return model(x)
 
-    return evaluate(_Plain(), cfg, data_dir, ctx, None, [])[:3]
+    return evaluate(_Plain(), cfg, indexes["val"], ctx, None, [])[:3]
 
 
 def _image_larger_than(files: list[str], capacity: int, budget_s: float = 5.0) -> str | None:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .checkpoints import read_checkpoint
 from .config import DataError, TrainConfig, TrainError, UsageError
+from .distributed import DistContext
+
+if TYPE_CHECKING:
+    from ..data import ImageFolderIndex
 
 __all__ = [
     "cache_does_not_fit",
@@ -74,15 +79,22 @@ def check_cache_fits(cfg: TrainConfig) -> None:
 
 
 def check_data(
-    cfg: TrainConfig, say: Callable[[str], None], left_out: list[str] | None = None
-) -> tuple[Path, list[str]]:
-    """The data folder and its classes; the synthetic set is made here when needed.
+    cfg: TrainConfig,
+    say: Callable[[str], None],
+    left_out: list[str] | None = None,
+    ctx: DistContext | None = None,
+) -> tuple[Path, list[str], dict[str, ImageFolderIndex]]:
+    """The data folder, its classes and the checked index of each split (``"train"``,
+    ``"val"``, which the DALI builders take as they are); the synthetic set is made here when
+    needed.
 
-    Lists train/ (the train input's scan checks each image) and checks val/'s images as
-    ``--check`` says; warns about empty class folders, which stay classes of the model. What
-    the scan of val/ left out is said, and added to ``left_out`` when given.
+    Checks every image of train/ and val/ as ``--check`` says, on a pool of threads, and under
+    torchrun (``ctx``) each rank a share of them (the ranks combine what they found:
+    :mod:`echopipe.data.folder_check`); warns about empty class folders, which stay classes of
+    the model. What the scan of val/ left out is said, and added to ``left_out`` when given
+    (train/'s is said once the training input is built).
     """
-    from ..data import scan_image_folder
+    from ..data import ScanShare, default_workers, scan_image_folder
 
     if cfg.data is None:
         from ..data import ensure_synthetic_imagenet
@@ -104,33 +116,44 @@ def check_data(
                 f"--data {str(data_dir)!r} has no {split}/ folder (ImageNet layout: "
                 "train/<class>/*.JPEG and val/<class>/*.JPEG)"
             )
+    world = ctx.world_size if ctx is not None else 1
+    share = ScanShare(ctx.rank, world, ctx.all_gather_object) if world > 1 else None
+    workers = default_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    indexes: dict[str, ImageFolderIndex] = {}
+
+    def classes_found(classes: list[str]) -> None:
+        # Refused here, before the images are checked (an hour for ImageNet with decode).
+        if "train" not in indexes:
+            if ctx is not None:
+                _same_classes_on_every_rank(ctx, data_dir, classes)
+            if len(classes) < 2:
+                raise DataError(
+                    f"--data {str(data_dir)!r}: train/ has {len(classes)} class folder(s); a "
+                    "classifier needs at least 2"
+                )
+        elif classes != indexes["train"].classes:
+            extra = sorted(set(classes) ^ set(indexes["train"].classes))
+            raise DataError(
+                f"--data {str(data_dir)!r}: val/ and train/ have different class folders (e.g. "
+                f"{extra[0]!r})"
+            )
+
     try:
-        # check="none" still refuses a name DALI cannot open; with skip the input leaves it out.
-        train = scan_image_folder(
-            data_dir / "train",
-            check="none",
-            on_corrupt=cfg.on_corrupt,  # type: ignore[arg-type]
-        )
-        # val/ is checked here as the train input's scan checks train/ (--check), before any
-        # training, so a corrupt validation file stops the run before its first epoch.
-        val = scan_image_folder(
-            data_dir / "val",
-            check=cfg.check,  # type: ignore[arg-type]
-            on_corrupt=cfg.on_corrupt,  # type: ignore[arg-type]
-        )
+        for split in ("train", "val"):
+            indexes[split] = scan_image_folder(
+                data_dir / split,
+                on_classes=classes_found,
+                check=cfg.check,  # type: ignore[arg-type]
+                on_corrupt=cfg.on_corrupt,  # type: ignore[arg-type]
+                workers=workers,
+                share=share,
+                progress=_check_progress(split, cfg.check, workers, world, say)
+                if cfg.progress
+                else None,
+            )
     except (ValueError, FileNotFoundError) as exc:
         raise DataError(f"--data: {exc}") from None
-    if len(train.classes) < 2:
-        raise DataError(
-            f"--data {str(data_dir)!r}: train/ has {len(train.classes)} class folder(s); a "
-            "classifier needs at least 2"
-        )
-    if val.classes != train.classes:
-        extra = sorted(set(val.classes) ^ set(train.classes))
-        raise DataError(
-            f"--data {str(data_dir)!r}: val/ and train/ have different class folders (e.g. "
-            f"{extra[0]!r})"
-        )
+    train, val = indexes["train"], indexes["val"]
     (left_out if left_out is not None else []).extend(say_left_out(val, "val", say))
     for name, n in zip(train.classes, train.counts_per_class(), strict=True):
         if n == 0:
@@ -138,7 +161,44 @@ def check_data(
                 f"warning: class folder train/{name} has no images; the class stays among the "
                 "model's outputs but is never trained"
             )
-    return data_dir, train.classes
+    return data_dir, train.classes, indexes
+
+
+def _same_classes_on_every_rank(ctx: DistContext, data_dir: Path, classes: list[str]) -> None:
+    """Ranks whose --data hold other classes would build models of other sizes, and the first
+    gradient exchange would fail deep in the collective, naming nothing; compared before the
+    images are checked (an hour for ImageNet with --check decode)."""
+    if not ctx.enabled:
+        return
+    views = ctx.all_gather_object([str(data_dir), classes])
+    odd = next((r for r, v in enumerate(views) if v[1] != views[0][1]), None)
+    if odd is not None:
+        raise DataError(
+            f"--data: rank {odd} finds {len(views[odd][1])} classes in {views[odd][0]!r}, "
+            f"rank 0 {len(views[0][1])} in {views[0][0]!r}: every process must read the "
+            "same data folder"
+        )
+
+
+def _check_progress(
+    split: str, check: str, workers: int, world: int, say: Callable[[str], None]
+) -> Callable[[int, int], None]:
+    """The progress lines of the check of ``split``/: one at its start, then one about every
+    30 seconds (the scan's pace), never one per file."""
+    began = time.monotonic()
+    mine = f" (this rank's 1/{world} of them)" if world > 1 else ""
+
+    def line(done: int, total: int) -> None:
+        if done == 0:
+            say(f"data: checking the images of {split}/ (--check {check}, {workers} "
+                f"thread(s)): {total} files{mine}...")  # fmt: skip
+            return
+        rate = done / max(time.monotonic() - began, 1e-9)
+        left = (total - done) / rate / 60
+        say(f"data: {split}/: {done} of {total} images checked ({rate:.0f}/s, about "
+            f"{left:.0f} min left)")  # fmt: skip
+
+    return line
 
 
 def say_left_out(index: Any, split: str, say: Callable[[str], None]) -> list[str]:

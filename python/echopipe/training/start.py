@@ -39,8 +39,9 @@ class RunStart:
     and where to say things. :meth:`prepare` fills in what the run starts from: ``cfg`` (merged
     with a resumed checkpoint's), ``folder``/``out``/``ckpts``, ``saved`` and ``resume_path``,
     ``changed`` (options given anew on a resume), ``finished`` (a resumed run that has nothing
-    left to train), ``data_dir`` and ``classes``. ``last_saved`` is the last checkpoint written
-    (``(step, RunState.position())``), which the trainer updates as it saves.
+    left to train), ``data_dir``, ``classes`` and ``indexes`` (the checked files of each
+    split). ``last_saved`` is the last checkpoint written (``(step, RunState.position())``),
+    which the trainer updates as it saves.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class RunStart:
         self._fell_back = False  # the ranks agreed on this rank's prev.pt
         self.data_dir = Path()
         self.classes: list[str] = []
+        self.indexes: dict[str, Any] = {}  # the checked files of train/ and val/
         self.left_out: list[str] = []  # what the data scans left out, for the summary
 
     def prepare(self) -> None:
@@ -80,28 +82,15 @@ class RunStart:
         self._find_resume()
         if self.finished is None:
             check_cache_fits(self.cfg)
-            self.data_dir, self.classes = check_data(self.cfg, self.say, self.left_out)
-            self._same_classes_on_every_rank()
+            self.data_dir, self.classes, self.indexes = check_data(
+                self.cfg, self.say, self.left_out, ctx
+            )
             if self.saved and self.saved["model"]["num_classes"] != len(self.classes):
                 raise DataError(
                     f"--resume {str(self.resume_path)!r}: the model has "
                     f"{self.saved['model']['num_classes']} classes, --data has "
                     f"{len(self.classes)}"
                 )
-
-    def _same_classes_on_every_rank(self) -> None:
-        """Ranks whose --data hold other classes would build models of other sizes, and the
-        first gradient exchange would fail deep in the collective, naming nothing."""
-        if not self.ctx.enabled:
-            return
-        views = self.ctx.all_gather_object([str(self.data_dir), self.classes])
-        odd = next((r for r, v in enumerate(views) if v[1] != views[0][1]), None)
-        if odd is not None:
-            raise DataError(
-                f"--data: rank {odd} finds {len(views[odd][1])} classes in {views[odd][0]!r}, "
-                f"rank 0 {len(views[0][1])} in {views[0][0]!r}: every process must read the "
-                "same data folder"
-            )
 
     def _open_folder(self) -> None:
         """Create the run folder; rank 0 takes its lock. Under torchrun no rank touches the

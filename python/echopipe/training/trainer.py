@@ -191,7 +191,7 @@ class Trainer:
             ctx=ctx,
             run_state=st,
             data=self.data,
-            data_dir=self.data_dir,
+            data_dir=self.start.indexes["val"],
             pipeline=self.pipeline,
             model=self.model,
             clock=self.clock,
@@ -263,7 +263,7 @@ class Trainer:
             factor = float(saved["input_factor"])
         else:
             factor = 1.0 if cfg.echo == "auto" else float(cfg.echo)
-        self.data = TrainInput(cfg, self.data_dir, self.ctx, device_id)
+        self.data = TrainInput(cfg, self.start.indexes["train"], self.ctx, device_id)
         self._open.append(self.data)
         if saved:
             self.data.builds = int(saved["input_builds"])

@@ -1,0 +1,193 @@
+"""Checking the files of a folder scan on a pool of threads, and under torchrun across ranks.
+
+The per-file check (a few KiB read, or a Pillow decode) spends its time in file reads and in
+Pillow's C decoders, which release the GIL, so a bounded pool of threads runs it side by side.
+At most ``window`` files are in flight (ImageNet's 1.28 M files never become 1.28 M futures),
+and their results are taken in scan order: what the scan keeps, leaves out and stops at is what
+a one-thread scan gives, the first bad file in scan order and not the first whose check ended.
+
+Under torchrun each rank checks every ``world``-th file (interleaved: the shares hold as many
+files of each class folder) and the ranks exchange what they found over the process group the
+run already holds, so every rank ends with the same lists. They do so after every round of
+4096 files each: no rank waits in a collective for much longer than a round takes, and with
+``stop_at_first`` all stop after the round holding the first bad file. Within a round a rank
+that stops at its first bad file has checked all of its files before it, so the smallest of
+the ranks' first bad files is the first in scan order.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import os
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ScanShare", "check_files", "default_workers"]
+
+_MAX_WORKERS = 8
+# Futures in flight per thread: enough that a slow file does not idle the others.
+_WINDOW_PER_WORKER = 4
+# Files each rank checks between two exchanges of what the ranks found.
+_ROUND_PER_RANK = 4096
+# How long the scan waits on one file before it looks at the time for a progress line again.
+_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class ScanShare:
+    """This process's share of a scan checked by several processes.
+
+    Rank ``rank`` of ``world`` checks files ``rank, rank + world, ...``. ``gather`` is a
+    collective that every rank calls with its object and that returns every rank's object in
+    rank order (:meth:`echopipe.training.distributed.DistContext.all_gather_object`).
+    """
+
+    rank: int
+    world: int
+    gather: Callable[[Any], list[Any]]
+
+
+def default_workers(processes: int = 1) -> int:
+    """Threads for the check: this process's share of the CPUs it may run on, at most 8 (more
+    gain little on files read from one disk), at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(_MAX_WORKERS, cpus // max(1, processes)))
+
+
+def check_files(
+    paths: Sequence[str],
+    check_one: Callable[[str], str | None],
+    *,
+    stop_at_first: bool,
+    workers: int = 1,
+    share: ScanShare | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    progress_every_s: float = 30.0,
+    names: Sequence[str] | None = None,
+) -> list[tuple[int, str]]:
+    """``(index, reason)`` of the bad files of ``paths``, in scan order: all of them, or with
+    ``stop_at_first`` only the first (an empty list when all pass).
+
+    ``check_one(path)`` returns why a file is bad, or None. ``workers`` threads run it (1: in
+    this thread). With ``share`` this process checks its share and the ranks combine their
+    findings after every round of a few thousand files each (so a rank that stops at a bad
+    file never waits for the others' whole shares, and no rank waits long in a collective);
+    ``names`` (the paths relative to the scanned folder) are compared across ranks first, so
+    ranks that list different files are refused with a ValueError instead of combining
+    indices that mean different files. ``progress(checked, total)`` is called with 0 at the
+    start and then at most every ``progress_every_s`` seconds (this process's share).
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers!r}")
+    world = share.world if share is not None else 1
+    rank = share.rank if share is not None else 0
+    if share is not None and world > 1:
+        _same_files(share, names if names is not None else paths)
+    count = _Count(len(range(rank, len(paths), world)), progress, progress_every_s)
+    step = _ROUND_PER_RANK * world if world > 1 else max(1, len(paths))
+    pool = (
+        concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="echopipe-check")
+        if workers > 1
+        else None
+    )
+    found: list[tuple[int, str]] = []
+    try:
+        for start in range(0, len(paths), step):
+            mine = range(start + rank, min(len(paths), start + step), world)
+            bad = _check_in_order(paths, mine, check_one, stop_at_first, pool, workers, count)
+            if share is not None and world > 1:
+                bad = sorted(b for view in share.gather(bad) for b in view)
+            found.extend(bad)
+            if stop_at_first and found:
+                return found[:1]
+    finally:
+        if pool is not None:
+            # Ctrl-C, SIGTERM, a failed check or the first bad file: the queued checks are
+            # dropped and the running ones (one file each) end before the scan returns.
+            pool.shutdown(wait=True, cancel_futures=True)
+    return found
+
+
+class _Count:
+    """Files checked by this process, and the progress calls about them."""
+
+    def __init__(
+        self, total: int, progress: Callable[[int, int], None] | None, every_s: float
+    ) -> None:
+        self.total, self.done = total, 0
+        self.progress, self.every_s = progress, every_s
+        self.last = time.monotonic()
+        if progress is not None:
+            progress(0, total)
+
+    def tick(self, checked: int = 0) -> None:
+        self.done += checked
+        if self.progress is not None and time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            self.progress(self.done, self.total)
+
+
+def _same_files(share: ScanShare, names: Sequence[str]) -> None:
+    """Refuse ranks whose scans listed other files: their indices would name other files."""
+    digest = 0
+    for name in names:
+        digest = zlib.crc32(name.encode("utf-8", "surrogateescape") + b"\0", digest)
+    views = share.gather((len(names), digest))
+    odd = next((r for r, view in enumerate(views) if view != views[0]), None)
+    if odd is not None:
+        raise ValueError(
+            f"rank {odd} lists {views[odd][0]} image files, rank 0 {views[0][0]} (or other "
+            "names): every process must read the same data folder"
+        )
+
+
+def _check_in_order(
+    paths: Sequence[str],
+    order: range,
+    check_one: Callable[[str], str | None],
+    stop_at_first: bool,
+    pool: concurrent.futures.ThreadPoolExecutor | None,
+    workers: int,
+    count: _Count,
+) -> list[tuple[int, str]]:
+    """The bad files among ``order``, checked on ``pool`` (or in this thread) and taken in
+    order, at most ``workers * 4`` in flight."""
+    bad: list[tuple[int, str]] = []
+    if pool is None:
+        for i in order:
+            reason = check_one(paths[i])
+            count.tick(1)
+            if reason is not None:
+                bad.append((i, reason))
+                if stop_at_first:
+                    break
+        return bad
+    pending: collections.deque[tuple[int, concurrent.futures.Future[str | None]]]
+    pending = collections.deque()
+    todo = iter(order)
+    try:
+        while True:
+            for i in itertools.islice(todo, workers * _WINDOW_PER_WORKER - len(pending)):
+                pending.append((i, pool.submit(check_one, paths[i])))
+            if not pending:
+                return bad
+            i, future = pending.popleft()
+            while not concurrent.futures.wait([future], timeout=_POLL_S).done:
+                count.tick()  # a slow file: the progress line still comes
+            reason = future.result()
+            count.tick(1)
+            if reason is not None:
+                bad.append((i, reason))
+                if stop_at_first:
+                    return bad
+    finally:
+        for _, future in pending:  # this round's checks that are no longer wanted
+            future.cancel()
