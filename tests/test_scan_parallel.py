@@ -284,3 +284,20 @@ def test_the_check_says_what_it_does_unless_no_progress(tmp_path: Path, progress
     assert len(said) == (2 if progress else 0), lines
     if progress:
         assert said[0].startswith("data: checking the images of train/ (--check decode"), said
+
+
+def test_evaluate_checks_only_val(tmp_path: Path) -> None:
+    """``--evaluate`` reads only val/: train/ is listed for its classes, its images not
+    decoded (an hour for ImageNet)."""
+    from echopipe.training import DataError, TrainConfig
+    from echopipe.training.preflight import check_data
+
+    for split in ("train", "val"):
+        for c in ("ant", "cat"):
+            _write(tmp_path / split / c / "0.jpg", _encode(_pixels(1), quality=85))
+    _write(tmp_path / "train" / "ant" / "cut.jpg", _cut_with_eoi(_encode(_pixels(2))))
+    cfg = TrainConfig(data=tmp_path, check="decode", progress=False)
+    _, classes, indexes = check_data(cfg, lambda m: None, check_train=False)
+    assert classes == ["ant", "cat"] and len(indexes["val"].files) == 2
+    with pytest.raises(DataError, match=r"cut\.jpg"):
+        check_data(cfg, lambda m: None)

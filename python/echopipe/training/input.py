@@ -258,7 +258,7 @@ def evaluate_checkpoint(
     weights, saved = export_state_dict(checkpoint)
     ctx = DistContext()
     say = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    _, classes, indexes = check_data(cfg, say)
+    _, classes, indexes = check_data(cfg, say, check_train=False)  # only val/ is read
     name, num_classes = saved["model"]["name"], saved["model"]["num_classes"]
     if len(classes) != num_classes:
         raise DataError(

@@ -83,6 +83,7 @@ def check_data(
     say: Callable[[str], None],
     left_out: list[str] | None = None,
     ctx: DistContext | None = None,
+    check_train: bool = True,
 ) -> tuple[Path, list[str], dict[str, ImageFolderIndex]]:
     """The data folder, its classes and the checked index of each split (``"train"``,
     ``"val"``, which the DALI builders take as they are); the synthetic set is made here when
@@ -92,7 +93,8 @@ def check_data(
     torchrun (``ctx``) each rank a share of them (the ranks combine what they found:
     :mod:`echopipe.data.folder_check`); warns about empty class folders, which stay classes of
     the model. What the scan of val/ left out is said, and added to ``left_out`` when given
-    (train/'s is said once the training input is built).
+    (train/'s is said once the training input is built). ``check_train=False`` (``--evaluate``,
+    which reads only val/) lists train/ for its classes without checking its images.
     """
     from ..data import ScanShare, default_workers, scan_image_folder
 
@@ -143,7 +145,7 @@ def check_data(
             indexes[split] = scan_image_folder(
                 data_dir / split,
                 on_classes=classes_found,
-                check=cfg.check,  # type: ignore[arg-type]
+                check="none" if split == "train" and not check_train else cfg.check,  # type: ignore
                 on_corrupt=cfg.on_corrupt,  # type: ignore[arg-type]
                 workers=workers,
                 share=share,
