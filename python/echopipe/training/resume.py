@@ -108,16 +108,20 @@ def agree_on_checkpoint(
     has one.
 
     A step is also told by whether its epoch is validated: a stop during an epoch's validation
-    checkpoints the epoch as trained, not validated, and a rank the stop reached later may
-    hold the validated epoch end of the same step; resumed together, one would validate while
-    the other trains on (their collectives crossed), so they count as different steps.
+    checkpoints the epoch as trained, not validated, and a rank the stop reached after the
+    last collective of that validation holds the validated epoch end of the same step.
+    Resumed as they are, one would validate while the other trained on (their collectives
+    crossed). Both kinds hold the same trained state (the validation changes no weights, and
+    the BatchNorm averaging comes before either is written), so when every rank holds the step
+    but not in one kind, every rank resumes from it as trained, not validated
+    (:func:`_as_trained`), and all validate it first.
 
-    When the ranks' ``last.pt`` differ (a rank killed between two writes), every rank falls back
-    to the newest step all of them hold (``last.pt`` or the ``prev.pt`` kept beside it); the
-    newer ``last.pt`` of a rank that falls back is of steps the others never took, and goes.
-    With no step in common the run stops with one line naming the steps. Nothing is moved
-    here: a rank that falls back gets ``prev.pt``, and the caller moves it over ``last.pt``
-    once nothing refuses the start.
+    When the ranks' ``last.pt`` differ otherwise (a rank killed between two writes), every rank
+    falls back to the newest step all of them hold (``last.pt`` or the ``prev.pt`` kept beside
+    it); the newer ``last.pt`` of a rank that falls back is of steps the others never took, and
+    goes. With no step in common the run stops with one line naming the steps. Nothing is
+    moved here: a rank that falls back gets ``prev.pt``, and the caller moves it over
+    ``last.pt`` once nothing refuses the start.
     """
     last = _read_step(ckpts.last, read, ctx)
     steps = ctx.all_gather_object(_view(last))
@@ -132,6 +136,13 @@ def agree_on_checkpoint(
     held = [{s for s in v if isinstance(s, tuple)} for v in views]
     common = set.intersection(*held)
     where = ", ".join(f"rank {r}: {_told(v[0])}" for r, v in enumerate(views))
+    straddled = _straddled(held, common, [(ckpts.last, last), (ckpts.prev, prev)], ctx)
+    if straddled is not None:
+        step = straddled[1]["run"]["global_step"]
+        say(f"resume: the ranks' checkpoints differ ({where}): a stop came between the ranks' "
+            f"ends of the validation at step {step}, and the trained states are the same: all "
+            f"resume from step {step} (not validated), and validate it first")  # fmt: skip
+        return straddled
     if not common:
         raise UsageError(
             f"--resume: the ranks' checkpoints are of different steps ({where}) and no step is "
@@ -143,6 +154,76 @@ def agree_on_checkpoint(
     if last[0] == step:
         return ckpts.last, last[1]  # type: ignore[return-value]
     return ckpts.prev, prev[1]  # type: ignore[return-value]
+
+
+def _straddled(
+    held: list[set[tuple[int, bool]]],
+    common: set[tuple[int, bool]],
+    reads: list[tuple[Path, tuple[Any, Any]]],
+    ctx: DistContext,
+) -> tuple[Path, dict[str, Any]] | None:
+    """This rank's checkpoint of the newest step every rank holds, but not in one kind (some
+    only trained, some only validated), as trained, not validated; None when there is no such
+    step newer than the ``common`` ones, or a validated one is not the trained one's epoch end
+    (then the steps count as different). Every rank decides from the same gathered views."""
+    steps = set.intersection(*({s for s, _ in h} for h in held))
+    step = max(steps, default=None)
+    if step is None or any(s >= step for s, _ in common):
+        return None
+    # (a rank that holds both kinds takes the trained one, which needs nothing undone)
+    path, saved = next(
+        (p, r[1]) for want in (False, True) for p, r in reads if r[0] == (step, want)
+    )
+    mine = _shape(saved)
+    shapes = ctx.all_gather_object(mine)
+    trained = next(s for s in shapes if not s["validated"])
+    if not all(_ends(s, trained, step) for s in shapes if s["validated"]):
+        return None
+    if not mine["validated"]:
+        return path, saved
+    return path, {**saved, "run": _as_trained(saved["run"], trained)}
+
+
+def _shape(saved: dict[str, Any]) -> dict[str, Any]:
+    """What ranks compare of their checkpoints of one step (and what :func:`_as_trained`
+    takes from a trained one)."""
+    st = RunState.from_state_dict(saved["run"])
+    return {
+        "validated": not st.validation_due,
+        "epoch": st.epoch,
+        "step_in_epoch": st.step_in_epoch,
+        "steps_per_epoch": st.steps_per_epoch,
+        "epoch_fresh": st.epoch_fresh,
+        "best_top1": st.best_top1,
+        "factors_used": list(st.factors_used),
+        "rows": [row.get("step") for row in st.rows],
+        "factor": float(saved["input_factor"]),
+    }
+
+
+def _ends(validated: dict[str, Any], trained: dict[str, Any], step: int) -> bool:
+    """Whether ``validated`` is the validated end of the epoch ``trained`` holds as trained,
+    not validated: one epoch and one row more, and no echo retune since (whose next-epoch
+    length and factor the trained state would not have)."""
+    return (
+        validated["epoch"] == trained["epoch"] + 1
+        and validated["step_in_epoch"] == 0
+        and validated["rows"] == [*trained["rows"], step]
+        and all(validated[k] == trained[k] for k in ("steps_per_epoch", "factors_used", "factor"))
+    )
+
+
+def _as_trained(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
+    """A validated epoch end's run state as it stood before the validation was recorded: the
+    epoch's counters as the trained checkpoint holds them, without the epoch's row. The
+    rank's own figures (its losses, samples and times) are kept, as the validation left them.
+    The input needs no undoing: its reset for the next epoch only zeroes the iterator's
+    position in an endless stream, and the resumed validation resets it again."""
+    st = RunState.from_state_dict(run)
+    st.epoch, st.step_in_epoch = trained["epoch"], trained["step_in_epoch"]
+    st.epoch_fresh, st.best_top1 = trained["epoch_fresh"], trained["best_top1"]
+    st.rows = st.rows[:-1]
+    return st.state_dict()
 
 
 def agree_on_file(
