@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ import pytest
 from PIL import Image, ImageFile
 
 from echopipe.data import CorruptImageError, check_image_file, scan_image_folder
+from pipeline_support import train_runs as tr
 
 
 def _pixels(seed: int, size: tuple[int, int] = (96, 128)) -> np.ndarray:
@@ -161,22 +160,6 @@ ctx.close()
 """
 
 
-def _env() -> dict[str, str]:
-    import echopipe
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
-    )
-    return env
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.distributed
 def test_two_gloo_ranks_share_the_check_and_end_with_the_same_lists(tmp_path: Path) -> None:
     root = tmp_path / "data"
@@ -184,9 +167,9 @@ def test_two_gloo_ranks_share_the_check_and_end_with_the_same_lists(tmp_path: Pa
     worker = tmp_path / "worker.py"
     worker.write_text(_WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_port()}", str(worker),
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{tr.free_port()}", str(worker),
            str(root), str(tmp_path)]  # fmt: skip
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, env=tr.child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     alone = scan_image_folder(root, check="decode", on_corrupt="skip")
@@ -249,7 +232,7 @@ def test_a_stop_during_the_check_ends_the_run_with_one_line(
     script.write_text(_STOPPED)
     cmd = [sys.executable, str(script), str(marks), "train", "--data", str(data),
            "--output", str(tmp_path / "run"), "--check", "decode", "--no-progress"]  # fmt: skip
-    env = dict(_env(), OMP_NUM_THREADS="2")
+    env = dict(tr.child_env(), OMP_NUM_THREADS="2")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         while not (marks / "started2").exists():  # both threads hold a file

@@ -12,19 +12,15 @@ process's handler (an event, not a time).
 
 from __future__ import annotations
 
-import csv
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from echopipe.training.checkpoints import read_checkpoint
+from pipeline_support import train_runs as tr
 
 pytestmark = pytest.mark.dali
 
@@ -88,61 +84,18 @@ Progress.end_epoch = held_end_epoch
 sys.exit(main(sys.argv[1:]))
 """
 
-# Row entries an uninterrupted run and a stopped-and-resumed one share (not times, not the
-# input's build count, which counts the resume's rebuild).
-SAME = ["epoch", "step", "train_loss", "val_top1", "val_loss", "val_top5", "val_images",
-        "fresh_samples", "echoed_samples", "echo_factor", "lr", "pipelined"]  # fmt: skip
-
-
-def _env() -> dict[str, str]:
-    import echopipe
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
-    )
-    return env
-
 
 def _cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "echopipe.cli", *argv], env=_env(),
+    return subprocess.run([sys.executable, "-m", "echopipe.cli", *argv], env=tr.child_env(),
                           capture_output=True, text=True, timeout=180)  # fmt: skip
 
 
-def _stop_in_validation(
-    cmd: list[str], when: str = "validating epoch 1/", times: int = 1
-) -> tuple[int, str]:
-    """Run ``cmd``; SIGTERM it when it has said ``when`` (``times`` times: once per rank),
-    by default when validation started; its status and stderr."""
-    seen: list[str] = []
-    with subprocess.Popen(cmd, env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                          text=True) as proc:  # fmt: skip
-        try:
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                seen.append(line)
-                if sum(s.startswith(when) for s in seen) == times:
-                    proc.send_signal(signal.SIGTERM)
-                    break
-            seen.append(proc.stderr.read())
-            proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return proc.returncode, "".join(seen)
-
-
-def _rows(run: Path) -> list[dict[str, Any]]:
-    doc = json.loads((run / "metrics.json").read_text())
-    return [{k: r[k] for k in SAME} for r in doc["epochs"]]
-
-
-def _steps(run: Path) -> dict[int, str]:
-    with open(run / "steps.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert len(rows) == len({r["step"] for r in rows}), "a step appears twice in steps.csv"
-    return {int(r["step"]): r["train_loss"] for r in rows}
+def _stop_at(cmd: list[str], when: str = "validating epoch 1/", times: int = 1) -> tuple[int, str]:
+    """Run ``cmd``; SIGTERM it when it has said ``when`` (``times`` times: once per rank), by
+    default when validation started; its status and stderr."""
+    return tr.stop_when(
+        cmd, lambda text: sum(s.startswith(when) for s in text.splitlines(True)) >= times
+    )
 
 
 def test_a_sigterm_during_validation_keeps_the_trained_epoch(
@@ -158,7 +111,7 @@ def test_a_sigterm_during_validation_keeps_the_trained_epoch(
     last = run / "checkpoints" / "last.pt"
     hold = tmp_path / "hold.py"
     hold.write_text(HOLD)
-    code, err = _stop_in_validation([sys.executable, str(hold), *argv, "--output", str(run)])
+    code, err = _stop_at([sys.executable, str(hold), *argv, "--output", str(run)])
     assert code == 143, err
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == (
@@ -176,9 +129,10 @@ def test_a_sigterm_during_validation_keeps_the_trained_epoch(
         in done.stderr
     ), done.stderr
     assert "validating epoch 1/2 at step 8" in done.stderr
-    assert _rows(run) == _rows(ref)
-    assert [r["step"] for r in _rows(run)] == [8, 16]
-    assert _steps(run) == _steps(ref) and sorted(_steps(run)) == list(range(1, 17))
+    assert tr.rows(run) == tr.rows(ref)
+    assert [r["step"] for r in tr.rows(run)] == [8, 16]
+    losses = tr.step_losses(run)
+    assert losses == tr.step_losses(ref) and sorted(losses) == list(range(1, 17))
     summary = json.loads((run / "metrics.json").read_text())["summary"]
     want = json.loads((ref / "metrics.json").read_text())["summary"]
     for key in ("steps", "epochs", "top1", "fresh_samples", "echoed_samples"):
@@ -187,12 +141,6 @@ def test_a_sigterm_during_validation_keeps_the_trained_epoch(
     config = json.loads((run / "config.json").read_text())
     (restart,) = config["restarts"]
     assert restart["from"] == {"checkpoint": str(last), "epoch": 0, "step": 8}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.distributed
@@ -217,12 +165,12 @@ def test_a_sigterm_to_torchrun_during_validation_keeps_the_epoch_on_both_ranks(
     def torchrun(script: list[str], *extra: str) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                 "--nproc_per_node=2", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{_port()}", "--monitor-interval=0.2", *script,
+                f"--rdzv-endpoint=127.0.0.1:{tr.free_port()}", "--monitor-interval=0.2", *script,
                 "train", "--data", str(tiny_imagenet), *ARGS, "--deterministic",
                 "--dist-timeout-s", "30", "--output", str(run), *extra]  # fmt: skip
 
     def resume() -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(torchrun(["-m", "echopipe.cli"], "--resume"), env=_env(),
+        done = subprocess.run(torchrun(["-m", "echopipe.cli"], "--resume"), env=tr.child_env(),
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         doc = json.loads((run / "metrics.json").read_text())
@@ -230,13 +178,13 @@ def test_a_sigterm_to_torchrun_during_validation_keeps_the_epoch_on_both_ranks(
         assert [r["epoch"] for r in doc["epochs"]] == [1, 2]
         assert all(r["val_images"] == 8 for r in doc["epochs"])
         assert doc["summary"]["steps"] == 8 and doc["summary"]["epochs"] == 2
-        assert sorted(_steps(run)) == list(range(1, 9))
+        assert sorted(tr.step_losses(run)) == list(range(1, 9))
         for folder in ranks:
             saved = read_checkpoint(folder / "last.pt")["run"]
             assert (saved["global_step"], saved["epoch"]) == (8, 2)
         return done
 
-    code, err = _stop_in_validation(torchrun([str(hold)]))
+    code, err = _stop_at(torchrun([str(hold)]))
     assert code != 0, err
     assert (
         f"interrupted at step 4; --resume --output {run} continues from {ranks[0] / 'last.pt'} "
@@ -249,7 +197,7 @@ def test_a_sigterm_to_torchrun_during_validation_keeps_the_epoch_on_both_ranks(
         trained.append((folder / "last.pt").read_bytes())
     done = resume()
     assert "epoch 1 trained, not validated: it is validated first" in done.stderr
-    rows = _rows(run)
+    rows = tr.rows(run)
 
     # Rank 0: the validated end of epoch 1 (last.pt) and the trained epoch (prev.pt); rank 1:
     # the trained epoch only.
@@ -263,7 +211,7 @@ def test_a_sigterm_to_torchrun_during_validation_keeps_the_epoch_on_both_ranks(
         "the ranks' checkpoints differ (rank 0: step 4, rank 1: step 4 (not validated)): all "
         "resume from step 4 (not validated), the newest step every rank holds" in done.stderr
     ), done.stderr[-3000:]
-    assert _rows(run) == rows
+    assert tr.rows(run) == rows
 
 
 def test_a_sigterm_after_validation_keeps_the_validated_epoch(
@@ -280,7 +228,7 @@ def test_a_sigterm_after_validation_keeps_the_validated_epoch(
     hold = tmp_path / "hold.py"
     hold.write_text(HOLD_AFTER)
     cmd = [sys.executable, str(hold), *argv, "--output", str(run)]
-    code, err = _stop_in_validation(cmd, when="held after validation")
+    code, err = _stop_at(cmd, when="held after validation")
     assert code == 143, err
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == (
@@ -295,9 +243,10 @@ def test_a_sigterm_after_validation_keeps_the_validated_epoch(
     assert done.returncode == 0, done.stderr
     assert f"resume: {last} (step 8, epoch 1)" in done.stderr, done.stderr
     assert "validating epoch 1/" not in done.stderr
-    assert _rows(run) == _rows(ref)
-    assert [r["step"] for r in _rows(run)] == [8, 16]
-    assert _steps(run) == _steps(ref) and sorted(_steps(run)) == list(range(1, 17))
+    assert tr.rows(run) == tr.rows(ref)
+    assert [r["step"] for r in tr.rows(run)] == [8, 16]
+    losses = tr.step_losses(run)
+    assert losses == tr.step_losses(ref) and sorted(losses) == list(range(1, 17))
     summary = json.loads((run / "metrics.json").read_text())["summary"]
     want = json.loads((ref / "metrics.json").read_text())["summary"]
     for key in ("steps", "epochs", "top1", "fresh_samples", "echoed_samples"):
@@ -319,19 +268,19 @@ def test_a_sigterm_to_torchrun_after_validation_keeps_the_validated_epoch_on_bot
     def torchrun(script: list[str], out: Path, *extra: str) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                 "--nproc_per_node=2", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{_port()}", "--monitor-interval=0.2", *script,
+                f"--rdzv-endpoint=127.0.0.1:{tr.free_port()}", "--monitor-interval=0.2", *script,
                 "train", "--data", str(tiny_imagenet), *ARGS, "--deterministic",
                 "--dist-timeout-s", "30", "--output", str(out), *extra]  # fmt: skip
 
     def job(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+        done = subprocess.run(cmd, env=tr.child_env(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         return done
 
     ref, run = tmp_path / "ref", tmp_path / "run"
     job(torchrun(["-m", "echopipe.cli"], ref))
     cmd = torchrun([str(hold)], run)
-    code, err = _stop_in_validation(cmd, when="held after validation", times=2)
+    code, err = _stop_at(cmd, when="held after validation", times=2)
     assert code != 0, err
     ranks = [run / "checkpoints" / f"rank{r}" for r in (0, 1)]
     assert (
@@ -344,6 +293,7 @@ def test_a_sigterm_to_torchrun_after_validation_keeps_the_validated_epoch_on_bot
     done = job(torchrun(["-m", "echopipe.cli"], run, "--resume"))
     assert "the ranks' checkpoints differ" not in done.stderr, done.stderr[-3000:]
     assert "validating epoch 1/" not in done.stderr, done.stderr[-3000:]
-    assert _rows(run) == _rows(ref)
-    assert [r["step"] for r in _rows(run)] == [4, 8]
-    assert _steps(run) == _steps(ref) and sorted(_steps(run)) == list(range(1, 9))
+    assert tr.rows(run) == tr.rows(ref)
+    assert [r["step"] for r in tr.rows(run)] == [4, 8]
+    losses = tr.step_losses(run)
+    assert losses == tr.step_losses(ref) and sorted(losses) == list(range(1, 9))

@@ -11,13 +11,9 @@ SIGTERM to torchrun, which passes it to both ranks, once both have said they are
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +24,7 @@ import pytest
 import torch
 
 from echopipe.training.checkpoints import read_checkpoint, write_checkpoint
+from pipeline_support import train_runs as tr
 
 pytestmark = [pytest.mark.dali, pytest.mark.distributed, pytest.mark.slow]
 
@@ -89,11 +86,6 @@ else:
 sys.exit(main(sys.argv[1:]))
 """
 
-# Row entries an uninterrupted job and a stopped-and-resumed one share (not times, not the
-# input's build count, which counts the resume's rebuild).
-SAME = ["epoch", "step", "train_loss", "val_top1", "val_loss", "val_top5", "val_images",
-        "fresh_samples", "echoed_samples", "echo_factor", "lr", "pipelined"]  # fmt: skip
-
 # Input state entries that are measured times, and the iterator's place in its epoch.
 TIMES = {"/pipeline/runner/seconds", "/pipeline/upstream_wait_s", "/pipeline/downstream_wait_s",
          "/iterator/stats/t_up", "/iterator/stats/t_down",
@@ -101,67 +93,17 @@ TIMES = {"/pipeline/runner/seconds", "/pipeline/upstream_wait_s", "/pipeline/dow
 POSITION = {"/iterator/step_in_epoch", "/iterator/epoch_steps"}
 
 
-def _env() -> dict[str, str]:
-    import echopipe
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(echopipe.__file__).parent.parent), env.get("PYTHONPATH", "")]
-    )
-    return env
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _torchrun(script: list[str], data: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_port()}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{tr.free_port()}",
             "--monitor-interval=0.2", *script, "train", "--data", str(data), *ARGS,
             "--output", str(out), *extra]  # fmt: skip
 
 
 def _job(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, env=tr.child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
-
-
-def _stop_when_both_held(cmd: list[str]) -> tuple[int, str]:
-    """Run ``cmd``; SIGTERM it once both ranks said they are held; its status and stderr."""
-    seen: list[str] = []
-    with subprocess.Popen(cmd, env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                          text=True) as proc:  # fmt: skip
-        try:
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                seen.append(line)
-                # (counted in the text: the ranks' lines may interleave on torchrun's stderr)
-                if "".join(seen).count("held: ") == 2:
-                    proc.send_signal(signal.SIGTERM)
-                    break
-            seen.append(proc.stderr.read())
-            proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return proc.returncode, "".join(seen)
-
-
-def _rows(run: Path) -> list[dict[str, Any]]:
-    doc = json.loads((run / "metrics.json").read_text())
-    return [{k: r[k] for k in SAME} for r in doc["epochs"]]
-
-
-def _steps(run: Path) -> dict[int, str]:
-    with open(run / "steps.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert len(rows) == len({r["step"] for r in rows}), "a step appears twice in steps.csv"
-    return {int(r["step"]): r["train_loss"] for r in rows}
 
 
 def _differ(a: Any, b: Any, at: str = "") -> list[str]:
@@ -192,6 +134,12 @@ def _differ(a: Any, b: Any, at: str = "") -> list[str]:
     return [] if a == b else [at]
 
 
+def _stop_at(cmd: list[str]) -> tuple[int, str]:
+    """Run ``cmd``; SIGTERM it once both ranks said they are held (counted in the text: the
+    ranks' lines may interleave on torchrun's stderr); its status and stderr."""
+    return tr.stop_when(cmd, lambda text: text.count("held: ") == 2)
+
+
 def test_a_stop_between_the_ranks_ends_of_validation_keeps_the_epoch(
     tiny_imagenet: Path, tmp_path: Path
 ) -> None:
@@ -203,7 +151,7 @@ def test_a_stop_between_the_ranks_ends_of_validation_keeps_the_epoch(
     _job(_torchrun(["-m", "echopipe.cli"], tiny_imagenet, ref))
     hold = tmp_path / "straddle.py"
     hold.write_text(STRADDLE)
-    code, err = _stop_when_both_held(_torchrun([str(hold)], tiny_imagenet, run))
+    code, err = _stop_at(_torchrun([str(hold)], tiny_imagenet, run))
     assert code != 0, err[-3000:]
     assert (
         f"interrupted at step 4; --resume --output {run} continues from "
@@ -235,7 +183,7 @@ def test_a_stop_between_the_ranks_ends_of_validation_keeps_the_epoch(
     retuned["run"] = {**validated["run"], "factors_used": [2.0, 1.0]}
     write_checkpoint(retuned, odd / "checkpoints" / "rank1" / "last.pt")
     cmd = _torchrun(["-m", "echopipe.cli"], tiny_imagenet, odd, "--resume")
-    refused = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    refused = subprocess.run(cmd, env=tr.child_env(), capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0
     assert (
         "the ranks' checkpoints are of different steps (rank 0: step 4 (not validated), rank 1: "
@@ -248,9 +196,11 @@ def test_a_stop_between_the_ranks_ends_of_validation_keeps_the_epoch(
         "came between the ranks' ends of the validation at step 4" in done.stderr
     ), done.stderr[-3000:]
     assert "validating epoch 1/2 at step 4" in done.stderr, done.stderr[-3000:]
-    assert _rows(run) == _rows(ref)
-    assert [r["step"] for r in _rows(run)] == [4, 8]
-    assert _steps(run) == _steps(ref) and sorted(_steps(run)) == list(range(1, 9))
+    assert tr.rows(run) == tr.rows(ref)
+    assert [r["step"] for r in tr.rows(run)] == [4, 8]
+    assert tr.step_losses(run) == tr.step_losses(ref) and sorted(tr.step_losses(run)) == list(
+        range(1, 9)
+    )
     summary = json.loads((run / "metrics.json").read_text())["summary"]
     want = json.loads((ref / "metrics.json").read_text())["summary"]
     for key in ("steps", "epochs", "top1", "fresh_samples", "echoed_samples"):
