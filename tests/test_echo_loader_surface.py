@@ -231,9 +231,15 @@ def _outcome(call: Any, error: type[Exception]) -> str:
 
 
 def _rank(rank: int, store: str, out: str) -> None:
+    data = Ids(30)
+    # A mid-epoch state saved at world size 1 (a job of one process), before this one joins two.
+    alone_sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)
+    with EchoLoader(DataLoader(data, batch_size=4, sampler=alone_sampler), 2.0) as el:
+        batches = iter(el)  # (kept: a dropped iterator ends its epoch)
+        next(batches)
+        alone = el.state_dict()
     dist.init_process_group("gloo", init_method=f"file://{store}", world_size=2, rank=rank)
     try:
-        data = Ids(30)
         results = []
         plain = EchoLoader(DataLoader(data, batch_size=4, shuffle=True), 2.0)
         for call in (len, iter):
@@ -252,17 +258,22 @@ def _rank(rank: int, store: str, out: str) -> None:
             dist.all_gather_object(states, el.state_dict())
         with EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), 2.0) as el:
             results.append(_outcome(lambda: el.load_state_dict(states[0]), LoaderStateError))
+            results.append(_outcome(lambda: el.load_state_dict(alone), LoaderStateError))
         auto = EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), "auto")
         results.append(_outcome(lambda: iter(auto), ValueError))
         results.append(_outcome(lambda: len(auto), ValueError))  # a progress bar asks first
         auto.close()
-        with open(out, "w") as f:
-            f.write("\n".join(results))
     finally:
         dist.destroy_process_group()
+    # Back at world size 1 (the job came back with one process): rank 0's mid-epoch state.
+    with EchoLoader(DataLoader(data, batch_size=4, sampler=alone_sampler), 2.0) as el:
+        results.append(_outcome(lambda: el.load_state_dict(states[0]), LoaderStateError))
+    with open(out, "w") as f:
+        f.write("\n".join(results))
 
 
 def test_several_processes_reading_the_whole_dataset_each_get_one_clear_error() -> None:
+    """Also: a mid-epoch state of another world size (1 -> 2, 2 -> 1) is refused."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}") for r in range(2)]
@@ -275,7 +286,8 @@ def test_several_processes_reading_the_whole_dataset_each_get_one_clear_error() 
             assert p.exitcode == 0
         for out in outs:
             with open(out) as f:
-                len_error, iter_error, sharded, rank0_state, auto, auto_len = f.read().split("\n")
+                got = f.read().split("\n")
+            len_error, iter_error, sharded, rank0_state, alone, auto, auto_len, back = got
             assert len_error == iter_error
             assert "2 torch.distributed processes" in len_error and "RandomSampler" in len_error
             assert "DistributedSampler" in len_error
@@ -285,9 +297,54 @@ def test_several_processes_reading_the_whole_dataset_each_get_one_clear_error() 
             else:
                 assert "saved by rank 0 of 2 processes mid-epoch" in rank0_state
                 assert "this loader is rank 1 of 2" in rank0_state
+            # A mid-epoch position is one shard's: another world size is refused (not skipped
+            # in another sharding, which would lose some samples and repeat others).
+            assert "saved mid-epoch at world size 1 (one process)" in alone, alone
+            assert f"runs at world size 2 (rank {outs.index(out)} of 2)" in alone
+            assert "saved mid-epoch at world size 2 (rank 0 of 2)" in back, back
+            assert "runs at world size 1 (one process)" in back
+            assert "load it at world size 2, or load a state saved between epochs" in back
             # "auto" would choose e per rank, and the ranks' step counts would differ.
             assert "echo_factor='auto'" in auto and "2 torch.distributed processes" in auto
             assert auto_len == auto
+
+
+def test_a_state_of_another_num_replicas_is_refused_mid_epoch_and_taken_between_epochs() -> None:
+    """DistributedSamplers of 2 and of 1 replica (built without torch.distributed, as a
+    program that shards by hand does): a mid-epoch state of the other is refused naming both
+    world sizes, and leaves the loader as it was; a state saved between epochs holds no
+    position, and the next epoch reads the new world size's shard, every sample e times."""
+    data = Ids(40)
+
+    def make(replicas: int) -> EchoLoader:
+        sampler = DistributedSampler(data, num_replicas=replicas, rank=0, shuffle=True, seed=3)
+        return EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), 2.0)
+
+    mid = {}
+    for replicas in (1, 2):
+        with make(replicas) as el:
+            batches = iter(el)  # (kept: a dropped iterator ends its epoch)
+            next(batches)
+            mid[replicas] = el.state_dict()
+            assert mid[replicas]["mid_epoch"] and mid[replicas]["batches_done"] >= 1
+    for was, now in ((2, 1), (1, 2)):
+        with make(now) as el:
+            with pytest.raises(LoaderStateError) as refused:
+                el.load_state_dict(mid[was])
+            told = "one process" if was == 1 else "rank 0 of 2"
+            assert f"saved mid-epoch at world size {was} ({told})" in str(refused.value)
+            assert f"runs at world size {now}" in str(refused.value)
+            assert el.stats().epoch == 0
+            _, got = epoch(el)  # as it was: a whole epoch of its own shard
+            assert dict(got) == dict.fromkeys(el.sampler, 2)
+    with make(2) as el:
+        epoch(el)
+        between = el.state_dict()
+    assert not between["mid_epoch"]
+    with make(1) as el:
+        el.load_state_dict(between)
+        _, got = epoch(el)
+        assert dict(got) == dict.fromkeys(range(40), 2) and el.stats().epoch == 2
 
 
 def test_an_iterator_dropped_before_its_first_batch_reads_nothing() -> None:

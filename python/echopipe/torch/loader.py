@@ -332,7 +332,7 @@ class EchoLoader(PassThrough):
             "cache_config": dict(self._cache_config) if self._cache_config else None,
             "layout": self._stream.signature() if self._stream else self._saved_layout,
             "batch_size": self._batch_size,
-            "shard": ls.shard(),
+            "shard": wrapped.data_shard(self._loader),
             "sampler_epoch": at.sampler_epoch,
             "order_rng": at.order_rng,
         }
@@ -356,8 +356,7 @@ class EchoLoader(PassThrough):
             auto=self._controller is not None,
             memory_bytes=memory_bytes(),
         )
-        ls.check_position(clean, self._loader)
-        passes.check_resume_order(clean, self._loader)
+        passes.check_resume_order(clean, self._loader)  # (its shard and position too)
         cache = ls.restored_cache(clean, self._controller)
         shutdown(self._shared, self._close_timeout)
         self._epoch = clean["epoch"]

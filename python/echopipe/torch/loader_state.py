@@ -29,6 +29,7 @@ __all__ = [
     "LoaderStateError",
     "check_loader_state",
     "check_position",
+    "check_shard",
     "restored_cache",
     "shard",
 ]
@@ -184,17 +185,40 @@ def check_loader_state(
     _need(out["mid_epoch"] or out["sampler_epoch"] is None, "'sampler_epoch' is set between epochs")
     out["order_rng"] = _order_rng(state.get("order_rng"))  # (earlier versions have none)
     _need(out["mid_epoch"] or out["order_rng"] is None, "'order_rng' is set between epochs")
-    saved, here = state.get("shard"), shard()  # (states of earlier versions have none)
+    saved = state.get("shard")
     pair = isinstance(saved, list) and len(saved) == 2 and all(type(v) is int for v in saved)
     _need(saved is None or pair, "'shard' is not [rank, world_size]")
-    if out["cache"] is not None and saved is not None and saved != here:
+    _need(saved is None or 0 <= saved[0] < saved[1], "'shard' rank is not below its world size")
+    # None is one process (the whole dataset); states of earlier versions have no 'shard'.
+    out["shard"], out["shard_known"] = saved, "shard" in state
+    return out
+
+
+def check_shard(clean: dict[str, Any], here: list[int] | None) -> None:
+    """A mid-epoch state's position (the batches its pass had read) and cached samples are
+    those of the shard of the data that saved it (``[rank, world_size]``, None for one
+    process). Another world size shards the epoch otherwise, so skipping that many batches
+    there would lose some samples and repeat others: refused, as is another rank's cache."""
+    if not clean["mid_epoch"] or not clean["shard_known"]:
+        return
+    saved = clean["shard"]
+    was, now = (1 if s is None else s[1] for s in (saved, here))
+    if was != now:
+        told = ["one process" if s is None else f"rank {s[0]} of {s[1]}" for s in (saved, here)]
+        raise LoaderStateError(
+            f"EchoLoader state was saved mid-epoch at world size {was} ({told[0]}), and this "
+            f"loader runs at world size {now} ({told[1]}): its position and cached samples "
+            f"belong to one of {was} shards of that epoch, which {now} shard otherwise (samples "
+            f"would be lost or repeated); load it at world size {was}, or load a state saved "
+            "between epochs (the next epoch is sharded anew for any world size)"
+        )
+    if clean["cache"] is not None and saved != here:
         where = "one process" if here is None else f"rank {here[0]} of {here[1]}"
         raise LoaderStateError(
             f"was saved by rank {saved[0]} of {saved[1]} processes mid-epoch and holds that "
             f"rank's cached samples, but this loader is {where}: each rank loads the state its "
             "own EchoLoader saved (a checkpoint written by rank 0 alone holds rank 0's)"
         )
-    return out
 
 
 def shard() -> list[int] | None:

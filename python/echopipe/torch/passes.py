@@ -18,7 +18,7 @@ from ..echo.config import FACTOR_AUTO, EchoConfig
 from ..echo.controller import AUTO_HEADROOM, EchoController
 from . import batch_layout as bl
 from . import wrapped
-from .loader_state import LoaderStateError, epoch_position, shard
+from .loader_state import LoaderStateError, check_position, check_shard, epoch_position, shard
 from .reader import shutdown
 
 if TYPE_CHECKING:
@@ -278,9 +278,13 @@ def warn_evaluation(factor: float, auto: bool) -> None:
 
 
 def check_resume_order(clean: dict[str, Any], loader: Any) -> None:
-    """A mid-epoch state re-reads its epoch in the saved order: the saved generator states must
-    fit the wrapped loader's (LoaderStateError), and an unseeded shuffle, whose order a new
-    process cannot draw again, is warned about (the skipped batches are another order's)."""
+    """A mid-epoch state re-reads its epoch in the saved order: it must be of the shard this
+    loader reads (world size and rank: :func:`.loader_state.check_shard`), its position inside
+    the wrapped loader's epoch, the saved generator states must fit the wrapped loader's
+    (LoaderStateError), and an unseeded shuffle, whose order a new process cannot draw again,
+    is warned about (the skipped batches are another order's)."""
+    check_shard(clean, wrapped.data_shard(loader))
+    check_position(clean, loader)
     if not clean["mid_epoch"]:
         return
     have = len(wrapped.order_generators(loader))

@@ -29,6 +29,7 @@ __all__ = [
     "UnshardedLoaderError",
     "batch_rows",
     "check_sharded",
+    "data_shard",
     "dataloaders",
     "drops_last",
     "epoch_batches",
@@ -257,6 +258,24 @@ def check_sharded(loader: Any) -> None:
             "use_distributed_sampler replaces samplers of DataLoaders only, not inside an "
             "EchoLoader; build the DistributedSampler in train_dataloader())"
         )
+
+
+def data_shard(loader: Any) -> list[int] | None:
+    """``[rank, world_size]`` of the part of the dataset the wrapped loader reads: its
+    sampler's (a ``DistributedSampler`` or any sampler with ``num_replicas`` and ``rank``,
+    which may be built without torch.distributed), else the torch.distributed processes'
+    (:func:`.loader_state.shard`, e.g. under a batch sampler of its own); None for the whole
+    dataset."""
+    dl = _innermost_dataloader(loader)
+    sampler = None
+    if dl is not None and not isinstance(dl.dataset, IterableDataset):
+        sampler = (
+            getattr(dl.batch_sampler, "sampler", None) if dl.batch_size is None else dl.sampler
+        )
+    replicas, rank = getattr(sampler, "num_replicas", None), getattr(sampler, "rank", None)
+    if type(replicas) is int and type(rank) is int and 0 <= rank < replicas:
+        return [rank, replicas] if replicas > 1 else None
+    return shard()
 
 
 def epoch_batches(loader: Any, echo_factor: float | None, batch_size: int | None) -> int:
