@@ -39,9 +39,9 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _torchrun(data: Path, out: Path, *args: str, restarts: int = 0,
+def _torchrun(data: Path, out: Path, *args: str, restarts: int = 0, procs: int = 2,
               **env: str) -> subprocess.CompletedProcess[str]:  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={procs}",
            f"--max-restarts={restarts}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{_port()}", "--monitor-interval=0.2",
            "-m", "echopipe.cli", "train", "--data", str(data), "--batch-size", "8",
@@ -131,6 +131,50 @@ def test_ranks_with_checkpoints_of_different_steps_agree_or_stop(
         "no step is held by every rank" in refused.stderr
     )
     assert (r0 / "last.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
+def test_a_job_back_with_another_world_size_is_refused_in_one_line(
+    tiny_imagenet: Path, tmp_path: Path, first: int, then: int
+) -> None:
+    """An elastic job (torchrun --nnodes 1:2) can come back with fewer or more ranks. Each
+    rank's checkpoint holds its own data shard's DALI reader position and echo cache, and the
+    steps per epoch are counted for its world size, so ``--resume auto`` at another world size
+    is refused, mid-epoch and at an epoch's end: one line per rank naming both world sizes and
+    what to do, no file touched; the run then continues at its own world size."""
+    out = tmp_path / "run"
+    per_epoch = 8 // first  # 32 images shared by the ranks, e = 2, batch 8
+    started = _torchrun(tiny_imagenet, out, "--epochs", "2", "--max-steps", "2", procs=first)
+    assert started.returncode == 0, started.stderr[-3000:]
+    for at in ("mid-epoch", "epoch end"):
+        files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        refused = _torchrun(tiny_imagenet, out, "--resume", "auto", procs=then)
+        assert refused.returncode != 0, at
+        lines = [ln for ln in refused.stderr.splitlines() if "echopipe train: error:" in ln]
+        # (one per rank; torchrun may end a rank before it says it)
+        assert 1 <= len(lines) <= then, refused.stderr[-3000:]
+        for line in lines:
+            assert f"at world size {first}" in line and f"has world size {then}" in line, line
+            assert f"the run continues only at world size {first}" in line, line
+        # no traceback of echopipe's: the one is torchrun's report that a worker failed
+        assert refused.stderr.count("Traceback") == refused.stderr.count("ChildFailedError:")
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files, at
+        if at == "mid-epoch":
+            ended = _torchrun(tiny_imagenet, out, "--resume", "auto", "--max-steps",
+                              str(per_epoch), procs=first)  # fmt: skip
+            assert ended.returncode == 0, ended.stderr[-3000:]
+            doc = json.loads((out / "metrics.json").read_text())
+            # (--max-steps 2 validated its part of the epoch: a row of its own at step 2)
+            assert [r["step"] for r in doc["epochs"]] == [2, per_epoch]
+            assert doc["summary"]["steps"] == per_epoch
+    assert _steps(out) == list(range(1, per_epoch + 1))
+    # --resume CKPT into a new folder: the checkpoint's own world size is checked too.
+    mine = out / "checkpoints" / ("rank0" if first > 1 else "") / "last.pt"
+    refused = _torchrun(tiny_imagenet, tmp_path / "new", "--resume", str(mine), procs=then)
+    assert refused.returncode != 0
+    assert f"the checkpoint was written at world size {first}, this run has world size " in (
+        refused.stderr
+    ), refused.stderr[-3000:]
 
 
 def test_a_stopped_rank_is_named_after_the_timeout(tiny_imagenet: Path, tmp_path: Path) -> None:

@@ -267,8 +267,9 @@ def test_a_folder_is_continued_only_by_as_many_processes_as_wrote_it(
     argv = ["train", "--data", str(tiny_imagenet), "--no-progress", "--output", str(run)]
     for resume in ([], ["--resume"], ["--resume", "auto"]):
         line = _refused([*argv, *resume], capsys)
-        assert f"holds the checkpoints of a run of 2 process(es) ({top / 'rank0'}" in line
-        assert "this run has 1: continue it with as many processes" in line
+        assert f"holds the checkpoints of a run at world size 2 ({top / 'rank0'}" in line
+        assert "this run has world size 1: each rank's checkpoint holds its own data" in line
+        assert "the run continues only at world size 2" in line
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "check_cache_fits",
     "check_data",
     "read_resume",
+    "same_world_size",
     "say_left_out",
 ]
 
@@ -34,12 +35,25 @@ def read_resume(path: Path, world_size: int) -> dict[str, Any]:
     saved = read_checkpoint(path)
     if "run" not in saved or "pipeline" not in saved:
         raise UsageError(f"--resume {str(path)!r} holds no training run to continue")
-    if saved["run"]["world_size"] != world_size:
+    was = saved["run"]["world_size"]
+    if was != world_size:
         raise UsageError(
-            f"--resume: the checkpoint was written by {saved['run']['world_size']} replica(s), "
-            f"this run has {world_size}"
+            f"--resume {str(path)!r}: the checkpoint was written at world size {was}, this run "
+            f"has world size {world_size}: {same_world_size(was)}"
         )
     return saved
+
+
+def same_world_size(was: int) -> str:
+    """What to do when a run is resumed with another number of processes (refused: each
+    rank's checkpoint holds its own shard's DALI reader position and echo cache, and the
+    steps per epoch and LR clock are counted for that number of replicas)."""
+    return (
+        f"each rank's checkpoint holds its own data shard (reader position, echo cache), so the "
+        f"run continues only at world size {was} (an elastic job must come back with as many "
+        "processes: torchrun with a fixed --nnodes and --nproc_per_node), or start a new run "
+        "with another --output"
+    )
 
 
 def cache_does_not_fit(cfg: TrainConfig) -> TrainError:

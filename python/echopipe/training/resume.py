@@ -235,6 +235,8 @@ def agree_on_file(
     ckpt = Path(os.path.abspath(ckpt))  # (a name given inside rank<r>/ has that parent too)
     k = ckpt.parent.name[4:]
     if not (ckpt.parent.name.startswith("rank") and k.isascii() and k.isdigit()):
+        if ckpt.is_file():  # one process's checkpoint: refused naming its world size
+            read(ckpt)
         raise UsageError(
             f"--resume {str(ckpt)!r}: under torchrun each rank resumes its own checkpoint; give "
             f"one rank's file (.../checkpoints/rank<r>/{ckpt.name}), and every rank takes the "

@@ -22,7 +22,7 @@ from .checkpoints import RunCheckpoints
 from .config import DataError, TrainConfig, UsageError
 from .distributed import DistContext
 from .options import CollectiveError
-from .preflight import check_cache_fits, check_data, read_resume
+from .preflight import check_cache_fits, check_data, read_resume, same_world_size
 from .report import TrainSummary, summarize, write_config, write_run_files
 from .resume import agree_on_checkpoint, agree_on_file, merge_options, restart_entry
 from .runfolder import RunFolder, ensure_same_run, read_run_config, read_run_metrics
@@ -195,9 +195,9 @@ class RunStart:
             processes = len(ranks)
         if other:
             raise UsageError(
-                f"--output {str(self.out)!r} holds the checkpoints of a run of {processes} "
-                f"process(es) ({other[0]}); this run has {self.ctx.world_size}: continue it "
-                "with as many processes, or choose another --output"
+                f"--output {str(self.out)!r} holds the checkpoints of a run at world size "
+                f"{processes} ({other[0]}), this run has world size {self.ctx.world_size}: "
+                f"{same_world_size(processes)}"
             )
 
     def finished_summary(self) -> TrainSummary:
