@@ -154,6 +154,7 @@ DrawnBatch DrawBatch(echopipe::EchoCache& cache, int batch_size, const SampleCop
                                 "' was closed while the pipeline was drawing from it"));
   const bool ended = end == DrawEnd::kEnded;  // every ticket was emitted
   batch.valid = static_cast<int>(batch.leases.size());
+  batch.ended = ended;
   batch.source_index.resize(batch_size);
   for (int i = 0; i < batch_size; ++i) {
     if (i < batch.valid) {
@@ -209,8 +210,9 @@ void DescribeOutputs(const DrawnBatch& batch, const SampleCopy* padding, int num
   out[num_fields].type = DALI_INT64;
 }
 
-void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding) {
-  if (padding || batch.valid == 0) return;
+void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding,
+                   PaddingAge& age) {
+  if (!age.take_from(batch)) return;
   auto copy = std::make_unique<SampleCopy>();
   const auto& lease = batch.leases[0];
   copy->desc = lease.desc();
@@ -326,7 +328,7 @@ class EchoSourceCPU : public StatelessOperator<CPUBackend> {
   bool SetupImpl(std::vector<OutputDesc>& out, const Workspace& ws) override {
     int batch_size = ws.GetRequestedBatchSize(0);
     batch_ = echopipe_dali::DrawBatch(*cache_, batch_size, padding_.get(), cache_name_);
-    echopipe_dali::UpdatePadding(batch_, padding_);
+    echopipe_dali::UpdatePadding(batch_, padding_, padding_age_);
     echopipe_dali::DescribeOutputs(batch_, padding_.get(), num_fields_, out, cache_name_);
     return true;
   }
@@ -357,6 +359,7 @@ class EchoSourceCPU : public StatelessOperator<CPUBackend> {
   std::shared_ptr<echopipe::EchoCache> cache_;
   echopipe_dali::DrawnBatch batch_;
   std::unique_ptr<echopipe_dali::SampleCopy> padding_;
+  echopipe_dali::PaddingAge padding_age_;
 };
 
 DALI_SCHEMA(EchopipeEchoSink)

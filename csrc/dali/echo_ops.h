@@ -49,6 +49,22 @@ struct DrawnBatch {
   std::vector<echopipe::SampleLease> leases;
   std::vector<int> source_index;  ///< per output sample: lease index, or -1 = template
   int valid = 0;                  ///< the first `valid` output samples are real draws
+  bool ended = false;             ///< the draw met the end of the pass's input
+};
+
+/// When a source replaces its padding template. The template repeats a sample of the pass it
+/// pads (plain DALI's reader repeats the last sample of the epoch, a file of the shard it reads
+/// then): the first sample drawn after a pass ended is taken again, since a reader that moves
+/// to another shard every epoch makes an older template a file of another shard.
+struct PaddingAge {
+  bool stale = true;  ///< no template yet, or the last one came from an ended pass
+  /// True when `batch` should replace the template; records the ends of passes.
+  bool take_from(const DrawnBatch& batch) {
+    const bool take = stale && batch.valid > 0;
+    if (take) stale = false;
+    if (batch.ended) stale = true;
+    return take;
+  }
 };
 
 /// Draws `batch_size` samples (blocking, polling close every 100 ms; `between_attempts`, when
@@ -62,8 +78,9 @@ DrawnBatch DrawBatch(echopipe::EchoCache& cache, int batch_size, const SampleCop
 void DescribeOutputs(const DrawnBatch& batch, const SampleCopy* padding, int num_fields,
                      std::vector<dali::OutputDesc>& out, const std::string& cache_name);
 
-/// Keeps a host copy of the first drawn sample as the padding template.
-void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding);
+/// Keeps a host copy of the pass's first drawn sample as the padding template (see PaddingAge).
+void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding,
+                   PaddingAge& age);
 
 /// Host pointer and size of field `f` for output sample `i`.
 const void* FieldData(const DrawnBatch& batch, const SampleCopy* padding, int i, int f,

@@ -292,6 +292,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     }
     CudaCheck(cudaEventRecord(flight.event.get(), stream), "cudaEventRecord");
     // The leases and the info buffer live until the copies that read them have completed.
+    flight.old_padding = std::move(old_padding_);
     flight.batch = std::move(batch_);
     batch_ = {};
     in_flight_.push(std::move(flight));
@@ -301,6 +302,9 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   // Members are destroyed in reverse order: the event (waiting for the copies) before the info
   // buffer and the leases those copies read.
   struct InFlight {
+    // A padding template this batch replaced: earlier batches' copies may still read it, and
+    // they run on the stream before this batch's event.
+    std::unique_ptr<DevicePadding> old_padding;
     echopipe_dali::DrawnBatch batch;
     std::unique_ptr<PinnedBuffer> info;
     CudaEvent event;
@@ -340,11 +344,13 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     }
   }
 
-  // Room for a device copy of the first drawn sample (once): the template of padded batches.
-  // Padding is only read by batches that drew nothing, never by the batch it comes from, so its
-  // copy can join that batch's launch (AddPaddingFill).
+  // Room for a device copy of the pass's first drawn sample: the template of padded batches
+  // (PaddingAge says why each pass takes its own). Padding is only read by batches that drew
+  // nothing, never by the batch it comes from, so its copy can join that batch's launch
+  // (AddPaddingFill); the template it replaces lives on in this batch's flight.
   void UpdatePadding() {
-    if (padding_ || batch_.valid == 0) return;
+    if (!padding_age_.take_from(batch_)) return;
+    old_padding_ = std::move(padding_);
     const auto& lease = batch_.leases[0];
     auto pad = std::make_unique<DevicePadding>();
     pad->desc_only.desc = lease.desc();
@@ -399,6 +405,8 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   bool device_checked_ = false;
   echopipe_dali::DrawnBatch batch_;
   std::unique_ptr<DevicePadding> padding_;
+  std::unique_ptr<DevicePadding> old_padding_;  // replaced by this batch; joins its flight
+  echopipe_dali::PaddingAge padding_age_;
   echopipe::cuda::CopyPlan plan_;
   std::vector<std::unique_ptr<PinnedBuffer>> free_info_;
   // Last, so it is destroyed first: each flight's event waits for the copies that read the
