@@ -6,6 +6,16 @@ finds PyTorch, not this module.
 
 from __future__ import annotations
 
-from .loader import EchoLoader, EchoLoaderStats, LayoutError, LoaderError, UnshardedLoaderError
+from .loader import (
+    EchoLoader,
+    EchoLoaderStats,
+    LayoutError,
+    LoaderError,
+    ShapeChangeError,
+    UnshardedLoaderError,
+)
 
-__all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "UnshardedLoaderError"]
+__all__ = [
+    "EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "ShapeChangeError",
+    "UnshardedLoaderError",
+]  # fmt: skip

@@ -29,7 +29,8 @@ import torch
 from .batch_tree import builder, tree_text
 
 __all__ = [
-    "Layout", "LayoutError", "builder", "decode", "decode_many", "describe", "encode", "match",
+    "Layout", "LayoutError", "ShapeChangeError", "builder", "decode", "decode_many", "describe",
+    "encode", "match",
 ]  # fmt: skip
 
 _MAX_FIELDS = 4  # fields per cache sample (csrc/echo)
@@ -37,6 +38,10 @@ _MAX_FIELDS = 4  # fields per cache sample (csrc/echo)
 
 class LayoutError(ValueError):
     """A batch that cannot be split into samples, or that changed structure mid-stream."""
+
+
+class ShapeChangeError(LayoutError):
+    """A field's per-sample shape or dtype changed between two batches of one epoch."""
 
 
 @dataclass(frozen=True)
@@ -247,11 +252,11 @@ def check_same(layout: Layout, other: Layout) -> None:
         )
     for a, b in zip(layout.leaves, other.leaves, strict=True):
         if a != b:
-            raise LayoutError(
+            raise ShapeChangeError(
                 f"field batch{a.path} changed from {a.kind} {a.dtype}{list(a.shape)} to "
-                f"{b.kind} {b.dtype}{list(b.shape)} per sample; echoed batches mix samples of "
-                "different batches, so every field needs one shape per sample (pad or resize "
-                "to a fixed shape)"
+                f"{b.kind} {b.dtype}{list(b.shape)} per sample within the epoch; echoed "
+                "batches mix samples of different batches, so every field needs one shape per "
+                "sample in an epoch"
             )
 
 

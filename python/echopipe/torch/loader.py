@@ -33,9 +33,12 @@ from .passes import EchoLoaderStats
 from .reader import LoaderError, Producer, Shared, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
 
-__all__ = ["EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "UnshardedLoaderError"]
+__all__ = [
+    "EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "ShapeChangeError",
+    "UnshardedLoaderError",
+]  # fmt: skip
 
-LayoutError = bl.LayoutError
+LayoutError, ShapeChangeError = bl.LayoutError, bl.ShapeChangeError
 
 
 class EchoLoader(PassThrough):
@@ -57,7 +60,7 @@ class EchoLoader(PassThrough):
         shuffle_buffer: Samples the cache holds (default 4 batches; at least 2 batches). Copies
             of a sample are drawn at random among them.
         batch_size: Samples per output batch (default: the wrapped loader's ``batch_size``,
-            else the first input batch's).
+            else the first input batch's; a larger input batch later warns).
         pin_memory: Output tensors in pinned memory, taken into directly (default: when
             ``device`` is CUDA).
         device: Move output tensors there (``non_blocking`` from pinned memory).
@@ -75,7 +78,8 @@ class EchoLoader(PassThrough):
 
     Iterating yields about ``e`` times as many batches per epoch as the wrapped loader. A
     failure of the wrapped loader raises :class:`LoaderError` naming the batch; a batch that
-    cannot be split into samples raises :class:`LayoutError`; several torch.distributed
+    cannot be split into samples raises :class:`LayoutError` (:class:`ShapeChangeError` for
+    a per-sample shape that changed within an epoch); several torch.distributed
     processes reading the whole dataset each raise :class:`UnshardedLoaderError`.
     """
 

@@ -128,6 +128,11 @@ class Producer(threading.Thread):
         # with generator=), taken before it starts; a resumed pass starts from the saved ones.
         self.order_rng: list[bytes] | None = resume["order_rng"] if resume is not None else None
         self.lockstep = Lockstep() if owner._deterministic else None
+        # The output batch size comes from the first batch (nothing else tells it), so a batch
+        # sampler with a schedule of sizes is warned about once (see _note_size).
+        self.first_rows_size = (
+            not owner._explicit_batch and wrapped.input_batch_size(self.source) is None
+        )
 
     def run(self) -> None:
         it: Any = None
@@ -216,6 +221,15 @@ class Producer(threading.Thread):
             if owner is None:
                 raise CacheClosedError("EchoLoader was garbage collected")
             cache = owner._accept_layout(layout, rows, self.stop)
+            if self.first_rows_size:
+                self._note_size(index, rows, owner._batch_size)
+        except bl.ShapeChangeError as exc:
+            raise bl.ShapeChangeError(
+                f"EchoLoader: batch {index} of epoch {self.epoch}: {exc} "
+                f"({wrapped.shape_source(self.source)} gave it): pad or resize to a fixed shape "
+                "in the dataset or collate_fn (a multi-scale schedule can resize the echoed "
+                "batches in the training step), or change the shape only between epochs"
+            ) from None
         except bl.LayoutError as exc:
             raise bl.LayoutError(
                 f"EchoLoader: batch {index} of epoch {self.epoch}: {exc}"
@@ -257,6 +271,23 @@ class Producer(threading.Thread):
                     self.rows_in_flight = 0
             if full and step is not None:
                 step.settle(seen, self.stop)
+
+    def _note_size(self, index: int, rows: int, size: int | None) -> None:
+        """Warns once when a batch of the wrapped loader is larger than the output batches
+        (``size``, its first batch's): every sample is still echoed ``e`` times, but in batches
+        of the first size, which a schedule of batch sizes may start small. Smaller batches are
+        not warned about: a last batch, or each worker's last batch of an iterable dataset."""
+        if size is None or rows <= size:
+            return
+        self.first_rows_size = False
+        warnings.warn(
+            f"EchoLoader: {wrapped.shape_source(self.source)} gives batches of different "
+            f"sizes ({size} samples in the first, {rows} in batch {index} of epoch "
+            f"{self.epoch}); every EchoLoader batch holds {size} samples: pass batch_size= to "
+            "EchoLoader to choose the size",
+            RuntimeWarning,
+            stacklevel=1,
+        )
 
     def _check_rows(self, index: int, rows: int) -> None:
         """A batch's rows against the samples the DataLoader's batching gives batch ``index``:

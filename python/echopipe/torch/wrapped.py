@@ -229,6 +229,20 @@ def input_batch_size(loader: Any) -> int | None:
     return None
 
 
+def shape_source(loader: Any) -> str:
+    """What decides the wrapped loader's batches, for a message about a batch whose shape
+    changed: a batch sampler of its own (a multi-scale or batch-size schedule), else the
+    DataLoader's dataset and collate_fn, else the loader itself."""
+    dl = _innermost_dataloader(loader)
+    if dl is None:
+        return f"the wrapped {type(loader).__name__}"
+    sampler = dl.batch_sampler
+    if sampler is not None and type(sampler) is not BatchSampler:
+        return f"the wrapped DataLoader's batch_sampler {type(sampler).__name__}"
+    collate = getattr(dl.collate_fn, "__name__", type(dl.collate_fn).__name__)
+    return f"the wrapped DataLoader's dataset {type(dl.dataset).__name__} or collate_fn {collate}"
+
+
 def check_sharded(loader: Any) -> None:
     """Raises :class:`UnshardedLoaderError` when several torch.distributed processes would
     each read the whole dataset through a plain sampler.
