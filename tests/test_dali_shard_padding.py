@@ -84,35 +84,51 @@ def _passes(pipe, iterator: str, policy: LastBatchPolicy) -> list[list[list[int]
 
 
 def _expect_own_shard(runs, e: int, policy: LastBatchPolicy) -> None:
-    """The rule: rank k's pass t holds only files of shard (k + t) % S, each e times, the
-    padding included (FILL: every batch full; PARTIAL: no padding reaches the loop)."""
+    """The rule: rank k's pass t holds only files of shard (k + t) % S, the padding included.
+    FILL counts the padding (every batch full, each file at least e times); PARTIAL trims it
+    (each file e times); DROP drops the short batches (every batch full, no file more than e
+    times, no padding)."""
     for k, passes in enumerate(runs):
         for t, batches in enumerate(passes):
             shard = shard_files((k + t) % SHARDS)
             counts = Counter(f for b in batches for f in b)
-            assert set(counts) == shard, (k, t, sorted(set(counts) - shard))
+            assert set(counts) <= shard, (k, t, sorted(set(counts) - shard))
             if policy == LBP.FILL:
                 assert all(len(b) == BATCH for b in batches)
-                assert min(counts.values()) == e
+                assert set(counts) == shard and min(counts.values()) == e
+            elif policy == LBP.DROP:
+                assert all(len(b) == BATCH for b in batches)
+                assert max(counts.values()) <= e
             else:
                 assert counts == dict.fromkeys(shard, e)
 
 
-@pytest.mark.parametrize("policy", [LBP.FILL, LBP.PARTIAL])
+def _steps(e: int, policy: LastBatchPolicy) -> int:
+    """Batches of every rank's pass: the largest shard's copies, DROP the smallest's whole
+    batches."""
+    sizes = [len(shard_files(k)) for k in range(SHARDS)]
+    if policy == LBP.DROP:
+        return e * min(sizes) // BATCH
+    return -(-e * max(sizes) // BATCH)
+
+
+@pytest.mark.parametrize("policy", [LBP.FILL, LBP.PARTIAL, LBP.DROP])
 def test_plain_dali_pads_each_epoch_with_a_file_of_the_shard_it_reads(jpegs, policy) -> None:
     """The reference: plain DALI over the moving shards, 10 and 11 files, batch 4: 3 batches
-    each epoch; FILL hands out 2 and 1 padding copies, PARTIAL trims them."""
+    each epoch; FILL hands out 2 and 1 padding copies, PARTIAL trims them, DROP takes 2."""
     runs = []
     for k in range(SHARDS):
         pipe = plain_pipe(jpegs, k, batch_size=BATCH, seed=3 + k)
         runs.append(_passes(pipe, "dali", policy))
-    assert [[len(p) for p in passes] for passes in runs] == [[3] * PASSES] * SHARDS
+    assert [[len(p) for p in passes] for passes in runs] == [[_steps(1, policy)] * PASSES] * 2
     _expect_own_shard(runs, 1, policy)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize(("iterator", "policy"), [("dali", LBP.FILL), ("echo", LBP.FILL),
-                                                  ("echo", LBP.PARTIAL)])  # fmt: skip
+@pytest.mark.parametrize(("iterator", "policy"), [
+    ("dali", LBP.FILL), ("dali", LBP.DROP), ("echo", LBP.FILL), ("echo", LBP.PARTIAL),
+    ("echo", LBP.DROP),
+])  # fmt: skip
 @pytest.mark.parametrize("e", [2, 3])
 def test_echoed_padding_of_a_later_pass_is_a_file_of_that_passs_shard(
     jpegs, e, iterator, policy, deterministic
@@ -126,6 +142,6 @@ def test_echoed_padding_of_a_later_pass_is_a_file_of_that_passs_shard(
         opts = dict(batch_size=BATCH, echo_factor=e, seed=3 + k, deterministic=deterministic)
         with echo_pipe(jpegs, k, **opts) as pipe:
             runs.append(_passes(pipe, iterator, policy))
-    steps = -(-e * max(len(shard_files(k)) for k in range(SHARDS)) // BATCH)
+    steps = _steps(e, policy)
     assert [[len(p) for p in passes] for passes in runs] == [[steps] * PASSES] * SHARDS
     _expect_own_shard(runs, e, policy)
