@@ -18,7 +18,7 @@ This module is the public face of three pieces, each in its own module:
 from __future__ import annotations
 
 from .digits import load_digits
-from .folder_check import ScanShare, default_workers
+from .folder_check import FILE_TIMEOUT_S, CheckFailedError, ScanShare, default_workers
 from .image_folder import (
     MAX_IMAGE_PIXELS,
     CorruptImageError,
@@ -38,8 +38,10 @@ from .synthetic import (
 )
 
 __all__ = [
+    "FILE_TIMEOUT_S",
     "MAX_IMAGE_PIXELS",
     "SYNTHETIC_GENERATOR_VERSION",
+    "CheckFailedError",
     "CorruptImageError",
     "ImageFolderIndex",
     "ScanShare",

@@ -13,6 +13,14 @@ run already holds, so every rank ends with the same lists. They do so after ever
 ``stop_at_first`` all stop after the round holding the first bad file. Within a round a rank
 that stops at its first bad file has checked all of its files before it, so the smallest of
 the ranks' first bad files is the first in scan order.
+
+A check that raises (a bug, memory running out in a decode) or that does not finish within
+:data:`FILE_TIMEOUT_S` (a read stuck on a hanging network mount, which no Python code can
+interrupt) stops the scan with a :class:`CheckFailedError` naming the file. Under torchrun the
+rank where it happened stops checking and tells the others at the next exchange, so every rank
+raises the same error naming that rank and file instead of waiting in the collective until
+``--dist-timeout-s``. The checks run on daemon threads: one stuck in the kernel is left behind
+and does not keep the process from ending.
 """
 
 from __future__ import annotations
@@ -21,13 +29,20 @@ import collections
 import concurrent.futures
 import itertools
 import os
+import queue
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ScanShare", "check_files", "default_workers"]
+__all__ = ["FILE_TIMEOUT_S", "CheckFailedError", "ScanShare", "check_files", "default_workers"]
+
+FILE_TIMEOUT_S = 60.0
+"""Longest the check of one file may run (seconds): a header check reads a few KiB and a decode
+check decodes one image, well under a second each; a file still unfinished after a minute is on
+a mount that hangs, and the scan stops naming it."""
 
 _MAX_WORKERS = 8
 # Futures in flight per thread: enough that a slow file does not idle the others.
@@ -36,6 +51,25 @@ _WINDOW_PER_WORKER = 4
 _ROUND_PER_RANK = 4096
 # How long the scan waits on one file before it looks at the time for a progress line again.
 _POLL_S = 1.0
+
+
+class CheckFailedError(RuntimeError):
+    """The check of ``path`` raised or did not finish within its bound (on rank ``rank`` under
+    torchrun, else ``None``); ``reason`` says what happened. Every rank raises the same one."""
+
+    def __init__(self, path: str, reason: str, rank: int | None = None) -> None:
+        self.path, self.reason, self.rank = path, reason, rank
+        where = "" if rank is None else f"rank {rank}: "
+        tail = "" if rank is None else "; every rank stops"
+        super().__init__(f"{where}the check of {path!r} failed: {reason}{tail}")
+
+
+class _Failed(Exception):
+    """Inside the scan: the check of ``paths[index]`` failed (``reason``)."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(reason)
+        self.index, self.reason = index, reason
 
 
 @dataclass(frozen=True)
@@ -72,18 +106,24 @@ def check_files(
     progress: Callable[[int, int], None] | None = None,
     progress_every_s: float = 30.0,
     names: Sequence[str] | None = None,
+    file_timeout_s: float | None = FILE_TIMEOUT_S,
 ) -> list[tuple[int, str]]:
     """``(index, reason)`` of the bad files of ``paths``, in scan order: all of them, or with
     ``stop_at_first`` only the first (an empty list when all pass).
 
-    ``check_one(path)`` returns why a file is bad, or None. ``workers`` threads run it (1: in
-    this thread). With ``share`` this process checks its share and the ranks combine their
-    findings after every round of a few thousand files each (so a rank that stops at a bad
-    file never waits for the others' whole shares, and no rank waits long in a collective);
-    ``names`` (the paths relative to the scanned folder) are compared across ranks first, so
-    ranks that list different files are refused with a ValueError instead of combining
-    indices that mean different files. ``progress(checked, total)`` is called with 0 at the
-    start and then at most every ``progress_every_s`` seconds (this process's share).
+    ``check_one(path)`` returns why a file is bad, or None. ``workers`` daemon threads run it
+    (with 1 and no ``file_timeout_s``: this thread). With ``share`` this process checks its
+    share and the ranks combine their findings after every round of a few thousand files each
+    (so a rank that stops at a bad file never waits for the others' whole shares, and no rank
+    waits long in a collective); ``names`` (the paths relative to the scanned folder) are
+    compared across ranks first, so ranks that list different files are refused with a
+    ValueError instead of combining indices that mean different files. ``progress(checked,
+    total)`` is called with 0 at the start and then at most every ``progress_every_s`` seconds
+    (this process's share).
+
+    Raises:
+        CheckFailedError: ``check_one`` raised, or ran longer than ``file_timeout_s`` seconds
+            on one file (None: no bound), here or on another rank; names the rank and file.
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
@@ -93,27 +133,90 @@ def check_files(
         _same_files(share, names if names is not None else paths)
     count = _Count(len(range(rank, len(paths), world)), progress, progress_every_s)
     step = _ROUND_PER_RANK * world if world > 1 else max(1, len(paths))
-    pool = (
-        concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="echopipe-check")
-        if workers > 1
-        else None
-    )
+    threaded = workers > 1 or file_timeout_s is not None
+    pool = _DaemonPool(workers, file_timeout_s) if threaded else None
     found: list[tuple[int, str]] = []
     try:
         for start in range(0, len(paths), step):
             mine = range(start + rank, min(len(paths), start + step), world)
-            bad = _check_in_order(paths, mine, check_one, stop_at_first, pool, workers, count)
+            failed: tuple[int, str] | None = None
+            try:
+                bad = _check_in_order(paths, mine, check_one, stop_at_first, pool, workers, count)
+            except _Failed as exc:
+                if share is None or world == 1:
+                    raise CheckFailedError(paths[exc.index], exc.reason) from exc.__cause__
+                bad, failed, cause = [], (exc.index, exc.reason), exc.__cause__
             if share is not None and world > 1:
-                bad = sorted(b for view in share.gather(bad) for b in view)
+                views = share.gather((bad, failed))
+                who = next((r for r, view in enumerate(views) if view[1] is not None), None)
+                if who is not None:  # every rank stops here, naming the same rank and file
+                    i, reason = views[who][1]
+                    err = CheckFailedError(paths[i], reason, rank=who)
+                    raise err from (cause if who == rank else None)
+                bad = sorted(b for view in views for b in view[0])
             found.extend(bad)
             if stop_at_first and found:
                 return found[:1]
     finally:
         if pool is not None:
             # Ctrl-C, SIGTERM, a failed check or the first bad file: the queued checks are
-            # dropped and the running ones (one file each) end before the scan returns.
-            pool.shutdown(wait=True, cancel_futures=True)
+            # dropped and the running ones (one file each) end before the scan returns, but
+            # for one stuck past the bound.
+            pool.shutdown()
     return found
+
+
+class _DaemonPool:
+    """Threads that run the checks. Daemons: a thread stuck in a read the kernel does not end
+    (a hanging mount) cannot be stopped from Python, and must not keep the process alive."""
+
+    def __init__(self, workers: int, bound_s: float | None) -> None:
+        self.bound_s = bound_s
+        self.started: dict[concurrent.futures.Future[Any], float] = {}
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"echopipe-check_{n}", daemon=True)
+            for n in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[[str], Any], arg: str) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((future, fn, arg))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, arg = job
+            if not future.set_running_or_notify_cancel():
+                continue  # dropped while queued
+            self.started[future] = time.monotonic()
+            try:
+                future.set_result(fn(arg))
+            except BaseException as exc:  # handed to the scan, which names the file
+                future.set_exception(exc)
+            finally:
+                self.started.pop(future, None)
+
+    def running_for(self, future: concurrent.futures.Future[Any]) -> float:
+        """Seconds ``future``'s check has run (0 while queued or done)."""
+        began = self.started.get(future)
+        return 0.0 if began is None else time.monotonic() - began
+
+    def stuck(self, future: concurrent.futures.Future[Any]) -> bool:
+        return self.bound_s is not None and self.running_for(future) > self.bound_s
+
+    def shutdown(self) -> None:
+        """Ends the threads once their file is checked; a check that has run past the bound is
+        not waited for, and none longer than the bound."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        oldest = max((time.monotonic() - t for t in list(self.started.values())), default=0.0)
+        wait = None if self.bound_s is None else max(0.0, self.bound_s - oldest)
+        deadline = None if wait is None else time.monotonic() + wait
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 class _Count:
@@ -154,22 +257,27 @@ def _check_in_order(
     order: range,
     check_one: Callable[[str], str | None],
     stop_at_first: bool,
-    pool: concurrent.futures.ThreadPoolExecutor | None,
+    pool: _DaemonPool | None,
     workers: int,
     count: _Count,
 ) -> list[tuple[int, str]]:
     """The bad files among ``order``, checked on ``pool`` (or in this thread) and taken in
-    order, at most ``workers * 4`` in flight."""
+    order, at most ``workers * 4`` in flight. A check that raises or runs past the pool's
+    bound raises :class:`_Failed`."""
     bad: list[tuple[int, str]] = []
     if pool is None:
         for i in order:
-            reason = check_one(paths[i])
+            try:
+                reason = check_one(paths[i])
+            except Exception as exc:
+                raise _Failed(i, f"{type(exc).__name__}: {exc}") from exc
             count.tick(1)
             if reason is not None:
                 bad.append((i, reason))
                 if stop_at_first:
                     break
         return bad
+    poll = _POLL_S if pool.bound_s is None else min(_POLL_S, pool.bound_s / 4)
     pending: collections.deque[tuple[int, concurrent.futures.Future[str | None]]]
     pending = collections.deque()
     todo = iter(order)
@@ -180,9 +288,18 @@ def _check_in_order(
             if not pending:
                 return bad
             i, future = pending.popleft()
-            while not concurrent.futures.wait([future], timeout=_POLL_S).done:
+            while not concurrent.futures.wait([future], timeout=poll).done:
                 count.tick()  # a slow file: the progress line still comes
-            reason = future.result()
+                if pool.stuck(future):
+                    raise _Failed(
+                        i,
+                        f"it did not finish within {pool.bound_s:g} s (a hanging network "
+                        "mount or device?); its thread is left behind",
+                    )
+            try:
+                reason = future.result()
+            except Exception as exc:
+                raise _Failed(i, f"{type(exc).__name__}: {exc}") from exc
             count.tick(1)
             if reason is not None:
                 bad.append((i, reason))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Literal
 
+from . import folder_check
 from .decode_check import decode_problem
 from .folder_check import ScanShare, check_files
 from .folder_walk import link_problem, walk_images
@@ -268,6 +269,8 @@ def scan_image_folder(
         ValueError: ``root`` has no class sub-folders, or no images are left, or it or a class
             folder has a name that is not UTF-8.
         CorruptImageError: a bad file when ``on_corrupt="error"``; names the file and reason.
+        CheckFailedError: a file's check raised or ran past ``FILE_TIMEOUT_S``, here or on
+            another rank (:mod:`.folder_check`); names the rank and file.
         OSError: a folder of the tree cannot be listed; names it.
     """
     if check not in ("none", "header", "decode"):
@@ -372,6 +375,7 @@ def _check_listed(
         share=share if heavy else None,
         progress=progress if heavy else None,
         names=[p[len(index.root) + 1 :] for p in paths] if heavy and share else None,
+        file_timeout_s=folder_check.FILE_TIMEOUT_S if heavy else None,
     )
     if bad and on_corrupt == "error":
         raise CorruptImageError(paths[bad[0][0]], bad[0][1])

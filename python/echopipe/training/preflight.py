@@ -110,7 +110,7 @@ def check_data(
     (train/'s is said once the training input is built). ``check_train=False`` (``--evaluate``,
     which reads only val/) lists train/ for its classes without checking its images.
     """
-    from ..data import ScanShare, default_workers, scan_image_folder
+    from ..data import CheckFailedError, ScanShare, default_workers, scan_image_folder
 
     if cfg.data is None:
         from ..data import ensure_synthetic_imagenet
@@ -167,7 +167,7 @@ def check_data(
                 if cfg.progress
                 else None,
             )
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, CheckFailedError) as exc:
         raise DataError(f"--data: {exc}") from None
     train, val = indexes["train"], indexes["val"]
     (left_out if left_out is not None else []).extend(say_left_out(val, "val", say))

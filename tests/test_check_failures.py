@@ -1,0 +1,112 @@
+"""The image check when a rank's check fails or a file never finishes: every rank ends naming
+the rank and file, nothing waits forever.
+
+The ranks are two plain processes joined over gloo (no torchrun agent that would stop the
+survivor when the failing rank exits): what a rank prints is its own. Each child runs under a
+timeout, so a check that still hangs fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline_support import train_runs as tr
+
+# Rank 1's check of one file either raises (as a decode that runs out of memory does) or reads
+# a FIFO whose writer never writes (as a file on a hanging network mount does).
+_RANK = """
+import os, sys
+import echopipe.data.folder_check as folder_check
+import echopipe.data.image_folder as image_folder
+from echopipe.cli import main
+
+how, fifo = sys.argv[1], sys.argv[2]
+real = image_folder.check_image_file
+folder_check.FILE_TIMEOUT_S = 0.5
+
+def failing(path, check="header"):
+    if os.environ["RANK"] == "1" and path.endswith(os.path.join("cat", "03.JPEG")):
+        if how == "raise":
+            raise MemoryError("no memory left for the decode")
+        with open(fifo, "rb") as f:  # blocks in the kernel: no writer ever opens the FIFO
+            f.read()
+    return real(path, check)
+
+image_folder.check_image_file = failing
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def _data(root: Path) -> Path:
+    for split, count in (("train", 6), ("val", 2)):
+        for c in ("ant", "cat"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(count):
+                pixels = np.random.default_rng(i).integers(0, 255, (32, 32, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / c / f"{i:02d}.JPEG", quality=80)
+    return root
+
+
+def _two_ranks(tmp_path: Path, how: str) -> list[tuple[int, str]]:
+    """``(status, stderr)`` of two ranks of ``echopipe train`` whose rank 1 fails as ``how``
+    says; a rank still running after 120 s fails the test."""
+    data = _data(tmp_path / "data")
+    fifo = tmp_path / "stuck.JPEG"
+    os.mkfifo(fifo)
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK)
+    port = tr.free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(tr.child_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        cmd = [sys.executable, str(script), how, str(fifo), "train", "--data", str(data),
+               "--output", str(tmp_path / "run"), "--check", "decode", "--no-progress",
+               "--dist-timeout-s", "600"]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    out = []
+    try:
+        for proc in procs:
+            err = proc.communicate(timeout=120)[1]
+            out.append((proc.returncode, err))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return out
+
+
+def _the_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("echopipe train:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.distributed
+def test_a_check_that_raises_on_one_rank_ends_every_rank_naming_it(tmp_path: Path) -> None:
+    bad = str(tmp_path / "data" / "train" / "cat" / "03.JPEG")
+    for status, err in _two_ranks(tmp_path, "raise"):
+        assert status == 1, err
+        line = _the_line(err)
+        assert "rank 1:" in line and repr(bad) in line, line
+        assert "MemoryError: no memory left for the decode" in line, line
+
+
+@pytest.mark.distributed
+def test_a_file_that_never_finishes_on_one_rank_ends_every_rank_naming_it(
+    tmp_path: Path,
+) -> None:
+    bad = str(tmp_path / "data" / "train" / "cat" / "03.JPEG")
+    for status, err in _two_ranks(tmp_path, "hang"):
+        assert status == 1, err
+        line = _the_line(err)
+        assert "rank 1:" in line and repr(bad) in line and "did not finish within 0.5 s" in line
