@@ -1,5 +1,5 @@
-"""The image check when a rank's check fails or a file never finishes: every rank ends naming
-the rank and file, nothing waits forever.
+"""The image check when a rank's check fails or a file never finishes, and files that are not
+regular files: every rank ends naming the rank and file, nothing waits forever.
 
 The ranks are two plain processes joined over gloo (no torchrun agent that would stop the
 survivor when the failing rank exits): what a rank prints is its own. Each child runs under a
@@ -9,6 +9,7 @@ timeout, so a check that still hangs fails the test instead of hanging it.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,60 @@ def test_a_file_that_never_finishes_on_one_rank_ends_every_rank_naming_it(
         assert status == 1, err
         line = _the_line(err)
         assert "rank 1:" in line and repr(bad) in line and "did not finish within 0.5 s" in line
+
+
+_HEADER = """
+import sys
+from echopipe.data import CorruptImageError, check_image_file
+for path in sys.argv[1:]:
+    for check in ("header", "decode"):
+        try:
+            check_image_file(path, check)
+        except CorruptImageError as exc:
+            print(exc.reason)
+"""
+
+
+def test_the_check_refuses_a_fifo_socket_or_device_unopened(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.JPEG"
+    os.mkfifo(fifo)  # a blocking open waits for a writer that never comes
+    sock_path = tmp_path / "s.JPEG"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(sock_path))
+        cmd = [sys.executable, "-c", _HEADER, str(fifo), str(sock_path), "/dev/zero"]
+        done = subprocess.run(cmd, env=tr.child_env(), capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    reasons = done.stdout.splitlines()
+    kinds = ["a named pipe (FIFO)"] * 2 + ["a socket"] * 2 + ["a character device"] * 2
+    assert len(reasons) == len(kinds), done.stdout
+    for reason, kind in zip(reasons, kinds, strict=True):
+        assert reason.startswith(f"is {kind}, not a regular file"), reason
+
+
+_SCAN = """
+import sys
+from echopipe.data import CorruptImageError, scan_image_folder
+for check in ("none", "header", "decode"):
+    index = scan_image_folder(sys.argv[1], check=check, on_corrupt="skip")
+    print(len(index.files), *index.skipped[0])
+    try:
+        scan_image_folder(sys.argv[1], check=check)
+    except CorruptImageError as exc:
+        print(exc.path, exc.reason)
+"""
+
+
+def test_a_fifo_named_like_an_image_is_named_by_the_scan_never_opened(tmp_path: Path) -> None:
+    root = _data(tmp_path / "data") / "train"
+    fifo = root / "ant" / "00b.JPEG"  # second in scan order: a good file comes before it
+    os.mkfifo(fifo)
+    cmd = [sys.executable, "-c", _SCAN, str(root)]
+    done = subprocess.run(cmd, env=tr.child_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    why = "is a named pipe (FIFO), not a regular file"
+    lines = done.stdout.splitlines()
+    assert len(lines) == 6, done.stdout
+    for kept, stopped in zip(lines[::2], lines[1::2], strict=True):
+        assert kept.startswith(f"12 {fifo} {why}"), kept  # left out, named
+        assert stopped.startswith(f"{fifo} {why}"), stopped  # or the run stops at it

@@ -6,10 +6,44 @@ The walk of :func:`echopipe.data.scan_image_folder`; see its notes on links.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
-__all__ = ["link_problem", "walk_images"]
+__all__ = ["link_problem", "open_regular_image", "walk_images"]
+
+_KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISDIR, "a folder"))  # fmt: skip
+
+
+def _not_regular(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "a special file")
+    return f"is {kind}, not a regular file (not opened: reading it could wait forever)"
+
+
+def open_regular_image(path: str) -> BinaryIO:
+    """``path`` opened for binary reading if it is a regular file. Anything else (a FIFO whose
+    writer never writes, a device, a socket) raises ValueError saying what it is, without
+    being opened: a blocking open or read of one could wait forever. The type is checked again
+    on the open descriptor (opened without blocking), so a name swapped in between is refused
+    too. OSError when it cannot be read."""
+    problem = _not_regular(os.stat(path).st_mode)
+    if problem is not None:
+        raise ValueError(problem)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        problem = _not_regular(os.fstat(fd).st_mode)
+        if problem is not None:
+            raise ValueError(problem)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _inside(path: str, real_root: str) -> bool:
@@ -30,8 +64,15 @@ def link_problem(path: str, real_root: str, walking: set[str]) -> str | None:
 
 
 def walk_images(
-    folder: Path, exts: tuple[str, ...], real_root: str, links_skipped: list[tuple[str, str]]
+    folder: Path,
+    exts: tuple[str, ...],
+    real_root: str,
+    links_skipped: list[tuple[str, str]],
+    not_files: dict[str, str] | None = None,
 ) -> Iterator[str]:
+    """The image files under ``folder``. An entry named like an image that is neither a folder
+    nor a regular file (a FIFO, socket or device) is yielded too, with why it is refused put in
+    ``not_files``, so the scan names it; it is never opened."""
     # Depth first with the real paths of the folders being walked, so a link back into one of
     # them is seen as a loop; links out of the root are refused before they are followed. The
     # root counts as walked: a link to it would file every class's images under this one.
@@ -54,7 +95,16 @@ def walk_images(
                     continue
             if e.is_dir(follow_symlinks=True):
                 subdirs.append(e.path)
-            elif e.name.lower().endswith(exts) and e.is_file(follow_symlinks=True):
-                yield e.path
+            elif e.name.lower().endswith(exts):
+                if e.is_file(follow_symlinks=True):
+                    yield e.path
+                elif not_files is not None:
+                    try:  # a stat, not an open: a FIFO's open would wait for a writer
+                        problem = _not_regular(e.stat().st_mode)
+                    except OSError as exc:
+                        problem = f"cannot read: {exc.strerror or exc}"
+                    if problem is not None:
+                        not_files[e.path] = problem
+                    yield e.path
         for sub in reversed(subdirs):
             stack.append((sub, walking | {os.path.realpath(sub)}))

@@ -19,7 +19,7 @@ from typing import BinaryIO, Literal
 from . import folder_check
 from .decode_check import decode_problem
 from .folder_check import ScanShare, check_files
-from .folder_walk import link_problem, walk_images
+from .folder_walk import link_problem, open_regular_image, walk_images
 
 __all__ = [
     "MAX_IMAGE_PIXELS",
@@ -159,7 +159,7 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
     (looked for in its last 1 KiB, and only when none is there in the rest of the file), or
     start with the PNG signature and an ``IHDR`` chunk and hold an ``IEND`` chunk within its
     last 1 KiB. The size in the frame header or ``IHDR`` must be non-zero and at most
-    :data:`MAX_IMAGE_PIXELS`.
+    :data:`MAX_IMAGE_PIXELS`. A FIFO, socket or device is refused without being opened.
 
     ``"decode"`` also decodes the whole image with Pillow, and a JPEG a second time to find
     image data that stops before the image is complete: a file cut inside its scan and ended
@@ -171,7 +171,7 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
     path = os.fspath(path)
     size_problem, ended = None, False
     try:
-        with open(path, "rb") as fh:
+        with _open(path) as fh:
             head = fh.read(24)
             fh.seek(0, os.SEEK_END)
             length = fh.tell()
@@ -215,13 +215,21 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
 def _decode(path: str) -> None:
     """The ``"decode"`` check of a file whose header passed (:mod:`.decode_check`)."""
     try:
-        with open(path, "rb") as fh:
+        with _open(path) as fh:
             data = fh.read()
     except OSError as exc:
         raise CorruptImageError(path, f"cannot read: {exc.strerror or exc}") from exc
     problem = decode_problem(data)
     if problem is not None:
         raise CorruptImageError(path, problem)
+
+
+def _open(path: str) -> BinaryIO:
+    """``path`` for reading; a FIFO, device or socket is refused unopened."""
+    try:
+        return open_regular_image(path)
+    except ValueError as exc:
+        raise CorruptImageError(path, str(exc)) from None
 
 
 def scan_image_folder(
@@ -245,7 +253,8 @@ def scan_image_folder(
     ``links_skipped``, so a link can neither pull in files from elsewhere nor repeat a folder.
     A folder that cannot be listed raises OSError naming it (its images would be missing).
     DALI's reader takes only UTF-8 names: an image whose name (or sub-folder's) is not UTF-8 is
-    a bad file at every ``check``; a class folder or ``root`` so named is refused.
+    a bad file at every ``check``, as is one that is not a regular file (a FIFO, socket or
+    device: never opened); a class folder or ``root`` so named is refused.
 
     Args:
         root: the dataset split folder, e.g. ``.../train``.
@@ -298,12 +307,13 @@ def scan_image_folder(
     # decoding, and the count gives the progress lines their total.
     paths: list[str] = []
     labels: list[int] = []
+    not_files: dict[str, str] = {}  # FIFOs, sockets, devices named like images: refused
     for label, name in enumerate(classes):
-        for path in walk_images(root_path / name, exts, real_root, index.links_skipped):
+        for path in walk_images(root_path / name, exts, real_root, index.links_skipped, not_files):
             paths.append(path)
             labels.append(label)
 
-    _check_listed(index, paths, labels, check, on_corrupt, workers, share, progress)
+    _check_listed(index, paths, labels, check, on_corrupt, workers, share, progress, not_files)
     if not index.files:
         detail = f" ({len(index.skipped)} corrupt files skipped)" if index.skipped else ""
         raise ValueError(
@@ -353,11 +363,14 @@ def _check_listed(
     workers: int,
     share: ScanShare | None,
     progress: Callable[[int, int], None] | None,
+    not_files: dict[str, str],
 ) -> None:
     """Check the listed files (:mod:`.folder_check`) and fill ``index`` with the good ones."""
 
     def check_one(path: str) -> str | None:
         try:
+            if path in not_files:
+                raise CorruptImageError(path, not_files[path])
             if not _is_utf8(path):
                 raise CorruptImageError(path, f"its name is not UTF-8{_RENAME}")
             if check != "none":
