@@ -1,4 +1,5 @@
-"""Walking an ImageFolder tree: image files in sorted order, symbolic links kept inside it.
+"""Walking an ImageFolder tree: its class folders and image files in sorted order, symbolic
+links kept inside it, names DALI can open, and image files opened only when regular.
 
 The walk of :func:`echopipe.data.scan_image_folder`; see its notes on links.
 """
@@ -11,7 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["link_problem", "open_regular_image", "walk_images"]
+__all__ = [
+    "RENAME",
+    "class_folders",
+    "is_utf8",
+    "link_problem",
+    "open_regular_image",
+    "walk_images",
+]
 
 _KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -108,3 +116,34 @@ def walk_images(
                     yield e.path
         for sub in reversed(subdirs):
             stack.append((sub, walking | {os.path.realpath(sub)}))
+
+
+RENAME = "; DALI's file reader takes only UTF-8 names: rename it"
+
+
+def is_utf8(name: str) -> bool:
+    """Whether ``name`` is valid UTF-8 on disk: ``os.scandir`` gives the bytes of other names as
+    lone surrogates, which DALI's reader refuses with a bare type error."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def class_folders(
+    root_path: Path, real_root: str, links_skipped: list[tuple[str, str]]
+) -> list[str]:
+    """The sorted class folder names of ``root_path`` (links that leave it are skipped)."""
+    classes = []
+    for e in sorted(os.scandir(root_path), key=lambda e: e.name):
+        if e.name.startswith(".") or not e.is_dir(follow_symlinks=True):
+            continue
+        if not is_utf8(e.name):  # its label would be a name no one can print or type
+            raise ValueError(f"class folder {e.path!r} has a name that is not UTF-8{RENAME}")
+        reason = link_problem(e.path, real_root, set()) if e.is_symlink() else None
+        if reason is None:
+            classes.append(e.name)
+        else:
+            links_skipped.append((e.path, reason))
+    return classes

@@ -19,7 +19,7 @@ from typing import BinaryIO, Literal
 from . import folder_check
 from .decode_check import decode_problem
 from .folder_check import ScanShare, check_files
-from .folder_walk import link_problem, open_regular_image, walk_images
+from .folder_walk import RENAME, class_folders, is_utf8, open_regular_image, walk_images
 
 __all__ = [
     "MAX_IMAGE_PIXELS",
@@ -293,11 +293,11 @@ def scan_image_folder(
     if not root_path.is_dir():
         what = "is not a folder" if root_path.exists() else "does not exist"
         raise FileNotFoundError(f"image folder {str(root_path)!r} {what}")
-    if not _is_utf8(str(root_path)):
-        raise ValueError(f"image folder {str(root_path)!r} has a name that is not UTF-8{_RENAME}")
+    if not is_utf8(str(root_path)):
+        raise ValueError(f"image folder {str(root_path)!r} has a name that is not UTF-8{RENAME}")
     real_root = os.path.realpath(root_path)
     index = ImageFolderIndex(root=str(root_path))
-    classes = _class_folders(root_path, real_root, index.links_skipped)
+    classes = class_folders(root_path, real_root, index.links_skipped)
     if not classes:
         raise ValueError(f"image folder {str(root_path)!r} has no class sub-folders")
     index.classes = classes
@@ -323,37 +323,6 @@ def scan_image_folder(
     return index
 
 
-_RENAME = "; DALI's file reader takes only UTF-8 names: rename it"
-
-
-def _is_utf8(name: str) -> bool:
-    """Whether ``name`` is valid UTF-8 on disk: ``os.scandir`` gives the bytes of other names as
-    lone surrogates, which DALI's reader refuses with a bare type error."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _class_folders(
-    root_path: Path, real_root: str, links_skipped: list[tuple[str, str]]
-) -> list[str]:
-    """The sorted class folder names of ``root_path`` (links that leave it are skipped)."""
-    classes = []
-    for e in sorted(os.scandir(root_path), key=lambda e: e.name):
-        if e.name.startswith(".") or not e.is_dir(follow_symlinks=True):
-            continue
-        if not _is_utf8(e.name):  # its label would be a name no one can print or type
-            raise ValueError(f"class folder {e.path!r} has a name that is not UTF-8{_RENAME}")
-        reason = link_problem(e.path, real_root, set()) if e.is_symlink() else None
-        if reason is None:
-            classes.append(e.name)
-        else:
-            links_skipped.append((e.path, reason))
-    return classes
-
-
 def _check_listed(
     index: ImageFolderIndex,
     paths: list[str],
@@ -371,8 +340,8 @@ def _check_listed(
         try:
             if path in not_files:
                 raise CorruptImageError(path, not_files[path])
-            if not _is_utf8(path):
-                raise CorruptImageError(path, f"its name is not UTF-8{_RENAME}")
+            if not is_utf8(path):
+                raise CorruptImageError(path, f"its name is not UTF-8{RENAME}")
             if check != "none":
                 check_image_file(path, check)  # type: ignore[arg-type]
         except CorruptImageError as exc:
