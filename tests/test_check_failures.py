@@ -9,6 +9,7 @@ timeout, so a check that still hangs fails the test instead of hanging it.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -55,10 +56,13 @@ def _data(root: Path) -> Path:
     return root
 
 
-def _two_ranks(tmp_path: Path, how: str) -> list[tuple[int, str]]:
-    """``(status, stderr)`` of two ranks of ``echopipe train`` whose rank 1 fails as ``how``
-    says; a rank still running after 120 s fails the test."""
-    data = _data(tmp_path / "data")
+def _two_ranks(tmp_path: Path, how: str, rank1: tuple[str, ...] = ()) -> list[tuple[int, str]]:
+    """``(status, stderr)`` of two ranks of ``echopipe train`` on ``tmp_path/data`` (made when
+    missing) whose rank 1 fails as ``how`` says, run under the command ``rank1``; a rank still
+    running after 120 s fails the test."""
+    data = tmp_path / "data"
+    if not data.exists():
+        _data(data)
     fifo = tmp_path / "stuck.JPEG"
     os.mkfifo(fifo)
     script = tmp_path / "rank.py"
@@ -68,7 +72,8 @@ def _two_ranks(tmp_path: Path, how: str) -> list[tuple[int, str]]:
     for rank in range(2):
         env = dict(tr.child_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-        cmd = [sys.executable, str(script), how, str(fifo), "train", "--data", str(data),
+        cmd = [*(rank1 if rank else ()), sys.executable, str(script), how, str(fifo), "train",
+               "--data", str(data),
                "--output", str(tmp_path / "run"), "--check", "decode", "--no-progress",
                "--dist-timeout-s", "600"]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
@@ -111,6 +116,27 @@ def test_a_file_that_never_finishes_on_one_rank_ends_every_rank_naming_it(
         assert status == 1, err
         line = _the_line(err)
         assert "rank 1:" in line and repr(bad) in line and "did not finish within 0.5 s" in line
+
+
+@pytest.mark.distributed
+def test_a_folder_one_rank_cannot_list_ends_every_rank_naming_it(tmp_path: Path) -> None:
+    sub = _data(tmp_path / "data") / "train" / "cat" / "sub"
+    sub.mkdir()
+    shutil.copy(sub.parent / "00.JPEG", sub / "a.JPEG")
+    sub.chmod(0)  # rank 1 runs without the capabilities that let root read any folder
+    if shutil.which("setpriv") is None:
+        pytest.skip("no setpriv: rank 1 cannot be denied the folder")
+    try:
+        ranks = _two_ranks(
+            tmp_path, "none", ("setpriv", "--bounding-set=-dac_override,-dac_read_search")
+        )
+    finally:
+        sub.chmod(0o755)
+    for status, err in ranks:
+        assert status == 1, err
+        line = _the_line(err)
+        assert "rank 1: cannot list the data folder" in line and repr(str(sub)) in line, line
+        assert "Permission denied" in line and "every rank stops" in line, line
 
 
 _HEADER = """

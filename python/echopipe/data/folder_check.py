@@ -55,13 +55,15 @@ _POLL_S = 1.0
 
 class CheckFailedError(RuntimeError):
     """The check of ``path`` raised or did not finish within its bound (on rank ``rank`` under
-    torchrun, else ``None``); ``reason`` says what happened. Every rank raises the same one."""
+    torchrun, else ``None``); ``reason`` says what happened. ``path`` is None when a rank could
+    not list the files (:func:`listing_failed`). Every rank raises the same one."""
 
-    def __init__(self, path: str, reason: str, rank: int | None = None) -> None:
+    def __init__(self, path: str | None, reason: str, rank: int | None = None) -> None:
         self.path, self.reason, self.rank = path, reason, rank
         where = "" if rank is None else f"rank {rank}: "
+        what = reason if path is None else f"the check of {path!r} failed: {reason}"
         tail = "" if rank is None else "; every rank stops"
-        super().__init__(f"{where}the check of {path!r} failed: {reason}{tail}")
+        super().__init__(f"{where}{what}{tail}")
 
 
 class _Failed(Exception):
@@ -238,13 +240,24 @@ class _Count:
             self.progress(self.done, self.total)
 
 
+def listing_failed(share: ScanShare, reason: str) -> CheckFailedError:
+    """On a rank whose listing of the files failed (``reason``, e.g. a folder it may not read):
+    tells the other ranks, which wait in :func:`check_files`'s first exchange, and returns the
+    error that every rank raises, so none waits in it until the collective's timeout."""
+    share.gather((0, 0, reason))
+    return CheckFailedError(None, reason, rank=share.rank)
+
+
 def _same_files(share: ScanShare, names: Sequence[str]) -> None:
     """Refuse ranks whose scans listed other files: their indices would name other files."""
     digest = 0
     for name in names:
         digest = zlib.crc32(name.encode("utf-8", "surrogateescape") + b"\0", digest)
-    views = share.gather((len(names), digest))
-    odd = next((r for r, view in enumerate(views) if view != views[0]), None)
+    views = share.gather((len(names), digest, None))
+    who = next((r for r, view in enumerate(views) if view[2] is not None), None)
+    if who is not None:  # a rank could not list them (listing_failed)
+        raise CheckFailedError(None, views[who][2], rank=who)
+    odd = next((r for r, view in enumerate(views) if view[:2] != views[0][:2]), None)
     if odd is not None:
         raise ValueError(
             f"rank {odd} lists {views[odd][0]} image files, rank 0 {views[0][0]} (or other "

@@ -305,13 +305,13 @@ def scan_image_folder(
         on_classes(classes)
     # Listed whole first: a folder that cannot be listed stops the scan before an hour of
     # decoding, and the count gives the progress lines their total.
-    paths: list[str] = []
-    labels: list[int] = []
     not_files: dict[str, str] = {}  # FIFOs, sockets, devices named like images: refused
-    for label, name in enumerate(classes):
-        for path in walk_images(root_path / name, exts, real_root, index.links_skipped, not_files):
-            paths.append(path)
-            labels.append(label)
+    try:
+        paths, labels = _list_images(root_path, classes, exts, real_root, index, not_files)
+    except OSError as exc:  # the other ranks wait for this one's list in the first exchange
+        if share is not None and share.world > 1 and check != "none":
+            raise folder_check.listing_failed(share, exc.strerror or str(exc)) from exc
+        raise
 
     _check_listed(index, paths, labels, check, on_corrupt, workers, share, progress, not_files)
     if not index.files:
@@ -321,6 +321,24 @@ def scan_image_folder(
             f" in its {len(classes)} class folders{detail}"
         )
     return index
+
+
+def _list_images(
+    root_path: Path,
+    classes: list[str],
+    exts: tuple[str, ...],
+    real_root: str,
+    index: ImageFolderIndex,
+    not_files: dict[str, str],
+) -> tuple[list[str], list[int]]:
+    """The image files of each class folder, in order, and their labels."""
+    paths: list[str] = []
+    labels: list[int] = []
+    for label, name in enumerate(classes):
+        for path in walk_images(root_path / name, exts, real_root, index.links_skipped, not_files):
+            paths.append(path)
+            labels.append(label)
+    return paths, labels
 
 
 def _check_listed(
