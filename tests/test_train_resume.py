@@ -47,6 +47,16 @@ def _lrs(run: Path) -> dict[int, float]:
         return {int(r["step"]): float(r["lr"]) for r in csv.DictReader(f)}
 
 
+def _epoch_rows(path: Path) -> list[tuple[str, str, str]]:
+    """Each row's epoch, step and partial flag, as text, from metrics.json or metrics.csv."""
+    if path.suffix == ".csv":
+        with open(path) as f:
+            found: list[dict[str, Any]] = list(csv.DictReader(f))
+    else:
+        found = json.loads(path.read_text())["epochs"]
+    return [(str(r["epoch"]), str(r["step"]), str(r.get("partial"))) for r in found]
+
+
 def test_plain_resume_continues_the_same_run_and_a_finished_run_is_not_retrained(
     tiny_imagenet: Path, tmp_path: Path
 ) -> None:
@@ -57,6 +67,8 @@ def test_plain_resume_continues_the_same_run_and_a_finished_run_is_not_retrained
     run = tmp_path / "run"
     first = train(_cfg(tiny_imagenet, run, max_steps=6), log=lambda m: None)
     assert first.steps == 6 and first.stopped == "--max-steps 6 reached"
+    # The stop's row of epoch 2 is marked partial; the resumed epoch's own row replaces it.
+    stopped = _epoch_rows(run / "metrics.json")
     messages: list[str] = []
     again = TrainConfig(data=tiny_imagenet, output=run, resume=True, progress=False)
     s = train(again, log=messages.append)
@@ -64,6 +76,10 @@ def test_plain_resume_continues_the_same_run_and_a_finished_run_is_not_retrained
     assert not any("given anew" in m for m in messages), messages
     assert _lrs(run) == pytest.approx(_lrs(tmp_path / "ref"), rel=1e-9)
     assert sorted(_lrs(run)) == list(range(1, 13))  # each step once: none lost, none repeated
+    for name in ("metrics.json", "metrics.csv"):  # one row per epoch, none partial
+        assert _epoch_rows(run / name) == _epoch_rows(tmp_path / "ref" / name) == [
+            ("1", "4", "False"), ("2", "8", "False"), ("3", "12", "False")]  # fmt: skip
+    assert stopped == [("1", "4", "False"), ("1.5", "6", "True")]
     doc = json.loads((run / "config.json").read_text())
     assert doc["options"]["max_steps"] == 6 and doc["options"]["epochs"] == 3  # the original
     (restart,) = doc["restarts"]

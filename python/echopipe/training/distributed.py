@@ -25,6 +25,7 @@ __all__ = [
     "average_buffers",
     "collective",
     "default_devices",
+    "fault_exit",
     "stage_devices",
 ]
 
@@ -302,3 +303,21 @@ def average_buffers(model: nn.Module, ctx: DistContext) -> None:
             with collective("averaging BatchNorm statistics"):
                 dist.all_reduce(buf)
             buf.div_(ctx.world_size)
+
+
+def fault_exit(rank: int, step: int) -> None:
+    """Fault injection for the restart tests: ``ECHOPIPE_FAULT_EXIT=RANK:STEP`` ends rank RANK
+    at once (``os._exit``, as a killed process would) after step STEP, and
+    ``RANK:STEP:stop`` stops it (SIGSTOP, a hung rank); on the first attempt of a torchrun job
+    only (``TORCHELASTIC_RESTART_COUNT`` 0), so a restarted job runs through."""
+    spec = os.environ.get("ECHOPIPE_FAULT_EXIT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    at_rank, at_step, *how = spec.split(":")
+    if at_rank.isdigit() and at_step.isdigit() and (int(at_rank), int(at_step)) == (rank, step):
+        if how == ["stop"]:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os._exit(17)

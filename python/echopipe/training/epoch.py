@@ -8,7 +8,6 @@ files.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,12 +18,12 @@ import torch
 
 from ..echo.controller import EchoController
 from .config import DataError, TrainConfig
-from .distributed import DistContext, average_buffers
+from .distributed import DistContext, average_buffers, fault_exit
 from .input import TrainInput, evaluate
 from .progress import Progress, StepLog
 from .schedule import EpochClock, LrSchedule, hybrid_switch_epoch
 from .start import signals_deferred
-from .state import RunState
+from .state import RunState, is_partial
 
 if TYPE_CHECKING:
     from ..data import ImageFolderIndex
@@ -297,7 +296,9 @@ class EpochLoop:
         row = self._row(top1, val_loss, val_n, counters)
         row["val_top5"] = top5
         self._epoch_figures(row)
-        st.rows.append(row)
+        # The epoch's row replaces the one a --max-steps stop inside it wrote (its counters went
+        # on from that stop): one row per epoch.
+        st.rows[:] = [*(r for r in st.rows if not is_partial(r)), row]
         target = cfg.stop_at_top1
         if target is not None and top1 >= target and self.stopped is None:
             self.stopped = (
@@ -359,8 +360,10 @@ class EpochLoop:
         n = st.global_step  # the LR after n updates, as the stages' schedulers computed it
         lr = self.cfg.lr * self.lr_schedule.factor(n)
         return {
-            # Epochs done: a whole number, or a fraction for a run stopped by --max-steps.
+            # Epochs done: a whole number, or a fraction for a run stopped by --max-steps, whose
+            # row is partial until the epoch's own replaces it.
             "epoch": st.epoch if st.step_in_epoch == 0 else round(self.clock.epochs_at(n), 3),
+            "partial": st.step_in_epoch != 0,
             "step": st.global_step,
             "wall_s": st.wall_s + time.perf_counter() - self.wall0,
             "train_s": st.train_s,
@@ -380,21 +383,3 @@ class EpochLoop:
             "pipelined": max(self.pipeline.staleness()) > 0,  # (1 stage: never stale)
             "lr": lr,
         }
-
-
-def fault_exit(rank: int, step: int) -> None:
-    """Fault injection for the restart tests: ``ECHOPIPE_FAULT_EXIT=RANK:STEP`` ends rank RANK
-    at once (``os._exit``, as a killed process would) after step STEP, and
-    ``RANK:STEP:stop`` stops it (SIGSTOP, a hung rank); on the first attempt of a torchrun job
-    only (``TORCHELASTIC_RESTART_COUNT`` 0), so a restarted job runs through."""
-    spec = os.environ.get("ECHOPIPE_FAULT_EXIT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    at_rank, at_step, *how = spec.split(":")
-    if at_rank.isdigit() and at_step.isdigit() and (int(at_rank), int(at_step)) == (rank, step):
-        if how == ["stop"]:
-            import signal
-
-            os.kill(os.getpid(), signal.SIGSTOP)
-        else:
-            os._exit(17)

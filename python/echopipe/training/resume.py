@@ -21,7 +21,7 @@ from .checkpoints import CheckpointError, RunCheckpoints
 from .config import TrainConfig, UsageError, flag, free_on_resume
 from .distributed import DistContext
 from .options import check_value
-from .state import RunState
+from .state import RunState, is_partial
 
 __all__ = [
     "agree_on_checkpoint",
@@ -196,7 +196,7 @@ def _shape(saved: dict[str, Any]) -> dict[str, Any]:
         "epoch_fresh": st.epoch_fresh,
         "best_top1": st.best_top1,
         "factors_used": list(st.factors_used),
-        "rows": [row.get("step") for row in st.rows],
+        "rows": [row.get("step") for row in st.rows if not is_partial(row)],
         "factor": float(saved["input_factor"]),
     }
 

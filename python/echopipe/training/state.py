@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["RunState", "get_rng_state", "set_rng_state"]
+__all__ = ["RunState", "get_rng_state", "is_partial", "set_rng_state"]
 
 
 @dataclass
@@ -40,7 +40,8 @@ class RunState:
         samples_trained: samples delivered to the model (fresh and echoed).
         step_time_s, steps_timed: the trainer's compute time per step (``t_down``) sums.
         factors_used: echo factors in the order they were used.
-        rows: one metrics row per finished epoch.
+        rows: one metrics row per finished epoch, then the ``partial`` row of a --max-steps
+            stop inside an epoch (replaced by that epoch's row).
         best_top1: the best validation top-1 so far.
         world_size: replicas of the run that wrote the state.
         run_id: the run's identity, shared by its checkpoints and its folder's config.json.
@@ -131,3 +132,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+
+
+def is_partial(row: dict[str, Any]) -> bool:
+    """Whether a metrics row is of an epoch a --max-steps stop cut short (an earlier version's
+    row says so by its fractional epoch alone)."""
+    return bool(row.get("partial", isinstance(row.get("epoch"), float)))
