@@ -178,6 +178,38 @@ def test_a_job_back_with_another_world_size_is_refused_in_one_line(
     ), refused.stderr[-3000:]
 
 
+def test_a_refused_resume_is_said_once_per_attempt_and_restarts_end_at_once(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """Rank 1's last.pt altered (a crafted file): the first attempt refuses the resume, rank 0
+    relaying rank 1's own line as it is (no second prefix). torchrun restarts the job
+    (--max-restarts 1); the restarted attempt finds the refusal in the job's store and ends
+    before it joins the process group or reads a file: one line, rank 0's, saying so. No file
+    of the run changes."""
+    out = tmp_path / "run"
+    started = _torchrun(tiny_imagenet, out, "--epochs", "2", "--max-steps", "2")
+    assert started.returncode == 0, started.stderr[-3000:]
+    crafted = out / "checkpoints" / "rank1" / "last.pt"
+    body = bytearray(crafted.read_bytes())
+    body[len(body) // 2] ^= 0xFF
+    crafted.write_bytes(bytes(body))
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    refused = _torchrun(tiny_imagenet, out, "--resume", "auto", restarts=1)
+    assert refused.returncode != 0
+    line = (
+        f"echopipe train: error: checkpoint {str(crafted)!r} fails its SHA-256 check (the file "
+        "was altered or damaged); it is not loaded"
+    )
+    lines = [ln for ln in refused.stderr.splitlines() if "echopipe train: error:" in ln]
+    again = f"{line} (refused by attempt 0 of this torchrun job; a restart cannot change it)"
+    # The first attempt: each rank's line, rank 1's own relayed as it is (torchrun may end a
+    # rank before it says it); the restart: rank 0's alone.
+    assert 1 <= lines.count(line) <= 2 and lines.count(again) == 1, refused.stderr[-3000:]
+    assert len(lines) == lines.count(line) + 1, refused.stderr[-3000:]
+    assert refused.stderr.count("Traceback") == refused.stderr.count("ChildFailedError:")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
+
 def test_a_stopped_rank_is_named_after_the_timeout(tiny_imagenet: Path, tmp_path: Path) -> None:
     """Rank 1 stops itself (SIGSTOP) after step 3: rank 0's next collective fails after
     --dist-timeout-s, and its one line names rank 1 instead of a Gloo timeout message."""

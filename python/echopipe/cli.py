@@ -155,7 +155,7 @@ def _fail(prog: str, exc: BaseException, debug: bool) -> int:
 
     if debug:
         traceback.print_exception(exc)
-    else:
+    elif not getattr(exc, "quiet", False):  # (a rank that leaves the saying to rank 0)
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
     # A malformed file (a checkpoint, an image) is bad input, not a bad argument: status 1.
     return exc.exit_code if isinstance(exc, TrainError) else 1

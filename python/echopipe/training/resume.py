@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .checkpoints import CheckpointError, RunCheckpoints
 from .config import TrainConfig, UsageError, flag, free_on_resume
@@ -274,9 +274,17 @@ def _read_step(
         return exc, None
 
 
-def _view(read: tuple[Any, Any]) -> tuple[int, bool] | str | None:
+class _Refusal(NamedTuple):
+    """A rank's refusal of its checkpoint as the other ranks receive it: its type and line
+    (which names that rank's file), raised by each as it is."""
+
+    kind: type[Exception]
+    line: str
+
+
+def _view(read: tuple[Any, Any]) -> tuple[int, bool] | _Refusal | None:
     step = read[0]
-    return str(step) if isinstance(step, BaseException) else step
+    return _Refusal(type(step), str(step)) if isinstance(step, BaseException) else step
 
 
 def _told(view: tuple[int, bool] | None) -> str:
@@ -290,9 +298,9 @@ def _told(view: tuple[int, bool] | None) -> str:
 def _raise_first_error(views: list[Any], mine: tuple[Any, Any], ctx: DistContext) -> None:
     if isinstance(mine[0], BaseException):
         raise mine[0]
-    for rank, v in enumerate(views):
-        if isinstance(v, str):
-            raise UsageError(f"--resume: rank {rank} cannot use its checkpoint: {v}")
+    for v in views:
+        if isinstance(v, _Refusal):
+            raise v.kind(v.line)
 
 
 def restart_entry(

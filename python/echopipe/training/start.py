@@ -18,11 +18,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import RunCheckpoints
+from .checkpoints import CheckpointError, RunCheckpoints
 from .config import DataError, TrainConfig, UsageError
 from .distributed import DistContext
 from .options import CollectiveError
 from .preflight import check_cache_fits, check_data, read_resume, same_world_size
+from .refusal import record_refusal
 from .report import TrainSummary, summarize, write_config, write_run_files
 from .resume import agree_on_checkpoint, agree_on_file, merge_options, restart_entry
 from .runfolder import RunFolder, ensure_same_run, read_run_config, read_run_metrics
@@ -79,7 +80,12 @@ class RunStart:
         )
         if stale:
             self.say(f"run folder: removed {stale} temporary file(s) of an interrupted write")
-        self._find_resume()
+        try:
+            self._find_resume()
+        except (UsageError, CheckpointError) as exc:  # the checkpoints' own: not transient
+            if ctx.enabled and ctx.is_main:
+                record_refusal(exc, cfg.dist_timeout_s)
+            raise
         if self.finished is None:
             check_cache_fits(self.cfg)
             self.data_dir, self.classes, self.indexes = check_data(

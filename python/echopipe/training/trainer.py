@@ -30,6 +30,7 @@ from .epoch import EpochLoop
 from .input import TrainInput
 from .preflight import say_left_out
 from .progress import Progress, StepLog
+from .refusal import end_if_refused
 from .report import TrainSummary, echo_verdict, summarize, write_run_files
 from .resume import given_by_value
 from .schedule import EpochClock, LrSchedule, hybrid_switch_epoch, sgd_factory
@@ -55,6 +56,7 @@ def train(
     :class:`~.config.Interrupted` on Ctrl-C, saying what ``--resume`` would continue from.
     """
     cfg.validate()
+    end_if_refused(cfg.dist_timeout_s)  # a restarted torchrun attempt of a refused resume
     ctx = DistContext.from_env(cfg.dist_timeout_s)
     try:
         log = log or (lambda m: print(m, file=sys.stderr, flush=True))
