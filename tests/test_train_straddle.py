@@ -93,10 +93,11 @@ TIMES = {"/pipeline/runner/seconds", "/pipeline/upstream_wait_s", "/pipeline/dow
 POSITION = {"/iterator/step_in_epoch", "/iterator/epoch_steps"}
 
 
-def _torchrun(script: list[str], data: Path, out: Path, *extra: str) -> list[str]:
+def _torchrun(script: list[str], data: Path, out: Path, *extra: str,
+              args: list[str] = ARGS) -> list[str]:  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{tr.free_port()}",
-            "--monitor-interval=0.2", *script, "train", "--data", str(data), *ARGS,
+            "--monitor-interval=0.2", *script, "train", "--data", str(data), *args,
             "--output", str(out), *extra]  # fmt: skip
 
 
@@ -208,3 +209,27 @@ def test_a_stop_between_the_ranks_ends_of_validation_keeps_the_epoch(
     for folder in ranks:
         saved = read_checkpoint(folder / "last.pt")["run"]
         assert (saved["global_step"], saved["epoch"]) == (8, 2)
+
+
+def test_a_straddling_stop_with_echo_auto_keeps_the_epoch(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """As above with --echo auto and no --deterministic: after validation, the epoch's end
+    also agrees on the next epoch's echo factor and length (the retune). The stop that
+    straddles the ranks' ends of the validation still leaves both ranks the step, and the
+    resumed job validates it on both and trains every step once."""
+    auto = [a for a in ARGS if a != "--deterministic"]
+    auto[auto.index("--echo") + 1] = "auto"
+    run = tmp_path / "run"
+    hold = tmp_path / "straddle.py"
+    hold.write_text(STRADDLE)
+    code, err = _stop_at(_torchrun([str(hold)], tiny_imagenet, run, args=auto))
+    assert code != 0, err[-3000:]
+    ranks = [run / "checkpoints" / f"rank{r}" for r in (0, 1)]
+    assert all((f / "last.pt").is_file() for f in ranks), err[-3000:]
+    step = read_checkpoint(ranks[0] / "last.pt")["run"]["global_step"]
+    done = _job(_torchrun(["-m", "echopipe.cli"], tiny_imagenet, run, "--resume", args=auto))
+    assert f"validating epoch 1/2 at step {step}" in done.stderr, done.stderr[-3000:]
+    rows = tr.rows(run)
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[0]["step"] == step, rows
+    assert sorted(tr.step_losses(run)) == list(range(1, rows[1]["step"] + 1))

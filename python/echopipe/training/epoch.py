@@ -139,7 +139,7 @@ class EpochLoop:
             fault_exit(self.ctx.rank, st.global_step)
             self._log_step()
             if self._retune_due() and st.step_in_epoch < st.steps_per_epoch:
-                self._retune_echo(within_epoch=True)
+                self._retune_echo()
             if (
                 cfg.checkpoint_every
                 and st.global_step % cfg.checkpoint_every == 0
@@ -230,32 +230,48 @@ class EpochLoop:
                 f"{self.cfg.weight_decay:g}), or lengthen the warm-up (--warmup-epochs)"
             )
 
-    def _retune_echo(self, within_epoch: bool) -> None:
-        """Adopt rank 0's echo factor. Within an epoch, the fresh samples it still owes are
-        re-planned at the new factor; at its end, the next epoch's length follows the factor."""
+    def _retune_echo(self) -> None:
+        """Adopt rank 0's echo factor within an epoch, re-planning the fresh samples it owes."""
         assert self.controller is not None
         cfg, st, data = self.cfg, self.run_state, self.data
         wanted = self.ctx.broadcast_object(self.controller.factor)
         if wanted != data.factor:
-            if within_epoch:
-                fresh_left = max(data.iterator.shard_size - st.epoch_fresh, 0.0)
-                left = max(1, math.ceil(fresh_left * wanted / cfg.batch_size))
-                left = self.ctx.all_reduce_min(left)
-                st.steps_per_epoch = st.step_in_epoch + left
-                data.set_steps(st.steps_per_epoch)
-                self.clock.plan(
-                    st.global_step, self.clock.epochs_at(st.global_step), left, float(st.epoch + 1)
-                )
-                self.progress.set_total(st.steps_per_epoch)
-                where = f"step {st.global_step} (epoch {st.epoch + 1}, {left} steps left in it; "
-            else:
-                where = f"epoch {st.epoch + 1} ("
-            data.set_factor(wanted)
-            st.factors_used.append(wanted)
-            self.say(f"echo: factor {wanted:g} from {where}R = {self.controller.ratio:.2f})")
-        if not within_epoch:  # also when e stayed: the epoch that ended may have been re-planned
-            st.steps_per_epoch = self.ctx.all_reduce_min(data.natural_steps())
+            fresh_left = max(data.iterator.shard_size - st.epoch_fresh, 0.0)
+            left = max(1, math.ceil(fresh_left * wanted / cfg.batch_size))
+            left = self.ctx.all_reduce_min(left)
+            st.steps_per_epoch = st.step_in_epoch + left
             data.set_steps(st.steps_per_epoch)
+            self.clock.plan(
+                st.global_step, self.clock.epochs_at(st.global_step), left, float(st.epoch + 1)
+            )
+            self.progress.set_total(st.steps_per_epoch)
+            self._set_factor(wanted, f"step {st.global_step} (epoch {st.epoch + 1}, {left} "
+                             "steps left in it; ")  # fmt: skip
+
+    def _plan_next_epoch(self) -> tuple[float, int] | None:
+        """At the end of an epoch with --echo auto (not the run's last): rank 0's echo factor
+        and the next epoch's length at it (the replicas' least), agreed before validation's
+        last collective and changing nothing, so that a rank past that collective records the
+        epoch and writes its checkpoint without another rank (a stop may have ended it)."""
+        st = self.run_state
+        last = st.epoch + 1 >= self.cfg.epochs
+        if self.controller is None or st.step_in_epoch < st.steps_per_epoch or last:
+            return None
+        wanted = self.ctx.broadcast_object(self.controller.factor)
+        return wanted, self.ctx.all_reduce_min(self.data.steps_at(wanted))
+
+    def _adopt(self, wanted: float, steps: int) -> None:
+        """The next epoch's factor and length (also when e stayed: a retune re-planned it)."""
+        if wanted != self.data.factor:
+            self._set_factor(wanted, f"epoch {self.run_state.epoch + 1} (")
+        self.run_state.steps_per_epoch = steps
+        self.data.set_steps(steps)
+
+    def _set_factor(self, wanted: float, where: str) -> None:
+        assert self.controller is not None
+        self.data.set_factor(wanted)
+        self.run_state.factors_used.append(wanted)
+        self.say(f"echo: factor {wanted:g} from {where}R = {self.controller.ratio:.2f})")
 
     def end_epoch(self) -> None:
         """Validate, record the row, retune echo, checkpoint, rewrite the run folder's files.
@@ -272,12 +288,13 @@ class EpochLoop:
         recording = False
         try:
             top1, val_loss, val_n, top5 = self._validate()
-            counters = self._counters()
+            plan = self._plan_next_epoch()
+            counters = self._counters()  # the last collective: recording needs no other rank
             # Entered inside the try: a stop before it holds still keeps the trained epoch; in
             # it, no stop leaves the state half updated.
             with signals_deferred():
                 recording = True
-                self._record(top1, val_loss, val_n, top5, counters)
+                self._record(top1, val_loss, val_n, top5, counters, plan)
         except KeyboardInterrupt:
             if not recording:  # (else the checkpoint of the validated epoch is written)
                 self._keep_trained()
@@ -285,10 +302,9 @@ class EpochLoop:
         if self.ctx.is_main:
             self._write_metrics()
 
-    def _record(
-        self, top1: float, val_loss: float, val_n: int, top5: float, counters: list[float]
-    ) -> None:
-        """The validated epoch: its row, the echo retune, the next pass, the checkpoint."""
+    def _record(self, top1: float, val_loss: float, val_n: int, top5: float,
+                counters: list[float], plan: tuple[float, int] | None) -> None:  # fmt: skip
+        """The validated epoch: its row, ``plan``'s echo retune, the next pass, the checkpoint."""
         cfg, st = self.cfg, self.run_state
         finished = st.step_in_epoch >= st.steps_per_epoch
         if finished:
@@ -308,8 +324,8 @@ class EpochLoop:
         self.epoch_times.append(row["epoch_s"])
         left = 0 if self.stopped else max(cfg.epochs - st.epoch, 0)
         self.progress.end_epoch(row, left * float(np.mean(self.epoch_times)))
-        if finished and self.controller is not None and st.epoch < cfg.epochs:
-            self._retune_echo(within_epoch=False)
+        if plan is not None:
+            self._adopt(*plan)
         if finished:
             self.data.iterator.reset()
         self.checkpoint(best=best)
@@ -330,10 +346,9 @@ class EpochLoop:
 
     def _keep_trained(self) -> None:
         """A stop during validation: the checkpoint of what validation was given, whole (a
-        second stop meanwhile is dropped; the first one ends the run). After an epoch's last
-        step its validation is due (RunState.validation_due) and a resume begins with it; after
-        a --max-steps stop inside an epoch it is a checkpoint of that step, as
-        --checkpoint-every writes."""
+        second stop meanwhile is dropped). After an epoch's last step its validation is due
+        (RunState.validation_due) and a resume begins with it; after a --max-steps stop inside
+        an epoch it is a checkpoint of that step, as --checkpoint-every writes."""
         with signals_deferred(resend=False):
             self.checkpoint(best=False)
 

@@ -125,6 +125,13 @@ class TrainInput:
         self.iterator.set_epoch_size()  # back to the reader's shard size
         return self.iterator.steps_per_epoch
 
+    def steps_at(self, factor: float) -> int:
+        """Steps of one epoch for this shard at echo factor ``factor`` (what
+        :meth:`natural_steps` gives once the factor is set), changing nothing: the endless
+        stream's epoch hands out ``round(shard * e)`` samples, the last batch filled."""
+        samples = max(1, round(self.iterator.shard_size * factor))
+        return math.ceil(samples / self.cfg.batch_size)
+
     def set_steps(self, steps: int) -> None:
         """Fix the epoch length (all replicas must run the same number of steps)."""
         self.iterator.steps_per_epoch = steps

@@ -181,7 +181,8 @@ def _straddled(
         return None
     if not mine["validated"]:
         return path, saved
-    return path, {**saved, "run": _as_trained(saved["run"], trained)}
+    return path, {**saved, "run": _as_trained(saved["run"], trained),
+                  "input_factor": trained["factor"]}  # fmt: skip
 
 
 def _shape(saved: dict[str, Any]) -> dict[str, Any]:
@@ -198,18 +199,27 @@ def _shape(saved: dict[str, Any]) -> dict[str, Any]:
         "factors_used": list(st.factors_used),
         "rows": [row.get("step") for row in st.rows if not is_partial(row)],
         "factor": float(saved["input_factor"]),
+        "retunes": saved.get("controller") is not None,  # --echo auto: epoch ends retune
     }
 
 
 def _ends(validated: dict[str, Any], trained: dict[str, Any], step: int) -> bool:
     """Whether ``validated`` is the validated end of the epoch ``trained`` holds as trained,
-    not validated: one epoch and one row more, and no echo retune since (whose next-epoch
-    length and factor the trained state would not have)."""
+    not validated: one epoch and one row more, and no echo retune since but, with --echo auto,
+    the epoch end's own (the next epoch's length, and a factor added to those used), which the
+    resumed validation takes again from the same controller state."""
+    same = ("steps_per_epoch", "factors_used", "factor")
+    if validated["retunes"]:
+        same = ()
+        used = validated["factors_used"]
+        retuned = used == trained["factors_used"] or used == [*trained["factors_used"], used[-1]]
+        if not (retuned and validated["factor"] == used[-1]):
+            return False
     return (
         validated["epoch"] == trained["epoch"] + 1
         and validated["step_in_epoch"] == 0
         and validated["rows"] == [*trained["rows"], step]
-        and all(validated[k] == trained[k] for k in ("steps_per_epoch", "factors_used", "factor"))
+        and all(validated[k] == trained[k] for k in same)
     )
 
 
@@ -218,10 +228,14 @@ def _as_trained(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
     epoch's counters as the trained checkpoint holds them, without the epoch's row. The
     rank's own figures (its losses, samples and times) are kept, as the validation left them.
     The input needs no undoing: its reset for the next epoch only zeroes the iterator's
-    position in an endless stream, and the resumed validation resets it again."""
+    position in an endless stream, and the resumed validation resets it again. With --echo
+    auto the epoch end's retune is undone (the next epoch's length, the factor added; the
+    caller takes the trained factor for the input), and the resumed validation takes it again
+    from the controller, whose state the validation did not change."""
     st = RunState.from_state_dict(run)
     st.epoch, st.step_in_epoch = trained["epoch"], trained["step_in_epoch"]
     st.epoch_fresh, st.best_top1 = trained["epoch_fresh"], trained["best_top1"]
+    st.steps_per_epoch, st.factors_used = trained["steps_per_epoch"], trained["factors_used"]
     st.rows = st.rows[:-1]
     return st.state_dict()
 
