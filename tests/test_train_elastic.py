@@ -200,12 +200,13 @@ def test_a_refused_resume_is_said_once_per_attempt_and_restarts_end_at_once(
         f"echopipe train: error: checkpoint {str(crafted)!r} fails its SHA-256 check (the file "
         "was altered or damaged); it is not loaded"
     )
-    lines = [ln for ln in refused.stderr.splitlines() if "echopipe train: error:" in ln]
     again = f"{line} (refused by attempt 0 of this torchrun job; a restart cannot change it)"
     # The first attempt: each rank's line, rank 1's own relayed as it is (torchrun may end a
-    # rank before it says it); the restart: rank 0's alone.
-    assert 1 <= lines.count(line) <= 2 and lines.count(again) == 1, refused.stderr[-3000:]
-    assert len(lines) == lines.count(line) + 1, refused.stderr[-3000:]
+    # rank before it says it); the restart: rank 0's alone. (Counted in the text: the ranks
+    # share torchrun's stderr.)
+    said = refused.stderr.count("echopipe train: error:")
+    assert refused.stderr.count(again) == 1, refused.stderr[-3000:]
+    assert 2 <= refused.stderr.count(line) == said <= 3, refused.stderr[-3000:]
     assert refused.stderr.count("Traceback") == refused.stderr.count("ChildFailedError:")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 

@@ -156,7 +156,8 @@ def _fail(prog: str, exc: BaseException, debug: bool) -> int:
     if debug:
         traceback.print_exception(exc)
     elif not getattr(exc, "quiet", False):  # (a rank that leaves the saying to rank 0)
-        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"{prog}: error: {exc}\n")  # one write: torchrun's ranks share stderr
+        sys.stderr.flush()
     # A malformed file (a checkpoint, an image) is bad input, not a bad argument: status 1.
     return exc.exit_code if isinstance(exc, TrainError) else 1
 
