@@ -14,6 +14,7 @@ before it said it).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -42,15 +43,19 @@ class RecordedRefusal(TrainError):
 
 
 def _job_store(timeout_s: float) -> Any | None:
-    """The torchrun agent's store of this job, or None outside such a job."""
+    """The torchrun agent's store of this job, or None outside such a job or when it cannot
+    be reached (the record is a shortcut: joining the job then says what is wrong)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )  # fmt: skip
+    try:
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )  # fmt: skip
+    except (KeyError, ValueError, RuntimeError):  # (DistNetworkError, DistStoreError)
+        return None
 
 
 def record_refusal(exc: BaseException, timeout_s: float) -> None:
@@ -60,8 +65,9 @@ def record_refusal(exc: BaseException, timeout_s: float) -> None:
     if store is None:
         return
     status = exc.exit_code if isinstance(exc, TrainError) else 1
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    store.set(KEY, json.dumps({"line": str(exc), "status": status, "attempt": attempt}))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    with contextlib.suppress(RuntimeError):  # (the store went: the refusal is said anyway)
+        store.set(KEY, json.dumps({"line": str(exc), "status": status, "attempt": attempt}))
 
 
 def end_if_refused(timeout_s: float) -> None:
@@ -71,14 +77,13 @@ def end_if_refused(timeout_s: float) -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         return  # (a new job's store holds no refusal)
     store = _job_store(min(timeout_s, 30.0))
-    if store is None or not store.check([KEY]):
+    try:
+        found = json.loads(store.get(KEY)) if store is not None and store.check([KEY]) else None
+        line, status, attempt = str(found["line"]), int(found["status"]), found["attempt"]
+    except (RuntimeError, ValueError, KeyError, TypeError):  # none, or not echopipe's record
         return
-    found = json.loads(store.get(KEY))
-    line = (
-        f"{found['line']} (refused by attempt {found['attempt']} of this torchrun job; a "
-        "restart cannot change it)"
-    )
+    line = f"{line} (refused by attempt {attempt} of this torchrun job; a restart cannot change it)"
     quiet = os.environ.get("RANK", "0") != "0"
     if quiet:
         time.sleep(min(timeout_s, QUIET_WAIT_S))
-    raise RecordedRefusal(line, int(found["status"]), quiet)
+    raise RecordedRefusal(line, status, quiet)
