@@ -11,6 +11,7 @@ import csv
 import gc
 import itertools
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,21 @@ def test_plain_resume_continues_the_same_run_and_a_finished_run_is_not_retrained
     assert any("finished its 3 epoch(s) at step 12; nothing to train" in m for m in messages)
     assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
     assert (run / "config.json").read_bytes() == config_before
+
+
+def test_the_summary_best_is_best_pt_s_also_of_a_replaced_partial_row() -> None:
+    """A --max-steps stop's partial row validated best (best.pt holds it); the epoch's own row,
+    which replaced it, validated lower: the summary's best is still best.pt's."""
+    from echopipe.training.report import summarize
+    from echopipe.training.state import RunState
+
+    st = RunState(epoch=1, global_step=4, rows=[{"epoch": 1, "partial": False, "step": 4,
+                                                 "val_top1": 0.5}], best_top1=0.75)  # fmt: skip
+    kw: dict[str, Any] = dict(echo_factor=1.0, staleness=[0], balance=[8], devices=["cpu"],
+                              wall_s=1.0, output=None, decisions=[], stopped=None)  # fmt: skip
+    s = summarize(st, **kw)
+    assert (s.top1, s.best_top1) == (0.5, 0.75)
+    assert math.isnan(summarize(RunState(), **kw).best_top1)  # nothing validated yet
 
 
 def test_more_epochs_on_resume_are_named_recorded_and_the_lr_goes_on_down(

@@ -257,9 +257,11 @@ def summarize(st: RunState, *, echo_factor: float, staleness: list[int], balance
               stopped: str | None, left_out: Sequence[str] = ()) -> TrainSummary:  # fmt: skip
     """The run's summary: counters from the run state, rates and samples from its last row."""
     last: dict[str, Any] = st.rows[-1] if st.rows else {}
+    # best.pt's top-1, also of a --max-steps stop's partial row that the epoch's own replaced
+    seen = [r["val_top1"] for r in st.rows] + ([st.best_top1] if st.best_top1 >= 0 else [])
     return TrainSummary(
         top1=last.get("val_top1", math.nan),
-        best_top1=max((r["val_top1"] for r in st.rows), default=math.nan),
+        best_top1=max(seen, default=math.nan),
         epochs=st.epoch,
         steps=st.global_step,
         images_per_s=last.get("delivered_per_s", 0.0),
