@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .batch_tree import builder, tree_text
+from .batch_tree import builder, mapping_class, tree_text
 
 __all__ = [
     "Layout", "LayoutError", "ShapeChangeError", "builder", "decode", "decode_many", "describe",
@@ -85,7 +85,7 @@ def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
     if isinstance(obj, Mapping):  # its own class is rebuilt too (a Hugging Face BatchEncoding)
         keys = tuple(obj)
         children = tuple(_flatten(obj[k], f"{path}[{k!r}]", out) for k in keys)
-        return ("dict", keys, children, None if type(obj) is dict else type(obj))
+        return ("dict", keys, children, mapping_class(obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # rebuilt by its __init__
         names = tuple(f.name for f in dataclasses.fields(obj) if f.init)
         children = tuple(_flatten(getattr(obj, n), f"{path}.{n}", out) for n in names)

@@ -2,26 +2,50 @@
 that rebuilds a batch of the same structure from its leaves' values.
 
 A tree is ``("leaf", index)``, ``("dict", keys, children, cls)`` (``cls``: the mapping's own
-class, None for a plain dict), ``("namedtuple", cls, children)``,
+class, None for a plain dict, a :class:`DefaultDictOf` for a ``defaultdict``), ``("namedtuple", cls, children)``,
 ``("dataclass", cls, field names, children)``, ``("tuple", children)`` or
 ``("list", children)``.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import operator
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["builder", "mapping", "tree_text"]
+__all__ = ["DefaultDictOf", "builder", "mapping", "mapping_class", "tree_text"]
 
 
-def mapping(cls: type | None) -> Callable[[dict[Any, Any]], Any]:
+@dataclasses.dataclass(frozen=True)
+class DefaultDictOf:
+    """A ``defaultdict`` (or subclass) node's class and ``default_factory``. The factory is left
+    out of the comparison: a collate that makes its factory anew per batch (a lambda) still
+    gives one layout; the epoch's first batch's factory is the one rebuilt."""
+
+    cls: type
+    factory: Any = dataclasses.field(compare=False)
+
+
+def mapping_class(obj: Any) -> Any:
+    """The class entry of a mapping's node: None for a plain dict, a :class:`DefaultDictOf` for
+    a ``defaultdict`` (its constructor wants the factory first), else the class."""
+    if type(obj) is dict:
+        return None
+    if isinstance(obj, collections.defaultdict):
+        return DefaultDictOf(type(obj), obj.default_factory)
+    return type(obj)
+
+
+def mapping(cls: Any) -> Callable[[dict[Any, Any]], Any]:
     """How a batch's mapping is rebuilt from a dict: its own class where that class takes one
     (a Hugging Face ``BatchEncoding`` keeps its ``.to()``, a ``UserDict`` or ``OrderedDict``
-    its type), else a dict (a ``defaultdict`` wants its factory first)."""
+    its type, a ``defaultdict`` its ``default_factory``), else a dict."""
     if cls is None:
         return dict
+    if isinstance(cls, DefaultDictOf):
+        return lambda d: cls.cls(cls.factory, d)
     try:
         cls({})
     except Exception:  # a constructor of its own: the keys and values still arrive, as a dict

@@ -1,0 +1,79 @@
+"""Batch containers through EchoLoader with a real DataLoader (worker processes): the echoed
+batches keep a ``defaultdict``'s class and ``default_factory``, an ``OrderedDict``'s class and
+key order, a namedtuple's class, as the plain DataLoader's batches have them."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from echopipe.torch import EchoLoader
+
+N = 24
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class Counts(collections.defaultdict):
+    """A defaultdict subclass: its class comes back too."""
+
+
+def rows(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([torch.full((2,), float(i)) for i in ids]), torch.tensor(ids)
+
+
+def defaultdict_list(ids: list[int]) -> Any:
+    batch = collections.defaultdict(list)
+    batch["x"], batch["y"] = rows(ids)
+    return batch
+
+
+def defaultdict_lambda(ids: list[int]) -> Any:
+    batch = Counts(lambda: -1)  # a new factory per batch: still one layout
+    batch["x"], batch["y"] = rows(ids)
+    return batch
+
+
+def ordered(ids: list[int]) -> Any:
+    x, y = rows(ids)
+    return collections.OrderedDict(y=y, x=x)  # key order not sorted
+
+
+def named(ids: list[int]) -> Any:
+    return Pair(*rows(ids))
+
+
+def fields(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return (batch.x, batch.y) if isinstance(batch, tuple) else (batch["x"], batch["y"])
+
+
+@pytest.mark.parametrize("collate", [defaultdict_list, defaultdict_lambda, ordered, named])
+def test_containers_round_trip_as_the_plain_dataloader_gives_them(collate: Callable) -> None:
+    # a lambda factory cannot be pickled back from a worker process (the plain DataLoader's too)
+    workers = 0 if collate is defaultdict_lambda else 2
+    dl = DataLoader(list(range(N)), batch_size=4, num_workers=workers, collate_fn=collate,
+                    timeout=60 if workers else 0)  # fmt: skip
+    plain = next(iter(dl))
+    got: collections.Counter = collections.Counter()
+    with EchoLoader(dl, 2.0, shuffle_buffer=8) as el:
+        for _epoch in range(2):
+            for batch in el:
+                assert type(batch) is type(plain)
+                if isinstance(plain, dict):
+                    assert list(batch) == list(plain)
+                if isinstance(plain, collections.defaultdict):
+                    assert batch.default_factory() == plain.default_factory()
+                    assert batch["missing"] == plain.default_factory()  # the factory works
+                    del batch["missing"]
+                x, y = fields(batch)
+                assert torch.equal(x, y.view(-1, 1).float().expand_as(x))
+                got.update(y.tolist())
+    assert got == {i: 4 for i in range(N)}
