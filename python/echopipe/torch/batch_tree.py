@@ -2,9 +2,9 @@
 that rebuilds a batch of the same structure from its leaves' values.
 
 A tree is ``("leaf", index)``, ``("dict", keys, children, cls)`` (``cls``: the mapping's own
-class, None for a plain dict, a :class:`DefaultDictOf` for a ``defaultdict``), ``("namedtuple", cls, children)``,
-``("dataclass", cls, field names, children)``, ``("tuple", children)`` or
-``("list", children)``.
+class, None for a plain dict, a :class:`DefaultDictOf` for a ``defaultdict``),
+``("namedtuple", cls, children)``, ``("dataclass", cls, field names, children)``,
+``("tuple", children)`` or ``("list", children)``.
 """
 
 from __future__ import annotations
