@@ -7,7 +7,8 @@ DataLoader) or ``plain``; ``PERSISTENT`` is 0 or 1 (``persistent_workers``); ``E
 run ends: ``run`` (trains until a signal arrives), ``raise`` (the step raises ``ValueError`` at
 step 3; the program catches it outside the loop and goes on), ``with`` (two epochs inside
 ``with EchoLoader(...)``, then more work after the block), ``timm`` (a loader with one iterator
-for its whole life, as timm's MultiEpochsDataLoader: two epochs, ``close()``, then more work).
+for its whole life, as timm's MultiEpochsDataLoader: two epochs, ``close()``, then more work),
+``timmrun`` (that loader, trained on until a signal arrives).
 It prints ``workers PID PID`` once the loop runs and ``running`` at every step after that;
 ``closed`` where the END leaves the loader and goes on.
 """
@@ -96,7 +97,7 @@ def main() -> None:
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, CLASSES))
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    kind = OneIteratorLoader if end == "timm" else DataLoader
+    kind = OneIteratorLoader if end in ("timm", "timmrun") else DataLoader
     sampler = RandomSampler(Images(256))
     train_loader = kind(sampler.data_source, batch_size=16, sampler=sampler, num_workers=2,
                         pin_memory=False, persistent_workers=persistent)  # fmt: skip

@@ -19,12 +19,13 @@ import torch
 from ..echo import CacheClosedError, EchoCache
 from . import batch_layout as bl
 from . import wrapped
-from .workers import release_iterator, wake
+from .workers import inner_iterators, release_iterator, wake, workers_died
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
 
 POLL_S = 0.2  # longest single wait; closing or an error ends every wait sooner
+_WAKE_POLL_S = 0.02  # how often close() looks for the dead workers of a generator's iterator
 _BLOCKED_S = 0.005  # a put that took longer waited for space (copying a batch takes less)
 
 
@@ -317,6 +318,24 @@ class Producer(threading.Thread):
         size = owner.batch_size if owner is not None and self.drop_last else None
         return size or 0
 
+    def _join(self, waiting_in: Any, timeout: float) -> None:
+        """Joins the thread; a ``DataLoader`` iterator that the wrapped loader's generator reads
+        from (``wake`` reaches only the one ``iter()`` gave) is woken once its workers died: it
+        may be one the loader keeps for its life (timm's ``MultiEpochsDataLoader``), which a
+        message would break while its workers run, but which cannot deliver once one died."""
+        inner = inner_iterators(waiting_in, self.source) if waiting_in is not None else []
+        inner = [it for it in inner if it is not waiting_in]  # woken already
+        deadline = time.monotonic() + timeout
+        while self.is_alive() and inner:
+            for it in [it for it in inner if workers_died(it)]:
+                wake(it)
+                inner.remove(it)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.join(min(_WAKE_POLL_S, left))
+        self.join(max(0.0, deadline - time.monotonic()))
+
     def shutdown(self, timeout: float) -> None:
         """Stops reading; returns once the thread ended (or ``timeout`` passed, with a warning)."""
         self.stop.set()
@@ -325,7 +344,7 @@ class Producer(threading.Thread):
                 waiting_in = self.waiting_in
             if waiting_in is not None:
                 wake(waiting_in)
-            self.join(timeout)
+            self._join(waiting_in, timeout)
             if self.is_alive():
                 warnings.warn(
                     f"EchoLoader: the wrapped loader did not return within {timeout:g}s of "

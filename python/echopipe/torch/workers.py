@@ -13,7 +13,9 @@ from typing import Any
 
 from . import wrapped
 
-__all__ = ["end_loader_workers", "release_iterator", "wake"]
+__all__ = ["end_loader_workers", "inner_iterators", "release_iterator", "wake", "workers_died"]
+
+_SEARCH_DEPTH = 4  # generators within generators, objects within their frames' locals
 
 
 def wake(it: Any) -> None:
@@ -37,6 +39,54 @@ def wake(it: Any) -> None:
             cancel()  # its feeder thread must not hold up the interpreter's exit
     except (ValueError, OSError):
         pass  # closed: the iterator has already been shut down
+
+
+def _is_iterator(obj: Any) -> bool:
+    try:
+        return callable(getattr(obj, "_shutdown_workers", None)) and hasattr(obj, "_data_queue")
+    except Exception:  # an object of a wrapper's own that refuses the question
+        return False
+
+
+def inner_iterators(it: Any, loader: Any) -> list[Any]:
+    """The multi-process ``DataLoader`` iterators a reader waiting in ``next(it)`` may wait on
+    when ``it`` is not one itself: a generator's (timm's ``MultiEpochsDataLoader`` and
+    ``PrefetchLoader`` wrap one in a generator), found in its frame's locals, the attributes of
+    the objects there (``self.iterator``) and the generators it delegates to; and those the
+    wrapped loaders keep (:func:`end_loader_workers`'). An iterator a generator holds only on
+    its frame's value stack (``for batch in self.loader:`` over a DataLoader without persistent
+    workers) is not found: Python does not show a running frame's stack."""
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+    todo = [(it, 0), *((obj, _SEARCH_DEPTH - 1) for obj in wrapped.dataloaders(loader))]
+    while todo:
+        obj, depth = todo.pop()
+        if id(obj) in seen or depth > _SEARCH_DEPTH:
+            continue
+        seen.add(id(obj))
+        if _is_iterator(obj):
+            found[id(obj)] = obj
+            continue
+        inner: list[Any] = []
+        frame = getattr(obj, "gi_frame", None)
+        if frame is not None:  # a generator: what it works on
+            inner += list(frame.f_locals.values())
+            inner.append(getattr(obj, "gi_yieldfrom", None))
+        elif depth > 0 and hasattr(obj, "__dict__") and not isinstance(obj, type):
+            inner += list(vars(obj).values())
+        todo += [(v, depth + 1) for v in inner if v is not None]
+    return list(found.values())
+
+
+def workers_died(it: Any) -> bool:
+    """Whether a worker of the multi-process ``DataLoader`` iterator ``it`` ended while the
+    iterator still counts on it (a terminal's Ctrl-C ends them): the iterator cannot deliver
+    any more, and torch notices only at its next 5 s check."""
+    try:
+        return any(up and not w.is_alive() for w, up in
+                   zip(it._workers, it._workers_status, strict=False))  # fmt: skip
+    except (AttributeError, TypeError, ValueError, OSError):
+        return False
 
 
 def release_iterator(it: Any, finished: bool) -> None:
