@@ -274,8 +274,16 @@ def test_state_between_epochs_and_mismatched_stream() -> None:
         assert counts(el) == {i: 2 for i in range(32)}
         assert el.stats().epoch == 2 and el.stats().delivered_samples == 128
     other = [(torch.zeros(8, 2), torch.zeros(8))] * 4
-    with EchoLoader(other, 2.0) as el:
+    with EchoLoader(other, 2.0) as el:  # between epochs: a fresh epoch may bring a new layout
         el.load_state_dict(state)
+        assert sum(len(y) for _x, y in el) == 64
+    with EchoLoader(loader(32, 8, workers=0), 2.0, shuffle_buffer=16) as el:
+        for _batch in el:
+            mid = el.state_dict()  # a resumed epoch must match the samples it continues
+            break
+    assert mid["mid_epoch"]
+    with EchoLoader(other, 2.0) as el:
+        el.load_state_dict(mid)
         with pytest.raises(LayoutError, match="differ from the saved state"):
             list(el)
     with pytest.raises(ValueError, match="different echo_factor mode"):

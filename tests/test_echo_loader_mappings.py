@@ -1,6 +1,7 @@
-"""Batch containers through EchoLoader with a real DataLoader (worker processes): the echoed
-batches keep a ``defaultdict``'s class and ``default_factory``, an ``OrderedDict``'s class and
-key order, a namedtuple's class, as the plain DataLoader's batches have them."""
+"""Batch containers and layouts through EchoLoader with a real DataLoader (worker processes):
+the echoed batches keep a ``defaultdict``'s class and ``default_factory``, an ``OrderedDict``'s
+class and key order, a namedtuple's class, as the plain DataLoader's batches have them; a state
+saved between epochs resumes into an epoch of another layout."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from echopipe.torch import EchoLoader
 
@@ -77,3 +78,39 @@ def test_containers_round_trip_as_the_plain_dataloader_gives_them(collate: Calla
                 assert torch.equal(x, y.view(-1, 1).float().expand_as(x))
                 got.update(y.tolist())
     assert got == {i: 4 for i in range(N)}
+
+
+class Resized(Dataset):
+    """Sample i: an image of i at ``size`` (a transform set between epochs changes it), i."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((3, self.size, self.size), float(i)), i
+
+
+def test_a_state_saved_between_epochs_resumes_into_a_new_layout() -> None:
+    """Progressive resizing with a checkpoint at each epoch's end: the state holds no samples,
+    so the resumed run's next epoch, at the new image size, is a fresh epoch as it is without a
+    resume (it was refused: "the batches differ from the saved state")."""
+    dl = DataLoader(Resized(N, 8), batch_size=4, num_workers=2, timeout=60)
+    with EchoLoader(dl, 2.0, shuffle_buffer=8) as el:
+        assert sum(len(y) for _x, y in el) == 2 * N
+        state = el.state_dict()
+    assert not state["mid_epoch"]
+    dl = DataLoader(Resized(N, 12), batch_size=4, num_workers=2, timeout=60)
+    with EchoLoader(dl, 2.0, shuffle_buffer=8) as el:
+        el.load_state_dict(state)
+        got: collections.Counter = collections.Counter()
+        for x, y in el:
+            assert x.shape[1:] == (3, 12, 12)
+            assert torch.equal(x, y.view(-1, 1, 1, 1).float().expand_as(x))
+            got.update(y.tolist())
+        assert got == {i: 2 for i in range(N)}
+        assert el.stats().epoch == 2
+        again = el.state_dict()
+    assert again["layout"] != state["layout"]  # the new epoch's layout is the one saved

@@ -122,6 +122,7 @@ class EchoLoader(PassThrough):
         self._layout: bl.Layout | None = None
         self._decode: Assembler | None = None  # output batches of self._layout
         self._saved_layout: str | None = None  # signature a resumed stream must match
+        self._prior_layout: str | None = None  # a between-epochs state's: another drops its config
         self._stream: bl.Layout | None = None  # the layout the cache was made for
         self._cache_config: dict[str, int] | None = None
         self._epoch = 0
@@ -165,11 +166,12 @@ class EchoLoader(PassThrough):
                 raise CacheClosedError("EchoLoader is closed")
             if self._layout is None:  # the first batch of a pass
                 bl.check_saved(layout, self._saved_layout)
-                if self._stream is not None and layout != self._stream:
+                prior = self._prior_layout not in (None, layout.signature())
+                if prior or (self._stream is not None and layout != self._stream):
                     passes.drop_cache(self)  # a new layout (fresh epoch: the cache is drained)
                 self._decode = Assembler(layout, self._pin)  # first: the consumer reads both
                 self._layout = self._stream = layout
-                self._saved_layout = None
+                self._saved_layout = self._prior_layout = None
             else:
                 bl.check_same(self._layout, layout)
             if self._batch_size is None:
@@ -280,6 +282,9 @@ class EchoLoader(PassThrough):
                           f"in epoch {self._epoch - 1}, not the {expected} its length said: "
                           "len() was off", RuntimeWarning, stacklevel=3)  # fmt: skip
 
+    def _last_layout(self) -> str | None:
+        return self._saved_layout or self._prior_layout
+
     def _delivered_batches(self) -> int:
         """Batches delivered so far: the totals, plus a running or restored epoch's."""
         if self._shared.producer is not None:
@@ -334,7 +339,7 @@ class EchoLoader(PassThrough):
             "controller": self._controller.state_dict() if self._controller else None,
             "cache": blob,
             "cache_config": dict(self._cache_config) if self._cache_config else None,
-            "layout": self._stream.signature() if self._stream else self._saved_layout,
+            "layout": self._stream.signature() if self._stream else self._last_layout(),
             "batch_size": self._batch_size,
             "shard": wrapped.data_shard(self._loader),
             "sampler_epoch": at.sampler_epoch,
@@ -372,7 +377,9 @@ class EchoLoader(PassThrough):
         if clean["batch_size"] is not None and not self._explicit_batch:
             self._batch_size = clean["batch_size"]
         self._cache_config = clean["cache_config"]
-        self._layout, self._decode, self._saved_layout = None, None, clean["layout"]
+        self._layout, self._decode = None, None  # a fresh epoch may bring another layout:
+        self._saved_layout = clean["layout"] if clean["mid_epoch"] else None  # a resumed one not
+        self._prior_layout = None if clean["mid_epoch"] else clean["layout"]
         self._stream = None  # the restored cache's layout is the saved one
         self._shared.cache = cache  # (None after the shutdown above when there is none)
         self._resume, self._cut_short = (clean if clean["mid_epoch"] else None), None
