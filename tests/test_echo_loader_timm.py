@@ -456,7 +456,8 @@ def test_multi_epochs_loader_without_drop_last_after_an_epoch_left_early() -> No
     with EchoLoader(inner, echo_factor=1.0, shuffle_buffer=8) as loader:
         for _ in loader:
             break
-        got = collections.Counter(i for images, _ in loader for i in _ids(images).tolist())
+        with pytest.warns(RuntimeWarning, match="one stream it keeps"):  # read-ahead lost
+            got = collections.Counter(i for images, _ in loader for i in _ids(images).tolist())
     assert sum(got.values()) == 10  # a pass: len() batches of the stream
 
 

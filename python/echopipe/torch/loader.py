@@ -208,6 +208,7 @@ class EchoLoader(PassThrough):
         return passes.EpochIterator(self, self._serial)
 
     def _start_epoch(self) -> None:
+        passes.warn_kept_stream(self)  # (once) the epoch cut short lost read-ahead batches
         resume, self._resume, self._cut_short = self._resume, None, None
         self._epoch_samples = wrapped.samples_per_epoch(self._loader)
         if resume is not None:
@@ -218,8 +219,7 @@ class EchoLoader(PassThrough):
             passes.fresh_epoch(self)
         producer = Producer(self, self._epoch, resume)
         self._shared.producer = producer
-        self._last_yield = None
-        self._observed = (0.0, 0)
+        self._last_yield, self._observed = None, (0.0, 0)
         self._started = True
         passes.warn_evaluation(self._factor, self._controller is not None)
         producer.start()

@@ -192,6 +192,38 @@ def cut_short(producer: Any, cache: Any, epoch: int, delivered_batches: int) -> 
             "copies were delivered (a break, close() or an exception left the loop)")  # fmt: skip
 
 
+def kept_stream(loader: Any) -> str | None:
+    """The iterator the wrapped loader (or one it wraps through ``.loader``) keeps between
+    passes and takes every pass from, as ``Class.attribute``, or None: timm's
+    ``MultiEpochsDataLoader`` makes one in ``__init__`` (a ``DataLoader``'s persistent
+    ``_iterator`` is not one: its next ``iter()`` starts a new pass of the sampler)."""
+    for obj in wrapped.dataloaders(loader):
+        for name, value in vars(obj).items() if hasattr(obj, "__dict__") else ():
+            if name != "_iterator" and hasattr(type(value), "__next__"):
+                return f"{type(obj).__name__}.{name}"
+    return None
+
+
+def warn_kept_stream(loader: EchoLoader) -> None:
+    """Warns once per loader, as the pass after an epoch left early starts, when the wrapped
+    loader takes every pass from one stream: the reader read ahead of the batches delivered,
+    and those batches' copies not yet delivered are not in the stream any more (the plain
+    loader's next pass would start with them)."""
+    if loader._cut_short is None or getattr(loader, "_kept_stream_warned", False):
+        return
+    stream = kept_stream(loader._loader)
+    if stream is None:
+        return
+    loader._kept_stream_warned = True
+    warnings.warn(f"EchoLoader: {loader._cut_short}; the wrapped loader takes every pass from "
+                  f"one stream it keeps ({stream}, as timm's MultiEpochsDataLoader), so the "
+                  f"{loader._last_epoch[0]} batches the reader had read from it in that epoch "
+                  "are not read again: the copies of their samples not yet delivered are lost "
+                  "(the plain loader's next pass would have started with them). Let each "
+                  "epoch run to its end, or use a DataLoader with persistent_workers=True",
+                  RuntimeWarning, stacklevel=4)  # fmt: skip
+
+
 def warn_cut_short(note: str | None) -> None:
     """Warns that a ``state_dict()`` leaves out what the last epoch still held."""
     if note is not None:
