@@ -49,6 +49,15 @@ class Prefetch:
             yield batch
 
 
+class ForLoop(Prefetch):
+    """timm's ``PrefetchLoader`` shape: the iterator lives only in its ``for`` loop (on the
+    generator frame's value stack, which Python does not show)."""
+
+    def __iter__(self):
+        for x, i, pid in self.loader:  # as timm's: for next_input, next_target in self.loader
+            yield x.float(), i, pid  # (timm's moves and normalises)
+
+
 def interrupt_with_dead_workers(el: EchoLoader, before: set[int]) -> object:
     """Iterates ``el`` until the reader waits for a batch its held workers make, kills the
     workers with SIGINT (a terminal's Ctrl-C) and raises KeyboardInterrupt in the "step"."""
@@ -73,7 +82,7 @@ def interrupt_with_dead_workers(el: EchoLoader, before: set[int]) -> object:
     return producer
 
 
-@pytest.mark.parametrize("shape", ["one_iterator", "prefetch"])
+@pytest.mark.parametrize("shape", ["one_iterator", "prefetch", "for_loop"])
 def test_an_interrupt_inside_a_generator_does_not_wait_for_torchs_worker_check(shape) -> None:
     """Without the wake the reader, inside the generator's ``next()`` of the DataLoader
     iterator, returns only at torch's 5 s worker check, with its "exited unexpectedly" error,
@@ -81,7 +90,8 @@ def test_an_interrupt_inside_a_generator_does_not_wait_for_torchs_worker_check(s
     before = children()
     kind = OneIterator if shape == "one_iterator" else DataLoader
     dl = kind(Gate(64, hold=16), batch_size=8, num_workers=2)
-    el = EchoLoader(dl if shape == "one_iterator" else Prefetch(dl), 2.0, shuffle_buffer=16)
+    wrap = {"one_iterator": lambda d: d, "prefetch": Prefetch, "for_loop": ForLoop}[shape]
+    el = EchoLoader(wrap(dl), 2.0, shuffle_buffer=16)
     producer = interrupt_with_dead_workers(el, before)
     assert producer is not None and not producer.is_alive()
     error = producer.error

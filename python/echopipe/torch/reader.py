@@ -18,14 +18,15 @@ import torch
 
 from ..echo import CacheClosedError, EchoCache
 from . import batch_layout as bl
-from . import wrapped
-from .workers import inner_iterators, release_iterator, wake, workers_died
+from . import workers, wrapped
+from .workers import release_iterator, wake
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
 
 POLL_S = 0.2  # longest single wait; closing or an error ends every wait sooner
 _WAKE_POLL_S = 0.02  # how often close() looks for the dead workers of a generator's iterator
+_DEEP_AFTER_S = 0.1  # then close() also scans for a generator's hidden DataLoader iterator
 _BLOCKED_S = 0.005  # a put that took longer waited for space (copying a batch takes less)
 
 
@@ -114,8 +115,8 @@ class Producer(threading.Thread):
         # small) and the next one takes a whole batch's latency, not the workers' interval
         # (too large). Those batches are left out of t_up; while the cache stays full (the
         # trainer is the bottleneck, e >= R) t_up is not observable and e stays.
-        workers = getattr(self.source, "num_workers", 0) or 0
-        self.prefetched = workers * ((getattr(self.source, "prefetch_factor", 0) or 0) + 1)
+        n_workers = getattr(self.source, "num_workers", 0) or 0
+        self.prefetched = n_workers * ((getattr(self.source, "prefetch_factor", 0) or 0) + 1)
         self.taint = 0  # batches still to leave out of t_up
         self.layout: bl.Layout | None = None  # the stream's, once a batch was accepted
         # (samples, batch size) where the DataLoader's batching fixes every batch's rows
@@ -323,11 +324,19 @@ class Producer(threading.Thread):
         from (``wake`` reaches only the one ``iter()`` gave) is woken once its workers died: it
         may be one the loader keeps for its life (timm's ``MultiEpochsDataLoader``), which a
         message would break while its workers run, but which cannot deliver once one died."""
-        inner = inner_iterators(waiting_in, self.source) if waiting_in is not None else []
+        inner = workers.inner_iterators(waiting_in, self.source) if waiting_in is not None else []
         inner = [it for it in inner if it is not waiting_in]  # woken already
-        deadline = time.monotonic() + timeout
-        while self.is_alive() and inner:
-            for it in [it for it in inner if workers_died(it)]:
+        now = time.monotonic()
+        deadline = now + timeout
+        # still waiting after a first slice: look for an iterator on a generator's stack too
+        deep = now + _DEEP_AFTER_S if waiting_in is not None and not workers.is_loader_iterator(
+            waiting_in) else None  # fmt: skip
+        while self.is_alive() and (inner or deep is not None):
+            if deep is not None and time.monotonic() >= deep:
+                inner += [it for it in workers.hidden_iterators(self.source)
+                          if it is not waiting_in and all(it is not i for i in inner)]  # fmt: skip
+                deep = None
+            for it in [it for it in inner if workers.workers_died(it)]:
                 wake(it)
                 inner.remove(it)
             left = deadline - time.monotonic()

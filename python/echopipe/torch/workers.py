@@ -8,12 +8,18 @@ the same way.
 
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Any
 
+from torch.utils.data import DataLoader
+
 from . import wrapped
 
-__all__ = ["end_loader_workers", "inner_iterators", "release_iterator", "wake", "workers_died"]
+__all__ = [
+    "end_loader_workers", "hidden_iterators", "inner_iterators", "is_loader_iterator",
+    "release_iterator", "wake", "workers_died",
+]  # fmt: skip
 
 _SEARCH_DEPTH = 4  # generators within generators, objects within their frames' locals
 
@@ -41,7 +47,8 @@ def wake(it: Any) -> None:
         pass  # closed: the iterator has already been shut down
 
 
-def _is_iterator(obj: Any) -> bool:
+def is_loader_iterator(obj: Any) -> bool:
+    """Whether ``obj`` is a multi-process ``DataLoader`` iterator (by what :func:`wake` uses)."""
     try:
         return callable(getattr(obj, "_shutdown_workers", None)) and hasattr(obj, "_data_queue")
     except Exception:  # an object of a wrapper's own that refuses the question
@@ -64,7 +71,7 @@ def inner_iterators(it: Any, loader: Any) -> list[Any]:
         if id(obj) in seen or depth > _SEARCH_DEPTH:
             continue
         seen.add(id(obj))
-        if _is_iterator(obj):
+        if is_loader_iterator(obj):
             found[id(obj)] = obj
             continue
         inner: list[Any] = []
@@ -76,6 +83,23 @@ def inner_iterators(it: Any, loader: Any) -> list[Any]:
             inner += list(vars(obj).values())
         todo += [(v, depth + 1) for v in inner if v is not None]
     return list(found.values())
+
+
+def hidden_iterators(loader: Any) -> list[Any]:
+    """The multi-process iterators of the ``DataLoader`` objects the wrapped loader wraps, found
+    by what refers to their index sampler (the iterator keeps the DataLoader's): an iterator a
+    generator holds only on its frame's value stack (``for batch in self.loader:``), which
+    :func:`inner_iterators` does not see. It scans the interpreter's objects, so it is called
+    only for a reader still waiting after a first wait."""
+    found: list[Any] = []
+    for obj in wrapped.dataloaders(loader):
+        key = getattr(obj, "_index_sampler", None) if isinstance(obj, DataLoader) else None
+        if key is None:
+            continue
+        refs = gc.get_referrers(key)
+        refs += [r for d in refs if isinstance(d, dict) for r in gc.get_referrers(d)]
+        found += [r for r in refs if is_loader_iterator(r) and r._index_sampler is key]
+    return found
 
 
 def workers_died(it: Any) -> bool:
