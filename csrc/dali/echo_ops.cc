@@ -210,8 +210,7 @@ void DescribeOutputs(const DrawnBatch& batch, const SampleCopy* padding, int num
   out[num_fields].type = DALI_INT64;
 }
 
-void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding,
-                   PaddingAge& age) {
+void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding, PaddingAge& age) {
   if (!age.take_from(batch)) return;
   auto copy = std::make_unique<SampleCopy>();
   const auto& lease = batch.leases[0];

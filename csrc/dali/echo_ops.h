@@ -79,8 +79,7 @@ void DescribeOutputs(const DrawnBatch& batch, const SampleCopy* padding, int num
                      std::vector<dali::OutputDesc>& out, const std::string& cache_name);
 
 /// Keeps a host copy of the pass's first drawn sample as the padding template (see PaddingAge).
-void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding,
-                   PaddingAge& age);
+void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding, PaddingAge& age);
 
 /// Host pointer and size of field `f` for output sample `i`.
 const void* FieldData(const DrawnBatch& batch, const SampleCopy* padding, int i, int f,
