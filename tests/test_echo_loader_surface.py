@@ -377,3 +377,21 @@ def test_a_dropped_iterator_keeps_a_restored_position_for_the_real_epoch() -> No
     got = collections.Counter(i for _, y in first + rest for i in y.tolist())
     assert sorted(got) == list(range(40)) and sum(got.values()) == 60  # 40 x 1.5, exactly
     assert len(first) + len(rest) == 8 == len(el)
+
+
+class _ShortOfItsLength(IterableDataset):
+    """Says 8 samples and yields 6."""
+
+    def __iter__(self) -> Any:
+        return (torch.tensor([float(i)]) for i in range(6))
+
+    def __len__(self) -> int:
+        return 8
+
+
+def test_an_epoch_shorter_than_the_wrapped_length_warns_at_the_users_loop() -> None:
+    loader = EchoLoader(DataLoader(_ShortOfItsLength(), batch_size=2), echo_factor=1.0)
+    with pytest.warns(RuntimeWarning, match="yielded 6 samples in epoch 0, not the 8") as got:
+        for _ in loader:  # the line the warning names
+            pass
+    assert [w.filename for w in got] == [__file__]

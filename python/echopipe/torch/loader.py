@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -276,11 +275,8 @@ class EchoLoader(PassThrough):
         for key, value in zip(passes.COUNTS, self._last_epoch, strict=True):
             self._totals[key] += value
         self._epoch += 1
-        expected = self._epoch_samples
-        if not abort and expected is not None and self._last_epoch[1] != expected:
-            warnings.warn(f"EchoLoader: the wrapped loader yielded {self._last_epoch[1]} samples "
-                          f"in epoch {self._epoch - 1}, not the {expected} its length said: "
-                          "len() was off", RuntimeWarning, stacklevel=3)  # fmt: skip
+        if not abort:
+            passes.check_epoch_samples(self._last_epoch[1], self._epoch_samples, self._epoch - 1)
 
     def _last_layout(self) -> str | None:
         return self._saved_layout or self._prior_layout

@@ -371,3 +371,12 @@ def drop_cache(loader: EchoLoader) -> None:
     if loader._shared.cache is not None:
         loader._shared.cache.close()
     loader._shared.cache, loader._cache_config = None, None
+
+
+def check_epoch_samples(read: int, expected: int | None, epoch: int) -> None:
+    """Warns when a finished epoch read another number of samples than the wrapped loader's
+    length said (``expected``; None: it did not say)."""
+    if expected is not None and read != expected:
+        warnings.warn(f"EchoLoader: the wrapped loader yielded {read} samples in epoch {epoch}, "
+                      f"not the {expected} its length said: len() was off",
+                      RuntimeWarning, stacklevel=5)  # the user's loop  # fmt: skip

@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from .loader import EchoLoader
 
 POLL_S = 0.2  # longest single wait; closing or an error ends every wait sooner
-_WAKE_POLL_S = 0.02  # how often close() looks for the dead workers of a generator's iterator
-_DEEP_AFTER_S = 0.1  # then close() also scans for a generator's hidden DataLoader iterator
 _BLOCKED_S = 0.005  # a put that took longer waited for space (copying a batch takes less)
 
 
@@ -319,32 +317,6 @@ class Producer(threading.Thread):
         size = owner.batch_size if owner is not None and self.drop_last else None
         return size or 0
 
-    def _join(self, waiting_in: Any, timeout: float) -> None:
-        """Joins the thread; a ``DataLoader`` iterator that the wrapped loader's generator reads
-        from (``wake`` reaches only the one ``iter()`` gave) is woken once its workers died: it
-        may be one the loader keeps for its life (timm's ``MultiEpochsDataLoader``), which a
-        message would break while its workers run, but which cannot deliver once one died."""
-        inner = workers.inner_iterators(waiting_in, self.source) if waiting_in is not None else []
-        inner = [it for it in inner if it is not waiting_in]  # woken already
-        now = time.monotonic()
-        deadline = now + timeout
-        # still waiting after a first slice: look for an iterator on a generator's stack too
-        deep = now + _DEEP_AFTER_S if waiting_in is not None and not workers.is_loader_iterator(
-            waiting_in) else None  # fmt: skip
-        while self.is_alive() and (inner or deep is not None):
-            if deep is not None and time.monotonic() >= deep:
-                inner += [it for it in workers.hidden_iterators(self.source)
-                          if it is not waiting_in and all(it is not i for i in inner)]  # fmt: skip
-                deep = None
-            for it in [it for it in inner if workers.workers_died(it)]:
-                wake(it)
-                inner.remove(it)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self.join(min(_WAKE_POLL_S, left))
-        self.join(max(0.0, deadline - time.monotonic()))
-
     def shutdown(self, timeout: float) -> None:
         """Stops reading; returns once the thread ended (or ``timeout`` passed, with a warning)."""
         self.stop.set()
@@ -353,7 +325,7 @@ class Producer(threading.Thread):
                 waiting_in = self.waiting_in
             if waiting_in is not None:
                 wake(waiting_in)
-            self._join(waiting_in, timeout)
+            workers.join_waking(self, waiting_in, self.source, timeout)
             if self.is_alive():
                 warnings.warn(
                     f"EchoLoader: the wrapped loader did not return within {timeout:g}s of "

@@ -9,6 +9,8 @@ the same way.
 from __future__ import annotations
 
 import gc
+import threading
+import time
 import warnings
 from typing import Any
 
@@ -18,9 +20,11 @@ from . import wrapped
 
 __all__ = [
     "end_loader_workers", "hidden_iterators", "inner_iterators", "is_loader_iterator",
-    "release_iterator", "wake", "workers_died",
+    "join_waking", "release_iterator", "wake", "workers_died",
 ]  # fmt: skip
 
+_WAKE_POLL_S = 0.02  # how often a join looks for the dead workers of a generator's iterator
+_DEEP_AFTER_S = 0.1  # then it also scans for a generator's hidden DataLoader iterator
 _SEARCH_DEPTH = 4  # generators within generators, objects within their frames' locals
 
 
@@ -161,3 +165,31 @@ def end_loader_workers(loader: Any) -> None:
                               f"failed: {exc}", RuntimeWarning, stacklevel=3)  # fmt: skip
             if name == "_iterator":
                 obj._iterator = None  # a DataLoader's persistent one: the next iter() remakes it
+
+
+def join_waking(thread: threading.Thread, waiting_in: Any, source: Any, timeout: float) -> None:
+    """Joins the reader ``thread``, which waits in ``waiting_in`` (or in nothing: ``None``). A
+    ``DataLoader`` iterator that the wrapped loader's generator reads from (``wake`` reaches
+    only the one ``iter()`` gave) is woken once its workers died: it
+    may be one the loader keeps for its life (timm's ``MultiEpochsDataLoader``), which a
+    message would break while its workers run, but which cannot deliver once one died."""
+    inner = inner_iterators(waiting_in, source) if waiting_in is not None else []
+    inner = [it for it in inner if it is not waiting_in]  # woken already
+    now = time.monotonic()
+    deadline = now + timeout
+    # still waiting after a first slice: look for an iterator on a generator's stack too
+    deep = now + _DEEP_AFTER_S if waiting_in is not None and not is_loader_iterator(
+        waiting_in) else None  # fmt: skip
+    while thread.is_alive() and (inner or deep is not None):
+        if deep is not None and time.monotonic() >= deep:
+            inner += [it for it in hidden_iterators(source)
+                      if it is not waiting_in and all(it is not i for i in inner)]  # fmt: skip
+            deep = None
+        for it in [it for it in inner if workers_died(it)]:
+            wake(it)
+            inner.remove(it)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        thread.join(min(_WAKE_POLL_S, left))
+    thread.join(max(0.0, deadline - time.monotonic()))

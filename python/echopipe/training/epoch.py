@@ -364,6 +364,7 @@ class EpochLoop:
         row["epoch_s"] = time.perf_counter() - self.epoch_t0
         row["epoch_img_per_s"] = world * st.epoch_samples / train_s
         row["epoch_fresh_per_s"] = world * self.epoch_fresh / train_s
+        row["partial"] = st.step_in_epoch != 0  # last: the columns before it keep their places
 
     def _row(
         self, top1: float, val_loss: float, val_n: int, counters: list[float]
@@ -378,7 +379,6 @@ class EpochLoop:
             # Epochs done: a whole number, or a fraction for a run stopped by --max-steps, whose
             # row is partial until the epoch's own replaces it.
             "epoch": st.epoch if st.step_in_epoch == 0 else round(self.clock.epochs_at(n), 3),
-            "partial": st.step_in_epoch != 0,
             "step": st.global_step,
             "wall_s": st.wall_s + time.perf_counter() - self.wall0,
             "train_s": st.train_s,
