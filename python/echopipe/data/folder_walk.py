@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 __all__ = [
+    "OTHER_IMAGE_EXTENSIONS",
     "RENAME",
     "class_folders",
     "is_utf8",
@@ -24,6 +25,12 @@ __all__ = [
 _KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISDIR, "a folder"))  # fmt: skip
+
+
+OTHER_IMAGE_EXTENSIONS = (".bmp", ".gif", ".pbm", ".pgm", ".pnm", ".ppm", ".tif", ".tiff", ".webp")
+"""Endings of image formats that torchvision's ImageFolder (Pillow) reads and echopipe does not:
+such a file in a data folder is left out and counted, never passed over in silence (a folder
+that torchvision trains on whole would train here on fewer images, with no word of it)."""
 
 
 def _not_regular(mode: int) -> str | None:
@@ -77,10 +84,13 @@ def walk_images(
     real_root: str,
     links_skipped: list[tuple[str, str]],
     not_files: dict[str, str] | None = None,
+    others: list[tuple[str, str]] | None = None,
 ) -> Iterator[str]:
     """The image files under ``folder``. An entry named like an image that is neither a folder
     nor a regular file (a FIFO, socket or device) is yielded too, with why it is refused put in
-    ``not_files``, so the scan names it; it is never opened."""
+    ``not_files``, so the scan names it; it is never opened. Files of the image formats of
+    :data:`OTHER_IMAGE_EXTENSIONS` not among ``exts`` are added to ``others`` with why they are
+    left out."""
     # Depth first with the real paths of the folders being walked, so a link back into one of
     # them is seen as a loop; links out of the root are refused before they are followed. The
     # root counts as walked: a link to it would file every class's images under this one.
@@ -114,6 +124,10 @@ def walk_images(
                     if problem is not None:
                         not_files[e.path] = problem
                     yield e.path
+            elif others is not None and e.name.lower().endswith(OTHER_IMAGE_EXTENSIONS):
+                suffix = os.path.splitext(e.name)[1]
+                others.append((e.path, f"a {suffix} file: echopipe reads JPEG and PNG only "
+                               "(convert it to either)"))  # fmt: skip
         for sub in reversed(subdirs):
             stack.append((sub, walking | {os.path.realpath(sub)}))
 

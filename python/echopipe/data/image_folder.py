@@ -46,7 +46,9 @@ class ImageFolderIndex:
     Classes are the sorted names of ``root``'s sub-folders; ``labels[i]`` is the index in
     ``classes`` of ``files[i]``'s class. ``skipped`` lists ``(path, reason)`` for files left
     out by ``on_corrupt="skip"``; ``links_skipped`` lists ``(path, reason)`` for symbolic
-    links left out because they leave ``root``, loop or dangle. ``root`` is the scanned folder.
+    links left out because they leave ``root``, loop or dangle; ``other_formats`` lists
+    ``(path, reason)`` for files of image formats not read (BMP, GIF, TIFF, WebP, PNM: see
+    :data:`~echopipe.data.folder_walk.OTHER_IMAGE_EXTENSIONS`). ``root`` is the scanned folder.
     """
 
     files: list[str] = field(default_factory=list)
@@ -55,6 +57,7 @@ class ImageFolderIndex:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     root: str = ""
     links_skipped: list[tuple[str, str]] = field(default_factory=list)
+    other_formats: list[tuple[str, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -246,7 +249,8 @@ def scan_image_folder(
     """Index an ImageFolder tree, checking each image as asked.
 
     Class folders are ``root``'s non-hidden sub-folders, sorted; images are found recursively
-    inside them, in sorted order, by file extension (compared case-insensitively). Hidden files
+    inside them, in sorted order, by file extension (compared case-insensitively); files of image
+    formats not read (BMP, GIF, TIFF, WebP, PNM) are listed in ``other_formats``. Hidden files
     and folders (leading ``.``) are ignored, as are files directly in ``root``. Symbolic links
     are followed only while they stay inside ``root``; a link that leaves it, dangles, or leads
     back into a folder already being walked (a loop) is left out and listed in
@@ -315,12 +319,19 @@ def scan_image_folder(
 
     _check_listed(index, paths, labels, check, on_corrupt, workers, share, progress, not_files)
     if not index.files:
-        detail = f" ({len(index.skipped)} corrupt files skipped)" if index.skipped else ""
-        raise ValueError(
-            f"image folder {str(root_path)!r} has no images with extensions {list(extensions)}"
-            f" in its {len(classes)} class folders{detail}"
-        )
+        raise _no_images(index, list(extensions))
     return index
+
+
+def _no_images(index: ImageFolderIndex, extensions: list[str]) -> ValueError:
+    """The error for a folder left with no images, saying what was left out."""
+    detail = f" ({len(index.skipped)} corrupt files skipped)" if index.skipped else ""
+    if index.other_formats:
+        detail += f" ({index.other_formats[0][1]}: {len(index.other_formats)} such files)"
+    return ValueError(
+        f"image folder {index.root!r} has no images with extensions {extensions}"
+        f" in its {len(index.classes)} class folders{detail}"
+    )
 
 
 def _list_images(
@@ -334,8 +345,10 @@ def _list_images(
     """The image files of each class folder, in order, and their labels."""
     paths: list[str] = []
     labels: list[int] = []
+    others = index.other_formats
     for label, name in enumerate(classes):
-        for path in walk_images(root_path / name, exts, real_root, index.links_skipped, not_files):
+        folder = root_path / name
+        for path in walk_images(folder, exts, real_root, index.links_skipped, not_files, others):
             paths.append(path)
             labels.append(label)
     return paths, labels

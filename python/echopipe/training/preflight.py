@@ -224,6 +224,7 @@ def say_left_out(index: Any, split: str, say: Callable[[str], None]) -> list[str
     for what, items in (
         ("symbolic link(s)", index.links_skipped),
         ("corrupt image(s)", index.skipped),
+        ("image(s) of other formats", getattr(index, "other_formats", [])),
     ):
         if items:
             path, why = items[0]
