@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -147,3 +150,45 @@ def test_train_on_every_kind_says_and_counts_other_formats(
     doc = json.loads((run / "metrics.json").read_text())
     assert doc["summary"]["left_out"] == ["1 image(s) of other formats of train/"]
     assert doc["epochs"][0]["val_images"] == 2 * len(_kinds())
+
+
+def _header_bomb(width: int, height: int) -> bytes:
+    """A 16 x 16 JPEG whose frame header says ``width`` x ``height``: a few hundred bytes that
+    decode (grey beyond the first blocks) to ``3 * width * height`` bytes."""
+    buf = io.BytesIO()
+    Image.fromarray(_pixels(16, 16)).save(buf, format="JPEG")
+    data = bytearray(buf.getvalue())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(data)
+
+
+_PEAK = """
+import resource, sys
+from echopipe.data import CorruptImageError, check_image_file
+check_image_file(sys.argv[2], "decode")  # Pillow's codecs loaded, the baseline settled
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    check_image_file(sys.argv[1], "decode")
+except CorruptImageError as exc:
+    print(exc.reason, file=sys.stderr)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_decode_check_of_a_header_bomb_holds_about_two_decoded_images(tmp_path: Path) -> None:
+    """A file under MAX_IMAGE_PIXELS is decoded by --check decode: twice (the cut-scan probe,
+    jpeg_scan), so two decoded images at least. Comparing the two with whole-image
+    ``tobytes()`` held nearly six (2.7 GiB for a 660-byte file saying 13000 x 13000), on every
+    checking thread at once."""
+    bomb = tmp_path / "bomb.JPEG"
+    bomb.write_bytes(_header_bomb(5000, 5000))
+    small = tmp_path / "small.JPEG"
+    small.write_bytes(_header_bomb(16, 16))
+    run = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(bomb), str(small)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert "stops before the image is complete" in run.stderr, run.stderr
+    decoded = 3 * 5000 * 5000
+    assert int(run.stdout) < 3.5 * decoded, (int(run.stdout) / decoded, run.stderr)
