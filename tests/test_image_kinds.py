@@ -192,3 +192,35 @@ def test_decode_check_of_a_header_bomb_holds_about_two_decoded_images(tmp_path: 
     assert "stops before the image is complete" in run.stderr, run.stderr
     decoded = 3 * 5000 * 5000
     assert int(run.stdout) < 3.5 * decoded, (int(run.stdout) / decoded, run.stderr)
+
+
+_VAL_PEAK = """
+import resource, sys
+import numpy as np
+from echopipe.dali import imagenet_val_pipeline
+pipe = imagenet_val_pipeline(sys.argv[1], batch_size=1, image_size=32, num_threads=1,
+                             prefetch_queue_depth=1)
+pipe.build()
+shapes = [np.array(pipe.run()[0].at(0)).shape]  # a/plain.JPEG: the baseline settles
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+image = np.array(pipe.run()[0].at(0))  # a/strip.png
+assert image.shape == (3, 32, 32) and np.isfinite(image).all(), image.shape
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_validation_of_a_one_pixel_high_image_stays_small(tmp_path: Path) -> None:
+    """A valid 100000 x 1 PNG (a few hundred bytes) in val/: resized whole to a shorter side of
+    37 it was 3.7 M x 37 pixels (411 MB), for a 32 x 32 centre crop; it is cut to its centre
+    at MAX_VAL_ASPECT first."""
+    for c in ("a", "b"):
+        (tmp_path / "val" / c).mkdir(parents=True)
+        Image.fromarray(_pixels()).save(tmp_path / "val" / c / "plain.JPEG")
+    strip = np.tile(_pixels(1, 1000), (1, 100, 1))
+    Image.fromarray(strip).save(tmp_path / "val" / "a" / "strip.png")
+    run = subprocess.run(
+        [sys.executable, "-c", _VAL_PEAK, str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout) < 100 * 2**20, int(run.stdout)

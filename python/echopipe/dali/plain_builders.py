@@ -166,9 +166,11 @@ def imagenet_val_pipeline(
     """The validation pipeline: no echo, no random augmentation.
 
     Graph: ``fn.readers.file`` (sorted files, no shuffle, ``pad_last_batch=True``) -> decode ->
-    ``fn.resize(resize_shorter=resize_size)`` -> centre crop ``image_size`` + normalise
-    (``fn.crop_mirror_normalize``, ``CHW``). Outputs ``(images, labels)`` like the training
-    pipeline, plus the file path of each sample as a uint8 array when ``return_paths``.
+    [an image longer than 8 : 1 cut to its centre at that ratio, so that a valid 65000 x 2 JPEG
+    is not resized to gigabytes] -> ``fn.resize(resize_shorter=resize_size)`` -> centre crop
+    ``image_size`` + normalise (``fn.crop_mirror_normalize``, ``CHW``). Outputs ``(images,
+    labels)`` like the training pipeline, plus the file path of each sample as a uint8 array
+    when ``return_paths``.
 
     Every image of the shard is read exactly once per epoch when the pipeline is iterated with
     ``reader_name=pipe.reader_name`` and ``LastBatchPolicy.PARTIAL`` (the padding repeats of the
