@@ -41,6 +41,7 @@ from .partition import (
     stale_share_fits,
     validate_balance,
 )
+from .stage import restore_modes, set_modes
 
 __all__ = [
     "Clock",
@@ -96,8 +97,8 @@ def profile_layers(
     (target,) = parse_devices([device], 1)
     original_device = next((p.device for p in module.parameters()), torch.device("cpu"))
     saved_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    was_training = module.training
-    module.to(target).train()
+    modes = set_modes([module], training=True)  # restored one by one: a frozen BN stays so
+    module.to(target)
     profiles: list[LayerProfile] = []
     try:
         x = sample_input.to(target)
@@ -131,7 +132,7 @@ def profile_layers(
     finally:
         module.to(original_device)
         module.load_state_dict(saved_state)
-        module.train(was_training)
+        restore_modes(modes)
     return profiles
 
 
@@ -356,8 +357,8 @@ def _refine_by_stage_time(
     (target,) = parse_devices([device], 1)
     original_device = next((p.device for p in module.parameters()), torch.device("cpu"))
     saved_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    was_training = module.training
-    module.to(target).train()
+    modes = set_modes([module], training=True)
+    module.to(target)
     layers = list(module)
     stage_seconds: dict[tuple[int, int], float] = {}
     try:
@@ -382,4 +383,4 @@ def _refine_by_stage_time(
     finally:
         module.to(original_device)
         module.load_state_dict(saved_state)
-        module.train(was_training)
+        restore_modes(modes)

@@ -31,7 +31,8 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 StageGradHook = Callable[[int, list[nn.Parameter], list[torch.Tensor | None]], None]
-"""``hook(stage, params, grads)``: sees (and may replace entries of) a stage's gradients."""
+"""``hook(stage, params, grads)``: sees (and may replace entries of) a stage's gradients, which
+the parameters' ``.grad`` also hold while it runs."""
 
 
 def check_arguments(

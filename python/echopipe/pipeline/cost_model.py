@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .stage import restore_modes, set_modes
+
 #: Rates of the cost model. Only their ratio matters for the split: it weighs a byte moved
 #: against a FLOP (a CPU core or a GPU reaches roughly 10 FLOPs per byte of memory traffic).
 FLOPS_PER_S = 1e11
@@ -53,8 +55,7 @@ def estimate_layer_seconds(module: nn.Sequential, sample_input: torch.Tensor) ->
     from torch.utils.flop_counter import FlopCounterMode
 
     saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    was_training = module.training
-    module.train()
+    modes = set_modes([module], training=True)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     seconds: list[float] = []
     try:
@@ -82,7 +83,7 @@ def estimate_layer_seconds(module: nn.Sequential, sample_input: torch.Tensor) ->
             x = out.detach()
     finally:
         module.load_state_dict(saved)
-        module.train(was_training)
+        restore_modes(modes)
     return seconds
 
 

@@ -120,7 +120,6 @@ class DistributedStalePipeline:
         self.device = rank_device(device)
         self.balance = [len(s) for s in stages]
         self.stage = stages[self.stage_index].to(self.device)
-        self.stage.train()
         self.hybrid = hybrid
         self._pipelined = bool(pipelined) and not (
             hybrid is not None and hybrid.pipelined_steps == 0

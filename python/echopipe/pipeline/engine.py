@@ -38,7 +38,7 @@ from .results import (
     unpack_batch,
 )
 from .schedule import HybridSchedule, stage_staleness
-from .stage import eval_mode
+from .stage import caller_autocast, eval_mode
 from .state import Progress, check_pipeline_state, pipeline_state, restore_pipeline
 from .stream import caller_event, synchronize_devices
 from .worker import Batch, SchedulerStep, StageWorkers, divide_threads
@@ -75,7 +75,8 @@ class StalePipeline:
 
     Args:
         module: the model, an ``nn.Sequential`` whose children are whole blocks. Its children
-            are moved to the stage devices and shared (not copied) by the stages.
+            are moved to the stage devices and shared (not copied) by the stages, and train in
+            the mode they are in (a BatchNorm frozen with ``.eval()`` stays frozen).
         balance: children per stage (torchgpipe convention), for instance from
             :func:`~echopipe.pipeline.balance_by_time` or
             :func:`~echopipe.pipeline.balance_by_cost`; ``"auto"`` to have
@@ -100,6 +101,8 @@ class StalePipeline:
             thread after each backward and before that stage's optimizer step, with the stage's
             trainable parameters and their gradients (``None`` where a parameter got none).
             It may replace entries of ``grads`` (same shapes); the optimizer then sees those.
+            The parameters' ``.grad`` already hold the gradients, so
+            ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` clips this stage's in place.
             Typical use: average the gradients over data-parallel replicas of the pipeline
             (``all_reduce`` on a process group per stage). Runs for every update, in the
             stage's fixed operation order.
@@ -158,7 +161,6 @@ class StalePipeline:
         for stage, device in zip(self.stages, self.devices, strict=True):
             stage.to(device)
         synchronize_devices(self.devices)
-        module.train()
 
         self._cores = build_cores(
             self.stages, self.devices, optimizer, scheduler, scheduler_interval, loss_fn,
@@ -216,7 +218,8 @@ class StalePipeline:
         """Feed one minibatch; returns the losses of minibatches that finished meanwhile.
 
         Blocks only while the pipeline is full (``max_prefetch`` minibatches queued). Raises
-        :class:`PipelineError` if any stage failed.
+        :class:`PipelineError` if any stage failed. The stages run this minibatch's forward
+        (and loss) under the ``torch.autocast`` regions the caller has entered around the call.
         """
         self._workers.check()
         if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor):
@@ -227,7 +230,7 @@ class StalePipeline:
         index = self.steps_fed
         if self.hybrid is not None and self._pipelined and not self.hybrid.pipelined_at(index):
             self.set_pipelined(False)
-        batch = Batch(index, x, target, caller_event(x), caller_event(target))
+        batch = Batch(index, x, target, caller_event(x), caller_event(target), caller_autocast())
         self._workers.put(batch)
         self._idle = False
         self.steps_fed += 1

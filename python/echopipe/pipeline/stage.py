@@ -28,9 +28,39 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-__all__ = ["StageCore", "eval_mode"]
+__all__ = [
+    "AutocastState",
+    "StageCore",
+    "caller_autocast",
+    "eval_mode",
+    "restore_modes",
+    "set_modes",
+]
 
 GradHook = Callable[[list[torch.Tensor | None]], None]
+
+AutocastState = tuple[tuple[str, torch.dtype], ...]
+"""The autocast regions in effect: ``(device_type, dtype)`` of each enabled one."""
+
+
+def caller_autocast() -> AutocastState:
+    """The calling thread's enabled ``torch.autocast`` regions (CPU and CUDA).
+
+    Autocast state is per thread; the stage threads re-enter what the caller had around
+    ``train_step``, as ``nn.DataParallel`` does for its replica threads.
+    """
+    return tuple(
+        (device_type, torch.get_autocast_dtype(device_type))
+        for device_type in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device_type)
+    )
+
+
+def _autocast(state: AutocastState) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for device_type, dtype in state:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype))
+    return stack
 
 
 @dataclass
@@ -41,6 +71,7 @@ class _InFlight:
     aliases: list[torch.Tensor] = field(default_factory=list)
     saved_input: torch.Tensor | None = None  # recompute mode
     target: torch.Tensor | None = None
+    autocast: AutocastState = ()  # the forward's, for the recomputation
 
 
 class StageCore:
@@ -99,9 +130,14 @@ class StageCore:
 
     # ----------------------------------------------------------------------------------------
     def forward(
-        self, index: int, x: torch.Tensor, target: torch.Tensor | None
+        self,
+        index: int,
+        x: torch.Tensor,
+        target: torch.Tensor | None,
+        autocast: AutocastState = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run forward of minibatch ``index``.
+        """Run forward of minibatch ``index``, under the ``autocast`` regions given (the
+        caller's, which a stage thread does not inherit).
 
         Returns ``(output, loss)``: the tensor to send downstream (detached), and on the last
         stage the detached loss.
@@ -117,15 +153,18 @@ class StageCore:
             inp = x
         recompute_here = self.recompute and self.staleness > 0
         if recompute_here:
-            with torch.no_grad():
+            with torch.no_grad(), _autocast(autocast):
                 out = self.module(inp)
-            record = _InFlight(index, None, None, saved_input=x.detach(), target=target)
+            self._check_output(out)
+            record = _InFlight(
+                index, None, None, saved_input=x.detach(), target=target, autocast=autocast
+            )
             self.in_flight.append(record)
             self.forwards_done += 1
             self.last_forward_index = index
             return out.detach(), None
         aliases = [p.data.requires_grad_(True) for p in self.params]
-        with torch.enable_grad():
+        with torch.enable_grad(), _autocast(autocast):
             out = functional_call(
                 self.module, dict(zip(self.param_names, aliases, strict=True)), (inp,)
             )
@@ -134,11 +173,23 @@ class StageCore:
                 if self.loss_fn is None or target is None:
                     raise RuntimeError("the last stage needs loss_fn and a target")
                 loss = self.loss_fn(out, target)
+            else:
+                self._check_output(out)
         record = _InFlight(index, leaf, loss if self.is_last else out, aliases, target=target)
         self.in_flight.append(record)
         self.forwards_done += 1
         self.last_forward_index = index
         return out.detach(), (loss.detach() if loss is not None else None)
+
+    def _check_output(self, out: object) -> None:
+        # Without this a tuple fails later inside the engine ("'tuple' object has no attribute
+        # 'detach'"), which names neither the stage nor the rule.
+        if not self.is_last and not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"stage {self.index} outputs a {type(out).__name__}, but the pipeline passes one "
+                "tensor between stages: move the stage boundary to where the model carries a "
+                "single tensor, or pack the values into one tensor"
+            )
 
     # ----------------------------------------------------------------------------------------
     def backward(self, index: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
@@ -188,7 +239,7 @@ class StageCore:
         # Running statistics were updated by the real forward; the recomputation must not
         # update them a second time, so it runs on throw-away copies of the buffers.
         buffers = {n: b.clone() for n, b in self.module.named_buffers()}
-        with torch.enable_grad():
+        with torch.enable_grad(), _autocast(record.autocast):
             mapping: dict[str, torch.Tensor] = dict(zip(self.param_names, self.params, strict=True))
             mapping.update(buffers)
             out = functional_call(self.module, mapping, (inp,))
@@ -198,10 +249,16 @@ class StageCore:
         return _InFlight(record.index, leaf, out, list(self.params), target=record.target)
 
     def _apply_update(self, param_grads: list[torch.Tensor | None]) -> None:
+        # p.grad is set before the hook: torch's own tools (clip_grad_norm_, clip_grad_value_)
+        # read and scale p.grad, and with it still None they would silently do nothing.
+        computed = list(param_grads)
+        for p, g in zip(self.params, computed, strict=True):
+            p.grad = g
         if self.grad_hook is not None:
             self.grad_hook(param_grads)
-        for p, g in zip(self.params, param_grads, strict=True):
-            p.grad = g
+            for p, g, new in zip(self.params, computed, param_grads, strict=True):
+                if new is not g:  # an entry the hook replaced in the list wins
+                    p.grad = new
         if self.optimizer is not None:
             self.optimizer.step()
         for p in self.params:
@@ -224,15 +281,29 @@ class StageCore:
             self.pending_scheduler_steps.append(self.last_forward_index)
 
 
+ModuleModes = list[tuple[nn.Module, bool]]
+
+
+def set_modes(stages: Iterable[nn.Module], *, training: bool) -> ModuleModes:
+    """Every module of ``stages`` in ``training`` mode; returns the modes they had."""
+    was = [(m, m.training) for s in stages for m in s.modules()]
+    for m, _ in was:
+        m.training = training
+    return was
+
+
+def restore_modes(was: ModuleModes) -> None:
+    """Each module back in its own mode (``train(mode)`` on a parent would set one for all)."""
+    for m, mode in was:
+        m.training = mode
+
+
 @contextlib.contextmanager
 def eval_mode(stages: Iterable[nn.Module]) -> Iterator[None]:
     """``stages`` in eval mode, and afterwards every module in the mode it had: a BatchNorm
     the user froze with ``.eval()`` stays frozen (``train(mode)`` on a stage would reset it)."""
-    was = [(m, m.training) for s in stages for m in s.modules()]
-    for m, _ in was:
-        m.training = False
+    was = set_modes(stages, training=False)
     try:
         yield
     finally:
-        for m, mode in was:
-            m.training = mode
+        restore_modes(was)

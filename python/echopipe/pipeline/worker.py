@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .results import LossRecord
-from .stage import StageCore
+from .stage import AutocastState, StageCore
 from .stream import BusyTimer, DeviceStream, KeepAlive, StreamEvent, transfer
 
 __all__ = ["Batch", "Drain", "PipelineError", "SchedulerStep", "StageWorkers", "divide_threads"]
@@ -50,6 +50,7 @@ class Batch:
     target: torch.Tensor | None
     ready: StreamEvent  # x is ready: the caller's stream for stage 0, else the sender's compute
     target_ready: StreamEvent  # the target is ready (the caller's stream)
+    autocast: AutocastState = ()  # the caller's autocast regions around train_step
 
 
 @dataclass
@@ -305,13 +306,20 @@ class StageWorkers:
                 if last and target is not None:
                     target = transfer(target, msg.target_ready, copy, compute, held)
                 with self._busy[k][0].span():
-                    out, loss = core.forward(msg.index, x, target)
+                    out, loss = core.forward(msg.index, x, target, msg.autocast)
                 if last:
                     assert loss is not None
                     self._losses.put(LossRecord(msg.index, loss, compute.record()))
                 else:
                     self._fwd_queues[k + 1].put(
-                        Batch(msg.index, out, msg.target, compute.record(), msg.target_ready)
+                        Batch(
+                            msg.index,
+                            out,
+                            msg.target,
+                            compute.record(),
+                            msg.target_ready,
+                            msg.autocast,
+                        )
                     )
             elif core.in_flight:
                 index = core.in_flight[0].index

@@ -1,0 +1,182 @@
+"""Programs a torchgpipe / torch.distributed.pipelining user writes around ``StalePipeline``:
+gradient clipping, mixed precision, frozen normalisation layers, non-tensor stage outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from echopipe.pipeline import (
+    PipelineError,
+    StalePipeline,
+    balance_by_cost,
+    balance_by_time,
+    split_sequential,
+)
+from pipeline_support.models import BALANCES, loss_fn, make_batches, sgd, small_cnn
+from pipeline_support.reference import ReferencePipeline
+from pipeline_support.timing import FakeClock
+
+MAX_NORM = 0.05
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread in the caller, as each stage worker has on 2 cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _max_rel_error(a: nn.Module, b: nn.Module) -> float:
+    worst = 0.0
+    for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True):
+        scale = max(float(y.double().abs().max()), 1e-30)
+        worst = max(worst, float((x.double() - y.double()).abs().max()) / scale)
+    return worst
+
+
+def _clipping_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD that clips its own parameters' gradient norm before each step (the reference)."""
+    opt = sgd(params)
+
+    def clip(*_: object) -> None:  # a pre-hook returning the norm would be taken as new args
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+
+    opt.register_step_pre_hook(clip)
+    return opt
+
+
+def test_clip_grad_norm_in_the_grad_hook_clips_each_stage(one_thread) -> None:
+    """The usual ``clip_grad_norm_(params, max_norm)`` works inside ``grad_hook``: it reads and
+    scales ``p.grad``, so the gradients must be there when the hook runs."""
+    batches = make_batches(8)
+    ref_model = small_cnn()
+    stages = split_sequential(ref_model, BALANCES[3])
+    opts = [_clipping_sgd([p for p in s.parameters() if p.requires_grad]) for s in stages]
+    ReferencePipeline(stages, opts, loss_fn).run_pipelined(batches)
+
+    norms: list[float] = []
+
+    def clip(stage: int, params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM)))
+
+    model = small_cnn()
+    with StalePipeline(
+        model, balance=BALANCES[3], optimizer=sgd, loss_fn=loss_fn, grad_hook=clip
+    ) as pipe:
+        for x, y in batches:
+            pipe.train_step(x, y)
+        pipe.drain()
+    assert len(norms) == 3 * len(batches) and min(norms) > MAX_NORM  # every update was clipped
+    assert _max_rel_error(model, ref_model) <= 1e-12
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)]
+    return nn.Sequential(*layers)
+
+
+def test_the_callers_autocast_reaches_the_stage_threads(one_thread) -> None:
+    """``with torch.autocast("cpu", dtype=torch.bfloat16): pipe.train_step(x, y)`` runs the
+    stages in bfloat16, as the same loop does without a pipeline; autocast state is per thread,
+    so the stage threads must be given it."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))]
+    batches *= 4
+    plain = _mlp()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    expected = []
+    for x, y in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(plain(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        expected.append(float(loss.detach()))
+
+    model = _mlp()
+    seen: list[torch.dtype] = []
+    for layer in (model[0], model[4]):
+        layer.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    losses = []
+    with StalePipeline(
+        model,
+        balance=[2, 3],
+        pipelined=False,  # plain SGD on two stages: comparable with the loop above
+        intra_op_threads=1,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        loss_fn=loss_fn,
+    ) as pipe:
+        for x, y in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses += pipe.train_step(x, y).losses
+        losses += [r.value for r in pipe.drain()]
+        assert seen == [torch.bfloat16] * (2 * len(batches))
+        # The caller's thread itself keeps its own autocast state for evaluation.
+        assert pipe.evaluate(batches[0][0]).dtype == torch.float32
+    torch.testing.assert_close(losses, expected, rtol=0, atol=0)
+    torch.testing.assert_close(model[4].weight, plain[4].weight, rtol=0, atol=0)
+
+
+def _frozen_bn_model() -> tuple[nn.Sequential, nn.BatchNorm1d]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)
+    )
+    bn = model[1]
+    bn.eval()  # fine-tuning: the normalisation keeps its running statistics
+    bn.weight.requires_grad_(False)
+    bn.bias.requires_grad_(False)
+    return model, bn
+
+
+def test_a_batchnorm_frozen_before_the_pipeline_stays_frozen() -> None:
+    """A module the user put in eval mode keeps that mode through balancing and construction,
+    so its running statistics do not move during training."""
+    model, bn = _frozen_bn_model()
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    x = torch.randn(8, 6)
+    clock = FakeClock()
+    balance = balance_by_time(model, x, 2, clock=clock)
+    assert balance_by_cost(model, x, 2)
+    assert not bn.training and model[0].training
+    with StalePipeline(
+        model, balance=balance, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=loss_fn
+    ) as pipe:
+        for _ in range(3):
+            pipe.train_step(x, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))
+        pipe.drain()
+        assert not bn.training and model[0].training
+    for key, value in bn.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x * 2
+
+
+class _Sum(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return pair[0] + pair[1]
+
+
+def test_a_stage_that_outputs_a_tuple_is_named() -> None:
+    """torchgpipe passes tuples between partitions; this engine passes one tensor, and says so
+    with the stage and the type instead of an AttributeError from inside the engine."""
+    model = nn.Sequential(nn.Linear(6, 4), _Pair(), _Sum(), nn.Linear(4, 3))
+    with (
+        StalePipeline(
+            model, balance=[2, 2], optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=loss_fn
+        ) as pipe,
+        pytest.raises(PipelineError) as info,
+    ):
+        pipe.train_step(torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
+        pipe.drain()
+    assert info.value.stage == 0
+    assert isinstance(info.value.__cause__, TypeError)
+    assert "stage 0 outputs a tuple" in str(info.value)
