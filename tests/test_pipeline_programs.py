@@ -3,6 +3,12 @@ gradient clipping, mixed precision, frozen normalisation layers, non-tensor stag
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +20,7 @@ from echopipe.pipeline import (
     balance_by_time,
     split_sequential,
 )
+from pipeline_support.amp_programs import BALANCE, amp_batches, amp_mlp, amp_sgd, train_under_bf16
 from pipeline_support.models import BALANCES, loss_fn, make_batches, sgd, small_cnn
 from pipeline_support.reference import ReferencePipeline
 from pipeline_support.timing import FakeClock
@@ -180,3 +187,38 @@ def test_a_stage_that_outputs_a_tuple_is_named() -> None:
     assert info.value.stage == 0
     assert isinstance(info.value.__cause__, TypeError)
     assert "stage 0 outputs a tuple" in str(info.value)
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_under_autocast_equal_the_threaded_engine(
+    tmp_path: Path, one_thread
+) -> None:
+    """Both engines train under the caller's bfloat16 autocast, with recompute, and agree even
+    for the minibatches whose recompute runs in a ``drain()`` outside the autocast block."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    python_dir = Path(__file__).resolve().parent.parent / "python"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(python_dir), env.get("PYTHONPATH")] if p)
+    worker = Path(__file__).parent / "pipeline_support" / "dist_amp_worker.py"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={port}", str(worker), str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    with StalePipeline(
+        amp_mlp(),
+        balance=BALANCE,
+        optimizer=amp_sgd,
+        loss_fn=loss_fn,
+        recompute=True,
+        intra_op_threads=1,
+    ) as pipe:
+        train_under_bf16(pipe, amp_batches(), first=True)
+        for k, stage in enumerate(pipe.stages):
+            ranked = torch.load(tmp_path / f"stage{k}.pt")
+            for name, value in stage.state_dict().items():
+                assert torch.equal(value, ranked[name]), (k, name)

@@ -38,7 +38,7 @@ from .partition import DeviceLike, split_sequential
 from .ranks import ReplicaAverage, StageTopology, data_parallel_group, rank_device
 from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult
 from .schedule import HybridSchedule, stage_staleness
-from .stage import StageCore, eval_mode
+from .stage import StageCore, caller_autocast, eval_mode
 from .state import Progress, check_rank_state, rank_state, restore_rank
 
 __all__ = ["DistributedStalePipeline"]
@@ -207,7 +207,7 @@ class DistributedStalePipeline:
                 # this rank, and without tags the receives must come in the same order.
                 target = self._link.recv(self.topology.base, TAG_TARGET)
             x = self._link.recv(self.topology.prev, TAG_ACT)
-        out, loss = core.forward(index, x, target)
+        out, loss = core.forward(index, x, target, caller_autocast())  # for a recompute
         if self.is_last:
             assert loss is not None
             self._losses.append(LossRecord(index, loss.detach()))
