@@ -222,3 +222,42 @@ def test_two_gloo_ranks_under_autocast_equal_the_threaded_engine(
             ranked = torch.load(tmp_path / f"stage{k}.pt")
             for name, value in stage.state_dict().items():
                 assert torch.equal(value, ranked[name]), (k, name)
+
+
+def _plateau_pipeline(interval: str = "epoch") -> StalePipeline:
+    return StalePipeline(
+        amp_mlp(),
+        balance=BALANCE,
+        optimizer=amp_sgd,
+        loss_fn=loss_fn,
+        scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=0.5, patience=0),
+        scheduler_interval=interval,  # type: ignore[arg-type]
+    )
+
+
+def test_reduce_lr_on_plateau_steps_on_the_metric_given_after_an_epoch() -> None:
+    """``ReduceLROnPlateau`` needs its metric: a plain ``run_epoch`` refuses before feeding
+    (instead of failing a stage thread at the epoch's end), and ``step_schedulers(metric)``
+    steps every stage's scheduler on it."""
+    batches = amp_batches()
+    with _plateau_pipeline() as pipe:
+        with pytest.raises(TypeError):
+            pipe.run_epoch(batches)
+        assert pipe.steps_fed == 0
+        pipe.run_epoch(batches, step_schedulers=False)
+        pipe.step_schedulers(1.0)
+        assert pipe.steps_applied == len(batches)  # stepped after the epoch's updates
+        pipe.step_schedulers(2.0)  # worse, with patience 0: the rate halves
+        assert [o.param_groups[0]["lr"] for o in pipe.optimizers] == [0.05, 0.05]
+        pipe.run_epoch(batches, step_schedulers=False)  # the pipeline is still usable
+        pipe.drain()
+    with pytest.raises(TypeError):
+        _plateau_pipeline("step")
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5])
+def test_evaluate_names_a_bad_batch_size(batch_size: object) -> None:
+    with StalePipeline(amp_mlp(), balance=BALANCE, optimizer=amp_sgd, loss_fn=loss_fn) as pipe:
+        x, y = amp_batches()[0]
+        with pytest.raises(ValueError, match="batch_size"):
+            pipe.accuracy(x, y, batch_size=batch_size)  # type: ignore[arg-type]

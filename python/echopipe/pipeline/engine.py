@@ -35,10 +35,11 @@ from .results import (
     LossRecord,
     StepResult,
     as_class_target,
+    checked_batch_size,
     unpack_batch,
 )
 from .schedule import HybridSchedule, stage_staleness
-from .stage import caller_autocast, eval_mode
+from .stage import caller_autocast, eval_mode, needs_metrics
 from .state import Progress, check_pipeline_state, pipeline_state, restore_pipeline
 from .stream import caller_event, synchronize_devices
 from .worker import Batch, SchedulerStep, StageWorkers, divide_threads
@@ -237,15 +238,33 @@ class StalePipeline:
         self.samples_seen += int(x.shape[0]) if x.dim() > 0 else 1
         return StepResult(index, self._workers.collect())
 
-    def step_schedulers(self) -> None:
+    def step_schedulers(self, metrics: float | None = None) -> None:
         """Step every stage's LR scheduler once, right after its update of the newest minibatch.
 
         The request travels through the pipeline in order, so each stage applies it at the
-        same point of its own operation sequence regardless of thread timing.
+        same point of its own operation sequence regardless of thread timing. With ``metrics``
+        (``ReduceLROnPlateau``, which steps on a validation figure) the pipeline drains and each
+        scheduler steps on it in the caller's thread.
         """
         self._workers.check()
+        if metrics is not None:
+            self._drain_to(self.staleness())
+            for core in self._cores:
+                if core.scheduler is not None:
+                    core.scheduler.step(metrics)  # type: ignore[arg-type]
+                core.scheduler_steps += 1
+            return
+        self._check_no_metric_schedulers()
         self._workers.put(SchedulerStep())
         self._idle = False  # a checkpoint or evaluation drains first, so the step is in it
+
+    def _check_no_metric_schedulers(self) -> None:
+        # Stepped without its metric in a stage thread, ReduceLROnPlateau would fail the stage.
+        if any(needs_metrics(core.scheduler) for core in self._cores):
+            raise TypeError(
+                "ReduceLROnPlateau steps on a metric: run_epoch(loader, step_schedulers=False), "
+                "then pipe.step_schedulers(metric)"
+            )
 
     def run_epoch(
         self,
@@ -264,6 +283,8 @@ class StalePipeline:
         and ``step_schedulers``, each stage's scheduler steps once after its update of the
         epoch's last minibatch.
         """
+        if epoch_step := step_schedulers and self._cores[0].scheduler_interval == "epoch":
+            self._check_no_metric_schedulers()  # before the epoch, not after it
         start = time.perf_counter()
         steps = samples = 0
         losses: list[float] = []
@@ -273,7 +294,7 @@ class StalePipeline:
             losses.extend(result.losses)
             steps += 1
             samples += int(x.shape[0])
-        if step_schedulers and self._cores[0].scheduler_interval == "epoch":
+        if epoch_step:
             self.step_schedulers()
         if drain:
             losses.extend(r.value for r in self.drain())
@@ -306,7 +327,7 @@ class StalePipeline:
             self._drain_to(self.staleness())
         self._workers.check()
         outputs: list[torch.Tensor] = []
-        chunks = [x] if batch_size is None else list(torch.split(x, batch_size))
+        chunks = [x] if batch_size is None else list(torch.split(x, checked_batch_size(batch_size)))
         with torch.no_grad(), eval_mode(self.stages):
             for chunk in chunks:
                 h = chunk

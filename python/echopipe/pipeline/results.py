@@ -18,7 +18,7 @@ import torch
 
 from .stream import StreamEvent
 
-__all__ = ["EpochResult", "LossRecord", "StepResult", "unpack_batch"]
+__all__ = ["EpochResult", "LossRecord", "StepResult", "checked_batch_size", "unpack_batch"]
 
 #: Default names of the input and the target in dict batches (DALI's and echopipe's iterators).
 DEFAULT_OUTPUT_MAP = ("data", "label")
@@ -118,3 +118,11 @@ def as_class_target(target: torch.Tensor) -> torch.Tensor:
     if target.dim() == 2 and target.shape[1] == 1:
         target = target.reshape(-1)
     return target if target.dtype == torch.int64 else target.long()
+
+
+def checked_batch_size(batch_size: object) -> int:
+    """``batch_size`` of ``evaluate`` / ``accuracy`` as a positive int (``ValueError`` names it;
+    ``torch.split`` would fail on 0, a negative or a float with its own words)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return batch_size

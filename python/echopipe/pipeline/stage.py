@@ -33,6 +33,7 @@ __all__ = [
     "StageCore",
     "caller_autocast",
     "eval_mode",
+    "needs_metrics",
     "restore_modes",
     "set_modes",
 ]
@@ -74,6 +75,11 @@ class _InFlight:
     autocast: AutocastState = ()  # the forward's, for the recomputation
 
 
+def needs_metrics(scheduler: object) -> bool:
+    """Whether ``scheduler`` steps on a metric (``ReduceLROnPlateau.step(metrics)``)."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
 class StageCore:
     """Forward/backward/update of one stage, in the order the engine calls them.
 
@@ -103,6 +109,11 @@ class StageCore:
         recompute: bool,
         grad_hook: GradHook | None = None,
     ) -> None:
+        if needs_metrics(scheduler) and scheduler_interval == "step":
+            raise TypeError(
+                "ReduceLROnPlateau steps on a metric, not after every update: use "
+                "scheduler_interval='epoch' and step_schedulers(metric) after each epoch"
+            )
         self.index = index
         self.num_stages = num_stages
         self.module = module
