@@ -23,6 +23,7 @@ from echopipe.pipeline import (
 from pipeline_support.amp_programs import BALANCE, amp_batches, amp_mlp, amp_sgd, train_under_bf16
 from pipeline_support.models import BALANCES, loss_fn, make_batches, sgd, small_cnn
 from pipeline_support.reference import ReferencePipeline
+from pipeline_support.resume_program import HALF, resume_batches, resume_model, resume_pipeline
 from pipeline_support.timing import FakeClock
 
 MAX_NORM = 0.05
@@ -261,3 +262,37 @@ def test_evaluate_names_a_bad_batch_size(batch_size: object) -> None:
         x, y = amp_batches()[0]
         with pytest.raises(ValueError, match="batch_size"):
             pipe.accuracy(x, y, batch_size=batch_size)  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_resumed_in_another_process_continues_the_run(tmp_path: Path) -> None:
+    """Saved mid-training by one process, loaded by a fresh pipeline in another: the weights
+    end as an uninterrupted run's that drained at the same step, exactly."""
+    path = tmp_path / "mid.ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    python_dir = Path(__file__).resolve().parent.parent / "python"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(python_dir), env.get("PYTHONPATH")] if p)
+    program = Path(__file__).parent / "pipeline_support" / "resume_program.py"
+    proc = subprocess.run(
+        [sys.executable, str(program), str(path)], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    batches = resume_batches()
+    full = resume_model()
+    with resume_pipeline(full) as pipe:
+        for i, (x, y) in enumerate(batches):
+            if i == HALF:
+                pipe.drain()  # the checkpoint policy: drain, then save
+            pipe.train_step(x, y)
+        pipe.drain()
+    resumed = resume_model(seed=99)
+    with resume_pipeline(resumed) as pipe:
+        pipe.load_checkpoint(path)
+        for x, y in batches[HALF:]:
+            pipe.train_step(x, y)
+        pipe.drain()
+    for (name, value), expected in zip(
+        resumed.state_dict().items(), full.state_dict().values(), strict=True
+    ):
+        assert torch.equal(value, expected), name
