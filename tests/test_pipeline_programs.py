@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -254,6 +255,16 @@ def test_reduce_lr_on_plateau_steps_on_the_metric_given_after_an_epoch() -> None
         pipe.drain()
     with pytest.raises(TypeError):
         _plateau_pipeline("step")
+    step_lr = partial(torch.optim.lr_scheduler.StepLR, step_size=1)
+    with StalePipeline(
+        amp_mlp(), balance=BALANCE, optimizer=amp_sgd, loss_fn=loss_fn, scheduler=step_lr
+    ) as pipe:
+        pipe.run_epoch(amp_batches()[:1], step_schedulers=False)
+        with pytest.raises(TypeError):  # StepLR.step(1.0) would set the epoch to 1
+            pipe.step_schedulers(1.0)
+        pipe.step_schedulers()
+        pipe.drain()  # the stage threads step their schedulers
+        assert [o.param_groups[0]["lr"] for o in pipe.optimizers] == pytest.approx([0.01] * 2)
 
 
 @pytest.mark.parametrize("batch_size", [0, -1, 2.5])

@@ -250,9 +250,7 @@ class StalePipeline:
         if metrics is not None:
             self._drain_to(self.staleness())
             for core in self._cores:
-                if core.scheduler is not None:
-                    core.scheduler.step(metrics)  # type: ignore[arg-type]
-                core.scheduler_steps += 1
+                core.step_scheduler(metrics)
             return
         self._check_no_metric_schedulers()
         self._workers.put(SchedulerStep())

@@ -278,10 +278,16 @@ class StageCore:
         if self.scheduler is not None and self.scheduler_interval == "step":
             self.step_scheduler()
 
-    def step_scheduler(self) -> None:
-        """Step this stage's LR scheduler once (no-op without one)."""
+    def step_scheduler(self, metrics: float | None = None) -> None:
+        """Step this stage's LR scheduler once (no-op without one), on ``metrics`` for a
+        ``ReduceLROnPlateau`` (an epoch-based scheduler would take it for an epoch number)."""
         if self.scheduler is not None:
-            self.scheduler.step()
+            if (metrics is not None) != needs_metrics(self.scheduler):
+                raise TypeError(
+                    f"{type(self.scheduler).__name__} steps "
+                    + ("on a metric" if metrics is None else "without a metric")
+                )
+            self.scheduler.step(*(() if metrics is None else (metrics,)))  # type: ignore[arg-type]
         self.scheduler_steps += 1
 
     def schedule_scheduler_step(self) -> None:
