@@ -53,6 +53,7 @@ from .definition import echo_pipeline_def
 from .epochs import EpochSizeChangedError
 from .iterator import EchoIterator
 from .iterator_stats import EchoIteratorStats
+from .iterator_warnings import EchoedEvaluationWarning, EpochContinuedWarning
 from .peer import PythonEchoPipeline, python_echo_train_pipeline
 from .peer_buffer import PythonEchoBuffer
 from .pipeline import EchoPipeline
@@ -98,6 +99,8 @@ __all__ = [
     "EchoPipeline",
     "EchoPipelineConfig",
     "EchoSpec",
+    "EchoedEvaluationWarning",
+    "EpochContinuedWarning",
     "EpochSizeChangedError",
     "ImagenetEchoPipeline",
     "LastBatchPolicy",

@@ -18,6 +18,7 @@ import torch
 from nvidia.dali.plugin.base_iterator import LastBatchPolicy
 
 from .iterator_stats import EchoIteratorStats
+from .iterator_warnings import warn_continued_epoch, warn_if_evaluating
 from .pipeline import EchoPipeline
 from .torch_copy import arrays_as_tensors, tensors_as_arrays, to_torch
 
@@ -118,6 +119,8 @@ class EchoIterator:
         self._epoch_done = False
         # len() at this epoch's first step (see _took_its_steps); None before it.
         self._epoch_steps: int | None = None
+        # Every len() told (a loop stopping at an old one, after a set_echo_factor, is warned).
+        self._lens_told: set[int] = set()
 
     # -- epoch geometry (endless streams) --
 
@@ -210,6 +213,11 @@ class EchoIterator:
         """Steps per epoch: of an endless stream, and of an epoch-aligned one the steps of every
         epoch, the same on every shard of the reader (the largest shard's batches; for ``DROP``
         the smallest shard's whole batches)."""
+        steps = self._steps()
+        self._lens_told.add(steps)
+        return steps
+
+    def _steps(self) -> int:
         b = self.pipeline.config.batch_size
         span = self.pipeline.pass_span() if self.finite else None
         if span is not None and self.last_batch_policy != LastBatchPolicy.DROP:
@@ -237,6 +245,8 @@ class EchoIterator:
             self._end_epoch()
         if self._epoch_done:
             self.reset()
+        elif self._step_in_epoch in self._lens_told - {0}:  # (not a break after next())
+            warn_continued_epoch(self._step_in_epoch, self._epoch_steps or len(self))
         return self
 
     def __next__(self) -> list[dict[str, torch.Tensor]]:
@@ -272,6 +282,8 @@ class EchoIterator:
                 f"{self._epoch_samples()} copies, fewer than batch_size={b}; use PARTIAL or "
                 "FILL, a smaller batch, or fewer shards"
             )
+        if self._step_in_epoch == 0:
+            warn_if_evaluating(pipe.echo_factor)
         drop = self.last_batch_policy == LastBatchPolicy.DROP
         if (not self.finite or drop) and self._step_in_epoch >= len(self):
             if self.finite:  # the copies past the smallest shard's whole batches
@@ -369,6 +381,7 @@ class EchoIterator:
         self._epoch_done = bool(it["epoch_done"])
         steps = it.get("epoch_steps")  # (absent from states saved before it was kept)
         self._epoch_steps = None if steps is None else int(steps)
+        self._lens_told.clear()  # its first iter() goes on with the saved epoch, rightly
 
     # -- lifetime --
 
