@@ -144,9 +144,9 @@ class EchoPair(EpochPasses, EchoPipelineBase):
             self.downstream,
             self._prefetch,
             cfg.deterministic,
-            fill=self._fill_for_next_run,
-            check_upstream=self._raise_runner_error,
-            pass_batches=self._padded_pass_batches,
+            fill=_weakly(self._fill_for_next_run),
+            check_upstream=_weakly(self._raise_runner_error),
+            pass_batches=_weakly(self._padded_pass_batches),
         )
 
     def _replace_cache(self, config: EchoPipelineConfig, epoch_size: int) -> None:
@@ -331,3 +331,19 @@ class EchoPair(EpochPasses, EchoPipelineBase):
         error = None if self._runner is None else self._runner.error
         if error is not None:
             raise self._upstream_failed(error)
+
+
+def _weakly(method: Callable[[], Any]) -> Callable[[], Any]:
+    """``method`` called through a weak reference to its object. The queue a pipeline holds
+    must not hold the pipeline: a dropped one (Lightning drops the iterator it reloads every
+    epoch) then waited for the cyclic collector with its upstream thread running and its cache
+    allocated, one more per epoch, instead of closing at once (its ``weakref.finalize``)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> Any:
+        bound = ref()
+        if bound is None:  # (only a queue kept past its pipeline gets here)
+            raise RuntimeError("this EchoPipeline was garbage-collected")
+        return bound()
+
+    return call
