@@ -21,6 +21,11 @@ rank where it happened stops checking and tells the others at the next exchange,
 raises the same error naming that rank and file instead of waiting in the collective until
 ``--dist-timeout-s``. The checks run on daemon threads: one stuck in the kernel is left behind
 and does not keep the process from ending.
+
+Every exchange of a scan (:func:`exchange`: the class folders, the file lists, each round) also
+carries a rank's failure: a rank that could not list its files (:func:`listing_failed`) takes
+part in the others' next exchange with its reason instead of its findings, and every rank
+raises the same error naming it.
 """
 
 from __future__ import annotations
@@ -37,7 +42,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FILE_TIMEOUT_S", "CheckFailedError", "ScanShare", "check_files", "default_workers"]
+__all__ = [
+    "FILE_TIMEOUT_S",
+    "CheckFailedError",
+    "ScanShare",
+    "check_files",
+    "default_workers",
+    "exchange",
+    "listing_failed",
+    "same_files",
+]
 
 FILE_TIMEOUT_S = 60.0
 """Longest the check of one file may run (seconds): a header check reads a few KiB and a decode
@@ -109,6 +123,7 @@ def check_files(
     progress_every_s: float = 30.0,
     names: Sequence[str] | None = None,
     file_timeout_s: float | None = FILE_TIMEOUT_S,
+    compared: bool = False,
 ) -> list[tuple[int, str]]:
     """``(index, reason)`` of the bad files of ``paths``, in scan order: all of them, or with
     ``stop_at_first`` only the first (an empty list when all pass).
@@ -119,7 +134,8 @@ def check_files(
     (so a rank that stops at a bad file never waits for the others' whole shares, and no rank
     waits long in a collective); ``names`` (the paths relative to the scanned folder) are
     compared across ranks first, so ranks that list different files are refused with a
-    ValueError instead of combining indices that mean different files. ``progress(checked,
+    ValueError naming a file that differs instead of combining indices that mean different
+    files (``compared``: the caller has compared them, :func:`same_files`). ``progress(checked,
     total)`` is called with 0 at the start and then at most every ``progress_every_s`` seconds
     (this process's share).
 
@@ -131,8 +147,8 @@ def check_files(
         raise ValueError(f"workers must be >= 1, got {workers!r}")
     world = share.world if share is not None else 1
     rank = share.rank if share is not None else 0
-    if share is not None and world > 1:
-        _same_files(share, names if names is not None else paths)
+    if share is not None and world > 1 and not compared:
+        same_files(share, names if names is not None else paths)
     count = _Count(len(range(rank, len(paths), world)), progress, progress_every_s)
     step = _ROUND_PER_RANK * world if world > 1 else max(1, len(paths))
     threaded = workers > 1 or file_timeout_s is not None
@@ -141,21 +157,20 @@ def check_files(
     try:
         for start in range(0, len(paths), step):
             mine = range(start + rank, min(len(paths), start + step), world)
-            failed: tuple[int, str] | None = None
+            failed: tuple[str, str] | None = None
+            cause: BaseException | None = None
             try:
                 bad = _check_in_order(paths, mine, check_one, stop_at_first, pool, workers, count)
             except _Failed as exc:
                 if share is None or world == 1:
                     raise CheckFailedError(paths[exc.index], exc.reason) from exc.__cause__
-                bad, failed, cause = [], (exc.index, exc.reason), exc.__cause__
+                bad, failed, cause = [], (paths[exc.index], exc.reason), exc.__cause__
             if share is not None and world > 1:
-                views = share.gather((bad, failed))
-                who = next((r for r, view in enumerate(views) if view[1] is not None), None)
-                if who is not None:  # every rank stops here, naming the same rank and file
-                    i, reason = views[who][1]
-                    err = CheckFailedError(paths[i], reason, rank=who)
-                    raise err from (cause if who == rank else None)
-                bad = sorted(b for view in views for b in view[0])
+                try:
+                    views = _gather(share, bad, failed)
+                except CheckFailedError as err:  # every rank stops, naming the same rank and file
+                    raise err from (cause if err.rank == rank else None)
+                bad = sorted(b for view in views for b in view)
             found.extend(bad)
             if stop_at_first and found:
                 return found[:1]
@@ -240,29 +255,82 @@ class _Count:
             self.progress(self.done, self.total)
 
 
+def exchange(share: ScanShare, payload: Any) -> list[Any]:
+    """Every rank's ``payload``, in rank order. A rank that could not list its files calls
+    :func:`listing_failed` where the others call this: then every rank raises that rank's
+    :class:`CheckFailedError` (the lowest rank's when several failed), so none waits until the
+    collective's timeout. Every exchange of a scan goes through here (or :func:`_gather`)."""
+    return _gather(share, payload, None)
+
+
 def listing_failed(share: ScanShare, reason: str) -> CheckFailedError:
     """On a rank whose listing of the files failed (``reason``, e.g. a folder it may not read):
-    tells the other ranks, which wait in :func:`check_files`'s first exchange, and returns the
-    error that every rank raises, so none waits in it until the collective's timeout."""
-    share.gather((0, 0, reason))
-    return CheckFailedError(None, reason, rank=share.rank)
+    tells the other ranks, which wait in their next :func:`exchange` (the comparison of the
+    class folders or of the file lists), and returns the error that every rank raises."""
+    try:
+        _gather(share, None, (None, reason))
+    except CheckFailedError as exc:
+        return exc
+    raise AssertionError("unreachable: this rank's own failure is in the views")
 
 
-def _same_files(share: ScanShare, names: Sequence[str]) -> None:
-    """Refuse ranks whose scans listed other files: their indices would name other files."""
-    digest = 0
-    for name in names:
-        digest = zlib.crc32(name.encode("utf-8", "surrogateescape") + b"\0", digest)
-    views = share.gather((len(names), digest, None))
-    who = next((r for r, view in enumerate(views) if view[2] is not None), None)
-    if who is not None:  # a rank could not list them (listing_failed)
-        raise CheckFailedError(None, views[who][2], rank=who)
-    odd = next((r for r, view in enumerate(views) if view[:2] != views[0][:2]), None)
-    if odd is not None:
-        raise ValueError(
-            f"rank {odd} lists {views[odd][0]} image files, rank 0 {views[0][0]} (or other "
-            "names): every process must read the same data folder"
-        )
+def _gather(share: ScanShare, payload: Any, failure: tuple[str | None, str] | None) -> list[Any]:
+    """:func:`exchange` with this rank's ``(path, reason)`` failure, if any."""
+    views = share.gather((payload, failure))
+    who = next((r for r, view in enumerate(views) if view[1] is not None), None)
+    if who is not None:
+        path, reason = views[who][1]
+        raise CheckFailedError(path, reason, rank=who)
+    return [view[0] for view in views]
+
+
+# Names per checksum in the comparison of the ranks' file lists: ImageNet's 1.28 M names are
+# 1251 checksums, and a mismatch sends only the block of names holding the first difference.
+_NAMES_PER_SUM = 1024
+
+
+def same_files(share: ScanShare, names: Sequence[str]) -> None:
+    """Refuse ranks whose scans listed other files (their indices would name other files) with
+    a ValueError naming the first name that differs, the same on every rank. Cheap when they
+    agree: a checksum per block of names, and the block that differs only on a mismatch."""
+    sums = []
+    for start in range(0, len(names), _NAMES_PER_SUM):
+        digest = 0
+        for name in names[start : start + _NAMES_PER_SUM]:
+            digest = zlib.crc32(name.encode("utf-8", "surrogateescape") + b"\0", digest)
+        sums.append(digest)
+    views = exchange(share, (len(names), sums))
+    odd = next((r for r, view in enumerate(views) if view != views[0]), None)
+    if odd is None:
+        return
+    theirs, ours = views[odd][1], views[0][1]
+    # The first block that differs, or the first that one list lacks (the other's start).
+    block = max(0, min(_first_unequal(theirs, ours), max(len(theirs), len(ours)) - 1))
+    at = block * _NAMES_PER_SUM
+    # Every rank sees the same views, so every rank takes part in this second exchange.
+    blocks = exchange(share, list(names[at : at + _NAMES_PER_SUM]))
+    raise ValueError(
+        f"the ranks list other image files: {_first_difference(blocks[odd], blocks[0], odd)} "
+        f"(rank {odd}: {views[odd][0]} files, rank 0: {views[0][0]}); every process must read "
+        "the same data folder (a copy that differs on one node?)"
+    )
+
+
+def _first_unequal(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """The first index where ``a`` and ``b`` differ (the shorter's length when one is the
+    other's start)."""
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((k for k, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
+def _first_difference(theirs: list[str], ours: list[str], odd: int) -> str:
+    """The first name of two sorted blocks of names that one of them lacks, said in words."""
+    i = _first_unequal(theirs, ours)
+    if i < len(theirs) and theirs[i] not in set(ours):
+        return f"rank {odd} lists {theirs[i]!r}, which rank 0 does not"
+    if i < len(ours) and ours[i] not in set(theirs):
+        return f"rank 0 lists {ours[i]!r}, which rank {odd} does not"
+    return f"rank {odd} lists {theirs[i : i + 1]!r} where rank 0 lists {ours[i : i + 1]!r}"
 
 
 def _check_in_order(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -18,6 +18,7 @@ __all__ = [
     "class_folders",
     "is_utf8",
     "link_problem",
+    "list_tree",
     "open_regular_image",
     "walk_images",
 ]
@@ -148,9 +149,15 @@ def is_utf8(name: str) -> bool:
 def class_folders(
     root_path: Path, real_root: str, links_skipped: list[tuple[str, str]]
 ) -> list[str]:
-    """The sorted class folder names of ``root_path`` (links that leave it are skipped)."""
+    """The sorted class folder names of ``root_path`` (links that leave it are skipped); an
+    OSError naming it when it cannot be listed."""
+    try:
+        entries = sorted(os.scandir(root_path), key=lambda e: e.name)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot list the data folder {str(root_path)!r}: "
+                      f"{exc.strerror or exc}") from None  # fmt: skip
     classes = []
-    for e in sorted(os.scandir(root_path), key=lambda e: e.name):
+    for e in entries:
         if e.name.startswith(".") or not e.is_dir(follow_symlinks=True):
             continue
         if not is_utf8(e.name):  # its label would be a name no one can print or type
@@ -161,3 +168,40 @@ def class_folders(
         else:
             links_skipped.append((e.path, reason))
     return classes
+
+
+def list_tree(
+    root_path: Path,
+    exts: tuple[str, ...],
+    links_skipped: list[tuple[str, str]],
+    not_files: dict[str, str],
+    on_classes: Callable[[list[str]], None] | None = None,
+    others: list[tuple[str, str]] | None = None,
+) -> tuple[list[str], list[str], list[int]]:
+    """``(classes, files, labels)`` of the tree ``root_path``: its class folders (given to
+    ``on_classes`` before any image is listed) and all its image files with their labels,
+    listed whole before any is checked, so a folder that cannot be listed stops the scan before
+    an hour of decoding and the count gives the progress lines their total. FileNotFoundError
+    for a missing ``root_path``, ValueError for one without classes or not named in UTF-8,
+    OSError naming a folder that cannot be listed. Files of other image formats go to
+    ``others`` (see :func:`walk_images`)."""
+    if not root_path.is_dir():
+        what = "is not a folder" if root_path.exists() else "does not exist"
+        raise FileNotFoundError(f"image folder {str(root_path)!r} {what}")
+    if not is_utf8(str(root_path)):
+        raise ValueError(f"image folder {str(root_path)!r} has a name that is not UTF-8{RENAME}")
+    real_root = os.path.realpath(root_path)
+    classes = class_folders(root_path, real_root, links_skipped)
+    if not classes:
+        raise ValueError(f"image folder {str(root_path)!r} has no class sub-folders")
+    if on_classes is not None:
+        on_classes(classes)
+    files: list[str] = []
+    labels: list[int] = []
+    for label, name in enumerate(classes):
+        for path in walk_images(
+            root_path / name, exts, real_root, links_skipped, not_files, others
+        ):
+            files.append(path)
+            labels.append(label)
+    return classes, files, labels

@@ -19,7 +19,7 @@ from typing import BinaryIO, Literal
 from . import folder_check
 from .decode_check import decode_problem
 from .folder_check import ScanShare, check_files
-from .folder_walk import RENAME, class_folders, is_utf8, open_regular_image, walk_images
+from .folder_walk import RENAME, is_utf8, list_tree, open_regular_image
 
 __all__ = [
     "MAX_IMAGE_PIXELS",
@@ -270,20 +270,25 @@ def scan_image_folder(
         extensions: file name endings counted as images.
         workers: threads that check files side by side (:mod:`.folder_check`); the tree is
             listed first, and the result is the one-thread scan's, in the same order.
-        share: under torchrun, this rank's share of the checks; the ranks combine what they
-            found (a collective: every rank must call the scan with the same folder).
+        share: under torchrun, this rank's share of the checks; the ranks compare their file
+            lists (also with ``check="none"``) and combine what they found (collectives: every
+            rank must call the scan with the same folder). A rank whose listing fails (a folder
+            it may not read, a missing ``root``) tells the others in their next exchange, and
+            every rank raises the same :class:`CheckFailedError` naming that rank.
         progress: called with ``(checked, total)`` of this process's share at the start of the
             checks and then about every 30 seconds.
         on_classes: called with the class names before any image is listed (torchrun's ranks
-            compare theirs there); what it raises stops the scan.
+            compare theirs there, through :func:`.folder_check.exchange`); what it raises stops
+            the scan, a ValueError as this rank's own (told to the others like a listing
+            failure), anything else as every rank's.
 
     Raises:
         FileNotFoundError: ``root`` does not exist (or is not a folder).
         ValueError: ``root`` has no class sub-folders, or no images are left, or it or a class
             folder has a name that is not UTF-8.
         CorruptImageError: a bad file when ``on_corrupt="error"``; names the file and reason.
-        CheckFailedError: a file's check raised or ran past ``FILE_TIMEOUT_S``, here or on
-            another rank (:mod:`.folder_check`); names the rank and file.
+        CheckFailedError: a file's check raised or ran past ``FILE_TIMEOUT_S``, or a listing
+            failed, here or on another rank (:mod:`.folder_check`); names the rank and file.
         OSError: a folder of the tree cannot be listed; names it.
     """
     if check not in ("none", "header", "decode"):
@@ -294,29 +299,23 @@ def scan_image_folder(
         raise TypeError(f"extensions must be a sequence of strings, got the string {extensions!r}")
     exts = tuple(e.lower() for e in extensions)
     root_path = Path(root)
-    if not root_path.is_dir():
-        what = "is not a folder" if root_path.exists() else "does not exist"
-        raise FileNotFoundError(f"image folder {str(root_path)!r} {what}")
-    if not is_utf8(str(root_path)):
-        raise ValueError(f"image folder {str(root_path)!r} has a name that is not UTF-8{RENAME}")
-    real_root = os.path.realpath(root_path)
     index = ImageFolderIndex(root=str(root_path))
-    classes = class_folders(root_path, real_root, index.links_skipped)
-    if not classes:
-        raise ValueError(f"image folder {str(root_path)!r} has no class sub-folders")
-    index.classes = classes
-    if on_classes is not None:
-        on_classes(classes)
-    # Listed whole first: a folder that cannot be listed stops the scan before an hour of
-    # decoding, and the count gives the progress lines their total.
     not_files: dict[str, str] = {}  # FIFOs, sockets, devices named like images: refused
+    ranks = share is not None and share.world > 1
     try:
-        paths, labels = _list_images(root_path, classes, exts, real_root, index, not_files)
-    except OSError as exc:  # the other ranks wait for this one's list in the first exchange
-        if share is not None and share.world > 1 and check != "none":
-            raise folder_check.listing_failed(share, exc.strerror or str(exc)) from exc
+        index.classes, paths, labels = list_tree(
+            root_path, exts, index.links_skipped, not_files, on_classes, index.other_formats
+        )
+    except (OSError, ValueError) as exc:  # this rank's own: the others wait in an exchange
+        if ranks:
+            assert share is not None
+            raise folder_check.listing_failed(share, _said(exc)) from exc
         raise
-
+    if ranks:  # also with check="none": a listing failure above is told in this exchange
+        assert share is not None
+        cut = len(os.path.dirname(index.root)) + 1 if os.path.dirname(index.root) else 0
+        # Relative to root's parent ("train/n01/x.JPEG"): the error names the split too.
+        folder_check.same_files(share, [p[cut:] for p in paths])
     _check_listed(index, paths, labels, check, on_corrupt, workers, share, progress, not_files)
     if not index.files:
         raise _no_images(index, list(extensions))
@@ -334,24 +333,9 @@ def _no_images(index: ImageFolderIndex, extensions: list[str]) -> ValueError:
     )
 
 
-def _list_images(
-    root_path: Path,
-    classes: list[str],
-    exts: tuple[str, ...],
-    real_root: str,
-    index: ImageFolderIndex,
-    not_files: dict[str, str],
-) -> tuple[list[str], list[int]]:
-    """The image files of each class folder, in order, and their labels."""
-    paths: list[str] = []
-    labels: list[int] = []
-    others = index.other_formats
-    for label, name in enumerate(classes):
-        folder = root_path / name
-        for path in walk_images(folder, exts, real_root, index.links_skipped, not_files, others):
-            paths.append(path)
-            labels.append(label)
-    return paths, labels
+def _said(exc: BaseException) -> str:
+    """An error's text without Python's ``[Errno N]`` prefix."""
+    return (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
 
 
 def _check_listed(
@@ -387,7 +371,7 @@ def _check_listed(
         workers=workers if heavy else 1,
         share=share if heavy else None,
         progress=progress if heavy else None,
-        names=[p[len(index.root) + 1 :] for p in paths] if heavy and share else None,
+        compared=True,  # scan_image_folder compared the ranks' lists
         file_timeout_s=folder_check.FILE_TIMEOUT_S if heavy else None,
     )
     if bad and on_corrupt == "error":

@@ -151,7 +151,11 @@ class DistContext:
                 )  # fmt: skip
             else:
                 dist.init_process_group(backend="gloo", timeout=timeout, **attempt_store(timeout))
-        return cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
+        ctx = cls(dist.get_rank(), dist.get_world_size(), local, backend, timeout_s)
+        # At once: the data check's exchanges come before the stage groups, and a rank killed
+        # during them is named only with the probe (silent_ranks).
+        ctx.make_probe_group()
+        return ctx
 
     def make_stage_groups(self, num_stages: int) -> None:
         """One process group per stage (every rank creates all of them, in the same order)."""
@@ -162,10 +166,19 @@ class DistContext:
         ranks = list(range(self.world_size))
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self.stage_groups = [dist.new_group(ranks, timeout=timeout) for _ in range(num_stages)]
+        self.make_probe_group()
+
+    def make_probe_group(self) -> None:
+        """The Gloo group of :meth:`silent_ranks` (every rank creates it, once)."""
+        if not self.enabled or self.probe_group is not None:
+            return
+        import torch.distributed as dist
+
         # The ranks still running reach the probe within moments of each other (each timed out
         # on the same collective), so a short wait tells a silent rank from a late one.
         probe = datetime.timedelta(seconds=min(10.0, self.timeout_s))
-        self.probe_group = dist.new_group(ranks, timeout=probe, backend="gloo")
+        self.probe_group = dist.new_group(list(range(self.world_size)), timeout=probe,
+                                          backend="gloo")  # fmt: skip
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         """Sum of ``values`` over ranks (identity when alone)."""

@@ -257,15 +257,36 @@ def evaluate_checkpoint(
 ) -> tuple[float, float, int]:
     """``(top1, loss, images)`` of a checkpoint's weights on ``cfg``'s validation split, at
     the image size the checkpoint's run trained at (``cfg``'s may be the default, which a
-    model such as lenet5 cannot take)."""
-    from ..models import build_model
+    model such as lenet5 cannot take). Under torchrun every rank evaluates its shard of val/
+    and all return the totals."""
     from .checkpoints import export_state_dict
-    from .preflight import check_data
 
     weights, saved = export_state_dict(checkpoint)
-    ctx = DistContext()
+    # Under torchrun the ranks share val/'s check and its images, and a rank whose listing
+    # fails (or that is killed) is named by every rank, as in training.
+    ctx = DistContext.from_env(cfg.dist_timeout_s)
+    try:
+        return _evaluate_on(cfg, checkpoint, weights, saved, ctx, log)
+    finally:
+        ctx.close()
+
+
+def _evaluate_on(
+    cfg: TrainConfig,
+    checkpoint: Path,
+    weights: dict[str, Any],
+    saved: dict[str, Any],
+    ctx: DistContext,
+    log: Callable[[str], None] | None,
+) -> tuple[float, float, int]:
+    """:func:`evaluate_checkpoint` among the ranks of ``ctx``."""
+    from ..models import build_model
+    from .preflight import check_data
+
     say = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    _, classes, indexes = check_data(cfg, say, check_train=False)  # only val/ is read
+    if not ctx.is_main:
+        say = lambda m: None  # noqa: E731  (rank 0 says what the check does)
+    _, classes, indexes = check_data(cfg, say, ctx=ctx, check_train=False)  # reads only val/
     name, num_classes = saved["model"]["name"], saved["model"]["num_classes"]
     if len(classes) != num_classes:
         raise DataError(

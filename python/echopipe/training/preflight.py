@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 from .checkpoints import read_checkpoint
 from .config import DataError, TrainConfig, TrainError, UsageError
 from .distributed import DistContext
+from .options import CollectiveError
 
 if TYPE_CHECKING:
-    from ..data import ImageFolderIndex
+    from ..data import ImageFolderIndex, ScanShare
 
 __all__ = [
     "cache_does_not_fit",
@@ -126,22 +127,17 @@ def check_data(
         say(f"data: synthetic set {data_dir}")
     else:
         data_dir = Path(cfg.data)
-    for split in ("train", "val"):
-        if not (data_dir / split).is_dir():
-            raise DataError(
-                f"--data {str(data_dir)!r} has no {split}/ folder (ImageNet layout: "
-                "train/<class>/*.JPEG and val/<class>/*.JPEG)"
-            )
     world = ctx.world_size if ctx is not None else 1
     share = ScanShare(ctx.rank, world, ctx.all_gather_object) if world > 1 else None
+    _has_splits(data_dir, share)
     workers = default_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     indexes: dict[str, ImageFolderIndex] = {}
 
     def classes_found(classes: list[str]) -> None:
         # Refused here, before the images are checked (an hour for ImageNet with decode).
         if "train" not in indexes:
-            if ctx is not None:
-                _same_classes_on_every_rank(ctx, data_dir, classes)
+            if share is not None:
+                _same_classes_on_every_rank(share, data_dir, classes)
             if len(classes) < 2:
                 raise DataError(
                     f"--data {str(data_dir)!r}: train/ has {len(classes)} class folder(s); a "
@@ -149,11 +145,13 @@ def check_data(
                 )
         elif classes != indexes["train"].classes:
             extra = sorted(set(classes) ^ set(indexes["train"].classes))
-            raise DataError(
-                f"--data {str(data_dir)!r}: val/ and train/ have different class folders (e.g. "
+            # A ValueError: this rank's own finding, which the scan tells the other ranks.
+            raise ValueError(
+                f"val/ and train/ of {str(data_dir)!r} have different class folders (e.g. "
                 f"{extra[0]!r})"
             )
 
+    split = "train"
     try:
         for split in ("train", "val"):
             indexes[split] = scan_image_folder(
@@ -167,8 +165,12 @@ def check_data(
                 if cfg.progress
                 else None,
             )
-    except (ValueError, FileNotFoundError, CheckFailedError) as exc:
+    except (ValueError, CheckFailedError) as exc:
         raise DataError(f"--data: {exc}") from None
+    except OSError as exc:  # a folder that cannot be listed, alone: the error names it
+        raise DataError(f"--data: {exc.strerror or exc}") from None
+    except CollectiveError as exc:
+        raise _silent(ctx, split, exc) from None
     train, val = indexes["train"], indexes["val"]
     (left_out if left_out is not None else []).extend(say_left_out(val, "val", say))
     for name, n in zip(train.classes, train.counts_per_class(), strict=True):
@@ -180,13 +182,43 @@ def check_data(
     return data_dir, train.classes, indexes
 
 
-def _same_classes_on_every_rank(ctx: DistContext, data_dir: Path, classes: list[str]) -> None:
+def _has_splits(data_dir: Path, share: ScanShare | None) -> None:
+    """Refuses a data folder without train/ or val/ before anything is scanned."""
+    from ..data.folder_check import listing_failed
+
+    for split in ("train", "val"):
+        if not (data_dir / split).is_dir():
+            missing = (
+                f"--data {str(data_dir)!r} has no {split}/ folder (ImageNet layout: "
+                "train/<class>/*.JPEG and val/<class>/*.JPEG)"
+            )
+            if share is None:
+                raise DataError(missing)
+            # The others wait in the comparison of train/'s classes: told there, every rank
+            # ends naming this one, instead of with a collective's error.
+            raise DataError(f"--data: {listing_failed(share, missing)}")
+
+
+def _silent(ctx: DistContext | None, split: str, exc: CollectiveError) -> TrainError:
+    """A collective of the data check that failed, told as the rank that went away (killed,
+    ended, or hung for --dist-timeout-s) when the others find one silent."""
+    silent = ctx.silent_ranks() if ctx is not None else []
+    if ctx is None or not silent:
+        return exc
+    return DataError(
+        f"--data: rank {', '.join(map(str, silent))} did not answer while the ranks checked "
+        f"{split}/ (it ended, or hung for --dist-timeout-s {ctx.timeout_s:g}); every rank stops"
+    )
+
+
+def _same_classes_on_every_rank(share: ScanShare, data_dir: Path, classes: list[str]) -> None:
     """Ranks whose --data hold other classes would build models of other sizes, and the first
     gradient exchange would fail deep in the collective, naming nothing; compared before the
-    images are checked (an hour for ImageNet with --check decode)."""
-    if not ctx.enabled:
-        return
-    views = ctx.all_gather_object([str(data_dir), classes])
+    images are checked (an hour for ImageNet with --check decode). A rank that could not list
+    its classes tells the others here (:func:`~echopipe.data.folder_check.listing_failed`)."""
+    from ..data.folder_check import exchange
+
+    views = exchange(share, [str(data_dir), classes])
     odd = next((r for r, v in enumerate(views) if v[1] != views[0][1]), None)
     if odd is not None:
         raise DataError(
