@@ -184,6 +184,8 @@ def test_evaluate_under_two_ranks_shares_val_and_names_a_folder_one_cannot_list(
         ("remove", "rank 0 lists 'val/cat/01.JPEG', which rank 1 does not (rank 1: 3 files, "
                    "rank 0: 4)"),
         ("no val", "rank 1: --data '{copy}' has no val/ folder"),
+        # Rank 0 checks file 8 (train/cat/02): rank 1's copy cut short would go unchecked.
+        ("cut", "'train/cat/02.JPEG' has 300 bytes on rank 1, {whole} on rank 0"),
     ],
 )  # fmt: skip
 def test_ranks_whose_copies_list_other_files_end_naming_one(
@@ -194,6 +196,9 @@ def test_ranks_whose_copies_list_other_files_end_naming_one(
     shutil.copytree(data, copy)
     if change == "add":
         shutil.copy(copy / "train" / "cat" / "02.JPEG", copy / "train" / "cat" / "02b.JPEG")
+    elif change == "cut":
+        cut = copy / "train" / "cat" / "02.JPEG"
+        cut.write_bytes(cut.read_bytes()[:300])
     elif change == "remove":
         (copy / "val" / "cat" / "01.JPEG").unlink()
     else:
@@ -201,7 +206,8 @@ def test_ranks_whose_copies_list_other_files_end_naming_one(
     for status, _, err in _two_ranks(tmp_path, f"data={copy}", _train(data, tmp_path)):
         assert status == 1, err
         line = _the_line(err)
-        assert said.format(copy=copy) in line, line
+        whole = (data / "train" / "cat" / "02.JPEG").stat().st_size
+        assert said.format(copy=copy, whole=whole) in line, line
 
 
 def test_the_file_lists_are_compared_by_blocks_and_the_difference_named() -> None:

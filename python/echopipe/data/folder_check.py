@@ -289,17 +289,20 @@ def _gather(share: ScanShare, payload: Any, failure: tuple[str | None, str] | No
 _NAMES_PER_SUM = 1024
 
 
-def same_files(share: ScanShare, names: Sequence[str]) -> None:
-    """Refuse ranks whose scans listed other files (their indices would name other files) with
-    a ValueError naming the first name that differs, the same on every rank. Cheap when they
+def same_files(share: ScanShare, names: Sequence[str], sizes: Sequence[int] | None = None) -> None:
+    """Refuse ranks whose scans listed other files (their indices would name other files), or
+    with ``sizes`` (bytes, one per name) files of the same name but another size (one node's
+    copy cut short, which only the rank whose share holds the file would check), with a
+    ValueError naming the first file that differs, the same on every rank. Cheap when they
     agree: a checksum per block of names, and the block that differs only on a mismatch."""
+    entries = list(zip(names, sizes if sizes is not None else [None] * len(names), strict=True))
     sums = []
-    for start in range(0, len(names), _NAMES_PER_SUM):
+    for start in range(0, len(entries), _NAMES_PER_SUM):
         digest = 0
-        for name in names[start : start + _NAMES_PER_SUM]:
-            digest = zlib.crc32(name.encode("utf-8", "surrogateescape") + b"\0", digest)
+        for name, size in entries[start : start + _NAMES_PER_SUM]:
+            digest = zlib.crc32(f"{name}\0{size}\0".encode("utf-8", "surrogateescape"), digest)
         sums.append(digest)
-    views = exchange(share, (len(names), sums))
+    views = exchange(share, (len(entries), sums))
     odd = next((r for r, view in enumerate(views) if view != views[0]), None)
     if odd is None:
         return
@@ -308,7 +311,7 @@ def same_files(share: ScanShare, names: Sequence[str]) -> None:
     block = max(0, min(_first_unequal(theirs, ours), max(len(theirs), len(ours)) - 1))
     at = block * _NAMES_PER_SUM
     # Every rank sees the same views, so every rank takes part in this second exchange.
-    blocks = exchange(share, list(names[at : at + _NAMES_PER_SUM]))
+    blocks = exchange(share, entries[at : at + _NAMES_PER_SUM])
     raise ValueError(
         f"the ranks list other image files: {_first_difference(blocks[odd], blocks[0], odd)} "
         f"(rank {odd}: {views[odd][0]} files, rank 0: {views[0][0]}); every process must read "
@@ -323,14 +326,16 @@ def _first_unequal(a: Sequence[Any], b: Sequence[Any]) -> int:
     return next((k for k, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
-def _first_difference(theirs: list[str], ours: list[str], odd: int) -> str:
-    """The first name of two sorted blocks of names that one of them lacks, said in words."""
+def _first_difference(theirs: list[Any], ours: list[Any], odd: int) -> str:
+    """The first ``(name, size)`` of two sorted blocks that one of them lacks, in words."""
     i = _first_unequal(theirs, ours)
-    if i < len(theirs) and theirs[i] not in set(ours):
-        return f"rank {odd} lists {theirs[i]!r}, which rank 0 does not"
-    if i < len(ours) and ours[i] not in set(theirs):
-        return f"rank 0 lists {ours[i]!r}, which rank {odd} does not"
-    return f"rank {odd} lists {theirs[i : i + 1]!r} where rank 0 lists {ours[i : i + 1]!r}"
+    mine, first = dict(theirs), dict(ours)
+    if i < len(theirs) and theirs[i][0] not in first:
+        return f"rank {odd} lists {theirs[i][0]!r}, which rank 0 does not"
+    if i < len(ours) and ours[i][0] not in mine:
+        return f"rank 0 lists {ours[i][0]!r}, which rank {odd} does not"
+    name = theirs[i][0] if i < len(theirs) else ours[i][0]
+    return f"{name!r} has {mine.get(name)} bytes on rank {odd}, {first.get(name)} on rank 0"
 
 
 def _check_in_order(
