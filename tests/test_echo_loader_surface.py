@@ -9,6 +9,7 @@ import collections
 import math
 import os
 import tempfile
+import warnings
 from typing import Any
 
 import pytest
@@ -395,3 +396,19 @@ def test_an_epoch_shorter_than_the_wrapped_length_warns_at_the_users_loop() -> N
         for _ in loader:  # the line the warning names
             pass
     assert [w.filename for w in got] == [__file__]
+
+
+def test_a_loaded_state_of_another_echo_factor_says_it_replaces_the_loaders() -> None:
+    data = DataLoader(list(range(8)), batch_size=2)
+    saved = EchoLoader(data, echo_factor=1.5)
+    for _ in saved:
+        pass
+    state = saved.state_dict()
+    loader = EchoLoader(data, echo_factor=3.0)
+    with pytest.warns(RuntimeWarning, match="echo_factor 1.5 replaces this loader's 3"):
+        loader.load_state_dict(state)
+    assert loader.echo_factor == 1.5  # the saved state wins, as an optimizer's saved lr does
+    same = EchoLoader(data, echo_factor=1.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(state)

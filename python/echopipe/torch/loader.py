@@ -364,8 +364,8 @@ class EchoLoader(PassThrough):
         passes.check_resume_order(clean, self._loader)  # (its shard and position too)
         cache = ls.restored_cache(clean, self._controller)
         shutdown(self._shared, self._close_timeout)
-        self._epoch = clean["epoch"]
-        self._totals = dict(clean["totals"])
+        self._epoch, self._totals = clean["epoch"], dict(clean["totals"])
+        passes.warn_factor_restored(self._factor, clean["echo_factor"], bool(self._controller))
         self._factor = clean["echo_factor"]
         self._history = list(clean["echo_history"])
         if self._controller is not None:

@@ -60,6 +60,15 @@ def check_factor(value: Any) -> float:
     return float(echo_config.check_factor(value, "echo_factor"))
 
 
+def warn_factor_restored(current: float, saved: float, auto: bool) -> None:
+    """Warns when ``load_state_dict`` replaces a fixed ``e`` the loader has with another saved
+    one (the saved state wins, as a torch optimizer's saved learning rate does)."""
+    if not auto and current != saved:
+        warnings.warn(f"EchoLoader: the loaded state's echo_factor {saved:g} replaces this "
+                      f"loader's {current:g}; call set_echo_factor({current:g}) after "
+                      "load_state_dict() to keep it", RuntimeWarning, stacklevel=3)  # fmt: skip
+
+
 def check_echo(echo_factor: Any, echo_max: Any) -> tuple[float, EchoController | None]:
     """The starting ``e`` and, for ``"auto"``, its controller; each value within EchoConfig's
     bound (EchoConfigError names ``echo_factor`` or ``echo_max``)."""
