@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from echopipe.echo import EchoConfigError
 from echopipe.echo.config import MAX_CAPACITY_SAMPLES, MAX_SEED, MIN_CAPACITY_BYTES
-from echopipe.torch import EchoLoader, LayoutError, LoaderError, reader
+from echopipe.torch import EchoLoader, FactorReplacedWarning, LayoutError, LoaderError, reader
 
 
 class Indexed(Dataset):
@@ -713,7 +713,8 @@ def test_echo_history_steps_count_each_batch_once_between_epochs_and_after_a_res
     el.close()
     assert state["echo_history"] == [[0, 2.0], [16, 3.0], [18, 2.5]]
     restored = EchoLoader(Gated(64, 8), 2.0)
-    restored.load_state_dict(state)
+    with pytest.warns(FactorReplacedWarning, match="echo_factor 2.5 replaces this loader's 2"):
+        restored.load_state_dict(state)
     restored.set_echo_factor(2.0)  # before the restored epoch's first batch
     again = restored.state_dict()
     restored.close()

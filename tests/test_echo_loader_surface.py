@@ -25,7 +25,7 @@ from torch.utils.data import (
     Sampler,
 )
 
-from echopipe.torch import EchoLoader, UnshardedLoaderError
+from echopipe.torch import EchoLoader, FactorReplacedWarning, UnshardedLoaderError
 from echopipe.torch.loader_state import LoaderStateError
 
 
@@ -405,7 +405,7 @@ def test_a_loaded_state_of_another_echo_factor_says_it_replaces_the_loaders() ->
         pass
     state = saved.state_dict()
     loader = EchoLoader(data, echo_factor=3.0)
-    with pytest.warns(RuntimeWarning, match="echo_factor 1.5 replaces this loader's 3"):
+    with pytest.warns(FactorReplacedWarning, match="echo_factor 1.5 replaces this loader's 3"):
         loader.load_state_dict(state)
     assert loader.echo_factor == 1.5  # the saved state wins, as an optimizer's saved lr does
     same = EchoLoader(data, echo_factor=1.5)

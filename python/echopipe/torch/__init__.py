@@ -9,6 +9,7 @@ from __future__ import annotations
 from .loader import (
     EchoLoader,
     EchoLoaderStats,
+    FactorReplacedWarning,
     LayoutError,
     LoaderError,
     ShapeChangeError,
@@ -16,6 +17,6 @@ from .loader import (
 )
 
 __all__ = [
-    "EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "ShapeChangeError",
-    "UnshardedLoaderError",
+    "EchoLoader", "EchoLoaderStats", "FactorReplacedWarning", "LayoutError", "LoaderError",
+    "ShapeChangeError", "UnshardedLoaderError",
 ]  # fmt: skip

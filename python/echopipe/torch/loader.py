@@ -28,13 +28,13 @@ from . import batch_layout as bl
 from . import loader_state as ls
 from . import passes, workers, wrapped
 from .delivery import Assembler, next_batch
-from .passes import EchoLoaderStats
+from .passes import EchoLoaderStats, FactorReplacedWarning
 from .reader import LoaderError, Producer, Shared, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
 
 __all__ = [
-    "EchoLoader", "EchoLoaderStats", "LayoutError", "LoaderError", "ShapeChangeError",
-    "UnshardedLoaderError",
+    "EchoLoader", "EchoLoaderStats", "FactorReplacedWarning", "LayoutError", "LoaderError",
+    "ShapeChangeError", "UnshardedLoaderError",
 ]  # fmt: skip
 
 LayoutError, ShapeChangeError = bl.LayoutError, bl.ShapeChangeError

@@ -60,13 +60,18 @@ def check_factor(value: Any) -> float:
     return float(echo_config.check_factor(value, "echo_factor"))
 
 
+class FactorReplacedWarning(RuntimeWarning):
+    """``load_state_dict`` replaced the loader's fixed ``echo_factor`` with the saved one."""
+
+
 def warn_factor_restored(current: float, saved: float, auto: bool) -> None:
     """Warns when ``load_state_dict`` replaces a fixed ``e`` the loader has with another saved
     one (the saved state wins, as a torch optimizer's saved learning rate does)."""
     if not auto and current != saved:
         warnings.warn(f"EchoLoader: the loaded state's echo_factor {saved:g} replaces this "
                       f"loader's {current:g}; call set_echo_factor({current:g}) after "
-                      "load_state_dict() to keep it", RuntimeWarning, stacklevel=3)  # fmt: skip
+                      "load_state_dict() to keep it",
+                      FactorReplacedWarning, stacklevel=3)  # fmt: skip
 
 
 def check_echo(echo_factor: Any, echo_max: Any) -> tuple[float, EchoController | None]:
