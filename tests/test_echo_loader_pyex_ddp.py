@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -80,14 +81,29 @@ class Job:
         self.out: list[str] = []
 
     def wait_for(self, word: str, count: int) -> None:
-        """Reads stdout until ``count`` lines started with ``word``."""
+        """Reads stdout until ``word`` was printed ``count`` times; a job that ends or hangs
+        first is ended whole and its exit status named, so no process or pipe outlives the test.
+        The ranks share the pipe and print at the same moment (after the same DDP step), so one
+        rank's word can land in the middle of another's line ("running 1running 0"): the
+        word is counted anywhere in a line (a line-start count missed it, and the job then ran
+        to its end)."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.out.append(line)
-            count -= line.startswith(word)
-            if count == 0:
-                return
-        pytest.fail(f"the job ended before {word!r}: {self.stderr()}")
+        # Ends a job that hangs before ``word``: the read below then sees the pipe's end.
+        watchdog = threading.Timer(HANG_S, os.killpg, (self.proc.pid, signal.SIGKILL))
+        watchdog.start()
+        try:
+            for line in self.proc.stdout:
+                self.out.append(line)
+                count -= line.count(word)
+                if count <= 0:
+                    return
+        finally:
+            watchdog.cancel()
+        self.kill_left()
+        pytest.fail(
+            f"the job ended (status {self.proc.returncode}) before {count} more {word!r} lines;"
+            f" stdout: {''.join(self.out)[-1000:]!r}; stderr: {self.stderr()[-3000:]}"
+        )
 
     def wait(self) -> int | None:
         """The launcher's exit status, None if it did not end within HANG_S."""
@@ -103,6 +119,8 @@ class Job:
         for pid in session(self.proc.pid):
             os.kill(pid, signal.SIGKILL)
         self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
     def finish(self) -> int | None:
         try:
