@@ -65,8 +65,10 @@ class Job:
         self.record = tmp / "records"
         self.record.mkdir(exist_ok=True)
         store = tmp / f"store{time.monotonic_ns()}"
+        # PYTHONFAULTHANDLER: a rank that aborts (one gloo rank once died of "terminate called
+        # without an active exception" at the end of a resumed run) leaves its threads' stacks.
         env = dict(os.environ, PYTHONPATH=str(Path(echopipe.__file__).parents[1]),
-                   PYTHONWARNINGS="default")  # fmt: skip
+                   PYTHONWARNINGS="default", PYTHONFAULTHANDLER="1")  # fmt: skip
         self.err_path = tmp / f"stderr{time.monotonic_ns()}.txt"
         command = [
             sys.executable, str(PROGRAM), "--multiprocessing-distributed", "--world-size", "1",
