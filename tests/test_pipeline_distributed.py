@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from echopipe.pipeline import DistributedStalePipeline, HybridSchedule, StalePipeline
+from pipeline_support import models
 from pipeline_support.models import loss_fn, make_batches, sgd, small_cnn
 
 WORKER = Path(__file__).parent / "pipeline_support" / "dist_worker.py"
@@ -132,6 +133,64 @@ def test_data_parallel_replicas_equal_full_batch_sgd(torchrun_results: Path) -> 
         params_only = {k: v for k, v in sd.items() if "running" not in k and "num_batches" not in k}
         expected = {k: v for k, v in model.state_dict().items() if k in params_only}
         _assert_close(params_only, expected)
+
+
+@pytest.mark.distributed
+def test_grad_hook_and_a_plateau_scheduler_match_the_threaded_engine(torchrun_results) -> None:
+    """``grad_hook`` (``clip_grad_norm_``) and ``ReduceLROnPlateau`` stepped on the last stage's
+    metric (rank 0 passes ``None``) give the threaded engine's weights, learning rates and
+    clipped norms; an epoch that would step the plateau without a metric is refused before it
+    runs, and a metric that only the first stage passes is refused on both ranks alike."""
+    norms: list[tuple[int, float]] = []
+    ref = StalePipeline(
+        small_cnn(0), balance=[4, 4], optimizer=sgd, loss_fn=loss_fn, scheduler=models.plateau,
+        grad_hook=models.clip_hook(norms),
+    )  # fmt: skip
+    loader = make_batches(15)[:5]
+    with pytest.raises(TypeError, match="ReduceLROnPlateau"):
+        ref.run_epoch(loader)
+    for metric in models.PLATEAU_METRICS:
+        ref.run_epoch(loader, step_schedulers=False)
+        ref.step_schedulers(metric)
+    final = [s.state_dict() for s in ref.stages]
+    lrs = [o.param_groups[0]["lr"] for o in ref.optimizers if o is not None]
+    ref.close()
+    assert lrs == [0.025, 0.025]  # halved once, on the worse second metric
+    assert min(n for _, n in norms) > models.CLIP  # every update was clipped
+    ranks = [torch.load(torchrun_results / f"hook_rank{r}.pt") for r in range(2)]
+    for r, result in enumerate(ranks):
+        _assert_close(result["final"], final[r])
+        assert result["lr"] == lrs[r]
+        assert [n for _, n in result["norms"]] == pytest.approx(
+            [n for k, n in norms if k == r], rel=1e-12
+        )
+        assert len(result["refused"]) == 2, result["refused"]
+        assert "ReduceLROnPlateau steps on a metric" in result["refused"][0]
+        assert "passed no metric" in result["refused"][1]
+
+
+@pytest.mark.distributed
+def test_replicas_clip_the_averaged_gradient(torchrun_results) -> None:
+    """Over 2 data-parallel replicas, ``grad_hook`` sees the averaged gradients (in ``grads``
+    and in ``.grad``): both replicas clip the same gradient and equal full-batch SGD clipped
+    after backward, as ``clip_grad_norm_`` after DDP's backward does."""
+    model = small_cnn(0)
+    params = list(model.parameters())
+    opt = sgd(params)
+    expected_norms = []
+    for x, y in make_batches(15)[:6]:
+        loss = 0.5 * (loss_fn(model(x[:3]), y[:3]) + loss_fn(model(x[3:]), y[3:]))
+        loss.backward()
+        expected_norms.append(float(torch.nn.utils.clip_grad_norm_(params, models.CLIP)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ranks = [torch.load(torchrun_results / f"hook_rank{r}.pt") for r in range(2)]
+    for result in ranks:
+        sd = result["dp_final"]
+        params_only = {k: v for k, v in sd.items() if "running" not in k and "num_batches" not in k}
+        wanted = {k: v for k, v in model.state_dict().items() if k in params_only}
+        _assert_close(params_only, wanted)
+        assert [n for _, n in result["dp_norms"]] == pytest.approx(expected_norms, rel=1e-10)
 
 
 @pytest.mark.distributed

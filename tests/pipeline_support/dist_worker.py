@@ -8,6 +8,9 @@ single-process engine:
    checkpoint, continue 3 minibatches; a fresh pipeline loads the checkpoint and continues the
    same 3 minibatches.
 2. dp: 1 stage, 2 data-parallel replicas, each on half of every minibatch.
+3. the StalePipeline API: ``balance="auto"``, ``run_epoch``, ``accuracy``.
+4. hook: a ``grad_hook`` clipping the gradients and ``ReduceLROnPlateau`` stepped on the last
+   stage's metric (rank 0 passes none), in the pipeline and over 2 replicas.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from echopipe.pipeline import DistributedStalePipeline, HybridSchedule, init_distributed
+from pipeline_support import models
 from pipeline_support.models import make_batches, sgd, small_cnn
 
 
@@ -109,8 +113,51 @@ def main() -> None:
         },
         out / f"api_rank{rank}.pt",
     )
+    hooked(out, rank, batches)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def hooked(out: Path, rank: int, batches: list) -> None:
+    """Scenario 4 (see the module docstring)."""
+    loss_fn = torch.nn.functional.cross_entropy
+    norms: list[tuple[int, float]] = []
+    pipe = DistributedStalePipeline(
+        small_cnn(0), balance=[4, 4], optimizer=sgd, loss_fn=loss_fn, scheduler=models.plateau,
+        grad_hook=models.clip_hook(norms),
+    )  # fmt: skip
+    loader = batches[:5] if pipe.is_first else None
+    refused = []
+    try:  # an epoch's end would step the plateau scheduler without a metric
+        pipe.run_epoch(loader)
+    except TypeError as exc:
+        refused.append(str(exc))
+    for metric in models.PLATEAU_METRICS:
+        pipe.run_epoch(loader, step_schedulers=False)
+        pipe.step_schedulers(metric if pipe.is_last else None)
+    try:  # only the first stage has one
+        pipe.step_schedulers(1.0 if pipe.is_first else None)
+    except ValueError as exc:
+        refused.append(str(exc))
+    optimizer = pipe.optimizers[pipe.stage_index]
+    assert optimizer is not None
+    dp_norms: list[tuple[int, float]] = []
+    dp = DistributedStalePipeline(
+        small_cnn(0), balance=[8], optimizer=sgd, loss_fn=loss_fn,
+        grad_hook=models.clip_hook(dp_norms),
+    )  # fmt: skip
+    for x, y in batches[:6]:
+        half = slice(3 * rank, 3 * rank + 3)
+        dp.train_step(x[half], y[half])
+    dp.drain()
+    torch.save(
+        {
+            "final": pipe.stage.state_dict(), "lr": optimizer.param_groups[0]["lr"],
+            "norms": norms, "refused": refused, "dp_final": dp.stage.state_dict(),
+            "dp_norms": dp_norms,
+        },
+        out / f"hook_rank{rank}.pt",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

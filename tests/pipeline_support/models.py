@@ -44,3 +44,21 @@ def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 loss_fn = nn.functional.cross_entropy
+
+
+CLIP = 0.05  # below the gradients' norms here, so the clip changes every update
+PLATEAU_METRICS = (1.0, 2.0)  # the second is worse: with patience 0 the LR halves once
+
+
+def clip_hook(norms: list[tuple[int, float]]):
+    """A ``grad_hook`` clipping each stage's gradients to ``CLIP`` (``clip_grad_norm_`` on the
+    parameters, as a training loop does after backward), noting (stage, norm before)."""
+
+    def hook(stage: int, params: list[nn.Parameter], grads: list) -> None:
+        norms.append((stage, float(torch.nn.utils.clip_grad_norm_(params, CLIP))))
+
+    return hook
+
+
+def plateau(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.ReduceLROnPlateau:
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)

@@ -46,7 +46,7 @@ def check_arguments(
     max_prefetch: Any = 1,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` naming the first bad argument of ``StalePipeline``
-    (and of ``DistributedStalePipeline``, which has no ``grad_hook`` or ``max_prefetch``)."""
+    (and of ``DistributedStalePipeline``, which has no ``max_prefetch``)."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(
             f"StalePipeline needs an nn.Sequential (one child per block), got "

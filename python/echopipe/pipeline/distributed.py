@@ -30,15 +30,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .build import LossFn, OptimizerFactory, SchedulerFactory, check_arguments, stage_optimizer
+from . import distributed_epoch as agree
+from .build import LossFn, OptimizerFactory, SchedulerFactory, StageGradHook, check_arguments
 from .checkpoint import atomic_save, load_file
-from .distributed_epoch import agree_steps, agreed_auto_balance, feed_steps, pipeline_accuracy
-from .p2p import TAG_ACT, TAG_EVAL, TAG_GRAD, TAG_TARGET, PeerLink, link_timeout
+from .p2p import TAG_ACT, TAG_GRAD, TAG_TARGET, PeerLink, link_timeout
 from .partition import DeviceLike, split_sequential
-from .ranks import ReplicaAverage, StageTopology, data_parallel_group, rank_device
+from .ranks import StageTopology, rank_core, rank_device
 from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult
 from .schedule import HybridSchedule, stage_staleness
-from .stage import StageCore, caller_autocast, eval_mode
+from .stage import caller_autocast, refuse_metric_schedulers
 from .state import Progress, check_rank_state, rank_state, restore_rank
 
 __all__ = ["DistributedStalePipeline"]
@@ -64,6 +64,9 @@ class DistributedStalePipeline:
             Applies to CPU tensors (Gloo); on NCCL the process group's timeout bounds waits.
         num_stages, sample_input, balance_cost, balance_cache: for ``balance="auto"``, as for
             :class:`~echopipe.pipeline.StalePipeline`.
+        grad_hook: ``hook(stage, params, grads)`` before this rank's optimizer step, as for
+            :class:`~echopipe.pipeline.StalePipeline` (``clip_grad_norm_`` on ``params``), run
+            after the replicas' average: every replica's hook sees the same gradients.
 
     The calls and results are those of :class:`~echopipe.pipeline.StalePipeline`
     (``train_step`` returns a :class:`StepResult`, ``drain`` a list of :class:`LossRecord`,
@@ -90,8 +93,11 @@ class DistributedStalePipeline:
         sample_input: torch.Tensor | None = None,
         balance_cost: Literal["time", "model"] = "time",
         balance_cache: str | os.PathLike[str] | None = None,
+        grad_hook: StageGradHook | None = None,
     ) -> None:
-        check_arguments(module, optimizer, loss_fn, None, scheduler_interval, hybrid, recompute)
+        check_arguments(
+            module, optimizer, loss_fn, grad_hook, scheduler_interval, hybrid, recompute
+        )
         timeout = link_timeout(timeout_s)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -101,7 +107,7 @@ class DistributedStalePipeline:
         if isinstance(balance, str):
             if balance != "auto":
                 raise ValueError(f"balance must be a list of ints or 'auto', got {balance!r}")
-            balance = agreed_auto_balance(
+            balance = agree.agreed_auto_balance(
                 module, sample_input, num_stages, cost=balance_cost, cache=balance_cache
             )
         stages = split_sequential(module, balance)
@@ -125,15 +131,9 @@ class DistributedStalePipeline:
             hybrid is not None and hybrid.pipelined_steps == 0
         )
         self.recompute = bool(recompute)
-        dp_group = data_parallel_group(self.topology)
-        params = [p for p in self.stage.parameters() if p.requires_grad]
-        opt = stage_optimizer(optimizer, params)
-        sched = scheduler(opt) if (scheduler is not None and opt is not None) else None
-        averager = ReplicaAverage(params, dp_group, self.num_replicas)
-        self._core = StageCore(
-            self.stage_index, self.num_stages, self.stage, self.device, opt, sched,
-            scheduler_interval, loss_fn if self.is_last else None, self.recompute,
-            grad_hook=averager if self.num_replicas > 1 else None,
+        self._core = rank_core(
+            self.topology, self.stage, self.device, optimizer, scheduler, scheduler_interval,
+            loss_fn, self.recompute, grad_hook,
         )  # fmt: skip
         self._core.staleness = stage_staleness(self.num_stages, self._pipelined)[self.stage_index]
         self._link = PeerLink(self.topology, self.device, timeout)
@@ -287,9 +287,20 @@ class DistributedStalePipeline:
         self._pipelined = bool(pipelined)
         self._core.staleness = stage_staleness(self.num_stages, self._pipelined)[self.stage_index]
 
-    def step_schedulers(self) -> None:
-        """Step this stage's scheduler after its update of the newest minibatch fed so far."""
+    def step_schedulers(self, metrics: float | None = None) -> None:
+        """Step this stage's scheduler after its update of the newest minibatch fed so far.
+
+        Collective (one ``all_reduce``). With ``metrics`` (``ReduceLROnPlateau``) the pipeline
+        drains and every stage's scheduler steps on the last stage's value (the mean over the
+        replicas; ranks of other stages may pass ``None``), see ``agreed_metric``.
+        """
         core = self._core
+        value = agree.agreed_metric(metrics, self.is_last, self.device)
+        if value is not None:
+            self.drain()
+            core.step_scheduler(value)
+            return
+        refuse_metric_schedulers([core.scheduler])
         if core.last_forward_index + 1 < self.steps_fed:
             # Not yet forwarded here: remember the minibatch index the step belongs after.
             core.pending_scheduler_steps.append(self.steps_fed - 1)
@@ -302,21 +313,7 @@ class DistributedStalePipeline:
         Stage 0 passes ``x``; the last stage returns the output on CPU, other ranks ``None``.
         """
         self.drain()
-        with torch.no_grad(), eval_mode([self.stage]):
-            if self.is_first:
-                if x is None:
-                    raise ValueError("stage 0 needs x in evaluate")
-                h = x.to(self.device)
-            else:
-                assert self.topology.prev is not None
-                h = self._link.recv(self.topology.prev, TAG_EVAL)
-            h = self.stage(h)
-            if not self.is_last:
-                assert self.topology.next is not None
-                self._link.send(h, self.topology.next, TAG_EVAL)
-                self._link.reap_sends(wait_all=True)
-                return None
-            return h.cpu()
+        return agree.pipeline_evaluate(self.topology, self._link, self.stage, self.device, x)
 
     def run_epoch(
         self,
@@ -334,11 +331,13 @@ class DistributedStalePipeline:
         The epoch has ``steps`` minibatches, by default the smallest ``len(loader)`` over the
         stage-0 ranks (one ``all_reduce``). ``losses`` are non-empty on the last stage only.
         """
+        if epoch_step := step_schedulers and self._core.scheduler_interval == "epoch":
+            refuse_metric_schedulers([self._core.scheduler])  # before the epoch, not after it
         start = time.perf_counter()
-        count = agree_steps(loader, steps, self.is_first, self.device)
+        count = agree.agree_steps(loader, steps, self.is_first, self.device)
         batches = loader if self.is_first else None
-        samples, losses = feed_steps(self.train_step, batches, count, output_map, self.rank)
-        if step_schedulers and self._core.scheduler_interval == "epoch":
+        samples, losses = agree.feed_steps(self.train_step, batches, count, output_map, self.rank)
+        if epoch_step:
             self.step_schedulers()
         if drain:
             losses.extend(r.value for r in self.drain())
@@ -353,7 +352,8 @@ class DistributedStalePipeline:
         the same fraction in [0, 1], as :meth:`StalePipeline.accuracy` returns it.
         """
         self.drain()
-        return pipeline_accuracy(self.topology, self._link, self.evaluate, x, target, batch_size)
+        topology, link = self.topology, self._link
+        return agree.pipeline_accuracy(topology, link, self.evaluate, x, target, batch_size)
 
     # Checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

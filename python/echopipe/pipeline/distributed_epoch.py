@@ -1,5 +1,5 @@
 """What ranks agree on for :class:`DistributedStalePipeline`: the automatic balance, the steps
-of an epoch, and the accuracy of an evaluation.
+of an epoch, an evaluation's forward and accuracy, and the metric the schedulers step on.
 
 These give the distributed engine the same calls as :class:`StalePipeline` (``run_epoch``,
 ``accuracy``, ``balance="auto"``). They are collective: every rank calls them, and only stage 0
@@ -24,8 +24,12 @@ from .balance import partition_balance
 from .p2p import TAG_EVAL, TAG_TARGET, PeerLink
 from .ranks import StageTopology
 from .results import StepResult, unpack_batch
+from .stage import eval_mode
 
-__all__ = ["agree_steps", "agreed_auto_balance", "feed_steps", "pipeline_accuracy"]
+__all__ = [
+    "agree_steps", "agreed_auto_balance", "agreed_metric", "feed_steps", "pipeline_accuracy",
+    "pipeline_evaluate",
+]  # fmt: skip
 
 _NO_LIMIT = 2**62
 
@@ -66,10 +70,40 @@ def agree_steps(
                 "iterators, torch DataLoader) or steps="
             )
         mine = len(loader)  # type: ignore[arg-type]
-    on_gpu = device.type == "cuda" and "nccl" in str(dist.get_backend())
-    count = torch.tensor([mine], dtype=torch.int64, device=device if on_gpu else "cpu")
+    count = torch.tensor([mine], dtype=torch.int64, device=_collective_device(device))
     dist.all_reduce(count, op=dist.ReduceOp.MIN)
     return int(count.item())
+
+
+def _collective_device(device: torch.device) -> torch.device | str:
+    """Where a collective's tensor lives: the rank's GPU under NCCL, else the CPU."""
+    on_gpu = device.type == "cuda" and "nccl" in str(dist.get_backend())
+    return device if on_gpu else "cpu"
+
+
+def agreed_metric(metrics: float | None, is_last: bool, device: torch.device) -> float | None:
+    """The metric every rank's scheduler steps on (collective: one ``all_reduce``).
+
+    It is the last stage's (the mean over the replicas' last-stage ranks): the loss and the
+    outputs of ``evaluate`` exist only there, so the ranks of other stages may pass ``None`` or
+    any value, and every stage's ``ReduceLROnPlateau`` still steps on the same figure. ``None``
+    when no rank passed one; a ``ValueError`` on every rank when some did but a last-stage rank
+    did not (a rank deciding alone would drain while the others train on).
+    """
+    given = metrics is not None
+    mine = float(metrics) if given and is_last else 0.0  # type: ignore[arg-type]
+    flags = [mine, float(given and is_last), float(given), float(is_last)]
+    agreed = torch.tensor(flags, dtype=torch.float64, device=_collective_device(device))
+    dist.all_reduce(agreed)
+    total, last_given, any_given, lasts = agreed.tolist()
+    if any_given == 0:
+        return None
+    if last_given < lasts:
+        raise ValueError(
+            f"step_schedulers(metrics): {int(lasts - last_given)} of the {int(lasts)} last-stage "
+            "rank(s) passed no metric; the schedulers step on the last stage's value"
+        )
+    return total / last_given
 
 
 def feed_steps(
@@ -148,3 +182,29 @@ def pipeline_accuracy(
         result = recv(topology.last_rank, TAG_EVAL)
     link.reap_sends(wait_all=True)
     return float(result.cpu()[0])
+
+
+def pipeline_evaluate(
+    topology: StageTopology,
+    link: PeerLink,
+    stage: nn.Module,
+    device: torch.device,
+    x: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """One eval-mode forward through the stages of a drained pipeline (collective): stage 0
+    passes ``x``; the last stage returns the output on CPU, the other ranks ``None``."""
+    with torch.no_grad(), eval_mode([stage]):
+        if topology.is_first:
+            if x is None:
+                raise ValueError("stage 0 needs x in evaluate")
+            h = x.to(device)
+        else:
+            assert topology.prev is not None
+            h = link.recv(topology.prev, TAG_EVAL)
+        h = stage(h)
+        if not topology.is_last:
+            assert topology.next is not None
+            link.send(h, topology.next, TAG_EVAL)
+            link.reap_sends(wait_all=True)
+            return None
+        return h.cpu()

@@ -39,7 +39,7 @@ from .results import (
     unpack_batch,
 )
 from .schedule import HybridSchedule, stage_staleness
-from .stage import caller_autocast, eval_mode, needs_metrics
+from .stage import caller_autocast, eval_mode, refuse_metric_schedulers
 from .state import Progress, check_pipeline_state, pipeline_state, restore_pipeline
 from .stream import caller_event, synchronize_devices
 from .worker import Batch, SchedulerStep, StageWorkers, divide_threads
@@ -252,17 +252,9 @@ class StalePipeline:
             for core in self._cores:
                 core.step_scheduler(metrics)
             return
-        self._check_no_metric_schedulers()
+        refuse_metric_schedulers(core.scheduler for core in self._cores)
         self._workers.put(SchedulerStep())
         self._idle = False  # a checkpoint or evaluation drains first, so the step is in it
-
-    def _check_no_metric_schedulers(self) -> None:
-        # Stepped without its metric in a stage thread, ReduceLROnPlateau would fail the stage.
-        if any(needs_metrics(core.scheduler) for core in self._cores):
-            raise TypeError(
-                "ReduceLROnPlateau steps on a metric: run_epoch(loader, step_schedulers=False), "
-                "then pipe.step_schedulers(metric)"
-            )
 
     def run_epoch(
         self,
@@ -282,7 +274,7 @@ class StalePipeline:
         epoch's last minibatch.
         """
         if epoch_step := step_schedulers and self._cores[0].scheduler_interval == "epoch":
-            self._check_no_metric_schedulers()  # before the epoch, not after it
+            refuse_metric_schedulers(c.scheduler for c in self._cores)  # before the epoch
         start = time.perf_counter()
         steps = samples = 0
         losses: list[float] = []

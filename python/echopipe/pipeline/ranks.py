@@ -3,13 +3,13 @@
 With ``P = K * R`` ranks and ``K`` stages, rank ``r`` runs stage ``r % K`` of pipeline replica
 ``r // K`` (:class:`StageTopology`). With ``R > 1`` replicas, each stage averages its gradients
 within its data-parallel group of ``R`` ranks right before its optimizer step
-(:class:`ReplicaAverage`).
+(:class:`ReplicaAverage`), and then calls the caller's ``grad_hook`` (:func:`rank_core`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .build import LossFn, OptimizerFactory, SchedulerFactory, StageGradHook, stage_optimizer
 from .dist_setup import check_gpus_per_rank
 from .partition import DeviceLike, parse_devices
+from .stage import StageCore
 
-__all__ = ["ReplicaAverage", "StageTopology", "data_parallel_group", "rank_device"]
+__all__ = ["ReplicaAverage", "StageTopology", "data_parallel_group", "rank_core", "rank_device"]
 
 
 @dataclass(frozen=True)
@@ -131,3 +133,58 @@ class ReplicaAverage:
             n = g.numel()
             grads[i] = flat[offset : offset + n].view_as(g)
             offset += n
+
+
+def rank_grad_hook(
+    params: list[nn.Parameter],
+    average: ReplicaAverage | None,
+    user: StageGradHook | None,
+    stage: int,
+) -> Callable[[list[torch.Tensor | None]], None] | None:
+    """The hook a rank's stage runs before its optimizer step: the replica average, then the
+    caller's ``hook(stage, params, grads)``.
+
+    The caller's hook sees the averaged gradients, in ``grads`` and in the parameters' ``.grad``
+    (which ``clip_grad_norm_`` reads), as a hook after DDP's all-reduce does: every replica then
+    clips the same gradient and the replicas stay equal. Clipping before the average would give
+    each replica its own clip.
+    """
+    if user is None:
+        return average
+
+    def hook(grads: list[torch.Tensor | None]) -> None:
+        if average is not None:
+            average(grads)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+        user(stage, params, grads)
+
+    return hook
+
+
+def rank_core(
+    topology: StageTopology,
+    stage: nn.Module,
+    device: torch.device,
+    optimizer: OptimizerFactory,
+    scheduler: SchedulerFactory | None,
+    scheduler_interval: str,
+    loss_fn: LossFn,
+    recompute: bool,
+    grad_hook: StageGradHook | None,
+) -> StageCore:
+    """The stage core of one rank: its optimizer (and scheduler) over the stage's trainable
+    parameters, the loss on the last stage, the replica average and ``grad_hook`` before each
+    update. (``data_parallel_group`` is collective: every rank builds its core.)"""
+    group = data_parallel_group(topology)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    opt = stage_optimizer(optimizer, params)
+    sched = scheduler(opt) if (scheduler is not None and opt is not None) else None
+    average = ReplicaAverage(params, group, topology.num_replicas)
+    hook = rank_grad_hook(
+        params, average if topology.num_replicas > 1 else None, grad_hook, topology.stage_index
+    )
+    return StageCore(
+        topology.stage_index, topology.num_stages, stage, device, opt, sched, scheduler_interval,
+        loss_fn if topology.is_last else None, recompute, grad_hook=hook,
+    )  # fmt: skip

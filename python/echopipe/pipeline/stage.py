@@ -34,6 +34,7 @@ __all__ = [
     "caller_autocast",
     "eval_mode",
     "needs_metrics",
+    "refuse_metric_schedulers",
     "restore_modes",
     "set_modes",
 ]
@@ -78,6 +79,16 @@ class _InFlight:
 def needs_metrics(scheduler: object) -> bool:
     """Whether ``scheduler`` steps on a metric (``ReduceLROnPlateau.step(metrics)``)."""
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def refuse_metric_schedulers(schedulers: Iterable[object]) -> None:
+    """A ``TypeError`` saying how to step a ``ReduceLROnPlateau`` among ``schedulers``: stepped
+    without its metric (by an epoch's end) it would fail, or in a stage thread fail the stage."""
+    if any(needs_metrics(s) for s in schedulers):
+        raise TypeError(
+            "ReduceLROnPlateau steps on a metric: run_epoch(loader, step_schedulers=False), "
+            "then pipe.step_schedulers(metric)"
+        )
 
 
 class StageCore:
