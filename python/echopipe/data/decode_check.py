@@ -12,19 +12,31 @@ module global, read by every thread; the check neither sets it nor depends on it
 - a PNG is read chunk by chunk here: every chunk's CRC must match, and the concatenated IDAT
   data must be one complete zlib stream holding exactly the bytes the header's size, bit
   depth, colour type and interlacing call for. Pillow then decodes it as well.
+
+A decode holds the file and up to two decoded copies of the image: about 1.4 GB at the largest
+size the header check lets through. The checks of one process share :data:`DECODE_BUDGET`, so
+a pool of threads that meets a folder of such images holds about that once, not once per
+thread; ordinary photos (a few MB each) never wait for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import threading
 import warnings
 import zlib
+from collections.abc import Iterator
 
 from PIL import Image
 
 from .jpeg_scan import scan_cut_short, strict_jpeg_decode
 
-__all__ = ["decode_problem"]
+__all__ = ["DECODE_BUDGET", "DECODE_BUDGET_BYTES", "MemoryBudget", "decode_bytes", "decode_problem"]
+
+DECODE_BUDGET_BYTES = 1 << 30
+"""Memory the decode checks of one process may hold at once (bytes); one decode that needs more
+waits until it can run alone."""
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Samples per pixel of each PNG colour type (greyscale, RGB, palette, grey + alpha, RGBA).
@@ -32,6 +44,46 @@ _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
 # Adam7: (x start, y start, x step, y step) of each of the seven passes.
 _ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2),
           (0, 1, 1, 2))  # fmt: skip
+
+
+class MemoryBudget:
+    """Bytes that threads hold while they work: a request waits until it fits beside the others,
+    and one larger than the whole budget waits for all of it (it then runs alone). The waits end
+    when a holder does; a holder stuck in a read is the folder check's per-file timeout's to
+    name (:data:`~echopipe.data.folder_check.FILE_TIMEOUT_S`)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = self.peak = self.holds = self.waiting = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        """Holds ``nbytes`` (at most the whole budget) for the ``with`` block."""
+        n = max(0, min(int(nbytes), self.total))
+        with self._cond:
+            self.waiting += 1
+            while self.used + n > self.total:
+                self._cond.wait()
+            self.waiting -= 1
+            self.used += n
+            self.peak, self.holds = max(self.peak, self.used), self.holds + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= n
+                self._cond.notify_all()
+
+
+DECODE_BUDGET = MemoryBudget(DECODE_BUDGET_BYTES)
+
+
+def decode_bytes(file_bytes: int, pixels: int) -> int:
+    """What the decode check of a file holds at most: the file, and two images of up to 8 bytes
+    per pixel (a JPEG's second decode in :mod:`.jpeg_scan`; a 16-bit RGBA PNG's inflated data
+    and Pillow's image)."""
+    return file_bytes + 2 * 8 * pixels
 
 
 def decode_problem(data: bytes) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO, Literal
 
 from . import folder_check
-from .decode_check import decode_problem
+from .decode_check import DECODE_BUDGET, decode_bytes, decode_problem
 from .folder_check import ScanShare, check_files
 from .folder_walk import RENAME, is_utf8, list_tree, open_regular_image
 
@@ -172,7 +172,7 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
     if check not in ("header", "decode"):
         raise ValueError(f"check must be 'header' or 'decode', got {check!r}")
     path = os.fspath(path)
-    size_problem, ended = None, False
+    size_problem, ended, pixels = None, False, 0
     try:
         with _open(path) as fh:
             head = fh.read(24)
@@ -184,7 +184,7 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
             if head.startswith(b"\xff\xd8\xff"):
                 try:
                     width, height, scan = _jpeg_frame_size(fh, length)
-                    size_problem = _check_size(width, height)
+                    size_problem, pixels = _check_size(width, height), width * height
                     ended = ended or _eoi_after(fh, scan)
                 except ValueError as exc:
                     size_problem = str(exc)
@@ -202,9 +202,8 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
             raise CorruptImageError(path, f"PNG has no IEND chunk (truncated? {length} bytes)")
         if head[12:16] != b"IHDR":
             raise CorruptImageError(path, "PNG does not start with an IHDR chunk")
-        size_problem = _check_size(
-            int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
-        )
+        width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+        size_problem, pixels = _check_size(width, height), width * height
     else:
         raise CorruptImageError(
             path, f"not a JPEG or PNG: starts with bytes {head[:4].hex(' ').upper()!r}"
@@ -212,7 +211,8 @@ def check_image_file(path: str | Path, check: Literal["header", "decode"] = "hea
     if size_problem is not None:
         raise CorruptImageError(path, size_problem)
     if check == "decode":
-        _decode(path)
+        with DECODE_BUDGET.hold(decode_bytes(length, pixels)):
+            _decode(path)
 
 
 def _decode(path: str) -> None:
