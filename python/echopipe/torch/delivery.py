@@ -11,6 +11,7 @@ leaves than cache fields) are gathered by ``take_batch`` and rebuilt by
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,24 @@ from .reader import POLL_S, Producer
 if TYPE_CHECKING:
     from .loader import EchoLoader
 
-__all__ = ["Assembler", "map_tensors", "next_batch"]
+__all__ = ["Assembler", "map_tensors", "next_batch", "pin_choice"]
+
+
+def pin_choice(
+    device: torch.device | None, pin_memory: bool | None, loader: Any, cuda: bool | None = None
+) -> bool:
+    """Whether output batches go to pinned memory: when asked, else when ``device`` is CUDA or
+    the wrapped ``loader`` pins (``pin_memory=True``: the loop's ``non_blocking`` copy counts on
+    it); never without CUDA (``cuda``), with a warning only if asked (torch warns of the other)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if pin_memory and not cuda:
+        warnings.warn("EchoLoader: pin_memory=True but CUDA is not available; not pinning",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
+    if pin_memory is None:
+        pin_memory = (
+            getattr(loader, "pin_memory", False) is True or getattr(device, "type", "") == "cuda"
+        )
+    return bool(pin_memory) and cuda
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -27,7 +27,7 @@ from ..filecheck import memory_bytes
 from . import batch_layout as bl
 from . import loader_state as ls
 from . import passes, workers, wrapped
-from .delivery import Assembler, next_batch
+from .delivery import Assembler, next_batch, pin_choice
 from .passes import EchoLoaderStats, FactorReplacedWarning
 from .reader import LoaderError, Producer, Shared, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
@@ -60,8 +60,8 @@ class EchoLoader(PassThrough):
             of a sample are drawn at random among them.
         batch_size: Samples per output batch (default: the wrapped loader's ``batch_size``,
             else the first input batch's; a larger input batch later warns).
-        pin_memory: Output tensors in pinned memory, taken into directly (default: when
-            ``device`` is CUDA).
+        pin_memory: Output tensors in pinned memory, taken into directly (default: with CUDA,
+            when ``device`` is CUDA or the wrapped loader pins, as ``pin_memory=True`` does).
         device: Move output tensors there (``non_blocking`` from pinned memory).
         seed: Seeds the tickets and draws of the cache.
         capacity_bytes: Cache arena size (default: the shuffle buffer's samples plus slack).
@@ -116,7 +116,7 @@ class EchoLoader(PassThrough):
         self._timeout = passes.check_seconds("timeout", timeout)
         self._close_timeout = passes.check_seconds("close_timeout", close_timeout) or 10.0
         self._device = passes.check_device(device)
-        self._pin = passes.pin_choice(self._device, pin_memory)
+        self._pin = pin_choice(self._device, pin_memory, loader)
         self._shared = Shared()
         self._layout: bl.Layout | None = None
         self._decode: Assembler | None = None  # output batches of self._layout

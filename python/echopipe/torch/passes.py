@@ -144,17 +144,6 @@ def check_device(device: Any) -> torch.device | None:
     return dev
 
 
-def pin_choice(device: torch.device | None, pin_memory: bool | None) -> bool:
-    """Whether output batches go to pinned memory: when asked, else when ``device`` is CUDA;
-    never without CUDA (with a warning if it was asked for)."""
-    pin = bool(device is not None and device.type == "cuda" if pin_memory is None else pin_memory)
-    if pin and not torch.cuda.is_available():
-        warnings.warn("EchoLoader: pin_memory=True but CUDA is not available; not pinning",
-                      RuntimeWarning, stacklevel=3)  # fmt: skip
-        return False
-    return pin
-
-
 class EpochIterator:
     """One pass over an :class:`EchoLoader`; dropping or closing it mid-epoch ends the pass."""
 
