@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -25,6 +24,7 @@ from torch import nn
 from .config import DataError, TrainConfig
 from .distributed import DistContext
 from .preflight import cache_does_not_fit
+from .progress import to_stderr
 
 if TYPE_CHECKING:
     from ..data import ImageFolderIndex
@@ -283,7 +283,7 @@ def _evaluate_on(
     from ..models import build_model
     from .preflight import check_data
 
-    say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    say = log or to_stderr
     if not ctx.is_main:
         say = lambda m: None  # noqa: E731  (rank 0 says what the check does)
     _, classes, indexes = check_data(cfg, say, ctx=ctx, check_train=False)  # reads only val/

@@ -20,10 +20,18 @@ from typing import Any, BinaryIO, TextIO
 from ..filecheck import FileCheckError, open_regular
 from ..pipeline.checkpoint import atomic_write
 
-__all__ = ["WARMUP_STEPS", "Progress", "StepLog", "format_duration"]
+__all__ = ["WARMUP_STEPS", "Progress", "StepLog", "format_duration", "to_stderr"]
 
 WARMUP_STEPS = 5
 """Steps of each process left out of the rates (the pipeline fills, caches warm up)."""
+
+
+def to_stderr(message: str) -> None:
+    """``message`` as one line on stderr, in one write: the ranks of a torchrun job share its
+    stderr, and ``print``'s two writes (the text, then the newline) let another rank's line
+    land inside this one."""
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
 
 
 def format_duration(seconds: float) -> str:

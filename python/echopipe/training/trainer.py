@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from .echo_start import start_factor
 from .epoch import EpochLoop
 from .input import TrainInput
 from .preflight import say_left_out
-from .progress import Progress, StepLog
+from .progress import Progress, StepLog, to_stderr
 from .refusal import end_if_refused
 from .report import TrainSummary, echo_verdict, summarize, write_run_files
 from .resume import given_by_value
@@ -59,7 +58,7 @@ def train(
     end_if_refused(cfg.dist_timeout_s)  # a restarted torchrun attempt of a refused resume
     ctx = DistContext.from_env(cfg.dist_timeout_s)
     try:
-        log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        log = log or to_stderr
         trainer = Trainer(cfg, ctx, log, given_by_value(cfg) if given is None else given)
         return trainer.run()
     finally:
