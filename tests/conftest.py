@@ -55,3 +55,14 @@ def tiny_imagenet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_synthetic_imagenet(
         root / "data", classes=4, per_class=8, size=(32, 48), seed=0, val_per_class=2
     )
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread in the caller, as each pipeline stage worker has on 2 cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -15,11 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from pipeline_support import train_runs as tr
+from pipeline_support.jpegs import two_class_folder
 
 # Rank 1's check of one file either raises (as a decode that runs out of memory does) or reads
 # a FIFO whose writer never writes (as a file on a hanging network mount does).
@@ -46,23 +45,13 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-def _data(root: Path) -> Path:
-    for split, count in (("train", 6), ("val", 2)):
-        for c in ("ant", "cat"):
-            (root / split / c).mkdir(parents=True)
-            for i in range(count):
-                pixels = np.random.default_rng(i).integers(0, 255, (32, 32, 3), dtype=np.uint8)
-                Image.fromarray(pixels).save(root / split / c / f"{i:02d}.JPEG", quality=80)
-    return root
-
-
 def _two_ranks(tmp_path: Path, how: str, rank1: tuple[str, ...] = ()) -> list[tuple[int, str]]:
     """``(status, stderr)`` of two ranks of ``echopipe train`` on ``tmp_path/data`` (made when
     missing) whose rank 1 fails as ``how`` says, run under the command ``rank1``; a rank still
     running after 120 s fails the test."""
     data = tmp_path / "data"
     if not data.exists():
-        _data(data)
+        two_class_folder(data)
     fifo = tmp_path / "stuck.JPEG"
     os.mkfifo(fifo)
     script = tmp_path / "rank.py"
@@ -120,7 +109,7 @@ def test_a_file_that_never_finishes_on_one_rank_ends_every_rank_naming_it(
 
 @pytest.mark.distributed
 def test_a_folder_one_rank_cannot_list_ends_every_rank_naming_it(tmp_path: Path) -> None:
-    sub = _data(tmp_path / "data") / "train" / "cat" / "sub"
+    sub = two_class_folder(tmp_path / "data") / "train" / "cat" / "sub"
     sub.mkdir()
     shutil.copy(sub.parent / "00.JPEG", sub / "a.JPEG")
     sub.chmod(0)  # rank 1 runs without the capabilities that let root read any folder
@@ -182,7 +171,7 @@ for check in ("none", "header", "decode"):
 
 
 def test_a_fifo_named_like_an_image_is_named_by_the_scan_never_opened(tmp_path: Path) -> None:
-    root = _data(tmp_path / "data") / "train"
+    root = two_class_folder(tmp_path / "data") / "train"
     fifo = root / "ant" / "00b.JPEG"  # second in scan order: a good file comes before it
     os.mkfifo(fifo)
     cmd = [sys.executable, "-c", _SCAN, str(root)]

@@ -17,12 +17,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from echopipe.data import ScanShare
 from pipeline_support import train_runs as tr
+from pipeline_support.jpegs import two_class_folder
 
 # "kill": rank 1 is killed (SIGKILL, as the OOM killer does) in the check of train/cat/03;
 # "data=DIR": rank 1 reads DIR (another node's copy of the data).
@@ -47,16 +46,6 @@ sys.exit(main(args))
 """
 
 _DENIED = ("setpriv", "--bounding-set=-dac_override,-dac_read_search")
-
-
-def _data(root: Path) -> Path:
-    for split, count in (("train", 6), ("val", 2)):
-        for c in ("ant", "cat"):
-            (root / split / c).mkdir(parents=True)
-            for i in range(count):
-                pixels = np.random.default_rng(i).integers(0, 255, (32, 32, 3), dtype=np.uint8)
-                Image.fromarray(pixels).save(root / split / c / f"{i:02d}.JPEG", quality=80)
-    return root
 
 
 def _two_ranks(
@@ -106,7 +95,7 @@ def _denied(folder: Path) -> None:
 
 @pytest.mark.distributed
 def test_a_rank_killed_during_the_check_is_named_by_the_others(tmp_path: Path) -> None:
-    data = _data(tmp_path / "data")
+    data = two_class_folder(tmp_path / "data")
     (survivor, _, err), (killed, _, _) = _two_ranks(tmp_path, "kill", _train(data, tmp_path))
     assert killed == -9
     assert survivor == 1, err
@@ -120,7 +109,7 @@ def test_a_rank_killed_during_the_check_is_named_by_the_others(tmp_path: Path) -
 def test_a_split_folder_one_rank_cannot_list_ends_every_rank_naming_it(
     tmp_path: Path, split: str
 ) -> None:
-    data = _data(tmp_path / "data")
+    data = two_class_folder(tmp_path / "data")
     _denied(data / split)
     try:
         ranks = _two_ranks(tmp_path, "none", _train(data, tmp_path), _DENIED)
@@ -139,7 +128,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from echopipe.cli import main
 
     root = tmp_path_factory.mktemp("trained")
-    data = _data(root / "data")
+    data = two_class_folder(root / "data")
     argv = ["train", "--data", str(data), "--output", str(root / "run"), "--model", "lenet5",
             "--epochs", "1", "--stages", "1", "--batch-size", "4", "--image-size", "32",
             "--no-progress", "--warmup-epochs", "0"]  # fmt: skip
@@ -191,7 +180,7 @@ def test_evaluate_under_two_ranks_shares_val_and_names_a_folder_one_cannot_list(
 def test_ranks_whose_copies_list_other_files_end_naming_one(
     tmp_path: Path, change: str, said: str
 ) -> None:
-    data = _data(tmp_path / "data")
+    data = two_class_folder(tmp_path / "data")
     copy = tmp_path / "copy"  # another node's copy of the data, for rank 1
     shutil.copytree(data, copy)
     if change == "add":

@@ -37,6 +37,7 @@ from pipeline_support.dali_lightning_program import (  # noqa: E402
     CloseOnException,
     EchoedFit,
     create_pipeline,
+    greys,
     identify,
     make_jpegs,
     trainer,
@@ -50,10 +51,6 @@ STEPS = 12  # 24 files, e = 2, batches of 4
 def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, tuple[str, int]]]:
     root = tmp_path_factory.mktemp("dali_lightning")
     return str(root), make_jpegs(root)
-
-
-def _greys(files: dict[int, tuple[str, int]], split: str) -> set[int]:
-    return {g for g, (s, _) in files.items() if s == split}
 
 
 def _per_epoch(batches, files) -> dict[int, Counter]:
@@ -76,10 +73,10 @@ def test_fit_runs_each_epoch_with_each_file_twice(data, iterator: str) -> None:
     fit.fit(module)
     module.close()
     assert module.lengths == [STEPS, STEPS] and fit.global_step == 2 * STEPS
-    train = _greys(files, "train")
+    train = greys(files, "train")
     assert _per_epoch(module.batches, files) == {0: dict.fromkeys(train, 2),
                                                  1: dict.fromkeys(train, 2)}  # fmt: skip
-    val = _greys(files, "val")
+    val = greys(files, "val")
     validated = {e: dict(c) for e, c in module.validated.items()}
     assert validated == {0: dict.fromkeys(val, 1), 1: dict.fromkeys(val, 1)}
 
@@ -89,7 +86,7 @@ def test_loops_that_stop_at_len_or_iterate_again_get_whole_epochs(data) -> None:
     3 copies dropped each epoch) and a second ``for`` without auto_reset, as DALI's iterators
     allow; both gave an empty epoch after each full one."""
     root, files = data
-    train = _greys(files, "train")
+    train = greys(files, "train")
     kw = dict(num_threads=1, device_id=None, seed=3, shard_id=0, num_shards=1,
               data_dir=os.path.join(root, "train"))  # fmt: skip
     with create_pipeline(batch_size=5, **kw) as pipe:
@@ -122,7 +119,7 @@ def test_resumed_fits_continue_their_epoch_exactly(data, tmp_path: Path) -> None
     for step in range(1, 2 * STEPS + 1):  # the prepared batches it holds were numpy before
         state = torch.load(tmp_path / f"step={step}.ckpt", weights_only=True)
         assert len(state["loops"]["fit_loop"]["state_dict"]["combined_loader"]) == 1
-    train = _greys(files, "train")
+    train = greys(files, "train")
     for name, done in (("step=5", 5), ("step=12", 12), ("end-epoch=0", 12), ("step=18", 18)):
         resumed = EchoedFit(root, enable_checkpointing=True)
         again = trainer(limit_val_batches=0)
@@ -194,7 +191,7 @@ def test_ddp_ranks_take_equal_steps_over_their_shards(data, tmp_path: Path, iter
     out = tmp_path / "rank"
     done = _run(["ddp", root, str(out), iterator], timeout_s=400)
     assert done.returncode == 0, done.stdout[-3000:]
-    train, val = _greys(files, "train"), _greys(files, "val")
+    train, val = greys(files, "train"), greys(files, "val")
     for epoch in (0, 1):
         halves = []
         for rank in (0, 1):

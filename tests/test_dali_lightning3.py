@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from echopipe.dali import EchoedEvaluationWarning, EpochContinuedWarning  # noqa: E402
 from pipeline_support.dali_lightning_program import (  # noqa: E402
     EchoedFit,
+    greys,
     identify,
     make_jpegs,
     trainer,
@@ -46,10 +47,6 @@ STEPS = 12  # 24 files, e = 2, batches of 4
 def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, tuple[str, int]]]:
     root = tmp_path_factory.mktemp("dali_lightning3")
     return str(root), make_jpegs(root)
-
-
-def _greys(files: dict[int, tuple[str, int]], split: str) -> set[int]:
-    return {g for g, (s, _) in files.items() if s == split}
 
 
 def _per_epoch(batches) -> dict[int, dict[int, int]]:
@@ -91,7 +88,7 @@ def test_validation_at_half_epochs_every_second_epoch(data) -> None:
     module = Where(root)
     trainer(max_epochs=4, val_check_interval=0.5, check_val_every_n_epoch=2).fit(module)
     module.close()
-    train, val = _greys(files, "train"), _greys(files, "val")
+    train, val = greys(files, "train"), greys(files, "val")
     assert _per_epoch(module.batches) == {e: dict.fromkeys(train, 2) for e in range(4)}
     assert module.where == [(1, 18), (1, 24), (3, 42), (3, 48)]
     assert {e: dict(c) for e, c in module.validated.items()} == {
@@ -131,7 +128,7 @@ def test_limited_epochs_stopped_by_max_steps_resume_from_last_as_one_run(
     full, first, resumed = runs
     assert resumed[0][:2] == full[stop][:2]  # Lightning resumed inside an epoch
     assert [b[:2] for b in first + resumed] == [b[:2] for b in full]
-    train = _greys(files, "train")
+    train = greys(files, "train")
     assert _passes(first + resumed) == _passes(full) == [dict.fromkeys(train, 2)] * 2
     if limit == 5:
         assert [sum(1 for b in full if b[0] == e) for e in range(6)] == [5, 5, 2, 5, 5, 2]
@@ -155,7 +152,7 @@ def test_fit_twice_over_one_datamodule_iterator(data) -> None:
 
     module = KeptIterator(root)
     datamodule = Data(module)
-    train = _greys(files, "train")
+    train = greys(files, "train")
     for run in range(2):
         fit = trainer(limit_val_batches=0)
         fit.fit(module, datamodule=datamodule)
@@ -194,7 +191,7 @@ def test_evaluating_on_an_echo_iterator_warns_in_one_line(data, stage: str) -> N
     module.close()
     ours = [str(w.message) for w in caught if w.category is EchoedEvaluationWarning]
     assert len(ours) == 1 and "\n" not in ours[0]
-    assert dict(module.validated[0]) == dict.fromkeys(_greys(files, "train"), 2)
+    assert dict(module.validated[0]) == dict.fromkeys(greys(files, "train"), 2)
 
 
 def _fds() -> int:
@@ -239,7 +236,7 @@ def test_an_iterator_rebuilt_every_epoch_leaks_nothing(data) -> None:
     before = (threading.active_count(), _fds(), _our_shm())
     module = fit(4)
     assert module.upstreams == [1, 1, 1, 1]
-    train = _greys(files, "train")
+    train = greys(files, "train")
     assert _per_epoch(module.batches) == {e: dict.fromkeys(train, 2) for e in range(4)}
     del module
     gc.collect()
@@ -262,7 +259,7 @@ def test_a_factor_raised_in_on_train_epoch_start_is_named(data) -> None:
     with pytest.warns(EpochContinuedWarning, match="reload_dataloaders_every_n_epochs=1"):
         trainer(max_epochs=3, limit_val_batches=0, callbacks=[Raise()]).fit(module)
     module.close()
-    train = _greys(files, "train")
+    train = greys(files, "train")
     assert [sum(1 for b in module.batches if b[0] == e) for e in range(3)] == [12, 12, 6]
     assert _passes(module.batches[STEPS:], 18) == [dict.fromkeys(train, 3)]
 
@@ -284,7 +281,7 @@ def test_a_factor_set_at_the_epochs_end_with_reloading_gives_whole_epochs(data) 
     fit.fit(module)
     module.close()
     assert module.lengths == [12, 18, 18] and fit.global_step == 48
-    train = _greys(files, "train")
+    train = greys(files, "train")
     assert _per_epoch(module.batches) == {
         0: dict.fromkeys(train, 2), 1: dict.fromkeys(train, 3), 2: dict.fromkeys(train, 3)
     }  # fmt: skip

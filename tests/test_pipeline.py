@@ -47,15 +47,6 @@ def max_rel_error(a: nn.Module, b: nn.Module) -> float:
     return worst
 
 
-@pytest.fixture
-def one_thread():
-    """Run the reference with one intra-op thread, like each engine stage on 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # Schedule and staleness -----------------------------------------------------------------------
 def test_staleness_formula() -> None:
     assert stage_staleness(1) == [0]

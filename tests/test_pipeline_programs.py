@@ -30,15 +30,6 @@ from pipeline_support.timing import FakeClock
 MAX_NORM = 0.05
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread in the caller, as each stage worker has on 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _max_rel_error(a: nn.Module, b: nn.Module) -> float:
     worst = 0.0
     for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True):

@@ -54,6 +54,11 @@ def make_jpegs(root: Path, train: int = 24, val: int = 6) -> dict[int, tuple[str
     return files
 
 
+def greys(files: dict[int, tuple[str, int]], split: str) -> set[int]:
+    """The grey levels (file ids) of ``split``'s files among :func:`make_jpegs`' ``files``."""
+    return {g for g, (s, _) in files.items() if s == split}
+
+
 @edali.echo_pipeline_def(exec_dynamic=True, echo_factor=2)
 def create_pipeline(data_dir: str, shard_id: int, num_shards: int, is_training: bool = True):
     jpegs, labels = fn.readers.file(

@@ -1,4 +1,4 @@
-"""Small real JPEGs the DALI tests recognise by their solid colour."""
+"""Small real JPEGs: solid colours the DALI tests recognise, and a two-class data folder."""
 
 from __future__ import annotations
 
@@ -27,3 +27,17 @@ def solid_jpegs(
         Image.fromarray(np.full((*shape(i), 3), value(i), np.uint8)).save(path, **options)
         paths.append(str(path))
     return paths
+
+
+def two_class_folder(root: Path) -> Path:
+    """``root/{train,val}/{ant,cat}/NN.JPEG``: 6 training and 2 validation JPEGs of 32 x 32
+    noise per class (what the image-check tests of ``echopipe train`` read); returns ``root``."""
+    from PIL import Image
+
+    for split, count in (("train", 6), ("val", 2)):
+        for c in ("ant", "cat"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(count):
+                pixels = np.random.default_rng(i).integers(0, 255, (32, 32, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / c / f"{i:02d}.JPEG", quality=80)
+    return root
