@@ -22,7 +22,14 @@ from .dist_setup import check_gpus_per_rank
 from .partition import DeviceLike, parse_devices
 from .stage import StageCore
 
-__all__ = ["ReplicaAverage", "StageTopology", "data_parallel_group", "rank_core", "rank_device"]
+__all__ = [
+    "ReplicaAverage",
+    "StageTopology",
+    "average_over_replicas",
+    "data_parallel_group",
+    "rank_core",
+    "rank_device",
+]
 
 
 @dataclass(frozen=True)
@@ -119,20 +126,30 @@ class ReplicaAverage:
 
     def __call__(self, grads: list[torch.Tensor | None]) -> None:
         """Replace ``grads`` in place by their averages over the replicas (one all-reduce)."""
-        filled = [
-            g if g is not None else torch.zeros_like(p)
-            for g, p in zip(grads, self.params, strict=True)
-        ]
-        if not filled:
-            return
-        flat = torch.cat([g.reshape(-1) for g in filled])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-        flat.div_(self.num_replicas)
-        offset = 0
-        for i, g in enumerate(filled):
-            n = g.numel()
-            grads[i] = flat[offset : offset + n].view_as(g)
-            offset += n
+        average_over_replicas(grads, self.params, self.group, self.num_replicas)
+
+
+def average_over_replicas(
+    grads: list[torch.Tensor | None], params: Sequence[nn.Parameter], group: Any, num_replicas: int
+) -> None:
+    """Replace ``grads`` in place by their averages over the ``num_replicas`` ranks of ``group``.
+
+    One all-reduce of one flat buffer; a missing gradient counts as zeros, since every replica
+    must send a buffer of the same layout.
+    """
+    filled = [
+        g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)
+    ]
+    if not filled:
+        return
+    flat = torch.cat([g.reshape(-1) for g in filled])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat.div_(num_replicas)
+    offset = 0
+    for i, g in enumerate(filled):
+        n = g.numel()
+        grads[i] = flat[offset : offset + n].view_as(g)
+        offset += n
 
 
 def rank_grad_hook(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..pipeline.ranks import average_over_replicas
 from .options import CollectiveError
 
 __all__ = [
@@ -277,30 +278,14 @@ def all_reduce_grads(
 
     The pipeline calls it in stage ``k``'s worker thread after each backward, right before the
     stage's optimizer step; stage ``k`` uses its own process group, so stage threads never share
-    a communicator. One flat buffer per update; a parameter without a gradient contributes zeros
-    (every replica must send the same buffer).
+    a communicator.
     """
     if not ctx.enabled:
         return None
-    import torch.distributed as dist
-
-    world = float(ctx.world_size)
 
     def hook(stage: int, params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> None:
-        if not params:
-            return
-        filled = [
-            g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)
-        ]
-        flat = torch.cat([g.reshape(-1) for g in filled])
         with collective(f"averaging stage {stage}'s gradients"):
-            dist.all_reduce(flat, group=ctx.stage_groups[stage])
-        flat.div_(world)
-        offset = 0
-        for i, g in enumerate(filled):
-            n = g.numel()
-            grads[i] = flat[offset : offset + n].view_as(g)
-            offset += n
+            average_over_replicas(grads, params, ctx.stage_groups[stage], ctx.world_size)
 
     return hook
 
