@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import sys
 import time
 import traceback
@@ -202,8 +203,6 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: 
         summary = train(cfg, given=given_options(argv[argv.index("train") + 1 :]))
     except expected as exc:
         return _fail(parser.prog, exc, args.debug)
-    import os
-
     if int(os.environ.get("RANK", "0")) == 0 and not summary.resumed_finished:
         print(format_summary(summary), flush=True)
     return 0
@@ -363,7 +362,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     Ctrl-C and SIGTERM end it with one line (status 130 and 143): where a run stopped and the
     checkpoint ``--resume`` would continue from, or that there is none.
     """
-    import os
     import signal
     import threading
 
@@ -387,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         line = getattr(exc, "line", None) or "interrupted during start-up; nothing was written"
         if int(os.environ.get("RANK", "0")) == 0:
             command = argv[0] if argv and not argv[0].startswith("-") else ""
-            print(f"echopipe {command}: {line}".replace("  ", " "), file=sys.stderr, flush=True)
+            sys.stderr.write(f"echopipe {command}: {line}\n".replace("  ", " "))  # one write
+            sys.stderr.flush()
         return 143 if stops.terminated(exc) else 130
     finally:
         if main_thread:
