@@ -6,6 +6,7 @@ saved between epochs resumes into an epoch of another layout."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -52,8 +53,32 @@ def named(ids: list[int]) -> Any:
     return Pair(*rows(ids))
 
 
+@dataclasses.dataclass
+class Rows:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def as_dataclass(ids: list[int]) -> Any:
+    return Rows(*rows(ids))
+
+
+class Encoding(collections.UserDict):
+    """A Hugging Face ``BatchEncoding``-like mapping: a ``UserDict`` with a ``.to()``."""
+
+    def to(self, device: Any) -> Encoding:
+        return Encoding({k: v.to(device) for k, v in self.items()})
+
+
+def encoding(ids: list[int]) -> Any:
+    x, y = rows(ids)
+    return Encoding(x=x, y=y)
+
+
 def fields(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    return (batch.x, batch.y) if isinstance(batch, tuple) else (batch["x"], batch["y"])
+    if isinstance(batch, tuple | Rows):
+        return batch.x, batch.y
+    return batch["x"], batch["y"]
 
 
 @pytest.mark.parametrize("collate", [defaultdict_list, defaultdict_lambda, ordered, named])
@@ -78,6 +103,32 @@ def test_containers_round_trip_as_the_plain_dataloader_gives_them(collate: Calla
                 assert torch.equal(x, y.view(-1, 1).float().expand_as(x))
                 got.update(y.tolist())
     assert got == {i: 4 for i in range(N)}
+
+
+@pytest.mark.parametrize("collate", [defaultdict_list, ordered, named, as_dataclass, encoding])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_containers_moved_to_the_device_keep_their_class_and_every_tensor_moves(
+    collate: Callable, device: str
+) -> None:
+    """``device=`` moved the tensors of plain dicts, tuples and lists only: an ``OrderedDict``
+    or ``defaultdict`` came back as a plain dict (its factory lost), and a dataclass's or a
+    ``UserDict``'s (a ``BatchEncoding``'s) tensors stayed on the host. ``meta`` is the device
+    other than the CPU that torch has here: a tensor left behind stays a CPU one."""
+    dl = DataLoader(list(range(N)), batch_size=4, collate_fn=collate)
+    plain = next(iter(dl))
+    with EchoLoader(dl, 2.0, shuffle_buffer=8, device=device) as el:
+        batches = list(el)
+    assert len(batches) == 2 * N // 4
+    for batch in batches:
+        assert type(batch) is type(plain)
+        if isinstance(plain, collections.abc.Mapping):
+            assert list(batch) == list(plain)
+        if isinstance(plain, collections.defaultdict):
+            assert batch["missing"] == []
+        assert all(t.device.type == device for t in fields(batch))
+    if device == "cpu":
+        got = collections.Counter(i for b in batches for i in fields(b)[1].tolist())
+        assert got == {i: 2 for i in range(N)}
 
 
 class Resized(Dataset):

@@ -10,9 +10,10 @@ leaves than cache fields) are gathered by ``take_batch`` and rebuilt by
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch
 
 from ..echo import CacheClosedError, CacheTooSmallError
 from . import batch_layout as bl
+from .batch_tree import mapping, mapping_class
 from .reader import POLL_S, Producer
 
 if TYPE_CHECKING:
@@ -46,11 +48,18 @@ def pin_choice(
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to every tensor in its dicts, tuples and lists."""
+    """``obj`` with ``fn`` applied to every tensor in its mappings, dataclasses, tuples and
+    lists, each rebuilt as :func:`.batch_tree.builder` builds it: a mapping keeps its class (a
+    ``BatchEncoding`` its ``.to()``, a ``defaultdict`` its factory), a dataclass is remade by
+    its ``__init__`` from the fields it takes."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, Mapping):
+        moved = {k: map_tensors(v, fn) for k, v in obj.items()}
+        return mapping(mapping_class(obj))(moved)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = (f.name for f in dataclasses.fields(obj) if f.init)
+        return type(obj)(**{n: map_tensors(getattr(obj, n), fn) for n in fields})
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
