@@ -338,8 +338,7 @@ class EchoLoader(PassThrough):
             "layout": self._stream.signature() if self._stream else self._last_layout(),
             "batch_size": self._batch_size,
             "shard": wrapped.data_shard(self._loader),
-            "sampler_epoch": at.sampler_epoch,
-            "order_rng": at.order_rng,
+            **at.order(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -59,7 +59,8 @@ class EpochPosition:
     everything (a caller that knows the length, as Lightning does, never asks for the batch
     that would end it), so the state is the one after its end. ``sampler_epoch``: the epoch of
     the wrapped loader's epoch-seeded sampler whose order the position counts in (mid-epoch);
-    ``order_rng``: the states its order generators had when that pass began (mid-epoch)."""
+    ``order_rng``: the states its order generators had when that pass began, ``order_new``:
+    whether that pass made the DataLoader's iterator (mid-epoch)."""
 
     mid_epoch: bool
     batches_done: int = 0
@@ -68,6 +69,12 @@ class EpochPosition:
     ended: bool = False
     sampler_epoch: int | None = None
     order_rng: list[bytes] | None = None
+    order_new: bool | None = None
+
+    def order(self) -> dict[str, Any]:
+        """The state's fields of the wrapped loader's order."""
+        return {"sampler_epoch": self.sampler_epoch, "order_rng": self.order_rng,
+                "order_new": self.order_new}  # fmt: skip
 
 
 def epoch_position(producer: Any, counts: tuple[int, ...], resume: dict[str, Any] | None,
@@ -81,13 +88,13 @@ def epoch_position(producer: Any, counts: tuple[int, ...], resume: dict[str, Any
                 stats.tickets_left < max(1, producer.drop_below)):  # fmt: skip
             return EpochPosition(False, counts=counts, ended=True)
         return EpochPosition(True, producer.batches_done, producer.rows_in_flight, counts,
-                             sampler_epoch=producer.sampler_epoch,
-                             order_rng=producer.order_rng)  # fmt: skip
+                             sampler_epoch=producer.sampler_epoch, order_rng=producer.order_rng,
+                             order_new=producer.order_new)  # fmt: skip
     if resume is not None:
         counts = tuple(resume[k] for k in _POSITION if k != "rows_in_flight")  # COUNTS order
         return EpochPosition(True, resume["batches_done"], resume["rows_in_flight"], counts,
-                             sampler_epoch=resume["sampler_epoch"],
-                             order_rng=resume["order_rng"])  # fmt: skip
+                             sampler_epoch=resume["sampler_epoch"], order_rng=resume["order_rng"],
+                             order_new=resume["order_new"])  # fmt: skip
     return EpochPosition(False)
 
 
@@ -185,6 +192,10 @@ def check_loader_state(
     _need(out["mid_epoch"] or out["sampler_epoch"] is None, "'sampler_epoch' is set between epochs")
     out["order_rng"] = _order_rng(state.get("order_rng"))  # (earlier versions have none)
     _need(out["mid_epoch"] or out["order_rng"] is None, "'order_rng' is set between epochs")
+    out["order_new"] = state.get("order_new")  # (earlier versions have none)
+    _need(out["order_new"] is None or isinstance(out["order_new"], bool),
+          "'order_new' is not true/false")  # fmt: skip
+    _need(out["mid_epoch"] or out["order_new"] is None, "'order_new' is set between epochs")
     saved = state.get("shard")
     pair = isinstance(saved, list) and len(saved) == 2 and all(type(v) is int for v in saved)
     _need(saved is None or pair, "'shard' is not [rank, world_size]")

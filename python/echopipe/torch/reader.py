@@ -127,6 +127,8 @@ class Producer(threading.Thread):
         # The states of the generators the pass draws its order from (a shuffling DataLoader
         # with generator=), taken before it starts; a resumed pass starts from the saved ones.
         self.order_rng: list[bytes] | None = resume["order_rng"] if resume is not None else None
+        # Whether that pass made the DataLoader's iterator (:func:`.wrapped.new_iterator`).
+        self.order_new: bool | None = resume["order_new"] if resume is not None else None
         self.lockstep = Lockstep() if owner._deterministic else None
         # The output batch size comes from the first batch (nothing else tells it), so a batch
         # sampler with a schedule of sizes is warned about once (see _note_size).
@@ -136,6 +138,7 @@ class Producer(threading.Thread):
 
     def run(self) -> None:
         it: Any = None
+        draw: wrapped.SeedDraw | None = None
         finished = False
         try:
             if self.sampler_epoch is not None:
@@ -144,11 +147,15 @@ class Producer(threading.Thread):
                 # loader has no len()).
                 wrapped.set_sampler_epoch(self.source, self.sampler_epoch)
             generators = wrapped.order_generators(self.source)
-            if self.order_rng is not None and len(self.order_rng) == len(generators):
-                for gen, saved in zip(generators, self.order_rng, strict=True):
+            restore = self.order_rng is not None and len(self.order_rng) == len(generators)
+            if restore:
+                for gen, saved in zip(generators, self.order_rng or [], strict=True):
                     gen.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
+            now = wrapped.new_iterator(self.source)
             with self.lock:
                 self.order_rng = [bytes(g.get_state().numpy()) for g in generators] or None
+                self.order_new = now if self.order_new is None else self.order_new
+            draw = wrapped.SeedDraw(self.source, self.order_new if restore else None, now)
             it = iter(self.source)
             index = 0
             while True:
@@ -169,6 +176,7 @@ class Producer(threading.Thread):
                     ) from exc
                 finally:
                     self.waiting_in = None
+                    draw.done()
                 if index == 0 and self.sampler_epoch is None:
                     with self.lock:
                         self.sampler_epoch = wrapped.sampler_epoch(self.source)
@@ -203,6 +211,8 @@ class Producer(threading.Thread):
             if cache is not None and not self.stop.is_set():
                 cache.end_of_input()  # wakes the consumer, which raises self.error
         finally:
+            if draw is not None:
+                draw.done()
             release_iterator(it, finished)
             it = None
             self.ready.set()
