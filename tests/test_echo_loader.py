@@ -327,7 +327,12 @@ _QUANTIZED = _unwarned(lambda: torch.quantize_per_tensor(torch.zeros(4, 2), 0.5,
             r"batch 1 of epoch 0: field batch\[0\] "
             r"changed from tensor float32\[3\] to tensor float32\[5\].*fixed shape",
         ),
-        ([{"x": torch.zeros(4), "n": None}], r"batch 0 .*field batch\['n'\] is a NoneType"),
+        ([{"x": torch.zeros(4), "lam": 0.5}], r"batch 0 .*field batch\['lam'\] is a float"),
+        ([(torch.zeros(4), [None] * 4)], r"batch 0 .*field batch\[1\] is a list of 4 None"),
+        (  # None is a field of every batch, not one that some batches fill
+            [{"x": torch.zeros(4), "m": None}, {"x": torch.zeros(4), "m": torch.zeros(4)}],
+            r"batch 1 .*the batch structure changed",
+        ),
         ([(torch.zeros(4), torch.tensor(1.0))], r"field batch\[1\] is a scalar"),
         ([(torch.zeros(4), torch.zeros(3))], r"field batch\[1\] has 3 rows .* 4 samples"),
         ([(torch.zeros(4), ["a", "b"])], r"field batch\[1\] has 2 strings for 4 samples"),

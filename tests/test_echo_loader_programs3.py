@@ -392,3 +392,49 @@ def test_a_collate_fn_returning_a_dataclass_is_echoed_into_that_dataclass() -> N
             assert torch.equal(batch.labels, batch.images[:, 0].long() % 3)
             seen.update(int(v) for v in batch.images[:, 0])
     assert sorted(seen) == list(range(21)) and sum(seen.values()) == 32  # 1.5 * 21, rounded
+
+
+@dataclasses.dataclass
+class Optional3:
+    """A dataclass batch with optional fields its collate_fn leaves at None."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    masks: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+
+def test_none_fields_of_a_collate_fn_come_back_as_none_through_a_resume() -> None:
+    """A batch with a None field (a dataclass's optional field, ``"mask": None`` in a dict) was
+    refused (``LayoutError``: "field batch.masks is a NoneType"), where a DataLoader hands it on
+    and the training step tests ``if batch.masks is not None``."""
+
+    def collate(items) -> dict:
+        images = torch.stack([x for x, _ in items])
+        names = [f"s{int(x[0])}" for x, _ in items]
+        batch = Optional3(images, torch.tensor([y for _, y in items]))
+        return {"batch": batch, "meta": {"names": names, "crop": None}, "extra": (None, images)}
+
+    def check(got) -> list[int]:
+        batch = got["batch"]
+        assert type(batch) is Optional3 and batch.masks is None and batch.weights is None
+        assert got["meta"]["crop"] is None and got["extra"][0] is None
+        assert torch.equal(got["extra"][1], batch.images)
+        ids = [int(v) for v in batch.images[:, 0]]
+        assert got["meta"]["names"] == [f"s{i}" for i in ids]
+        return ids
+
+    def data() -> DataLoader:
+        return DataLoader(Ids(21), batch_size=4, num_workers=2, collate_fn=collate, timeout=60)
+
+    seen: collections.Counter = collections.Counter()
+    with EchoLoader(data(), echo_factor=2.0) as loader:
+        it = iter(loader)
+        for _ in range(4):
+            seen.update(check(next(it)))
+        state = loader.state_dict()
+    with EchoLoader(data(), echo_factor=2.0) as loader:
+        loader.load_state_dict(state)
+        for got in loader:
+            seen.update(check(got))
+    assert sorted(seen) == list(range(21)) and set(seen.values()) == {2}

@@ -79,6 +79,8 @@ class Layout:
 
 
 def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
+    if obj is None:  # an optional field left out (a dataclass's default): None in every batch
+        return ("none",)
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         out.append((path, obj))
         return ("leaf", len(out) - 1)
@@ -94,13 +96,19 @@ def _flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> Any:
         if obj and all(isinstance(v, str) for v in obj):
             out.append((path, obj))
             return ("leaf", len(out) - 1)
+        if obj and all(v is None for v in obj) and not hasattr(obj, "_fields"):
+            # likely one None per sample: its length is the batch's, which echoed batches mix
+            raise LayoutError(
+                f"field batch{path} is a {type(obj).__name__} of {len(obj)} None; EchoLoader "
+                "passes a None field as None, not a list of them: leave the field None"
+            )
         children = tuple(_flatten(v, f"{path}[{i}]", out) for i, v in enumerate(obj))
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):
             return ("namedtuple", type(obj), children)
         return ("tuple" if isinstance(obj, tuple) else "list", children)
     raise LayoutError(
         f"field batch{path} is a {type(obj).__name__}; EchoLoader echoes tensors, numpy arrays "
-        "and lists of str (nested in dicts, dataclasses, tuples and lists)"
+        "and lists of str (nested in dicts, dataclasses, tuples and lists; None passes as None)"
     )
 
 
@@ -215,6 +223,8 @@ def _walk(treedef: Any, obj: Any, out: list[Any]) -> bool:
     if kind == "leaf":
         out.append(obj)
         return True
+    if kind == "none":
+        return obj is None
     if kind == "dict":
         if not isinstance(obj, Mapping) or tuple(obj) != treedef[1]:
             return False

@@ -4,7 +4,7 @@ that rebuilds a batch of the same structure from its leaves' values.
 A tree is ``("leaf", index)``, ``("dict", keys, children, cls)`` (``cls``: the mapping's own
 class, None for a plain dict, a :class:`DefaultDictOf` for a ``defaultdict``),
 ``("namedtuple", cls, children)``, ``("dataclass", cls, field names, children)``,
-``("tuple", children)`` or ``("list", children)``.
+``("tuple", children)``, ``("list", children)`` or ``("none",)`` (a None field, rebuilt as None).
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ def tree_text(treedef: Any) -> Any:
     kind = treedef[0]
     if kind == "leaf":
         return treedef[1]
+    if kind == "none":
+        return None
     if kind == "dict":
         return {"dict": [repr(k) for k in treedef[1]], "of": [tree_text(c) for c in treedef[2]]}
     if kind == "namedtuple":
@@ -75,6 +77,8 @@ def builder(treedef: Any) -> Callable[[list[Any]], Any]:
     kind = treedef[0]
     if kind == "leaf":
         return operator.itemgetter(treedef[1])
+    if kind == "none":
+        return lambda v: None
     if kind == "dict":
         keys, subs, make = treedef[1], [builder(c) for c in treedef[2]], mapping(treedef[3])
         if make is dict:
