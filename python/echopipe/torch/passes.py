@@ -317,7 +317,8 @@ def check_resume_order(clean: dict[str, Any], loader: Any) -> None:
     loader reads (world size and rank: :func:`.loader_state.check_shard`), its position inside
     the wrapped loader's epoch, the saved generator states must fit the wrapped loader's
     (LoaderStateError), and an unseeded shuffle, whose order a new process cannot draw again,
-    is warned about (the skipped batches are another order's)."""
+    or batches handed on as they come, are warned about (the skipped batches are another
+    order's)."""
     check_shard(clean, wrapped.data_shard(loader))
     check_position(clean, loader)
     if not clean["mid_epoch"]:
@@ -329,13 +330,19 @@ def check_resume_order(clean: dict[str, Any], loader: Any) -> None:
             f"the wrapped loader draws its order from {have}"
         )
     unseeded = wrapped.unseeded_shuffle(loader)
-    if unseeded is not None and (clean["batches_done"] or clean["rows_in_flight"]):
+    if unseeded is not None:
+        why = f"shuffles with a {unseeded} without a generator"
+        fix = "generator=torch.Generator().manual_seed(seed)"
+    elif wrapped.out_of_order(loader):
+        why, fix = "hands on its workers' batches as they come (in_order=False)", "in_order=True"
+    else:
+        return
+    if clean["batches_done"] or clean["rows_in_flight"]:
         warnings.warn(
-            f"EchoLoader: resuming mid-epoch, but the wrapped loader shuffles with a {unseeded} "
-            "without a generator, so the epoch is re-read in another order and the batches "
-            "skipped as already read are not the ones that were: some samples of this epoch "
-            "are missed, others repeated. Build the DataLoader with "
-            "generator=torch.Generator().manual_seed(seed)",
+            f"EchoLoader: resuming mid-epoch, but the wrapped loader {why}, so the epoch is "
+            "re-read in another order and the batches skipped as already read are not the ones "
+            "that were: some samples of this epoch are missed, others repeated. Build the "
+            f"DataLoader with {fix}",
             RuntimeWarning, stacklevel=3,
         )  # fmt: skip
 

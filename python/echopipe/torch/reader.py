@@ -18,7 +18,7 @@ import torch
 
 from ..echo import CacheClosedError, EchoCache
 from . import batch_layout as bl
-from . import workers, wrapped
+from . import order, workers, wrapped
 from .workers import release_iterator, wake
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ class Producer(threading.Thread):
 
     def run(self) -> None:
         it: Any = None
-        draw: wrapped.SeedDraw | None = None
+        draw: order.SeedDraw | None = None
         finished = False
         try:
             if self.sampler_epoch is not None:
@@ -151,11 +151,11 @@ class Producer(threading.Thread):
             if restore:
                 for gen, saved in zip(generators, self.order_rng or [], strict=True):
                     gen.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
-            now = wrapped.new_iterator(self.source)
+            now = order.new_iterator(self.source)
             with self.lock:
                 self.order_rng = [bytes(g.get_state().numpy()) for g in generators] or None
                 self.order_new = now if self.order_new is None else self.order_new
-            draw = wrapped.SeedDraw(self.source, self.order_new if restore else None, now)
+            draw = order.SeedDraw(self.source, self.order_new if restore else None, now)
             it = iter(self.source)
             index = 0
             while True:

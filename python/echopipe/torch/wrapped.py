@@ -33,9 +33,10 @@ __all__ = [
     "dataloaders",
     "drops_last",
     "epoch_batches",
+    "innermost_dataloader",
     "input_batch_size",
-    "new_iterator",
     "order_generators",
+    "out_of_order",
     "sampler_epoch",
     "samples_per_epoch",
     "set_sampler_epoch",
@@ -74,7 +75,8 @@ def dataloaders(loader: Any) -> Iterator[Any]:
         obj = inner
 
 
-def _innermost_dataloader(loader: Any) -> DataLoader | None:
+def innermost_dataloader(loader: Any) -> DataLoader | None:
+    """The first ``DataLoader`` of :func:`dataloaders`, or None."""
     for obj in dataloaders(loader):
         if isinstance(obj, DataLoader):
             return obj
@@ -85,7 +87,7 @@ def _batching(loader: Any) -> tuple[int | None, int | None, bool, bool] | None:
     """``(samples, batch size, drop_last, map_style)`` of the innermost DataLoader's own
     batching (or its plain ``BatchSampler``), ``None`` for a custom batch sampler or no
     DataLoader."""
-    dl = _innermost_dataloader(loader)
+    dl = innermost_dataloader(loader)
     if dl is None:
         return None
     if isinstance(dl.dataset, IterableDataset):
@@ -115,8 +117,16 @@ def drops_last(loader: Any) -> bool:
     b = _batching(loader)
     if b is not None:
         return b[2]
-    dl = _innermost_dataloader(loader)
+    dl = innermost_dataloader(loader)
     return dl is not None and getattr(dl.batch_sampler, "drop_last", None) is True
+
+
+def out_of_order(loader: Any) -> bool:
+    """Whether the wrapped DataLoader hands on its workers' batches as they come
+    (``in_order=False``): a pass's batches, its short last one too, come in an order timing
+    decides."""
+    dl = innermost_dataloader(loader)
+    return dl is not None and dl.num_workers > 0 and getattr(dl, "in_order", True) is False
 
 
 def batch_rows(loader: Any) -> tuple[int, int] | None:
@@ -125,12 +135,12 @@ def batch_rows(loader: Any) -> tuple[int, int] | None:
     elsewhere (an iterable dataset's workers each end with a short batch of their own), and for a
     DataLoader subclass with an ``__iter__`` of its own: timm's ``MultiEpochsDataLoader`` takes
     each pass from one stream of batches, so after a pass left early the short batch comes
-    mid-pass."""
+    mid-pass; and for one with ``in_order=False`` (:func:`out_of_order`)."""
     b = _batching(loader)
     n = _kept(b)
-    if b is None or not b[3] or n is None or b[1] is None:
+    if b is None or not b[3] or n is None or b[1] is None or out_of_order(loader):
         return None
-    if type(_innermost_dataloader(loader)).__iter__ is not DataLoader.__iter__:
+    if type(innermost_dataloader(loader)).__iter__ is not DataLoader.__iter__:
         return None
     return n, b[1]
 
@@ -149,7 +159,7 @@ def samples_per_epoch(loader: Any) -> int | None:
 def _epoch_sampler(loader: Any) -> Any:
     """The wrapped DataLoader's sampler (or batch sampler) that has ``set_epoch`` and an int
     ``epoch`` (a ``DistributedSampler``), or None."""
-    dl = _innermost_dataloader(loader)
+    dl = innermost_dataloader(loader)
     if dl is None:
         return None
     batch_sampler = getattr(dl, "batch_sampler", None)
@@ -180,7 +190,7 @@ def _random_sampler(loader: Any) -> tuple[DataLoader, Any] | None:
     """The innermost DataLoader and its sampler (or its batch sampler's), where that sampler
     draws its order from a ``generator`` attribute (``RandomSampler``, ``SubsetRandomSampler``,
     ``WeightedRandomSampler``, or a custom one with that attribute)."""
-    dl = _innermost_dataloader(loader)
+    dl = innermost_dataloader(loader)
     if dl is None or isinstance(dl.dataset, IterableDataset):
         return None
     for obj in (dl.sampler, getattr(dl.batch_sampler, "sampler", None)):
@@ -206,43 +216,6 @@ def order_generators(loader: Any) -> list[Any]:
         if cpu and all(gen is not g for g in out):
             out.append(gen)
     return out
-
-
-def new_iterator(loader: Any) -> bool | None:
-    """Whether the wrapped DataLoader's next pass makes a new iterator, which draws its workers'
-    base seed from the DataLoader's ``generator`` before the sampler draws its order, rather
-    than resetting the one its persistent workers keep (the order alone); None where no plain
-    ``DataLoader.__iter__`` makes the pass."""
-    dl = _innermost_dataloader(loader)
-    if dl is None or type(dl).__iter__ is not DataLoader.__iter__:
-        return None
-    return not (dl.persistent_workers and dl.num_workers > 0) or dl._iterator is None
-
-
-class SeedDraw:
-    """Lets a resumed pass draw its order from the restored generator states as the saved pass
-    did (``saved``: :func:`new_iterator` then), when it starts otherwise (``now``): a persistent
-    DataLoader's first pass draws the base seed from the generator that a ``shuffle=True,
-    generator=g`` DataLoader's sampler shares, its later passes do not; so a fresh process
-    resuming one of those shifted the order by a draw. :meth:`done` once the pass has begun."""
-
-    def __init__(self, loader: Any, saved: bool | None, now: bool | None) -> None:
-        dl = _innermost_dataloader(loader)
-        self.dl, self.gen = dl, getattr(dl, "generator", None)
-        self.swapped = False
-        if not isinstance(self.gen, torch.Generator) or None in (saved, now) or saved == now:
-            return
-        if saved:  # the saved pass's base seed came first: drawn here, as it was
-            torch.empty((), dtype=torch.int64).random_(generator=self.gen)
-        else:  # this one's base seed comes from a copy, leaving the restored state to the order
-            scratch = torch.Generator()
-            scratch.set_state(self.gen.get_state())
-            self.dl.generator, self.swapped = scratch, True
-
-    def done(self) -> None:
-        """Gives the DataLoader its own generator back (once its iterator was made)."""
-        if self.swapped:
-            self.dl.generator, self.swapped = self.gen, False
 
 
 def unseeded_shuffle(loader: Any) -> str | None:
@@ -271,7 +244,7 @@ def shape_source(loader: Any) -> str:
     """What decides the wrapped loader's batches, for a message about a batch whose shape
     changed: a batch sampler of its own (a multi-scale or batch-size schedule), else the
     DataLoader's dataset and collate_fn, else the loader itself."""
-    dl = _innermost_dataloader(loader)
+    dl = innermost_dataloader(loader)
     if dl is None:
         return f"the wrapped {type(loader).__name__}"
     sampler = dl.batch_sampler
@@ -293,7 +266,7 @@ def check_sharded(loader: Any) -> None:
     here = shard()
     if here is None:
         return
-    dl = _innermost_dataloader(loader)
+    dl = innermost_dataloader(loader)
     if dl is None or isinstance(dl.dataset, IterableDataset):
         return
     if dl.batch_size is not None:
@@ -318,7 +291,7 @@ def data_shard(loader: Any) -> list[int] | None:
     which may be built without torch.distributed), else the torch.distributed processes'
     (:func:`.loader_state.shard`, e.g. under a batch sampler of its own); None for the whole
     dataset."""
-    dl = _innermost_dataloader(loader)
+    dl = innermost_dataloader(loader)
     sampler = None
     if dl is not None and not isinstance(dl.dataset, IterableDataset):
         sampler = (
