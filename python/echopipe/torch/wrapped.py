@@ -201,17 +201,21 @@ def _random_sampler(loader: Any) -> tuple[DataLoader, Any] | None:
 
 def order_generators(loader: Any) -> list[Any]:
     """The ``torch.Generator`` objects a pass of the wrapped loader draws its order from: its
-    random sampler's and the DataLoader's own (its workers' seeds), each once.
+    random sampler's and the DataLoader's own (its workers' seeds), each once; for an iterable
+    dataset read by workers, the DataLoader's own (a webdataset-like shuffle in the workers
+    draws from the seeds torch gives them).
 
     Their states at the start of a pass fix that pass's order, so a resumed pass that starts
     from the saved states re-reads the same batches (and the epochs after it draw what an
     uninterrupted run would have drawn)."""
     found = _random_sampler(loader)
-    if found is None:
+    dl = innermost_dataloader(loader)
+    if found is None and (dl is None or not isinstance(dl.dataset, IterableDataset)
+                          or not dl.num_workers):  # fmt: skip
         return []
-    dl, sampler = found
     out: list[Any] = []
-    for gen in (sampler.generator, dl.generator):
+    sampler_generator = found[1].generator if found is not None else None
+    for gen in (sampler_generator, getattr(dl, "generator", None)):
         cpu = isinstance(gen, torch.Generator) and gen.device.type == "cpu"
         if cpu and all(gen is not g for g in out):
             out.append(gen)
