@@ -412,3 +412,35 @@ def test_a_loaded_state_of_another_echo_factor_says_it_replaces_the_loaders() ->
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same.load_state_dict(state)
+
+
+def test_a_run_resumed_with_another_batch_size() -> None:
+    """A state saved between epochs put its batch size over the wrapped loader's (output
+    batches of 8 and ``len()`` 12 over a DataLoader of batches of 4); one saved mid-epoch
+    skipped its count of batches at the new size (12 of 48 samples read twice, 4 copies)."""
+
+    def data(size: int) -> DataLoader:
+        return DataLoader(Ids(48), batch_size=size)
+
+    with EchoLoader(data(8), 2.0) as first:
+        assert sum(1 for _ in first) == 12
+        between = first.state_dict()
+        it = iter(first)
+        seen = collections.Counter(i for _ in range(3) for i in next(it)[1].tolist())
+        mid = first.state_dict()
+    with EchoLoader(data(4), 2.0) as resumed:
+        resumed.load_state_dict(between)
+        assert resumed.batch_size == 4 and len(resumed) == 24
+        got = collections.Counter()
+        for _x, y in resumed:
+            assert len(y) == 4
+            got.update(y.tolist())
+        assert got == {i: 2 for i in range(48)}
+    with EchoLoader(data(4), 2.0) as other:
+        with pytest.raises(LoaderStateError, match=r"after \d+ batches of 8 .* now hold 4"):
+            other.load_state_dict(mid)
+        assert other.batch_size == 4 and other.stats().epoch == 0  # left as it was
+    with EchoLoader(data(8), 2.0) as resumed:
+        resumed.load_state_dict(mid)
+        seen.update(i for _x, y in resumed for i in y.tolist())
+    assert seen == {i: 2 for i in range(48)}

@@ -337,6 +337,7 @@ class EchoLoader(PassThrough):
             "cache_config": dict(self._cache_config) if self._cache_config else None,
             "layout": self._stream.signature() if self._stream else self._last_layout(),
             "batch_size": self._batch_size,
+            "input_batch_size": wrapped.input_batch_size(self._loader),
             "shard": wrapped.data_shard(self._loader),
             **at.order(),
         }
@@ -369,9 +370,9 @@ class EchoLoader(PassThrough):
         self._history = list(clean["echo_history"])
         if self._controller is not None:
             self._controller.load_state_dict(clean["controller"])  # passed on the scratch one
-        if clean["batch_size"] is not None and not self._explicit_batch:
-            self._batch_size = clean["batch_size"]
-        self._cache_config = clean["cache_config"]
+        self._batch_size, self._cache_config = ls.restored_batching(
+            clean, self._batch_size, self._explicit_batch, wrapped.input_batch_size(self._loader)
+        )
         self._layout, self._decode = None, None  # a fresh epoch may bring another layout:
         self._saved_layout = clean["layout"] if clean["mid_epoch"] else None  # a resumed one not
         self._prior_layout = None if clean["mid_epoch"] else clean["layout"]

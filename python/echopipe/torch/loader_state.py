@@ -30,6 +30,7 @@ __all__ = [
     "check_loader_state",
     "check_position",
     "check_shard",
+    "restored_batching",
     "restored_cache",
     "shard",
 ]
@@ -196,6 +197,8 @@ def check_loader_state(
     _need(out["order_new"] is None or isinstance(out["order_new"], bool),
           "'order_new' is not true/false")  # fmt: skip
     _need(out["mid_epoch"] or out["order_new"] is None, "'order_new' is set between epochs")
+    size = state.get("input_batch_size")  # (earlier versions have none)
+    out["input_batch_size"] = None if size is None else _int(size, "'input_batch_size'", 1)
     saved = state.get("shard")
     pair = isinstance(saved, list) and len(saved) == 2 and all(type(v) is int for v in saved)
     _need(saved is None or pair, "'shard' is not [rank, world_size]")
@@ -288,9 +291,19 @@ def _cache_config(config: Any, memory_bytes: int) -> dict[str, int] | None:
     return out
 
 
-def check_position(clean: dict[str, Any], loader: Any) -> None:
+def check_position(clean: dict[str, Any], loader: Any, input_batch_size: int | None) -> None:
     """A mid-epoch state's position must lie inside the wrapped loader's epoch, when the loader
-    has a length: past its end, the resumed epoch would silently deliver nothing."""
+    has a length: past its end, the resumed epoch would silently deliver nothing. And it counts
+    batches of the wrapped loader's batch size (``input_batch_size`` now, where both tell):
+    skipping as many batches of another size would miss samples or read some twice."""
+    saved = clean["input_batch_size"]
+    if clean["mid_epoch"] and None not in (saved, input_batch_size) and saved != input_batch_size:
+        raise LoaderStateError(
+            f"EchoLoader state was saved mid-epoch after {clean['batches_done']} batches of "
+            f"{saved} samples of the wrapped loader, whose batches now hold {input_batch_size}: "
+            "skipping that many would miss samples or read some twice; resume with "
+            f"batch_size={saved}, or load a state saved between epochs"
+        )
     try:
         length = len(loader)
     except TypeError:  # an iterable without a length: checked as it is read
@@ -299,6 +312,21 @@ def check_position(clean: dict[str, Any], loader: Any) -> None:
         not clean["mid_epoch"] or clean["batches_done"] <= length,
         f"'batches_done' is {clean['batches_done']}, past the wrapped loader's {length} batches",
     )
+
+
+def restored_batching(
+    clean: dict[str, Any], batch_size: int | None, explicit: bool, told: int | None
+) -> tuple[int | None, dict[str, int] | None]:
+    """The output batch size and cache config after loading ``clean`` into a loader whose batch
+    size is ``batch_size`` (``explicit``: given to it; ``told``: the wrapped loader's). A
+    mid-epoch state keeps the saved ones (its position and counts are in them); a state saved
+    between epochs holds no samples, so the wrapped loader's batch size, where it tells one,
+    stays (a run resumed with another batch size), and the cache is sized anew for it."""
+    saved = clean["batch_size"]
+    if saved is not None and not explicit and (clean["mid_epoch"] or told is None):
+        batch_size = saved
+    same = clean["mid_epoch"] or saved is None or saved == batch_size
+    return batch_size, clean["cache_config"] if same else None
 
 
 def restored_cache(clean: dict[str, Any], controller: EchoController | None) -> EchoCache | None:

@@ -320,7 +320,7 @@ def check_resume_order(clean: dict[str, Any], loader: Any) -> None:
     or batches handed on as they come, are warned about (the skipped batches are another
     order's)."""
     check_shard(clean, wrapped.data_shard(loader))
-    check_position(clean, loader)
+    check_position(clean, loader, wrapped.input_batch_size(loader))
     if not clean["mid_epoch"]:
         return
     have = len(wrapped.order_generators(loader))
