@@ -444,3 +444,29 @@ def test_a_run_resumed_with_another_batch_size() -> None:
         resumed.load_state_dict(mid)
         seen.update(i for _x, y in resumed for i in y.tolist())
     assert seen == {i: 2 for i in range(48)}
+
+
+def test_a_mid_epoch_state_of_an_epoch_of_other_samples_is_refused() -> None:
+    """A folder that gained files between the crash and the restart: the resumed pass shuffles
+    another epoch (the seeded order of 52 samples, not of 48), so the batches it skips as read
+    are not the ones that were (11 samples missed, 11 read twice, without a word)."""
+
+    def data(n: int) -> DataLoader:
+        gen = torch.Generator().manual_seed(2)
+        return DataLoader(Ids(n), batch_size=4, shuffle=True, generator=gen)
+
+    with EchoLoader(data(48), 2.0) as first:
+        it = iter(first)
+        seen = collections.Counter(i for _ in range(3) for i in next(it)[1].tolist())
+        state = first.state_dict()
+    with EchoLoader(data(52), 2.0) as other:
+        with pytest.raises(LoaderStateError, match=r"epoch of 48 samples .* now has 52"):
+            other.load_state_dict(state)
+        assert len(other) == 26 and other.stats().epoch == 0  # left as it was
+    with EchoLoader(data(48), 2.0) as resumed:
+        resumed.load_state_dict(state)
+        seen.update(i for _x, y in resumed for i in y.tolist())
+    assert seen == {i: 2 for i in range(48)}
+    with EchoLoader(data(52), 2.0) as fresh:  # a state between epochs: any dataset
+        fresh.load_state_dict(resumed.state_dict())
+        assert len(fresh) == 26

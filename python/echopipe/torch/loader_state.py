@@ -291,11 +291,22 @@ def _cache_config(config: Any, memory_bytes: int) -> dict[str, int] | None:
     return out
 
 
-def check_position(clean: dict[str, Any], loader: Any, input_batch_size: int | None) -> None:
+def check_position(
+    clean: dict[str, Any], loader: Any, input_batch_size: int | None, samples: int | None
+) -> None:
     """A mid-epoch state's position must lie inside the wrapped loader's epoch, when the loader
     has a length: past its end, the resumed epoch would silently deliver nothing. And it counts
-    batches of the wrapped loader's batch size (``input_batch_size`` now, where both tell):
-    skipping as many batches of another size would miss samples or read some twice."""
+    batches of the wrapped loader's batch size (``input_batch_size`` now, where both tell) in an
+    epoch of its samples (``samples`` now, where both tell; a folder that gained files): skipping
+    as many batches of another size or of another epoch would miss samples or read some twice."""
+    was = (clean["cache_config"] or {}).get("epoch_size") or None
+    if clean["mid_epoch"] and None not in (was, samples) and was != samples:
+        raise LoaderStateError(
+            f"EchoLoader state was saved mid-epoch in an epoch of {was} samples of the wrapped "
+            f"loader, which now has {samples} per epoch: the batches it would skip as read are "
+            "another epoch's (samples would be missed or read twice); load it where the "
+            "dataset is as it was, or load a state saved between epochs"
+        )
     saved = clean["input_batch_size"]
     if clean["mid_epoch"] and None not in (saved, input_batch_size) and saved != input_batch_size:
         raise LoaderStateError(

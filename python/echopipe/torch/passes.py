@@ -320,7 +320,10 @@ def check_resume_order(clean: dict[str, Any], loader: Any) -> None:
     or batches handed on as they come, are warned about (the skipped batches are another
     order's)."""
     check_shard(clean, wrapped.data_shard(loader))
-    check_position(clean, loader, wrapped.input_batch_size(loader))
+    # An epoch-seeded sampler set to another epoch may have another length then (a curriculum).
+    same = clean["sampler_epoch"] in (None, wrapped.sampler_epoch(loader))
+    samples = wrapped.samples_per_epoch(loader) if same else None
+    check_position(clean, loader, wrapped.input_batch_size(loader), samples)
     if not clean["mid_epoch"]:
         return
     have = len(wrapped.order_generators(loader))
