@@ -67,6 +67,7 @@ from .plugin import (
 from .specs import AugmentSpec, EchoSpec, ReaderSpec
 from .torch_copy import to_torch
 from .tracing import current_stage, echo
+from .upstream import EmptyUpstreamEpochError
 
 
 def load_plugin() -> None:
@@ -100,6 +101,7 @@ __all__ = [
     "EchoPipelineConfig",
     "EchoSpec",
     "EchoedEvaluationWarning",
+    "EmptyUpstreamEpochError",
     "EpochContinuedWarning",
     "EpochSizeChangedError",
     "ImagenetEchoPipeline",

@@ -26,6 +26,11 @@ _STUCK_S = 1.0
 _WATCH_S = 0.1
 
 
+class EmptyUpstreamEpochError(ValueError):
+    """The upstream pipeline's input (an ``external_source``) ended an epoch with no batch,
+    so reading it epoch after epoch would never store a sample."""
+
+
 @dataclass(frozen=True)
 class UpstreamPlan:
     """What the runner follows, fixed once the DALI pipelines are built.
@@ -117,7 +122,7 @@ class UpstreamRunner:
             cache.quota = plan.reader_epochs.fresh(self.epoch_index)
         bytes_before = cache.stats().bytes_used if plan.deterministic else 0
         t0 = time.perf_counter()
-        outputs = self._upstream.run()
+        outputs = self._run_upstream()
         elapsed = time.perf_counter() - t0
         stored = int(host_dense(outputs[0]).sum())
         if plan.deterministic and stored:
@@ -136,6 +141,24 @@ class UpstreamRunner:
                 self._ended = True
                 cache.end_of_input()
         return True
+
+    def _run_upstream(self) -> Any:
+        """One upstream iteration. An ``external_source`` whose source ends its epoch (DALI's
+        StopIteration) is reset and read again: the stream reads epoch after epoch, as a
+        reader does on its own. Before, the StopIteration ended the runner as a failure with
+        an empty message."""
+        try:
+            return self._upstream.run()
+        except StopIteration:
+            self._upstream.reset()
+        try:
+            return self._upstream.run()
+        except StopIteration:
+            raise EmptyUpstreamEpochError(
+                "the upstream pipeline's input ended an epoch without a single batch (its "
+                "external_source raised StopIteration at once after a reset); give the source "
+                "at least one batch per epoch"
+            ) from None
 
     def room_for_batch(self) -> bool:
         stats = self._cache.stats()
