@@ -174,7 +174,8 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
         memory: cache arena: ``"auto"`` (pinned when a GPU is present), ``"pageable"``,
             ``"pinned"`` or ``"device"`` (GPU memory, for inputs on the GPU; see
             :mod:`echopipe.echo.memory`).
-        prefetch_queue_depth: downstream DALI prefetch (forced to 1 when deterministic).
+        prefetch_queue_depth: downstream DALI prefetch, an int or DALI's separated queues
+            ``{"cpu_size": c, "gpu_size": g}`` (forced to 1 when deterministic).
         enable_checkpointing: also checkpoint DALI's own operator states (reader position,
             random augmentation state), so checkpoints resume exactly; needed for DALI
             iterators' ``checkpoints()``.

@@ -48,7 +48,7 @@ class EchoPair(EpochPasses, EchoPipelineBase):
         num_threads: int = 2,
         device_id: int | None = None,
         upstream_num_threads: int | None = None,
-        prefetch_queue_depth: int = 2,
+        prefetch_queue_depth: int | dict[str, int] = 2,
         enable_checkpointing: bool = False,
         pipeline_kwargs: dict[str, Any] | None = None,
         on_upstream_error: Callable[[BaseException], BaseException | None] | None = None,
@@ -57,12 +57,9 @@ class EchoPair(EpochPasses, EchoPipelineBase):
         self.config = config.resolved()
         if self.config.deterministic:
             prefetch_queue_depth = 1
-        if not isinstance(prefetch_queue_depth, int) or prefetch_queue_depth < 1:
-            raise ValueError(
-                f"prefetch_queue_depth must be an int >= 1, got {prefetch_queue_depth!r}"
-            )
         self._device_id = device_id
-        self._prefetch = prefetch_queue_depth
+        # The iterations DALI's first schedule_run() prefetches (the downstream queue's depth).
+        self._prefetch = prefetch_depth(prefetch_queue_depth)
         self._enable_checkpointing = enable_checkpointing
         if on_upstream_error is not None and not callable(on_upstream_error):
             raise TypeError(f"on_upstream_error must be callable, got {on_upstream_error!r}")
@@ -331,6 +328,28 @@ class EchoPair(EpochPasses, EchoPipelineBase):
         error = None if self._runner is None else self._runner.error
         if error is not None:
             raise self._upstream_failed(error)
+
+
+def prefetch_depth(prefetch_queue_depth: Any) -> int:
+    """The iterations DALI keeps scheduled for ``prefetch_queue_depth``, an int or DALI's
+    separated queues, ``{"cpu_size": c, "gpu_size": g}`` (it prefetches ``max(c, g)`` then);
+    ValueError names any other value."""
+    if isinstance(prefetch_queue_depth, dict):
+        sizes = [prefetch_queue_depth.get(k) for k in ("cpu_size", "gpu_size")]
+        if set(prefetch_queue_depth) == {"cpu_size", "gpu_size"} and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes
+        ):
+            return max(sizes)  # type: ignore[type-var]
+    elif (
+        isinstance(prefetch_queue_depth, int)
+        and not isinstance(prefetch_queue_depth, bool)
+        and prefetch_queue_depth >= 1
+    ):
+        return prefetch_queue_depth
+    raise ValueError(
+        "prefetch_queue_depth must be an int >= 1 or DALI's "
+        f'{{"cpu_size": int >= 1, "gpu_size": int >= 1}}, got {prefetch_queue_depth!r}'
+    )
 
 
 def _weakly(method: Callable[[], Any]) -> Callable[[], Any]:

@@ -30,7 +30,7 @@ class PairSettings:
     num_threads: int
     upstream_num_threads: int
     device_id: int | None
-    prefetch: int
+    prefetch: int | dict[str, int]  # as given to DALI: an int or separated queues
     enable_checkpointing: bool
     pipeline_kwargs: dict[str, Any]
 

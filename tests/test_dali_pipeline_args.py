@@ -1,0 +1,65 @@
+"""DALI ``Pipeline`` arguments and methods a DALI program passes or calls on the pipeline that
+``@echo_pipeline_def`` gives (real CPU pipelines over real JPEGs, DALI's own iterators)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("nvidia.dali")
+pytestmark = pytest.mark.dali
+
+from nvidia.dali import fn  # noqa: E402
+from nvidia.dali.plugin.pytorch import DALIClassificationIterator, LastBatchPolicy  # noqa: E402
+
+import echopipe.dali as edali  # noqa: E402
+from pipeline_support.jpegs import solid_jpegs  # noqa: E402
+
+N = 14
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("pipeline_args_jpegs")
+    return solid_jpegs(root, N, lambda i: (10, 12), lambda i: 10 * i)
+
+
+@edali.echo_pipeline_def(echo_factor=2)
+def train_pipe(files):
+    jpegs, labels = fn.readers.file(
+        files=files, labels=list(range(len(files))), random_shuffle=True, pad_last_batch=True,
+        name="Reader",
+    )  # fmt: skip
+    images = fn.decoders.image(jpegs, device="cpu")
+    images, labels = edali.echo(images, labels)
+    return fn.flip(images, horizontal=fn.random.coin_flip()), labels
+
+
+def _make(files, **kwargs):
+    return train_pipe(files, batch_size=4, num_threads=1, device_id=None, seed=5, **kwargs)
+
+
+def test_separated_prefetch_queues_are_accepted(files: list[str]) -> None:
+    separated = {"cpu_size": 3, "gpu_size": 2}
+    with _make(files, prefetch_queue_depth=separated) as pipe:
+        pipe.build()
+        assert pipe.downstream.prefetch_queue_depth == separated
+        it = DALIClassificationIterator(
+            pipe, reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL
+        )
+        for _ in range(2):
+            labels = Counter(x for b in it for x in b[0]["label"].reshape(-1).tolist())
+            assert labels == {k: 2 for k in range(N)}
+    with _make(files, prefetch_queue_depth=separated) as pipe, edali.EchoIterator(pipe) as it:
+        for _ in range(2):
+            labels = Counter(x for b in it for x in b[0]["label"].reshape(-1).tolist())
+            assert labels == {k: 2 for k in range(N)}
+
+
+@pytest.mark.parametrize("depth", [0, {"cpu_size": 0, "gpu_size": 1}])
+def test_a_prefetch_depth_below_one_is_named(files: list[str], depth) -> None:
+    named = r"prefetch_queue_depth must be .*, got " + re.escape(repr(depth))
+    with pytest.raises(ValueError, match=named):
+        _make(files, prefetch_queue_depth=depth)
