@@ -135,6 +135,14 @@ def check_state(
             "this pipeline has enable_checkpointing=True but the checkpoint carries no DALI "
             "state (it was saved with enable_checkpointing=False)"
         )
+    if not enable_checkpointing and "dali_upstream" in state:
+        # Its reader would start from the first file while the echo state goes on from the
+        # saved batch (files repeated and missed); plain DALI refuses such a restore too.
+        raise ValueError(
+            "the checkpoint carries DALI's own state (saved with enable_checkpointing=True) but "
+            "this pipeline was created without it, so its reader would start again from the "
+            "first file; create the pipeline with enable_checkpointing=True"
+        )
     return float(saved["echo"]["factor"])
 
 

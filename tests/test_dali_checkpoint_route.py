@@ -1,0 +1,68 @@
+"""DALI's checkpoint route on an echoing pipeline, as a DALI program takes it: a DALI iterator's
+``checkpoints()`` or ``pipe.checkpoint()``, passed back as ``checkpoint=`` (real CPU pipelines
+over real JPEGs, DALI's own iterator)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("nvidia.dali")
+pytestmark = pytest.mark.dali
+
+from nvidia.dali import fn  # noqa: E402
+from nvidia.dali.plugin.pytorch import DALIClassificationIterator, LastBatchPolicy  # noqa: E402
+
+import echopipe.dali as edali  # noqa: E402
+from pipeline_support.jpegs import solid_jpegs  # noqa: E402
+
+N = 30
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("checkpoint_route_jpegs")
+    return solid_jpegs(root, N, lambda i: (10, 12), lambda i: 8 * i)
+
+
+@edali.echo_pipeline_def(echo_factor=2)
+def train_pipe(files):
+    jpegs, labels = fn.readers.file(
+        files=files, labels=list(range(len(files))), random_shuffle=True, pad_last_batch=True,
+        name="Reader",
+    )  # fmt: skip
+    images, labels = edali.echo(fn.decoders.image(jpegs, device="cpu"), labels)
+    return fn.flip(images, horizontal=fn.random.coin_flip()), labels
+
+
+def _make(files, **kwargs):
+    # A cache smaller than the epoch: the reader stands inside its epoch when the state is saved.
+    return train_pipe(
+        files, batch_size=4, num_threads=1, device_id=None, seed=3, cache_samples=12,
+        shuffle_buffer=8, **kwargs,
+    )  # fmt: skip
+
+
+def _iterator(pipe):
+    return DALIClassificationIterator(
+        pipe, reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL
+    )
+
+
+def _labels(batches) -> list[int]:
+    return [x for b in batches for x in b[0]["label"].reshape(-1).tolist()]
+
+
+def test_dali_state_into_a_pipeline_without_checkpointing_is_refused(files: list[str]) -> None:
+    with _make(files, enable_checkpointing=True) as pipe:
+        it = _iterator(pipe)
+        first = _labels(next(it) for _ in range(2))
+        (checkpoint,) = it.checkpoints()
+    # Before, the DALI state was dropped: the reader read its epoch again from the first file
+    # while the echo state went on (14 of 30 files three or four times, 14 never).
+    with pytest.raises(ValueError, match="create the pipeline with enable_checkpointing=True"):
+        _make(files, checkpoint=checkpoint)
+    with _make(files, checkpoint=checkpoint, enable_checkpointing=True) as pipe:
+        rest = _labels(_iterator(pipe))
+    assert Counter(first + rest) == {k: 2 for k in range(N)}
