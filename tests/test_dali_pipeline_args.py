@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("nvidia.dali")
 pytestmark = pytest.mark.dali
 
-from nvidia.dali import fn  # noqa: E402
+from nvidia.dali import Pipeline, fn  # noqa: E402
 from nvidia.dali.plugin.pytorch import DALIClassificationIterator, LastBatchPolicy  # noqa: E402
 
 import echopipe.dali as edali  # noqa: E402
@@ -63,3 +63,26 @@ def test_a_prefetch_depth_below_one_is_named(files: list[str], depth) -> None:
     named = r"prefetch_queue_depth must be .*, got " + re.escape(repr(depth))
     with pytest.raises(ValueError, match=named):
         _make(files, prefetch_queue_depth=depth)
+
+
+@edali.echo_pipeline_def(echo_factor=2)
+def maybe_echo_pipe(files, is_training=True):
+    jpegs, labels = fn.readers.file(
+        files=files, labels=list(range(len(files))), pad_last_batch=True, name="Reader"
+    )
+    images = fn.decoders.image(jpegs, device="cpu")
+    if is_training:
+        images, labels = edali.echo(images, labels)
+    return images, labels
+
+
+def test_serialize_is_refused_in_one_line_and_the_plain_call_serializes(files: list[str]) -> None:
+    settings = {"batch_size": 4, "num_threads": 1, "device_id": None}
+    with maybe_echo_pipe(files, **settings) as pipe:
+        with pytest.raises(edali.PipelineNotSerializableError, match="without its echo") as e:
+            pipe.serialize(filename="unused")
+        assert isinstance(e.value, TypeError)
+    plain = maybe_echo_pipe(files, is_training=False, **settings)
+    copy = Pipeline.deserialize(serialized_pipeline=plain.serialize(), **settings)
+    copy.build()
+    assert [int(x) for x in copy.run()[1].as_array().reshape(-1)] == [0, 1, 2, 3]

@@ -56,7 +56,7 @@ from .iterator_stats import EchoIteratorStats
 from .iterator_warnings import EchoedEvaluationWarning, EpochContinuedWarning
 from .peer import PythonEchoPipeline, python_echo_train_pipeline
 from .peer_buffer import PythonEchoBuffer
-from .pipeline import EchoPipeline
+from .pipeline import EchoPipeline, PipelineNotSerializableError
 from .plugin import (
     DaliPluginMissingError,
     DaliVersionMismatchError,
@@ -106,6 +106,7 @@ __all__ = [
     "EpochSizeChangedError",
     "ImagenetEchoPipeline",
     "LastBatchPolicy",
+    "PipelineNotSerializableError",
     "PythonEchoBuffer",
     "PythonEchoPipeline",
     "ReaderSpec",

@@ -46,6 +46,11 @@ from .echo_pair import EchoPair
 from .epochs import EpochSizeChangedError
 
 
+class PipelineNotSerializableError(TypeError):
+    """``serialize()`` on an :class:`EchoPipeline`: it is two DALI pipelines joined by an echo
+    cache that lives in this process, which no serialized DALI pipeline can carry."""
+
+
 class EchoPipeline(EchoPair):
     """An upstream and a downstream DALI pipeline joined by a native echo cache.
 
@@ -276,6 +281,17 @@ class EchoPipeline(EchoPair):
         state, self._iterator_data = decode_checkpoint(blob)
         self.load_state_dict(state)
         self._is_restored = True
+
+    def serialize(self, *args: Any, **kwargs: Any) -> bytes:
+        """Refused (:class:`PipelineNotSerializableError`): a serialized pipeline, deserialized
+        or handed to a server, would be the downstream half alone, drawing from an echo cache
+        nobody fills. Before, ``serialize`` was simply missing (an AttributeError)."""
+        raise PipelineNotSerializableError(
+            "an EchoPipeline cannot be serialized: it is two DALI pipelines joined by an echo "
+            "cache in this process, which a serialized pipeline cannot carry (deserialized, its "
+            "echo source would wait for samples forever); serialize the pipeline the same "
+            "function builds without its echo() point"
+        )
 
     # -- measurements --
 
