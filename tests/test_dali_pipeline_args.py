@@ -86,3 +86,12 @@ def test_serialize_is_refused_in_one_line_and_the_plain_call_serializes(files: l
     copy = Pipeline.deserialize(serialized_pipeline=plain.serialize(), **settings)
     copy.build()
     assert [int(x) for x in copy.run()[1].as_array().reshape(-1)] == [0, 1, 2, 3]
+
+
+def test_a_pipeline_closed_before_its_build_says_so(files: list[str]) -> None:
+    with _make(files) as pipe:
+        pass
+    # Before, DALI built the sink and failed on the cache's name, in many lines.
+    for build in (pipe.build, lambda: DALIClassificationIterator(pipe, reader_name="Reader")):
+        with pytest.raises(RuntimeError, match=r"^this EchoPipeline was closed$"):
+            build()

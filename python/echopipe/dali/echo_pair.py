@@ -109,6 +109,10 @@ class EchoPair(EpochPasses, EchoPipelineBase):
     def _build(self) -> None:
         if self.upstream is not None:
             return
+        if self._closed:
+            # Its cache is gone from the registry: DALI's build of the sink would fail in many
+            # lines of C++ context.
+            raise RuntimeError("this EchoPipeline was closed")
         pair = build_pair(
             self._settings,
             self.config,
