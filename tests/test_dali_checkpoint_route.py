@@ -66,3 +66,18 @@ def test_dali_state_into_a_pipeline_without_checkpointing_is_refused(files: list
     with _make(files, checkpoint=checkpoint, enable_checkpointing=True) as pipe:
         rest = _labels(_iterator(pipe))
     assert Counter(first + rest) == {k: 2 for k in range(N)}
+
+
+def test_deterministic_checkpoint_before_the_first_batch_restores(files: list[str]) -> None:
+    def epochs(it) -> list[list[int]]:
+        return [_labels(it) for _ in range(2)]
+
+    with _make(files, enable_checkpointing=True, deterministic=True) as pipe:
+        expected = epochs(_iterator(pipe))
+    with _make(files, enable_checkpointing=True, deterministic=True) as pipe:
+        # DALI's iterator has prepared its first batch; the sink has stored nothing yet.
+        (checkpoint,) = _iterator(pipe).checkpoints()
+    # Before, the restore refused its own checkpoint: "'layouts' has 0 entries, not 2".
+    with _make(files, checkpoint=checkpoint, enable_checkpointing=True, deterministic=True) as pipe:
+        assert epochs(_iterator(pipe)) == expected
+    assert Counter(expected[0]) == {k: 2 for k in range(N)}

@@ -261,7 +261,9 @@ def check_echo_state(state: Any, where: str = "echo state") -> None:
     _of(state["cache"], bytes, f"{where} 'cache'")
     for layout in _of(state["layouts"], list, f"{where} 'layouts'"):
         _of(layout, str, f"{where} layout")
-    if len(state["layouts"]) != num_fields:
+    # (None yet where the state was saved before the sink stored a sample: a deterministic
+    # pipeline under a DALI iterator that had not handed out a batch.)
+    if state["layouts"] and len(state["layouts"]) != num_fields:
         raise _fail(f"{where} 'layouts'", f"has {len(state['layouts'])} entries, not {num_fields}")
     _int(state["quota"], f"{where} 'quota'", -1)
     runner = state["runner"]
