@@ -95,3 +95,20 @@ def test_a_pipeline_closed_before_its_build_says_so(files: list[str]) -> None:
     for build in (pipe.build, lambda: DALIClassificationIterator(pipe, reader_name="Reader")):
         with pytest.raises(RuntimeError, match=r"^this EchoPipeline was closed$"):
             build()
+
+
+def test_run_loop_after_the_pass_ended_is_told_to_reset(files: list[str]) -> None:
+    def labels_to_end(pipe) -> Counter[int]:
+        labels: Counter[int] = Counter()
+        with pytest.raises(StopIteration):
+            while True:
+                labels.update(int(x) for x in pipe.run()[1].as_array().reshape(-1))
+        return labels
+
+    with _make(files) as pipe:
+        assert labels_to_end(pipe) == {k: 2 for k in range(N)}
+        # Before, the message spoke only of DALI iterators given size=.
+        with pytest.raises(ValueError, match=r"without reset\(\): call reset\(\) to start"):
+            pipe.run()
+        pipe.reset()
+        assert set(labels_to_end(pipe)) == set(range(N))

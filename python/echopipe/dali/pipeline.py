@@ -237,9 +237,10 @@ class EchoPipeline(EchoPair):
         if self._end_reported:
             raise ValueError(
                 "a batch was asked for after this epoch-aligned pass of "
-                f"{self.epoch_copies()} copies ended, without reset(): DALI's iterators given a "
-                "size= larger than a pass do that; give size <= the pass's copies, "
-                "reader_name= (epochs of exactly a pass), or epochs=None to the pipeline"
+                f"{self.epoch_copies()} copies ended, without reset(): call reset() to start "
+                "the next pass (a run() loop); DALI's iterators given a size= larger than a "
+                "pass do this too: give them size <= the pass's copies, reader_name= (epochs "
+                "of exactly a pass), or epochs=None to the pipeline"
             )
         self._end_reported = True
 
