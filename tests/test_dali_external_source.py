@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 from collections import Counter
 
+import numpy as np
 import pytest
 
 pytest.importorskip("nvidia.dali")
@@ -68,4 +69,44 @@ def test_source_with_no_sample_in_an_epoch_is_named() -> None:
         pytest.raises(RuntimeError, match="StopIteration at once") as caught,
     ):
         next(it)
+    assert isinstance(caught.value.__cause__, edali.EmptyUpstreamEpochError)
+
+
+def _three_batches():
+    for i in range(3):
+        labels = [np.array([4 * i + j], np.int32) for j in range(4)]
+        yield [np.full((2, 2, 3), int(x[0]), np.uint8) for x in labels], labels
+
+
+@edali.echo_pipeline_def(echo_factor=2)
+def batch_source_pipe(cycle):
+    images, labels = fn.external_source(
+        source=_three_batches, num_outputs=2, dtype=[types.UINT8, types.INT32], cycle=cycle
+    )
+    return edali.echo(images, labels)
+
+
+def test_generator_function_source_with_cycle_raise_is_read_again() -> None:
+    pipe = batch_source_pipe("raise", batch_size=4, num_threads=1, device_id=None, seed=1)
+    labels: Counter[int] = Counter()
+    with pipe, edali.EchoIterator(pipe, ["data", "label"], size=24) as it:
+        for _ in range(2):  # 48 copies: the source's 12 samples over 2 epochs at least
+            for batch in it:
+                labels.update(batch[0]["label"].reshape(-1).tolist())
+        assert pipe.stats().fresh_in >= 24
+    assert sum(labels.values()) == 48
+    assert set(labels) == set(range(12))
+
+
+def test_source_that_cannot_start_again_names_cycle() -> None:
+    # DALI's default cycle=None: after StopIteration a generator function's source stays ended.
+    pipe = batch_source_pipe(None, batch_size=4, num_threads=1, device_id=None, seed=1)
+    with (
+        pipe,
+        edali.EchoIterator(pipe, ["data", "label"], size=24) as it,
+        pytest.raises(RuntimeError, match='cycle="raise"') as caught,
+    ):
+        for _ in range(2):
+            for _ in it:
+                pass
     assert isinstance(caught.value.__cause__, edali.EmptyUpstreamEpochError)

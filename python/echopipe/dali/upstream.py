@@ -157,7 +157,8 @@ class UpstreamRunner:
             raise EmptyUpstreamEpochError(
                 "the upstream pipeline's input ended an epoch without a single batch (its "
                 "external_source raised StopIteration at once after a reset); give the source "
-                "at least one batch per epoch"
+                "at least one batch per epoch (an iterable or generator function source starts "
+                'again only with cycle="raise", or never ends with cycle="quiet")'
             ) from None
 
     def room_for_batch(self) -> bool:
