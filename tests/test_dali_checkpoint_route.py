@@ -81,3 +81,21 @@ def test_deterministic_checkpoint_before_the_first_batch_restores(files: list[st
     with _make(files, checkpoint=checkpoint, enable_checkpointing=True, deterministic=True) as pipe:
         assert epochs(_iterator(pipe)) == expected
     assert Counter(expected[0]) == {k: 2 for k in range(N)}
+
+
+def test_pipeline_checkpoint_inside_a_pass_refuses_a_dali_iterator(files: list[str]) -> None:
+    with _make(files, enable_checkpointing=True) as pipe:
+        it = _iterator(pipe)
+        first = _labels(next(it) for _ in range(2))
+        checkpoint = pipe.checkpoint()  # DALI's Pipeline API: no iterator counters in it
+    # Before, the iterator counted a whole epoch from the restored point: it handed out the
+    # pass's rest and its padding as samples, and its next epoch raised a ValueError.
+    refused = pytest.raises(ValueError, match=r"take the checkpoint with the iterator's checkp")
+    with _make(files, checkpoint=checkpoint, enable_checkpointing=True) as pipe, refused:
+        _iterator(pipe)
+    with _make(files, checkpoint=checkpoint, enable_checkpointing=True) as pipe:
+        rest: list[int] = []
+        with pytest.raises(StopIteration):  # a run() loop takes the rest of the pass
+            while True:
+                rest += [int(x) for x in pipe.run()[1].as_array().reshape(-1)]
+    assert Counter(first + rest) == {k: 2 for k in range(N)}

@@ -78,6 +78,8 @@ class EchoPipeline(EchoPair):
     # DALI's checkpoint route: created with checkpoint=, and the iterator's data in it.
     _is_restored = False
     _iterator_data = ""
+    # Copies of the pass handed out before the checkpoint it was restored from was taken.
+    _restored_handed = 0
     # The copies of a pass reader_meta() last reported (what DALI's iterators count), and the
     # last-batch policy of the iterator that asked (which copies it counts).
     _told_copies: int | None = None
@@ -154,6 +156,8 @@ class EchoPipeline(EchoPair):
         """
         self.build()
         policy = asking_iterator_policy()
+        if policy is not None:
+            self._refuse_a_restore_without_counters()
         if name is not None:
             meta: dict[str, Any] = self._scaled_meta(self.upstream.reader_meta(name), policy)
         else:
@@ -167,6 +171,20 @@ class EchoPipeline(EchoPair):
                 self._told_policy = policy
                 self._told_copies = self.pass_copies(policy)
         return meta
+
+    def _refuse_a_restore_without_counters(self) -> None:
+        # pipe.checkpoint() holds no DALI iterator's counters: the iterator created on the
+        # restore would count a whole epoch from inside the pass, hand out the pass's padding
+        # as samples at its end and then ask for batches after it (a ValueError a pass later).
+        handed = self._restored_handed
+        if self._iterator_data or not 0 < handed < self.epoch_copies():
+            return
+        raise ValueError(
+            f"this pipeline was restored from pipe.checkpoint() taken {handed} copies into a "
+            "pass, which holds no DALI iterator's counters, so a DALI iterator created on it "
+            "would count a whole epoch from there; take the checkpoint with the iterator's "
+            "checkpoints(), or one between two epochs"
+        )
 
     def _scaled_meta(self, meta: dict[str, Any], policy: Any = None) -> dict[str, Any]:
         return scaled_meta(meta, self.config, self.reader_epochs, self.unaligned_reader, policy)
@@ -282,6 +300,8 @@ class EchoPipeline(EchoPair):
         state, self._iterator_data = decode_checkpoint(blob)
         self.load_state_dict(state)
         self._is_restored = True
+        if not state.get("pass_pending", False):
+            self._restored_handed = int(state.get("handed", 0))
 
     def serialize(self, *args: Any, **kwargs: Any) -> bytes:
         """Refused (:class:`PipelineNotSerializableError`): a serialized pipeline, deserialized
