@@ -112,3 +112,18 @@ def test_run_loop_after_the_pass_ended_is_told_to_reset(files: list[str]) -> Non
             pipe.run()
         pipe.reset()
         assert set(labels_to_end(pipe)) == set(range(N))
+
+
+def test_reset_inside_a_pass_of_a_run_loop_changes_nothing(files: list[str]) -> None:
+    with _make(files) as pipe:
+        labels = Counter(int(x) for x in pipe.run()[1].as_array().reshape(-1))
+        pipe.reset()  # as Pipeline.reset inside an epoch: the pass goes on to its end
+        with pytest.raises(StopIteration):
+            while True:
+                labels.update(int(x) for x in pipe.run()[1].as_array().reshape(-1))
+        # Before, the stream went on into the next pass without an end: each file 4 times.
+        assert labels == {k: 2 for k in range(N)}
+        pipe.reset()
+        with pytest.raises(StopIteration):
+            while True:
+                pipe.run()

@@ -262,6 +262,23 @@ class EchoPipeline(EchoPair):
             )
         self._end_reported = True
 
+    def reset(self, drop_rest: bool = False) -> None:
+        """Like ``Pipeline.reset``: after a pass's end, the next pass starts at the next draw.
+        Inside a pass a call of the program's own changes nothing, as ``Pipeline.reset`` does
+        nothing inside an epoch: a ``run()`` loop then meets this pass's end (before, the
+        stream went on into the next pass without an end between them, which only DALI's
+        iterators given ``size=`` want: their reset is told apart by the stack). See
+        :meth:`~.passes.EpochPasses.reset`."""
+        if not drop_rest and asking_iterator() is None and self._inside_a_pass():
+            return
+        super().reset(drop_rest)
+
+    def _inside_a_pass(self) -> bool:
+        if not self._started or self._pass_pending or not self.finite:
+            return False
+        queue = self._built_parts()[1]
+        return not (queue.input_done or queue.handed >= self.epoch_copies())
+
     def release_outputs(self) -> None:
         """Returns the buffers of the last :meth:`share_outputs` to DALI."""
         if self._queue is not None:
