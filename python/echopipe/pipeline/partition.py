@@ -18,6 +18,7 @@ from torch import nn
 __all__ = [
     "DeviceLike",
     "StageFits",
+    "check_no_shared_parameters",
     "check_share_bound",
     "check_stale_share",
     "min_max_partition",
@@ -100,15 +101,38 @@ def validate_balance(module: nn.Module, balance: Sequence[int]) -> list[int]:
 def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
     """Cut ``module`` into stages of ``balance[k]`` children each, sharing the child modules."""
     values = validate_balance(module, balance)
-    children = list(module.children())
-    if len(children) != len(module):  # pragma: no cover - nn.Sequential keeps them equal
-        raise ValueError("the sequential's children and length disagree")
+    # By position: children() yields a module placed twice only once, len(module) counts both.
+    children = list(module)
+    check_no_shared_parameters(children, values)
     stages: list[nn.Sequential] = []
     start = 0
     for count in values:
         stages.append(nn.Sequential(*children[start : start + count]))
         start += count
     return stages
+
+
+def check_no_shared_parameters(children: Sequence[nn.Module], balance: Sequence[int]) -> None:
+    """Raise ``ValueError`` naming a trainable parameter that two stages of ``balance`` share.
+
+    Each stage updates its own parameters with its own optimizer, at its own staleness, in
+    its own thread (or rank): a weight tied across stages (an embedding and the output layer,
+    a block placed twice) would be stepped by two optimizers on partial gradients, or would
+    become two separate copies on two ranks. Within one stage a tied weight is fine.
+    """
+    owner: dict[int, tuple[int, str]] = {}
+    stage_of = [k for k, count in enumerate(balance) for _ in range(count)]
+    for i, child in enumerate(children):
+        k = stage_of[i]
+        for name, p in child.named_parameters(prefix=str(i), remove_duplicate=False):
+            first = owner.setdefault(id(p), (k, name))
+            if first[0] != k and p.requires_grad:
+                raise ValueError(
+                    f"parameter {name!r} (stage {k}) is the same tensor as {first[1]!r} "
+                    f"(stage {first[0]}): each stage updates its own parameters, so a weight "
+                    "tied across stages is not supported; put the layers that share it in "
+                    f"one stage (balance={list(balance)!r})"
+                )
 
 
 def min_max_partition(

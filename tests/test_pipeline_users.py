@@ -1,0 +1,95 @@
+"""The stale-weight pipeline as torchgpipe / torch.distributed.pipelining users drive it: weights
+tied across layers, losses that return more than a scalar, layers frozen mid-run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from echopipe.pipeline import StalePipeline
+
+loss_fn = nn.functional.cross_entropy
+
+
+def _adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+class _Embed(nn.Module):
+    def __init__(self, table: nn.Embedding) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table(tokens).mean(1)
+
+
+class _TiedOutput(nn.Module):
+    """Logits against the input embedding's table (tied input and output embeddings)."""
+
+    def __init__(self, table: nn.Embedding) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.table.weight.t()
+
+
+def _tied_lm(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    table = nn.Embedding(10, 8)
+    return nn.Sequential(_Embed(table), nn.Linear(8, 8), nn.Tanh(), _TiedOutput(table)).double()
+
+
+def _token_batches(n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randint(0, 10, (4, 5), generator=g), torch.randint(0, 10, (4,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def _plain_adam(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    opt = _adam(list(model.parameters()))
+    for x, y in batches:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("balance", [[1, 3], [2, 2], [3, 1]])
+def test_a_weight_tied_across_stages_is_refused_naming_both_layers(balance) -> None:
+    """Two stages sharing a weight would step it with two optimizers on partial gradients (with
+    Adam: silently other weights than one optimizer on the whole gradient)."""
+    with pytest.raises(ValueError) as info:
+        StalePipeline(_tied_lm(), balance=balance, optimizer=_adam, loss_fn=loss_fn)
+    assert "'0.table.weight'" in str(info.value) and "'3.table.weight'" in str(info.value)
+
+
+def test_tied_weights_and_a_repeated_block_within_one_stage_train_as_without_a_pipeline(
+    one_thread,
+) -> None:
+    batches = _token_batches()
+    expected, got = _tied_lm(), _tied_lm()
+    _plain_adam(expected, batches)
+    with StalePipeline(got, balance=[4], optimizer=_adam, loss_fn=loss_fn) as pipe:
+        pipe.run_epoch(batches, drain=True)
+    for a, b in zip(expected.parameters(), got.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    def repeated() -> nn.Sequential:  # one block applied twice (ALBERT-style sharing)
+        torch.manual_seed(0)
+        block = nn.Linear(6, 6)
+        return nn.Sequential(nn.Linear(6, 6), block, nn.Tanh(), block, nn.Linear(6, 3)).double()
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 6, generator=g, dtype=torch.float64), torch.tensor([0, 1, 2, 0]))] * 3
+    expected, got = repeated(), repeated()
+    _plain_adam(expected, data)
+    with StalePipeline(
+        got, balance=[1, 3, 1], optimizer=_adam, loss_fn=loss_fn, pipelined=False
+    ) as pipe:
+        pipe.run_epoch(data, drain=True)
+    for a, b in zip(expected.parameters(), got.parameters(), strict=True):
+        assert torch.equal(a, b)
