@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from echopipe.pipeline import StalePipeline
+from echopipe.pipeline import PipelineError, StalePipeline
 
 loss_fn = nn.functional.cross_entropy
 
@@ -93,3 +93,40 @@ def test_tied_weights_and_a_repeated_block_within_one_stage_train_as_without_a_p
         pipe.run_epoch(data, drain=True)
     for a, b in zip(expected.parameters(), got.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def _loss_and_accuracy(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return loss_fn(output, target), (output.argmax(1) == target).double().mean()
+
+
+def _lightning_style(output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"loss": loss_fn(output, target)}
+
+
+def _per_sample(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return loss_fn(output, target, reduction="none")
+
+
+@pytest.mark.parametrize(
+    ("bad_loss", "error", "named"),
+    [
+        (_loss_and_accuracy, TypeError, "tuple"),
+        (_lightning_style, TypeError, "dict"),
+        (_per_sample, ValueError, "(4,)"),
+    ],
+)
+def test_a_loss_fn_returning_more_than_the_loss_is_named(bad_loss, error, named) -> None:
+    """A loss with its metrics (tuple, dict) failed inside the engine on ``.detach()``; a
+    per-sample loss failed in the caller's ``.item()``, naming neither ``loss_fn`` nor what it
+    returned."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with (
+        StalePipeline(model, balance=[2, 1], optimizer=_adam, loss_fn=bad_loss) as pipe,
+        pytest.raises(PipelineError) as info,
+    ):
+        pipe.train_step(x, torch.tensor([0, 1, 2, 0]))
+        pipe.drain()
+    assert info.value.stage == 1
+    assert isinstance(info.value.__cause__, error)
+    assert "loss_fn" in str(info.value) and named in str(info.value)

@@ -76,6 +76,21 @@ class _InFlight:
     autocast: AutocastState = ()  # the forward's, for the recomputation
 
 
+def _check_loss(loss: object) -> None:
+    # The engine differentiates the loss and reports it as a float; a tuple or dict (a loss and
+    # its metrics) would fail inside the engine on .detach(), a per-sample loss in the caller.
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"loss_fn returned a {type(loss).__name__}; it must return the loss alone, a "
+            "tensor with one element (compute other figures from evaluate() outputs)"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return the loss "
+            "as one element (reduce per-sample losses, e.g. with .mean())"
+        )
+
+
 def needs_metrics(scheduler: object) -> bool:
     """Whether ``scheduler`` steps on a metric (``ReduceLROnPlateau.step(metrics)``)."""
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -195,6 +210,7 @@ class StageCore:
                 if self.loss_fn is None or target is None:
                     raise RuntimeError("the last stage needs loss_fn and a target")
                 loss = self.loss_fn(out, target)
+                _check_loss(loss)
             else:
                 self._check_output(out)
         record = _InFlight(index, leaf, loss if self.is_last else out, aliases, target=target)
