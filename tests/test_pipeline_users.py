@@ -3,6 +3,12 @@ tied across layers, losses that return more than a scalar, layers frozen mid-run
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -130,3 +136,98 @@ def test_a_loss_fn_returning_more_than_the_loss_is_named(bad_loss, error, named)
     assert info.value.stage == 1
     assert isinstance(info.value.__cause__, error)
     assert "loss_fn" in str(info.value) and named in str(info.value)
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)
+    ).double()
+
+
+def _momentum_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-2)
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [
+        (
+            torch.randn(4, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (4,), generator=g),
+        )
+        for _ in range(n)
+    ]
+
+
+def test_freezing_and_unfreezing_a_stage_mid_run_trains_as_without_a_pipeline(one_thread) -> None:
+    """Fine-tuning freezes layers for a while: a parameter frozen after the pipeline was built
+    kept getting gradients and updates (momentum and weight decay moved it), where a plain loop
+    leaves it alone until it is unfrozen."""
+    batches = _batches(9)
+    expected, got = _mlp(), _mlp()
+    opt = _momentum_sgd(list(expected.parameters()))
+    for i, (x, y) in enumerate(batches):
+        expected[0].requires_grad_(i not in range(3, 6))
+        opt.zero_grad()
+        loss_fn(expected(x), y).backward()
+        opt.step()
+    with StalePipeline(
+        got, balance=[2, 3], optimizer=_momentum_sgd, loss_fn=loss_fn, pipelined=False
+    ) as pipe:
+        for start in range(0, 9, 3):
+            got[0].requires_grad_(start != 3)  # while drained: the stage threads read it
+            pipe.run_epoch(batches[start : start + 3], drain=True)
+    for a, b in zip(expected.parameters(), got.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_stage_frozen_while_pipelined_stays_put(recompute: bool, one_thread) -> None:
+    model = _mlp()
+    with StalePipeline(
+        model, balance=[2, 2, 1], optimizer=_momentum_sgd, loss_fn=loss_fn, recompute=recompute
+    ) as pipe:
+        pipe.run_epoch(_batches(4), drain=True)
+        model[2].requires_grad_(False)
+        frozen = [p.clone() for p in model[2].parameters()]
+        first = model[0].weight.clone()
+        pipe.run_epoch(_batches(4), drain=True)
+        assert all(torch.equal(a, b) for a, b in zip(frozen, model[2].parameters(), strict=True))
+        assert not torch.equal(first, model[0].weight)  # the stages around it still train
+
+
+def test_unfreezing_a_parameter_no_optimizer_holds_is_named() -> None:
+    model = _mlp()
+    model[2].requires_grad_(False)
+    with StalePipeline(model, balance=[2, 2, 1], optimizer=_momentum_sgd, loss_fn=loss_fn) as pipe:
+        pipe.run_epoch(_batches(2), drain=True)
+        model[2].requires_grad_(True)
+        with pytest.raises(PipelineError) as info:
+            pipe.run_epoch(_batches(2), drain=True)
+    assert info.value.stage == 1
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "'0.weight'" in str(info.value)
+
+
+@pytest.mark.distributed
+def test_a_layer_frozen_on_data_parallel_replicas_stays_put(tmp_path: Path) -> None:
+    """The replicas' gradient average filled a frozen parameter's missing gradient with zeros,
+    and momentum and weight decay then moved it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    python_dir = Path(__file__).resolve().parent.parent / "python"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(python_dir), env.get("PYTHONPATH")] if p)
+    worker = Path(__file__).parent / "pipeline_support" / "dist_freeze_worker.py"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={port}", str(worker), str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        for key, value in saved["before"].items():
+            assert torch.equal(value, saved["after"][key]), (rank, key)

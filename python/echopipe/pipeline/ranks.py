@@ -134,19 +134,23 @@ def average_over_replicas(
 ) -> None:
     """Replace ``grads`` in place by their averages over the ``num_replicas`` ranks of ``group``.
 
-    One all-reduce of one flat buffer; a missing gradient counts as zeros, since every replica
-    must send a buffer of the same layout.
+    One all-reduce of one flat buffer; a missing gradient of a trainable parameter counts as
+    zeros, since every replica must send a buffer of the same layout. A parameter frozen since
+    (``requires_grad_(False)`` on every replica) keeps no gradient, so the optimizer skips it:
+    zeros would still move it by momentum and weight decay.
     """
-    filled = [
-        g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)
-    ]
+    filled = {
+        i: g if g is not None else torch.zeros_like(p)
+        for i, (g, p) in enumerate(zip(grads, params, strict=True))
+        if p.requires_grad
+    }
     if not filled:
         return
-    flat = torch.cat([g.reshape(-1) for g in filled])
+    flat = torch.cat([g.reshape(-1) for g in filled.values()])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     flat.div_(num_replicas)
     offset = 0
-    for i, g in enumerate(filled):
+    for i, g in filled.items():
         n = g.numel()
         grads[i] = flat[offset : offset + n].view_as(g)
         offset += n

@@ -71,6 +71,7 @@ class _InFlight:
     leaf: torch.Tensor | None  # the stage input as a graph leaf (stages > 0)
     output: torch.Tensor | None  # stage output (or the loss on the last stage)
     aliases: list[torch.Tensor] = field(default_factory=list)
+    trainable: tuple[bool, ...] = ()  # each parameter's requires_grad at forward time
     saved_input: torch.Tensor | None = None  # recompute mode
     target: torch.Tensor | None = None
     autocast: AutocastState = ()  # the forward's, for the recomputation
@@ -155,6 +156,8 @@ class StageCore:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        # No optimizer holds these; one unfrozen later would silently never train.
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self.in_flight: deque[_InFlight] = deque()
         self.forwards_done = 0
         self.updates_applied = 0
@@ -179,6 +182,10 @@ class StageCore:
         Returns ``(output, loss)``: the tensor to send downstream (detached), and on the last
         stage the detached loss.
         """
+        self._refuse_unfrozen()
+        # Freezing after construction (requires_grad_(False), while drained) is honoured as
+        # without a pipeline: no gradient, so the optimizer skips the parameter.
+        trainable = tuple(p.requires_grad for p in self.params)
         needs_input_grad = (not self.is_first) and x.is_floating_point()
         leaf: torch.Tensor | None = None
         if needs_input_grad:
@@ -194,13 +201,14 @@ class StageCore:
                 out = self.module(inp)
             self._check_output(out)
             record = _InFlight(
-                index, None, None, saved_input=x.detach(), target=target, autocast=autocast
-            )
+                index, None, None, trainable=trainable, saved_input=x.detach(), target=target,
+                autocast=autocast,
+            )  # fmt: skip
             self.in_flight.append(record)
             self.forwards_done += 1
             self.last_forward_index = index
             return out.detach(), None
-        aliases = [p.data.requires_grad_(True) for p in self.params]
+        aliases = [p.data.requires_grad_(t) for p, t in zip(self.params, trainable, strict=True)]
         with torch.enable_grad(), _autocast(autocast):
             out = functional_call(
                 self.module, dict(zip(self.param_names, aliases, strict=True)), (inp,)
@@ -213,11 +221,23 @@ class StageCore:
                 _check_loss(loss)
             else:
                 self._check_output(out)
-        record = _InFlight(index, leaf, loss if self.is_last else out, aliases, target=target)
+        record = _InFlight(
+            index, leaf, loss if self.is_last else out, aliases, trainable, target=target
+        )
         self.in_flight.append(record)
         self.forwards_done += 1
         self.last_forward_index = index
         return out.detach(), (loss.detach() if loss is not None else None)
+
+    def _refuse_unfrozen(self) -> None:
+        for name, p in self._frozen:
+            if p.requires_grad:
+                raise ValueError(
+                    f"stage {self.index}: parameter {name!r} was frozen (requires_grad=False) "
+                    "when the pipeline was built, so no optimizer holds it: build the pipeline "
+                    "with it trainable, then freeze it (requires_grad_(False), after drain()) "
+                    "until it should train"
+                )
 
     def _check_output(self, out: object) -> None:
         # Without this a tuple fails later inside the engine ("'tuple' object has no attribute
@@ -246,7 +266,8 @@ class StageCore:
         inputs: list[torch.Tensor] = []
         if record.leaf is not None:
             inputs.append(record.leaf)
-        inputs.extend(record.aliases)
+        wanted = [i for i, t in enumerate(record.trainable) if t]
+        inputs.extend(record.aliases[i] for i in wanted)
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         output = record.output
         if inputs and output is not None and output.requires_grad:
@@ -257,7 +278,9 @@ class StageCore:
                     raise RuntimeError(f"stage {self.index} got no gradient for {index}")
                 grads = list(torch.autograd.grad(output, inputs, grad_output, allow_unused=True))
         grad_input = grads[0] if record.leaf is not None else None
-        param_grads = grads[1:] if record.leaf is not None else grads
+        param_grads: list[torch.Tensor | None] = [None] * len(self.params)
+        for i, g in zip(wanted, grads[1:] if record.leaf is not None else grads, strict=True):
+            param_grads[i] = g
         self._apply_update(param_grads)
         self.last_backward_index = index
         while self.pending_scheduler_steps and self.pending_scheduler_steps[0] <= index:
@@ -278,13 +301,16 @@ class StageCore:
         # update them a second time, so it runs on throw-away copies of the buffers.
         buffers = {n: b.clone() for n, b in self.module.named_buffers()}
         with torch.enable_grad(), _autocast(record.autocast):
-            mapping: dict[str, torch.Tensor] = dict(zip(self.param_names, self.params, strict=True))
+            aliases = [
+                p.data.requires_grad_(t) for p, t in zip(self.params, record.trainable, strict=True)
+            ]
+            mapping: dict[str, torch.Tensor] = dict(zip(self.param_names, aliases, strict=True))
             mapping.update(buffers)
             out = functional_call(self.module, mapping, (inp,))
             if self.is_last:
                 assert self.loss_fn is not None and record.target is not None
                 out = self.loss_fn(out, record.target)
-        return _InFlight(record.index, leaf, out, list(self.params), target=record.target)
+        return _InFlight(record.index, leaf, out, aliases, record.trainable, target=record.target)
 
     def _apply_update(self, param_grads: list[torch.Tensor | None]) -> None:
         # p.grad is set before the hook: torch's own tools (clip_grad_norm_, clip_grad_value_)
