@@ -231,3 +231,56 @@ def test_a_layer_frozen_on_data_parallel_replicas_stays_put(tmp_path: Path) -> N
         saved = torch.load(tmp_path / f"rank{rank}.pt")
         for key, value in saved["before"].items():
             assert torch.equal(value, saved["after"][key]), (rank, key)
+
+
+class _TwoHeads(nn.Module):
+    """Main and auxiliary logits (Inception, deep supervision), as a tuple or a dict."""
+
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.main, self.aux, self.as_dict = nn.Linear(8, 3), nn.Linear(8, 3), as_dict
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+        main, aux = self.main(h), self.aux(h)
+        return {"main": main, "aux": aux} if self.as_dict else (main, aux)
+
+
+def _two_heads_loss(output, target: torch.Tensor) -> torch.Tensor:
+    main, aux = output.values() if isinstance(output, dict) else output
+    return loss_fn(main, target) + 0.4 * loss_fn(aux, target)
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_a_model_with_an_auxiliary_head_trains_and_evaluates(as_dict: bool, one_thread) -> None:
+    """The last stage's output goes to ``loss_fn`` only, so it may be several heads; the engine
+    failed on it with "'tuple' object has no attribute 'detach'", and ``evaluate`` on
+    ``.cpu()``."""
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), _TwoHeads(as_dict)).double()
+
+    batches = _batches(5)
+    expected, got = model(), model()
+    opt = _momentum_sgd(list(expected.parameters()))
+    for x, y in batches:
+        opt.zero_grad()
+        _two_heads_loss(expected(x), y).backward()
+        opt.step()
+    with StalePipeline(
+        got, balance=[2, 1], optimizer=_momentum_sgd, loss_fn=_two_heads_loss, pipelined=False
+    ) as pipe:
+        pipe.run_epoch(batches, drain=True)
+        x = torch.cat([b[0] for b in batches])
+        outputs = pipe.evaluate(x, batch_size=7)
+        with pytest.raises(TypeError):
+            pipe.accuracy(x, torch.cat([b[1] for b in batches]))
+    for a, b in zip(expected.parameters(), got.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        reference = expected.eval()(x)
+    assert type(outputs) is type(reference)
+    if as_dict:
+        reference, outputs = list(reference.values()), list(outputs.values())
+    for a, b in zip(reference, outputs, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)

@@ -23,7 +23,7 @@ from torch import nn
 from .balance import partition_balance
 from .p2p import TAG_EVAL, TAG_TARGET, PeerLink
 from .ranks import StageTopology
-from .results import StepResult, unpack_batch
+from .results import StepResult, output_to_cpu, unpack_batch
 from .stage import eval_mode
 
 __all__ = [
@@ -207,4 +207,4 @@ def pipeline_evaluate(
             link.send(h, topology.next, TAG_EVAL)
             link.reap_sends(wait_all=True)
             return None
-        return h.cpu()
+        return output_to_cpu(h)

@@ -36,6 +36,8 @@ from .results import (
     StepResult,
     as_class_target,
     checked_batch_size,
+    concat_outputs,
+    output_to_cpu,
     unpack_batch,
 )
 from .schedule import HybridSchedule, stage_staleness
@@ -308,10 +310,12 @@ class StalePipeline:
         self._drain_to(stage_staleness(self.num_stages, pipelined))
         self._pipelined = bool(pipelined)
 
-    def evaluate(self, x: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
+    def evaluate(self, x: torch.Tensor, batch_size: int | None = None) -> Any:
         """Eval-mode forward of ``x`` through all stages (drains first); logits on CPU.
 
-        Normalisation layers use their running statistics. The pipeline stays usable.
+        Normalisation layers use their running statistics. The pipeline stays usable. A
+        model whose last stage returns a tuple, list or dict of tensors gets the same
+        structure back, each tensor on the CPU and concatenated over the chunks.
         """
         if not self._idle:  # the losses it finishes stay for the next train_step or drain
             self._drain_to(self.staleness())
@@ -323,12 +327,17 @@ class StalePipeline:
                 h = chunk
                 for stage, device in zip(self.stages, self.devices, strict=True):
                     h = stage(h.to(device))
-                outputs.append(h.cpu())
-        return torch.cat(outputs) if outputs else torch.empty(0)
+                outputs.append(output_to_cpu(h))
+        return concat_outputs(outputs) if outputs else torch.empty(0)
 
     def accuracy(self, x: torch.Tensor, target: torch.Tensor, batch_size: int = 512) -> float:
         """Top-1 accuracy (fraction in [0, 1]) of :meth:`evaluate` on ``x`` against ``target``."""
         logits = self.evaluate(x, batch_size)
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(
+                f"accuracy needs the model to output logits, it outputs a "
+                f"{type(logits).__name__}: score evaluate()'s outputs instead"
+            )
         hits = logits.argmax(dim=1) == as_class_target(target.cpu())  # (N, 1) labels too
         return float(hits.double().mean().item())
 

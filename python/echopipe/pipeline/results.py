@@ -18,7 +18,15 @@ import torch
 
 from .stream import StreamEvent
 
-__all__ = ["EpochResult", "LossRecord", "StepResult", "checked_batch_size", "unpack_batch"]
+__all__ = [
+    "EpochResult",
+    "LossRecord",
+    "StepResult",
+    "checked_batch_size",
+    "concat_outputs",
+    "output_to_cpu",
+    "unpack_batch",
+]
 
 #: Default names of the input and the target in dict batches (DALI's and echopipe's iterators).
 DEFAULT_OUTPUT_MAP = ("data", "label")
@@ -126,3 +134,41 @@ def checked_batch_size(batch_size: object) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     return batch_size
+
+
+def _rebuild(like: Any, items: list[Any]) -> Any:
+    if isinstance(like, dict):
+        return dict(zip(like, items, strict=True))
+    if hasattr(like, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(like)(*items)
+    return type(like)(items)
+
+
+def _parts(output: Any) -> list[Any] | None:
+    if isinstance(output, dict):
+        return list(output.values())
+    if isinstance(output, tuple | list):
+        return list(output)
+    return None
+
+
+def output_to_cpu(output: Any) -> Any:
+    """The model's output on the CPU: a tensor, or the tensors inside tuples, lists and dicts
+    (a last stage may return several heads, as Inception's auxiliary logits)."""
+    if isinstance(output, torch.Tensor):
+        return output.cpu()
+    parts = _parts(output)
+    return output if parts is None else _rebuild(output, [output_to_cpu(p) for p in parts])
+
+
+def concat_outputs(outputs: Sequence[Any]) -> Any:
+    """Outputs of consecutive chunks as one: each tensor concatenated along dim 0, in the
+    structure of the first chunk (values that are not tensors come from the first chunk)."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(outputs))
+    parts = _parts(first)
+    if parts is None:
+        return first
+    columns = zip(*(_parts(o) or () for o in outputs), strict=True)
+    return _rebuild(first, [concat_outputs(list(c)) for c in columns])

@@ -227,7 +227,9 @@ class StageCore:
         self.in_flight.append(record)
         self.forwards_done += 1
         self.last_forward_index = index
-        return out.detach(), (loss.detach() if loss is not None else None)
+        # The last stage's output goes nowhere, and may be several heads (a tuple or a dict).
+        sent = out.detach() if isinstance(out, torch.Tensor) else out
+        return sent, (loss.detach() if loss is not None else None)
 
     def _refuse_unfrozen(self) -> None:
         for name, p in self._frozen:
