@@ -284,3 +284,38 @@ def test_a_model_with_an_auxiliary_head_trains_and_evaluates(as_dict: bool, one_
         reference, outputs = list(reference.values()), list(outputs.values())
     for a, b in zip(reference, outputs, strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_the_documented_float16_recipe_equals_a_grad_scaler_loop(one_thread) -> None:
+    """docs/pipeline.md: ``LossScaler`` stands in for ``torch.amp.GradScaler``, whose
+    backward and step the stage threads run."""
+    from echopipe.training.amp import LossScaler
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)
+        )
+
+    batches = [(x.float(), y) for x, y in _batches(6)]
+    expected, got = model(), model()
+    opt, grad_scaler = _momentum_sgd(list(expected.parameters())), torch.amp.GradScaler("cpu")
+    for x, y in batches:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(expected(x), y)
+        grad_scaler.scale(loss).backward()
+        grad_scaler.step(opt)
+        grad_scaler.update()
+    scaler = LossScaler(2)
+    with (
+        StalePipeline(
+            got, balance=[2, 3], optimizer=_momentum_sgd, loss_fn=scaler.wrap_loss(loss_fn),
+            grad_hook=scaler.grad_hook, pipelined=False,
+        ) as pipe,
+        torch.autocast("cpu", dtype=torch.float16),
+    ):  # fmt: skip
+        pipe.run_epoch(batches, drain=True)
+    assert scaler.scale == grad_scaler.get_scale()
+    for a, b in zip(expected.parameters(), got.parameters(), strict=True):
+        assert torch.equal(a, b)
