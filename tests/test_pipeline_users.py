@@ -319,3 +319,26 @@ def test_the_documented_float16_recipe_equals_a_grad_scaler_loop(one_thread) -> 
     assert scaler.scale == grad_scaler.get_scale()
     for a, b in zip(expected.parameters(), got.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_an_optimizer_over_the_whole_model_is_refused_naming_the_stage() -> None:
+    """A factory that ignores its argument (``SGD(model.parameters())``) gave every stage an
+    optimizer over every stage's weights: each stepped the other stages' weights whenever their
+    gradients happened to be set, so the result depended on thread timing."""
+    model = _mlp()
+    with pytest.raises(ValueError) as info:
+        StalePipeline(
+            model,
+            balance=[2, 3],
+            optimizer=lambda params: torch.optim.SGD(model.parameters(), lr=0.05),
+            loss_fn=loss_fn,
+        )
+    assert "stage 0" in str(info.value)
+
+    def without_biases(params: list[nn.Parameter]) -> torch.optim.Optimizer:  # a subset is fine
+        return torch.optim.SGD([p for p in params if p.ndim > 1], lr=0.05)
+
+    with StalePipeline(model, balance=[2, 3], optimizer=without_biases, loss_fn=loss_fn) as pipe:
+        bias = model[4].bias.clone()
+        pipe.run_epoch(_batches(2), drain=True)
+        assert torch.equal(bias, model[4].bias)

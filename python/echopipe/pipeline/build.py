@@ -117,14 +117,27 @@ def _bind_grad_hook(
 
 
 def stage_optimizer(
-    factory: OptimizerFactory, params: list[nn.Parameter]
+    factory: OptimizerFactory, params: list[nn.Parameter], stage: int
 ) -> torch.optim.Optimizer | None:
+    """``factory(params)`` for stage ``stage`` (``None`` without trainable parameters), checked
+    to be an optimizer over those parameters only."""
     if not params:
         return None
     optimizer = factory(params)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer factory must return a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    # Each stage steps its optimizer in its own thread at its own time: one holding another
+    # stage's parameters (a factory that ignores its argument, SGD(model.parameters())) would
+    # step them whenever that stage's gradient happens to be set, which depends on timing.
+    given = {id(p) for p in params}
+    foreign = sum(id(p) not in given for g in optimizer.param_groups for p in g["params"])
+    if foreign:
+        raise ValueError(
+            f"the optimizer factory returned for stage {stage} an optimizer holding {foreign} "
+            "parameter(s) it was not given: build it over the stage's parameters passed to it "
+            "(optimizer=lambda params: torch.optim.SGD(params, ...)), not model.parameters()"
         )
     return optimizer
 
@@ -145,7 +158,7 @@ def build_cores(
     cores: list[StageCore] = []
     for k, (stage, device) in enumerate(zip(stages, devices, strict=True)):
         params = [p for p in stage.parameters() if p.requires_grad]
-        opt = stage_optimizer(optimizer, params)
+        opt = stage_optimizer(optimizer, params, k)
         sched = scheduler(opt) if (scheduler is not None and opt is not None) else None
         core = StageCore(
             k, num_stages, stage, device, opt, sched, scheduler_interval,

@@ -199,7 +199,7 @@ def rank_core(
     update. (``data_parallel_group`` is collective: every rank builds its core.)"""
     group = data_parallel_group(topology)
     params = [p for p in stage.parameters() if p.requires_grad]
-    opt = stage_optimizer(optimizer, params)
+    opt = stage_optimizer(optimizer, params, topology.stage_index)
     sched = scheduler(opt) if (scheduler is not None and opt is not None) else None
     average = ReplicaAverage(params, group, topology.num_replicas)
     hook = rank_grad_hook(
