@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -342,3 +343,66 @@ def test_an_optimizer_over_the_whole_model_is_refused_naming_the_stage() -> None
         bias = model[4].bias.clone()
         pipe.run_epoch(_batches(2), drain=True)
         assert torch.equal(bias, model[4].bias)
+
+
+class _Gate(nn.Module):
+    """Holds the forward of its ``hold``-th minibatch until ``opened`` is set."""
+
+    def __init__(self, hold: int) -> None:
+        super().__init__()
+        self.hold, self.calls, self.opened = hold, 0, threading.Event()
+        self.reached = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.hold:
+            self.reached.set()
+            self.opened.wait()
+        return x
+
+
+def _bn_model(gate: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 8), gate, nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)
+    ).double()
+
+
+def test_model_eval_while_minibatches_are_in_flight_is_named(one_thread) -> None:
+    """torchgpipe's evaluation loop (``model.eval()`` right after the epoch) ran the forwards
+    still in flight in eval mode: BatchNorm's running statistics not updated, and other
+    weights afterwards, with nothing said."""
+    gate = _Gate(hold=3)
+    model = _bn_model(gate)
+    with StalePipeline(model, balance=[2, 3], optimizer=_momentum_sgd, loss_fn=loss_fn) as pipe:
+        pipe.run_epoch(_batches(3))
+        assert gate.reached.wait(timeout=60)  # minibatch 2 is inside stage 0's forward
+        model.eval()
+        gate.opened.set()
+        with pytest.raises(PipelineError) as info:
+            pipe.evaluate(_batches(1)[0][0])
+    assert info.value.stage == 1
+    assert isinstance(info.value.__cause__, RuntimeError)  # (minibatch 1 or 2, as it runs)
+
+
+def test_model_eval_after_a_drain_evaluates_as_evaluate_does(one_thread) -> None:
+    """The same loop with ``drain()`` first trains and evaluates as ``evaluate()`` alone."""
+    x = _batches(1)[0][0]
+    results = []
+    for own_loop in (False, True):
+        model = _bn_model(nn.Identity())
+        with StalePipeline(model, balance=[2, 3], optimizer=_momentum_sgd, loss_fn=loss_fn) as pipe:
+            for _ in range(2):
+                pipe.run_epoch(_batches(4))
+                if own_loop:
+                    pipe.drain()
+                    model.eval()
+                    with torch.no_grad():
+                        out = model(x)
+                    model.train()
+                else:
+                    out = pipe.evaluate(x)
+            pipe.drain()
+        results.append((out, list(model.state_dict().values())))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))

@@ -32,6 +32,7 @@ from .cost_model import (
     load_cached_balance,
     store_cached_balance,
 )
+from .modes import restore_modes, set_modes
 from .partition import (
     DeviceLike,
     StageFits,
@@ -41,7 +42,6 @@ from .partition import (
     stale_share_fits,
     validate_balance,
 )
-from .stage import restore_modes, set_modes
 
 __all__ = [
     "Clock",

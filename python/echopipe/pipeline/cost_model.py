@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .stage import restore_modes, set_modes
+from .modes import restore_modes, set_modes
 
 #: Rates of the cost model. Only their ratio matters for the split: it weighs a byte moved
 #: against a FLOP (a CPU core or a GPU reaches roughly 10 FLOPs per byte of memory traffic).

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .balance import partition_balance
+from .modes import eval_mode
 from .p2p import TAG_EVAL, TAG_TARGET, PeerLink
 from .ranks import StageTopology
 from .results import StepResult, output_to_cpu, unpack_batch
-from .stage import eval_mode
 
 __all__ = [
     "agree_steps", "agreed_auto_balance", "agreed_metric", "feed_steps", "pipeline_accuracy",

@@ -28,6 +28,7 @@ from .build import (
     resolve_balance,
 )
 from .checkpoint import atomic_save, load_file
+from .modes import eval_mode, module_modes
 from .partition import DeviceLike, parse_devices, split_sequential
 from .results import (
     DEFAULT_OUTPUT_MAP,
@@ -35,13 +36,14 @@ from .results import (
     LossRecord,
     StepResult,
     as_class_target,
+    as_logits,
     checked_batch_size,
     concat_outputs,
     output_to_cpu,
     unpack_batch,
 )
 from .schedule import HybridSchedule, stage_staleness
-from .stage import caller_autocast, eval_mode, refuse_metric_schedulers
+from .stage import caller_autocast, refuse_metric_schedulers
 from .state import Progress, check_pipeline_state, pipeline_state, restore_pipeline
 from .stream import caller_event, synchronize_devices
 from .worker import Batch, SchedulerStep, StageWorkers, divide_threads
@@ -233,7 +235,10 @@ class StalePipeline:
         index = self.steps_fed
         if self.hybrid is not None and self._pipelined and not self.hybrid.pipelined_at(index):
             self.set_pipelined(False)
-        batch = Batch(index, x, target, caller_event(x), caller_event(target), caller_autocast())
+        batch = Batch(
+            index, x, target, caller_event(x), caller_event(target), caller_autocast(),
+            module_modes(self.stages),
+        )  # fmt: skip
         self._workers.put(batch)
         self._idle = False
         self.steps_fed += 1
@@ -332,12 +337,7 @@ class StalePipeline:
 
     def accuracy(self, x: torch.Tensor, target: torch.Tensor, batch_size: int = 512) -> float:
         """Top-1 accuracy (fraction in [0, 1]) of :meth:`evaluate` on ``x`` against ``target``."""
-        logits = self.evaluate(x, batch_size)
-        if not isinstance(logits, torch.Tensor):
-            raise TypeError(
-                f"accuracy needs the model to output logits, it outputs a "
-                f"{type(logits).__name__}: score evaluate()'s outputs instead"
-            )
+        logits = as_logits(self.evaluate(x, batch_size))
         hits = logits.argmax(dim=1) == as_class_target(target.cpu())  # (N, 1) labels too
         return float(hits.double().mean().item())
 

@@ -22,6 +22,7 @@ __all__ = [
     "EpochResult",
     "LossRecord",
     "StepResult",
+    "as_logits",
     "checked_batch_size",
     "concat_outputs",
     "output_to_cpu",
@@ -172,3 +173,14 @@ def concat_outputs(outputs: Sequence[Any]) -> Any:
         return first
     columns = zip(*(_parts(o) or () for o in outputs), strict=True)
     return _rebuild(first, [concat_outputs(list(c)) for c in columns])
+
+
+def as_logits(output: Any) -> torch.Tensor:
+    """``output`` if it is one tensor of logits, which ``accuracy`` scores; a ``TypeError``
+    naming what the model returns otherwise (several heads: score ``evaluate()``'s outputs)."""
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(
+            f"accuracy needs the model to output logits, it outputs a {type(output).__name__}: "
+            "score evaluate()'s outputs instead"
+        )
+    return output

@@ -21,22 +21,21 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from .modes import ModeSnapshot, check_modes
+
 __all__ = [
     "AutocastState",
     "StageCore",
     "caller_autocast",
-    "eval_mode",
     "needs_metrics",
     "refuse_metric_schedulers",
-    "restore_modes",
-    "set_modes",
 ]
 
 GradHook = Callable[[list[torch.Tensor | None]], None]
@@ -75,6 +74,7 @@ class _InFlight:
     saved_input: torch.Tensor | None = None  # recompute mode
     target: torch.Tensor | None = None
     autocast: AutocastState = ()  # the forward's, for the recomputation
+    modes: ModeSnapshot = ()  # the stages' module modes when it was fed, for the recomputation
 
 
 def _check_loss(loss: object) -> None:
@@ -175,14 +175,17 @@ class StageCore:
         x: torch.Tensor,
         target: torch.Tensor | None,
         autocast: AutocastState = (),
+        modes: ModeSnapshot = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run forward of minibatch ``index``, under the ``autocast`` regions given (the
-        caller's, which a stage thread does not inherit).
+        caller's, which a stage thread does not inherit), checking that the stage's modules
+        are in the train/eval ``modes`` the minibatch was fed with (when given).
 
         Returns ``(output, loss)``: the tensor to send downstream (detached), and on the last
         stage the detached loss.
         """
         self._refuse_unfrozen()
+        check_modes(self.index, self.module, index, modes)
         # Freezing after construction (requires_grad_(False), while drained) is honoured as
         # without a pipeline: no gradient, so the optimizer skips the parameter.
         trainable = tuple(p.requires_grad for p in self.params)
@@ -202,7 +205,7 @@ class StageCore:
             self._check_output(out)
             record = _InFlight(
                 index, None, None, trainable=trainable, saved_input=x.detach(), target=target,
-                autocast=autocast,
+                autocast=autocast, modes=modes,
             )  # fmt: skip
             self.in_flight.append(record)
             self.forwards_done += 1
@@ -293,6 +296,7 @@ class StageCore:
     def _rebuild_graph(self, record: _InFlight) -> _InFlight:
         x = record.saved_input
         assert x is not None
+        check_modes(self.index, self.module, record.index, record.modes)  # BN: batch or running
         leaf: torch.Tensor | None = None
         if not self.is_first and x.is_floating_point():
             leaf = x.detach().requires_grad_(True)
@@ -351,31 +355,3 @@ class StageCore:
             self.step_scheduler()
         else:
             self.pending_scheduler_steps.append(self.last_forward_index)
-
-
-ModuleModes = list[tuple[nn.Module, bool]]
-
-
-def set_modes(stages: Iterable[nn.Module], *, training: bool) -> ModuleModes:
-    """Every module of ``stages`` in ``training`` mode; returns the modes they had."""
-    was = [(m, m.training) for s in stages for m in s.modules()]
-    for m, _ in was:
-        m.training = training
-    return was
-
-
-def restore_modes(was: ModuleModes) -> None:
-    """Each module back in its own mode (``train(mode)`` on a parent would set one for all)."""
-    for m, mode in was:
-        m.training = mode
-
-
-@contextlib.contextmanager
-def eval_mode(stages: Iterable[nn.Module]) -> Iterator[None]:
-    """``stages`` in eval mode, and afterwards every module in the mode it had: a BatchNorm
-    the user froze with ``.eval()`` stays frozen (``train(mode)`` on a stage would reset it)."""
-    was = set_modes(stages, training=False)
-    try:
-        yield
-    finally:
-        restore_modes(was)

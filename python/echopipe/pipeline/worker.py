@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .modes import ModeSnapshot
 from .results import LossRecord
 from .stage import AutocastState, StageCore
 from .stream import BusyTimer, DeviceStream, KeepAlive, StreamEvent, transfer
@@ -51,6 +52,7 @@ class Batch:
     ready: StreamEvent  # x is ready: the caller's stream for stage 0, else the sender's compute
     target_ready: StreamEvent  # the target is ready (the caller's stream)
     autocast: AutocastState = ()  # the caller's autocast regions around train_step
+    modes: ModeSnapshot = ()  # the stages' module modes when the caller fed it
 
 
 @dataclass
@@ -306,7 +308,7 @@ class StageWorkers:
                 if last and target is not None:
                     target = transfer(target, msg.target_ready, copy, compute, held)
                 with self._busy[k][0].span():
-                    out, loss = core.forward(msg.index, x, target, msg.autocast)
+                    out, loss = core.forward(msg.index, x, target, msg.autocast, msg.modes)
                 if last:
                     assert loss is not None
                     self._losses.put(LossRecord(msg.index, loss, compute.record()))
@@ -319,6 +321,7 @@ class StageWorkers:
                             compute.record(),
                             msg.target_ready,
                             msg.autocast,
+                            msg.modes,
                         )
                     )
             elif core.in_flight:
