@@ -406,3 +406,26 @@ def test_model_eval_after_a_drain_evaluates_as_evaluate_does(one_thread) -> None
         results.append((out, list(model.state_dict().values())))
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+
+
+def test_automatic_balances_keep_a_tied_weight_in_one_stage() -> None:
+    """``balance="auto"`` chose a split across the tie, which the pipeline then refused."""
+    from echopipe.pipeline import balance_by_cost
+
+    def tied(seed: int = 0) -> nn.Sequential:
+        torch.manual_seed(seed)
+        table = nn.Embedding(10, 8)
+        return nn.Sequential(
+            _Embed(table), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), _TiedOutput(table),
+            nn.Identity(),
+        )  # fmt: skip
+
+    tokens = torch.randint(0, 10, (4, 5))
+    assert balance_by_cost(tied(), tokens, 2) == [5, 1]
+    with StalePipeline(
+        tied(), balance="auto", num_stages=2, sample_input=tokens, balance_cost="model",
+        optimizer=_adam, loss_fn=loss_fn,
+    ) as pipe:  # fmt: skip
+        assert pipe.balance == [5, 1]
+    with pytest.raises(ValueError):  # children 0 to 4 in one stage leave one cut
+        balance_by_cost(tied(), tokens, 3)

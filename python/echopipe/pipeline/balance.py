@@ -40,6 +40,7 @@ from .partition import (
     min_max_partition,
     parse_devices,
     stale_share_fits,
+    tied_fits,
     validate_balance,
 )
 
@@ -197,6 +198,7 @@ def balance_by_time(
         ``balance``, a list of ``num_stages`` positive ints summing to ``len(module)``.
     """
     _check_request(module, num_stages, memory_caps, "balance_by_time")
+    stage_fits = _both(tied_fits(module, num_stages), stage_fits)
     profiles = profile_layers(module, sample_input, device, repeats=repeats, clock=clock)
     if memory_caps is not None:
         stage_fits = _both(_memory_fits(profiles, memory_caps, num_stages), stage_fits)
@@ -221,6 +223,7 @@ def balance_by_cost(
     (bytes per stage) are measured, as for :func:`balance_by_time`.
     """
     _check_request(module, num_stages, memory_caps, "balance_by_cost")
+    stage_fits = _both(tied_fits(module, num_stages), stage_fits)
     costs = estimate_layer_seconds(module, sample_input)
     if memory_caps is not None:  # only the bytes are used here, and those do not vary
         profiles = profile_layers(module, sample_input, device, repeats=1)

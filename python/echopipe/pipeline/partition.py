@@ -26,6 +26,7 @@ __all__ = [
     "split_sequential",
     "stale_share",
     "stale_share_fits",
+    "tied_fits",
     "validate_balance",
 ]
 
@@ -133,6 +134,36 @@ def check_no_shared_parameters(children: Sequence[nn.Module], balance: Sequence[
                     "tied across stages is not supported; put the layers that share it in "
                     f"one stage (balance={list(balance)!r})"
                 )
+
+
+def tied_fits(module: nn.Sequential, num_stages: int) -> StageFits | None:
+    """A ``stage_fits(stage, start, stop)`` rule keeping the children that share a trainable
+    parameter in one stage (``None`` when none do), for the automatic balances: a split across
+    a tie is refused by :func:`split_sequential`. ``ValueError`` when the ties leave fewer
+    places to cut than ``num_stages`` needs."""
+    first: dict[int, int] = {}
+    spans: list[tuple[int, int]] = []  # children i..j share a weight
+    for i, child in enumerate(module):
+        for p in child.parameters():
+            if p.requires_grad and first.setdefault(id(p), i) != i:
+                spans.append((first[id(p)], i))
+    if not spans:
+        return None
+    # A cut after child c (between c and c+1) is allowed unless a tie spans it.
+    blocked = {c for i, j in spans for c in range(i, j)}
+    if len(module) - 1 - len(blocked) < num_stages - 1:
+        i, j = max(spans, key=lambda span: span[1] - span[0])
+        raise ValueError(
+            f"children {i} and {j} share a parameter and must stay in one stage, which leaves "
+            f"too few places to cut {len(module)} children into {num_stages} stages"
+        )
+
+    def fits(stage: int, start: int, stop: int) -> bool:
+        return (start == 0 or start - 1 not in blocked) and (
+            stop == len(module) or stop - 1 not in blocked
+        )
+
+    return fits
 
 
 def min_max_partition(
