@@ -429,3 +429,13 @@ def test_automatic_balances_keep_a_tied_weight_in_one_stage() -> None:
         assert pipe.balance == [5, 1]
     with pytest.raises(ValueError):  # children 0 to 4 in one stage leave one cut
         balance_by_cost(tied(), tokens, 3)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own, importing dynamo
+def test_a_compiled_sequential_is_refused_saying_to_compile_its_children() -> None:
+    """``torch.compile(model)`` hides the sequential the stages are cut from; compiling each
+    child works (checked by hand against eager training: same losses, weights within 3e-8)."""
+    model = _mlp()
+    with pytest.raises(TypeError) as info:
+        StalePipeline(torch.compile(model), balance=[2, 3], optimizer=_adam, loss_fn=loss_fn)
+    assert "OptimizedModule" in str(info.value) and "children" in str(info.value)

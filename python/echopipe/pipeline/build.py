@@ -48,9 +48,16 @@ def check_arguments(
     """Raise ``TypeError``/``ValueError`` naming the first bad argument of ``StalePipeline``
     (and of ``DistributedStalePipeline``, which has no ``max_prefetch``)."""
     if not isinstance(module, nn.Sequential):
+        # torch.compile(model) wraps the sequential; the stages are cut from its children.
+        compiled = isinstance(getattr(module, "_orig_mod", None), nn.Sequential)
         raise TypeError(
             f"StalePipeline needs an nn.Sequential (one child per block), got "
             f"{type(module).__name__}"
+            + (
+                ": torch.compile the children (model[i] = torch.compile(model[i]))"
+                if compiled
+                else ""
+            )
         )
     if not callable(optimizer):
         raise TypeError("optimizer must be a factory: params -> torch.optim.Optimizer")
