@@ -439,3 +439,32 @@ def test_a_compiled_sequential_is_refused_saying_to_compile_its_children() -> No
     with pytest.raises(TypeError) as info:
         StalePipeline(torch.compile(model), balance=[2, 3], optimizer=_adam, loss_fn=loss_fn)
     assert "OptimizedModule" in str(info.value) and "children" in str(info.value)
+
+
+@pytest.mark.parametrize("reused", ["input", "target"])
+def test_a_buffer_refilled_after_train_step_is_named(reused: str) -> None:
+    """A plain loop may refill one input buffer per minibatch; train_step returns before the
+    stages read it, so the stages trained on a later minibatch's values, silently (or, for an
+    input refilled after its forward, failed in autograd's version check, naming neither)."""
+    batches = _batches(6)
+    x_buffer, y_buffer = batches[0][0].clone(), batches[0][1].clone()
+    model = _mlp()
+    gate = _Gate(hold=1)  # stage 0 waits until every minibatch is fed
+    model.insert(0, gate)
+    with StalePipeline(
+        model, balance=[3, 3], optimizer=_momentum_sgd, loss_fn=loss_fn, max_prefetch=8
+    ) as pipe:
+        for x, y in batches:
+            if reused == "input":
+                x_buffer.copy_(x)
+                x = x_buffer
+            else:
+                y_buffer.copy_(y)
+                y = y_buffer
+            pipe.train_step(x, y)
+        gate.opened.set()
+        with pytest.raises(PipelineError) as info:
+            pipe.drain()
+    assert info.value.stage == (0 if reused == "input" else 1)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert f"the {reused} of minibatch" in str(info.value)

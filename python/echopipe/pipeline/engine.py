@@ -237,7 +237,7 @@ class StalePipeline:
             self.set_pipelined(False)
         batch = Batch(
             index, x, target, caller_event(x), caller_event(target), caller_autocast(),
-            module_modes(self.stages),
+            module_modes(self.stages), x._version, target._version,
         )  # fmt: skip
         self._workers.put(batch)
         self._idle = False

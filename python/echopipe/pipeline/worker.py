@@ -53,6 +53,8 @@ class Batch:
     target_ready: StreamEvent  # the target is ready (the caller's stream)
     autocast: AutocastState = ()  # the caller's autocast regions around train_step
     modes: ModeSnapshot = ()  # the stages' module modes when the caller fed it
+    x_version: int | None = None  # the caller's x's version counter at train_step (stage 0)
+    target_version: int | None = None  # the caller's target's, carried to the last stage
 
 
 @dataclass
@@ -70,6 +72,21 @@ class Drain:
 
 class SchedulerStep:
     pass
+
+
+def _check_unchanged(stage: int, msg: Batch, last: bool) -> None:
+    # train_step returns before the stages read x and the target: a caller that refills one
+    # buffer per minibatch (as a plain loop may) would train on the next minibatch's values.
+    for name, tensor, version in (
+        ("input", msg.x if stage == 0 else None, msg.x_version),
+        ("target", msg.target if last else None, msg.target_version),
+    ):
+        if tensor is not None and version is not None and tensor._version != version:
+            raise RuntimeError(
+                f"the {name} of minibatch {msg.index} was modified in place after train_step, "
+                f"before stage {stage} read it (a reused buffer?): the pipeline reads it later, "
+                "so feed a new tensor per minibatch (or a .clone())"
+            )
 
 
 class _Stopped(Exception):
@@ -303,6 +320,7 @@ class StageWorkers:
                     else:
                         core.schedule_scheduler_step()
                     continue
+                _check_unchanged(k, msg, last)
                 x = transfer(msg.x, msg.ready, copy, compute, held)
                 target = msg.target
                 if last and target is not None:
@@ -322,6 +340,7 @@ class StageWorkers:
                             msg.target_ready,
                             msg.autocast,
                             msg.modes,
+                            target_version=msg.target_version,
                         )
                     )
             elif core.in_flight:
