@@ -200,11 +200,14 @@ class StageCore:
             inp = x
         recompute_here = self.recompute and self.staleness > 0
         if recompute_here:
+            # The recompute needs the input as it was: a layer changing its input in place
+            # (x.sub_(mean)) changes x itself where there is no leaf clone (stage 0).
+            saved = x.detach().clone() if inp is x else x.detach()
             with torch.no_grad(), _autocast(autocast):
                 out = self.module(inp)
             self._check_output(out)
             record = _InFlight(
-                index, None, None, trainable=trainable, saved_input=x.detach(), target=target,
+                index, None, None, trainable=trainable, saved_input=saved, target=target,
                 autocast=autocast, modes=modes,
             )  # fmt: skip
             self.in_flight.append(record)
