@@ -114,18 +114,23 @@ def _per_sample(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return loss_fn(output, target, reduction="none")
 
 
+def _detached(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(loss_fn(output, target).item())
+
+
 @pytest.mark.parametrize(
     ("bad_loss", "error", "named"),
     [
         (_loss_and_accuracy, TypeError, "tuple"),
         (_lightning_style, TypeError, "dict"),
         (_per_sample, ValueError, "(4,)"),
+        (_detached, ValueError, "no gradient"),
     ],
 )
 def test_a_loss_fn_returning_more_than_the_loss_is_named(bad_loss, error, named) -> None:
     """A loss with its metrics (tuple, dict) failed inside the engine on ``.detach()``; a
-    per-sample loss failed in the caller's ``.item()``, naming neither ``loss_fn`` nor what it
-    returned."""
+    per-sample loss failed in the caller's ``.item()``, and a detached one in the stage before
+    ("got no gradient"), naming neither ``loss_fn`` nor what it returned."""
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     x = torch.randn(4, 6, dtype=torch.float64)
     with (
@@ -492,3 +497,13 @@ def test_recompute_on_stage_0_sees_the_input_before_an_in_place_first_layer(one_
         results.append(list(model.parameters()))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_detached_loss_on_a_single_stage_is_named_not_a_run_that_trains_nothing() -> None:
+    model = _mlp()
+    with (
+        StalePipeline(model, optimizer=_adam, loss_fn=_detached) as pipe,
+        pytest.raises(PipelineError) as info,
+    ):
+        pipe.run_epoch(_batches(2), drain=True)
+    assert isinstance(info.value.__cause__, ValueError)

@@ -77,7 +77,7 @@ class _InFlight:
     modes: ModeSnapshot = ()  # the stages' module modes when it was fed, for the recomputation
 
 
-def _check_loss(loss: object) -> None:
+def _check_loss(loss: object, needs_grad: bool = False) -> None:
     # The engine differentiates the loss and reports it as a float; a tuple or dict (a loss and
     # its metrics) would fail inside the engine on .detach(), a per-sample loss in the caller.
     if not isinstance(loss, torch.Tensor):
@@ -89,6 +89,11 @@ def _check_loss(loss: object) -> None:
         raise ValueError(
             f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return the loss "
             "as one element (reduce per-sample losses, e.g. with .mean())"
+        )
+    if needs_grad and not loss.requires_grad:  # else the stage before fails, naming itself
+        raise ValueError(
+            "loss_fn returned a loss that needs no gradient (detached, or rebuilt from "
+            ".item()), so nothing would train: return the loss computed from the output"
         )
 
 
@@ -224,7 +229,7 @@ class StageCore:
                 if self.loss_fn is None or target is None:
                     raise RuntimeError("the last stage needs loss_fn and a target")
                 loss = self.loss_fn(out, target)
-                _check_loss(loss)
+                _check_loss(loss, leaf is not None or any(trainable))
             else:
                 self._check_output(out)
         record = _InFlight(
