@@ -3,11 +3,13 @@ tied across layers, losses that return more than a scalar, layers frozen mid-run
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -507,3 +509,39 @@ def test_a_detached_loss_on_a_single_stage_is_named_not_a_run_that_trains_nothin
     ):
         pipe.run_epoch(_batches(2), drain=True)
     assert isinstance(info.value.__cause__, ValueError)
+
+
+class _FailAt(nn.Module):
+    def __init__(self, call: int) -> None:
+        super().__init__()
+        self.call, self.calls = call, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.call:
+            raise ValueError("a stage's own error")
+        return x
+
+
+def test_a_failed_and_closed_pipeline_lets_go_of_its_minibatches() -> None:
+    """The minibatches in flight when a stage failed (inputs, activations, graphs) stayed
+    referenced by a closed pipeline for as long as the object lived."""
+    model = nn.Sequential(
+        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), _FailAt(4), nn.Linear(8, 3)
+    ).double()
+    fed: list[weakref.ref[torch.Tensor]] = []
+
+    def feed(pipe: StalePipeline) -> None:
+        for x, y in _batches(8):
+            fed.append(weakref.ref(x))
+            pipe.train_step(x, y)
+        pipe.drain()
+
+    with (
+        StalePipeline(model, balance=[2, 2, 1], optimizer=_adam, loss_fn=loss_fn) as pipe,
+        pytest.raises(PipelineError),
+    ):
+        feed(pipe)
+    gc.collect()
+    assert all(ref() is None for ref in fed), "a fed input is still referenced"
+    assert pipe.steps_fed >= 4  # the pipeline object itself is still alive here

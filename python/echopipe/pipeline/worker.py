@@ -14,6 +14,7 @@ second.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import time
@@ -206,7 +207,9 @@ class StageWorkers:
         """Raise the first stage failure (stopping every worker), or if closed."""
         if self._error is not None:
             self.shutdown()
-            raise self._error
+            # A fresh exception per call: the kept one would hold, in its traceback, the frames
+            # (and tensors) of every call it was raised through, for the pipeline's lifetime.
+            raise PipelineError(self._error.stage, str(self._error)) from self._error.__cause__
         if self.closed:
             raise RuntimeError("the pipeline is closed")
 
@@ -263,6 +266,15 @@ class StageWorkers:
         for t in self.threads:
             if t is not current:
                 t.join(timeout=10)
+        if not any(t.is_alive() for t in self.threads):
+            # The dropped minibatches' inputs, activations and graphs would otherwise live as
+            # long as the pipeline object (a failed one kept for its error, in a notebook).
+            for core in self._cores:
+                core.in_flight.clear()
+            for q in (*self._fwd_queues, *self._bwd_queues):
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        q.get_nowait()
         self.closed = True
 
     # Worker side ----------------------------------------------------------------------------
