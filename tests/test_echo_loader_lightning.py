@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import warnings
 
 import lightning  # in the test extra: a missing Lightning fails here rather than skipping
 import pytest
@@ -233,3 +234,54 @@ def test_an_auto_resume_mid_epoch_rereads_the_saved_sampler_epoch(tmp_path) -> N
     for module in (first, resumed):
         assert module.loader is not None
         module.loader.close()
+
+
+class Kept(Module):
+    """Makes its EchoLoader once and returns it again (a DataModule's way); a callback raises
+    its factor to 3 at epoch 1's start or epoch 0's end."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(2.0, 0, False)
+        self.where = where
+
+    def train_dataloader(self) -> EchoLoader:
+        return self.loader or super().train_dataloader()
+
+    def on_train_epoch_start(self) -> None:
+        super().on_train_epoch_start()
+        if self.where == "start" and self.current_epoch == 1 and self.loader is not None:
+            self.loader.set_echo_factor(3.0)
+
+    def on_train_epoch_end(self) -> None:
+        if self.where == "end" and self.current_epoch == 0 and self.loader is not None:
+            self.loader.set_echo_factor(3.0)
+
+
+@pytest.mark.parametrize(("where", "reload"), [("start", 0), ("end", 0), ("end", 1)])
+def test_a_factor_raised_during_a_fit_that_keeps_the_old_length_is_named(where, reload):
+    """Lightning reads len() once per fit (15 at e = 2): at e = 3 (23 batches) it stops each
+    epoch after 15 and the next iter() ends the pass with copies left, so 10-11 of the 45
+    samples are not trained on in it. Before, silently; the way docs/echo_loader.md gives
+    (set in on_train_epoch_end, reload_dataloaders_every_n_epochs=1) runs whole epochs."""
+    from echopipe.torch import StaleLengthWarning
+
+    module = Kept(where)
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        reload_dataloaders_every_n_epochs=reload,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    stale = [w for w in caught if issubclass(w.category, StaleLengthWarning)]
+    assert module.loader is not None
+    module.loader.close()
+    if reload:
+        assert not stale and module.lengths == [15, 23, 23]
+        assert [sorted(set(module.seen[e].values())) for e in range(3)] == [[2], [3], [3]]
+        return
+    assert module.lengths == [15, 15, 15] and module.steps == {0: 15, 1: 15, 2: 15}
+    assert len(set(module.seen[1])) < 45  # the epochs Lightning cut short at the old length
+    assert len(stale) == 2  # epoch 1 at epoch 2's iter(), epoch 2 as the fit drops its iterator
+    assert "reload_dataloaders_every_n_epochs=1" in str(stale[0].message)

@@ -13,10 +13,11 @@ from .loader import (
     LayoutError,
     LoaderError,
     ShapeChangeError,
+    StaleLengthWarning,
     UnshardedLoaderError,
 )
 
 __all__ = [
     "EchoLoader", "EchoLoaderStats", "FactorReplacedWarning", "LayoutError", "LoaderError",
-    "ShapeChangeError", "UnshardedLoaderError",
+    "ShapeChangeError", "StaleLengthWarning", "UnshardedLoaderError",
 ]  # fmt: skip

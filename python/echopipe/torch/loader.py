@@ -28,13 +28,14 @@ from . import batch_layout as bl
 from . import loader_state as ls
 from . import passes, workers, wrapped
 from .delivery import Assembler, next_batch, pin_choice
+from .lengths import LengthsTold, StaleLengthWarning
 from .passes import EchoLoaderStats, FactorReplacedWarning
 from .reader import LoaderError, Producer, Shared, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
 
 __all__ = [
     "EchoLoader", "EchoLoaderStats", "FactorReplacedWarning", "LayoutError", "LoaderError",
-    "ShapeChangeError", "UnshardedLoaderError",
+    "ShapeChangeError", "StaleLengthWarning", "UnshardedLoaderError",
 ]  # fmt: skip
 
 LayoutError, ShapeChangeError = bl.LayoutError, bl.ShapeChangeError
@@ -134,6 +135,7 @@ class EchoLoader(PassThrough):
         self._current: int | None = None
         self._started = False  # whether the current iterator's epoch began (its first next())
         self._cut_short: str | None = None  # an epoch ended with copies left (see state_dict)
+        self._lens_told = LengthsTold()  # a loop stopping at an old one loses copies
         self._resume: dict[str, Any] | None = None
         self._closed = False
         self._last_yield: float | None = None
@@ -156,7 +158,7 @@ class EchoLoader(PassThrough):
         cache = self._shared.cache
         if cache is not None:
             cache.echo_factor = e
-        self._history.append((self._delivered_batches(), e))
+        self._history.append((passes.delivered_batches(self), e))
 
     def _accept_layout(self, layout: bl.Layout, rows: int, stop: threading.Event) -> EchoCache:
         """Called by the reader for every batch: checks it and returns the cache (made once)."""
@@ -231,7 +233,8 @@ class EchoLoader(PassThrough):
         that, ``"auto"`` under several processes gets :meth:`__iter__`'s ``ValueError``.
         """
         passes.check_auto_alone(auto := self._controller is not None)
-        return wrapped.epoch_batches(self._loader, None if auto else self._factor, self._batch_size)
+        factor = None if auto else self._factor
+        return self._lens_told.tell(self._loader, factor, self._batch_size)
 
     @property
     def batch_size(self) -> int | None:
@@ -267,6 +270,7 @@ class EchoLoader(PassThrough):
         if abort:
             self._cut_short = passes.cut_short(producer, self._shared.cache, self._epoch,
                                                self._delivered_epoch[0])  # fmt: skip
+            self._lens_told.warn_if_stale(self)
             shutdown(self._shared, self._close_timeout)  # the cache goes; a new epoch makes one
         elif producer is not None:
             producer.shutdown(self._close_timeout)  # already ended: it ended the input
@@ -280,13 +284,6 @@ class EchoLoader(PassThrough):
 
     def _last_layout(self) -> str | None:
         return self._saved_layout or self._prior_layout
-
-    def _delivered_batches(self) -> int:
-        """Batches delivered so far: the totals, plus a running or restored epoch's."""
-        if self._shared.producer is not None:
-            return self._totals["delivered_batches"] + self._delivered_epoch[0]
-        restored = self._resume["delivered_batches_epoch"] if self._resume is not None else 0
-        return self._totals["delivered_batches"] + restored
 
     def _epoch_counts(self, producer: Producer | None) -> tuple[int, int, int, int]:
         if producer is None:

@@ -386,6 +386,14 @@ def drop_cache(loader: EchoLoader) -> None:
     loader._shared.cache, loader._cache_config = None, None
 
 
+def delivered_batches(loader: EchoLoader) -> int:
+    """Batches delivered so far: the totals, plus a running or restored epoch's."""
+    if loader._shared.producer is not None:
+        return loader._totals["delivered_batches"] + loader._delivered_epoch[0]
+    restored = loader._resume["delivered_batches_epoch"] if loader._resume is not None else 0
+    return loader._totals["delivered_batches"] + restored
+
+
 def check_epoch_samples(read: int, expected: int | None, epoch: int) -> None:
     """Warns when a finished epoch read another number of samples than the wrapped loader's
     length said (``expected``; None: it did not say)."""
