@@ -285,3 +285,47 @@ def test_a_factor_raised_during_a_fit_that_keeps_the_old_length_is_named(where, 
     assert len(set(module.seen[1])) < 45  # the epochs Lightning cut short at the old length
     assert len(stale) == 2  # epoch 1 at epoch 2's iter(), epoch 2 as the fit drops its iterator
     assert "reload_dataloaders_every_n_epochs=1" in str(stale[0].message)
+
+
+class Persistent(Module):
+    """A DataModule's way: one EchoLoader over a DataLoader with persistent workers, kept."""
+
+    workers_seen: list
+
+    def train_dataloader(self) -> EchoLoader:
+        if self.loader is None:
+            data = DataLoader(Ids(), batch_size=6, shuffle=True, num_workers=2,
+                              persistent_workers=True)  # fmt: skip
+            self.loader = EchoLoader(data, echo_factor=2.0)
+        return self.loader
+
+    def on_train_epoch_end(self) -> None:
+        assert self.loader is not None
+        self.workers_seen = _workers_of(self.loader)
+
+
+def _workers_of(loader: EchoLoader) -> list:
+    it = loader.__dict__["_loader"]._iterator  # the wrapped DataLoader's persistent iterator
+    return [] if it is None else list(it._workers)
+
+
+def test_the_wrapped_loaders_persistent_workers_end_with_the_fit_as_a_dataloaders_do():
+    """Lightning's teardown ends a plain DataLoader's persistent workers at the end of fit;
+    those of the DataLoader inside a kept EchoLoader lived on (2 processes, their queues'
+    threads and pipes) until the EchoLoader was closed or collected. A second fit starts
+    new ones and trains every sample twice again."""
+    module = Persistent(2.0, 0, False)
+    for fit in (1, 2):
+        trainer = lightning.Trainer(
+            accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        )  # fmt: skip
+        trainer.fit(module)
+        assert module.loader is not None and len(module.workers_seen) == 2
+        assert _workers_of(module.loader) == []  # Lightning's teardown reached the DataLoader
+        for worker in module.workers_seen:
+            worker.join(timeout=30)  # torch's shutdown joined them: no wait here
+            assert not worker.is_alive()
+        assert sorted(module.seen[0]) == list(range(45))
+        assert set(module.seen[0].values()) == {2 * fit}
+    module.loader.close()

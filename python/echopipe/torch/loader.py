@@ -378,6 +378,9 @@ class EchoLoader(PassThrough):
         self._resume, self._cut_short = (clean if clean["mid_epoch"] else None), None
 
     # ---- lifecycle ----
+    # Lightning's teardown reads _iterator and sets it to None to end a DataLoader's workers.
+    _iterator = property(lambda self: None, workers.lightning_reset)
+
     def close(self) -> None:
         """Stops the reader and the workers of the wrapped loader, also of the DataLoader
         iterators it keeps (:func:`.workers.end_loader_workers`), frees the cache. Idempotent;

@@ -20,7 +20,7 @@ from . import wrapped
 
 __all__ = [
     "end_loader_workers", "hidden_iterators", "inner_iterators", "is_loader_iterator",
-    "join_waking", "release_iterator", "wake", "workers_died",
+    "join_waking", "lightning_reset", "release_iterator", "wake", "workers_died",
 ]  # fmt: skip
 
 _WAKE_POLL_S = 0.02  # how often a join looks for the dead workers of a generator's iterator
@@ -165,6 +165,23 @@ def end_loader_workers(loader: Any) -> None:
                               f"failed: {exc}", RuntimeWarning, stacklevel=3)  # fmt: skip
             if name == "_iterator":
                 obj._iterator = None  # a DataLoader's persistent one: the next iter() remakes it
+
+
+def lightning_reset(loader: Any, value: Any) -> None:
+    """Lightning's teardown of a loop (the end of ``fit``, ``validate``...) ends a
+    ``DataLoader``'s persistent workers: it reads the loader's ``_iterator``, shuts it down when
+    it is a multi-process one, and sets ``_iterator = None``. An ``EchoLoader`` reads ``None``
+    there (a pass may be reading the wrapped iterator); the write ends the persistent workers of
+    the wrapped ``DataLoader`` objects once no pass runs (a pass left running keeps them until
+    :meth:`~echopipe.torch.EchoLoader.close`), as Lightning does for a plain one. Before, they
+    lived on after ``fit`` for as long as a ``DataModule`` kept its ``EchoLoader``."""
+    if value is not None or loader._current is not None:
+        return
+    for obj in wrapped.dataloaders(loader._loader):
+        it = vars(obj).get("_iterator") if isinstance(obj, DataLoader) else None
+        if it is not None and callable(getattr(it, "_shutdown_workers", None)):
+            it._shutdown_workers()
+            obj._iterator = None  # the next iter() starts new workers, as after a fresh start
 
 
 def join_waking(thread: threading.Thread, waiting_in: Any, source: Any, timeout: float) -> None:
