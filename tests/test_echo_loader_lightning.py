@@ -329,3 +329,18 @@ def test_the_wrapped_loaders_persistent_workers_end_with_the_fit_as_a_dataloader
         assert sorted(module.seen[0]) == list(range(45))
         assert set(module.seen[0].values()) == {2 * fit}
     module.loader.close()
+
+
+def test_an_echoloader_given_to_fit_under_ddp_spawn_says_where_to_make_it() -> None:
+    """ddp_spawn pickles the loaders passed to fit() into its processes (a plain DataLoader
+    travels); an EchoLoader cannot, and pickle's "cannot pickle '_thread.lock' object" did not
+    say why or what to do. The loader has not started a pass."""
+    loader = EchoLoader(DataLoader(Ids(), batch_size=6), echo_factor=2.0)
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with loader, pytest.raises(TypeError) as info:
+        trainer.fit(Module(2.0, 0, False), train_dataloaders=loader)
+    assert "train_dataloader()" in str(info.value) and "_thread.lock" not in str(info.value)
+    assert loader.stats().epoch == 0

@@ -368,3 +368,14 @@ class PassThrough:
     def __dir__(self) -> list[str]:
         inner = (n for n in dir(self.__dict__.get("_loader")) if not n.startswith("_"))
         return sorted(set(super().__dir__()) | set(inner))
+
+    def __getstate__(self) -> Any:
+        # Spawned processes get what they are given pickled (Lightning's ddp_spawn, the loaders
+        # passed to fit()); a reader thread and a native cache cannot travel: say where to make
+        # it instead of pickle's "cannot pickle '_thread.lock' object".
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled or copied (it owns a reader thread and a "
+            "native cache): make it in the process that iterates it, e.g. in the "
+            "LightningModule's or DataModule's train_dataloader(), not passed to fit() under "
+            "ddp_spawn"
+        )
