@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from ..echo import CacheClosedError, EchoCache
+from ..echo import EchoCache
 from ..filecheck import memory_bytes
 from . import batch_layout as bl
 from . import loader_state as ls
 from . import passes, workers, wrapped
+from .accept import accept_layout
 from .delivery import Assembler, next_batch, pin_choice
 from .lengths import LengthsTold, StaleLengthWarning
 from .passes import EchoLoaderStats, FactorReplacedWarning
@@ -162,32 +163,7 @@ class EchoLoader(PassThrough):
 
     def _accept_layout(self, layout: bl.Layout, rows: int, stop: threading.Event) -> EchoCache:
         """Called by the reader for every batch: checks it and returns the cache (made once)."""
-        with self._shared.lock:
-            if stop.is_set() or self._closed:
-                raise CacheClosedError("EchoLoader is closed")
-            if self._layout is None:  # the first batch of a pass
-                bl.check_saved(layout, self._saved_layout)
-                prior = self._prior_layout not in (None, layout.signature())
-                if prior or (self._stream is not None and layout != self._stream):
-                    passes.drop_cache(self)  # a new layout (fresh epoch: the cache is drained)
-                self._decode = Assembler(layout, self._pin)  # first: the consumer reads both
-                self._layout = self._stream = layout
-                self._saved_layout = self._prior_layout = None
-            else:
-                bl.check_same(self._layout, layout)
-            if self._batch_size is None:
-                self._batch_size = rows
-            if self._shared.cache is None:
-                if self._cache_config is None:
-                    self._cache_config = passes.cache_config(
-                        layout, self._batch_size, self._shuffle_buffer, self._capacity_bytes,
-                        self._seed, self._epoch_samples)  # fmt: skip
-                self._shared.cache = self._new_cache()
-            return self._shared.cache
-
-    def _new_cache(self) -> EchoCache:
-        assert self._cache_config is not None
-        return EchoCache(echo_factor=self._factor, memory="pageable", **self._cache_config)
+        return accept_layout(self, layout, rows, stop)
 
     # ---- iteration ----
     def __iter__(self) -> Iterator[Any]:
