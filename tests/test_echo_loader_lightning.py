@@ -12,7 +12,7 @@ import lightning  # in the test extra: a missing Lightning fails here rather tha
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from echopipe.torch import EchoLoader
 
@@ -344,3 +344,44 @@ def test_an_echoloader_given_to_fit_under_ddp_spawn_says_where_to_make_it() -> N
         trainer.fit(Module(2.0, 0, False), train_dataloaders=loader)
     assert "train_dataloader()" in str(info.value) and "_thread.lock" not in str(info.value)
     assert loader.stats().epoch == 0
+
+
+class PerRank(Sharded):
+    """Each process builds its own share as its dataset (every second sample from its rank,
+    22 each) and shuffles it with a plain RandomSampler: sharded, by other means than a
+    sampler, as with per-rank file lists."""
+
+    def train_dataloader(self) -> EchoLoader:
+        mine = Subset(Ids(), range(self.global_rank, 44, self.trainer.world_size))
+        data = DataLoader(mine, batch_size=6, shuffle=True)
+        self.loader = EchoLoader(data, echo_factor=2.0, sharded=self.build_sampler)
+        return self.loader
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_over_per_rank_datasets_trains_each_share_with_sharded_true(tmp_path) -> None:
+    """A plain shuffling DataLoader over a dataset that is already the process's share was
+    refused with UnshardedLoaderError ("each process would read the whole dataset"), with no way
+    to say otherwise; sharded=True trusts it: 8 steps per epoch on each of the 2 processes, each
+    sample of its share twice, the shares disjoint."""
+    out = str(tmp_path / "seen")
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+    )  # fmt: skip
+    trainer.fit(PerRank(out, build_sampler=True))
+    shares = []
+    for rank in range(2):
+        with open(f"{out}.{rank}") as f:
+            lengths, steps, seen, totals = json.load(f)
+        assert lengths == [8, 8] and steps == [8, 8] and totals == [44, 44]
+        assert seen[0] == seen[1] == list(range(rank, 44, 2))
+        shares.append(set(seen[0]))
+    assert not shares[0] & shares[1]
+
+
+def test_sharded_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="sharded"):
+        EchoLoader(DataLoader(Ids(), batch_size=6), sharded="yes")  # type: ignore[arg-type]

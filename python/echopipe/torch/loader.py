@@ -76,6 +76,9 @@ class EchoLoader(PassThrough):
         deterministic: Each draw waits until the reader filled the cache (or the input ended),
             so that two runs with the same ``seed`` and input order give the same batches
             (a fixed ``echo_factor`` only).
+        sharded: The wrapped loader already reads only this process's share of the data (a
+            dataset built per rank), so a plain ``RandomSampler`` or ``SequentialSampler`` under
+            several torch.distributed processes is not refused (:class:`UnshardedLoaderError`).
 
     Iterating yields about ``e`` times as many batches per epoch as the wrapped loader. A
     failure of the wrapped loader raises :class:`LoaderError` naming the batch; a batch that
@@ -100,12 +103,14 @@ class EchoLoader(PassThrough):
         timeout: float | None = None,
         close_timeout: float = 10.0,
         deterministic: bool = False,
+        sharded: bool = False,
     ) -> None:
         if not hasattr(loader, "__iter__"):
             raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
         self._loader = loader
         self._factor, self._controller = passes.check_echo(echo_factor, echo_max)
         self._deterministic = passes.check_deterministic(deterministic, self._controller)
+        self._sharded = wrapped.check_flag("sharded", sharded)
         self._shuffle_buffer = passes.check_count("shuffle_buffer", shuffle_buffer)
         self._batch_size = passes.check_count("batch_size", batch_size)
         self._explicit_batch = self._batch_size is not None
@@ -175,7 +180,7 @@ class EchoLoader(PassThrough):
         """
         if self._closed:
             raise RuntimeError("EchoLoader is closed")
-        wrapped.check_sharded(self._loader)
+        wrapped.check_sharded(self._loader, self._sharded)
         passes.check_auto_alone(self._controller is not None)
         if self._current is not None:  # an iterator still in its epoch (as DataLoader does)
             self._end_epoch(self._current, abort=True)
@@ -209,6 +214,7 @@ class EchoLoader(PassThrough):
         that, ``"auto"`` under several processes gets :meth:`__iter__`'s ``ValueError``.
         """
         passes.check_auto_alone(auto := self._controller is not None)
+        wrapped.check_sharded(self._loader, self._sharded)
         factor = None if auto else self._factor
         return self._lens_told.tell(self._loader, factor, self._batch_size)
 

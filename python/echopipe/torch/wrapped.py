@@ -28,6 +28,7 @@ __all__ = [
     "PassThrough",
     "UnshardedLoaderError",
     "batch_rows",
+    "check_flag",
     "check_sharded",
     "data_shard",
     "dataloaders",
@@ -258,17 +259,26 @@ def shape_source(loader: Any) -> str:
     return f"the wrapped DataLoader's dataset {type(dl.dataset).__name__} or collate_fn {collate}"
 
 
-def check_sharded(loader: Any) -> None:
+def check_flag(name: str, value: Any) -> bool:
+    """An option that is True or False (``TypeError`` naming it otherwise)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_sharded(loader: Any, sharded: bool = False) -> None:
     """Raises :class:`UnshardedLoaderError` when several torch.distributed processes would
     each read the whole dataset through a plain sampler.
 
     Lightning replaces the sampler of ``DataLoader`` objects only (``use_distributed_sampler``):
     it leaves an ``EchoLoader`` alone, so the ``DistributedSampler`` has to be in the wrapped
     ``DataLoader`` already. Custom samplers and batch samplers (timm's distributed samplers,
-    accelerate's sharding batch sampler) are trusted.
+    accelerate's sharding batch sampler) are trusted, and so is every loader with ``sharded``
+    (``EchoLoader(sharded=True)``: a dataset built per rank, which nothing here can tell from
+    the whole dataset).
     """
     here = shard()
-    if here is None:
+    if here is None or sharded:
         return
     dl = innermost_dataloader(loader)
     if dl is None or isinstance(dl.dataset, IterableDataset):
@@ -285,7 +295,8 @@ def check_sharded(loader: Any) -> None:
             f"DataLoader samples with a {type(sampler).__name__}, so each process would read the "
             "whole dataset: build it with sampler=DistributedSampler(dataset) (Lightning's "
             "use_distributed_sampler replaces samplers of DataLoaders only, not inside an "
-            "EchoLoader; build the DistributedSampler in train_dataloader())"
+            "EchoLoader; build the DistributedSampler in train_dataloader()); or, when each "
+            "process's dataset is already its own share, pass EchoLoader(..., sharded=True)"
         )
 
 
@@ -319,7 +330,6 @@ def epoch_batches(loader: Any, echo_factor: float | None, batch_size: int | None
     if echo_factor is None:
         raise TypeError("EchoLoader(echo_factor='auto') has no fixed epoch length (e follows "
                         "the measured R within an epoch); give a number for a len()")  # fmt: skip
-    check_sharded(loader)
     samples = samples_per_epoch(loader)
     if samples is None or batch_size is None:
         raise TypeError(
