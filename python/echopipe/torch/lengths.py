@@ -20,7 +20,8 @@ __all__ = ["LengthsTold", "StaleLengthWarning"]
 
 class StaleLengthWarning(RuntimeWarning):
     """An epoch ended with copies left after exactly as many batches as an earlier ``len()``
-    told: the loop stopped at a length ``set_echo_factor`` had made stale."""
+    told: the loop stopped at a length that ``set_echo_factor`` (or a loaded state's factor)
+    had made stale."""
 
 
 class LengthsTold:
@@ -51,9 +52,10 @@ class LengthsTold:
             return
         warnings.warn(
             f"EchoLoader: the loop stopped epoch {epoch} after {delivered} batches, a len() "
-            "read before set_echo_factor() changed the factor, and the epoch still held copies: "
-            "those samples are not trained on in it. Lightning reads len() once per fit: set "
-            "the factor in on_train_epoch_end and pass reload_dataloaders_every_n_epochs=1",
+            "read before the factor changed (set_echo_factor(), or a loaded state's), and the "
+            "epoch still held copies: those samples are not trained on in it. Lightning reads "
+            "len() once per fit, before it loads a checkpoint: set the factor in "
+            "on_train_epoch_end and pass reload_dataloaders_every_n_epochs=1",
             StaleLengthWarning,
             stacklevel=4,
         )
