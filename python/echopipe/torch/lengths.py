@@ -11,9 +11,12 @@ samples are not trained on in that epoch. The DALI ``EchoIterator`` names the sa
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import wrapped
+
+if TYPE_CHECKING:
+    from .loader import EchoLoader
 
 __all__ = ["LengthsTold", "StaleLengthWarning"]
 
@@ -34,15 +37,16 @@ class LengthsTold:
     def __init__(self) -> None:
         self._told: set[tuple[int, float]] = set()
 
-    def tell(self, loader: Any, factor: float | None, batch_size: int | None) -> int:
-        """The batches of ``loader``'s next epoch at ``factor`` (:func:`.wrapped.epoch_batches`:
-        ``TypeError`` when unknown), remembered with the factor."""
-        batches = wrapped.epoch_batches(loader, factor, batch_size)
+    def tell(self, source: Any, factor: float | None, batch_size: int | None) -> int:
+        """The batches of the next epoch over the wrapped loader ``source`` at ``factor``
+        (:func:`.wrapped.epoch_batches`: ``TypeError`` when unknown, as for ``"auto"``'s
+        ``None``), remembered with the factor."""
+        batches = wrapped.epoch_batches(source, factor, batch_size)
         if factor is not None:
             self._told.add((batches, factor))
         return batches
 
-    def warn_if_stale(self, loader: Any) -> None:
+    def warn_if_stale(self, loader: EchoLoader) -> None:
         """Warns when ``loader``'s epoch, ended early, still held copies (its ``_cut_short``)
         after as many batches as ``len()`` told at another factor than the loader's now."""
         epoch, delivered, factor = loader._epoch, loader._delivered_epoch[0], loader._factor
