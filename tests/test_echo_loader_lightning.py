@@ -385,3 +385,45 @@ def test_ddp_over_per_rank_datasets_trains_each_share_with_sharded_true(tmp_path
 def test_sharded_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="sharded"):
         EchoLoader(DataLoader(Ids(), batch_size=6), sharded="yes")  # type: ignore[arg-type]
+
+
+class Batches(Module):
+    """The wrapped DataLoader's batch size as a parameter (a resumed run may change it)."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__(2.0, 0, False)
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> EchoLoader:
+        data = DataLoader(Ids(), batch_size=self.batch_size, shuffle=False)
+        self.loader = EchoLoader(data, echo_factor=2.0)
+        return self.loader
+
+
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_a_mid_epoch_checkpoint_resumed_with_another_batch_size_is_refused(tmp_path) -> None:
+    """The state counts its position in the wrapped loader's batches: resumed with batches of 5
+    instead of 6 it skipped 5 per batch read, so the epoch delivered some samples 4 times and
+    missed others, silently. Refused now, naming the saved batch size; the same size resumes."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from echopipe.torch.loader_state import LoaderStateError
+
+    def trainer(**kw) -> lightning.Trainer:
+        return lightning.Trainer(
+            accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path, **kw,
+        )  # fmt: skip
+
+    saving = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=8, filename="{step}")
+    first = Batches(6)
+    trainer(callbacks=[saving]).fit(first)
+    with pytest.raises(LoaderStateError, match="batch_size=6"):
+        trainer().fit(Batches(5), ckpt_path=tmp_path / "step=8.ckpt")
+    resumed = Batches(6)
+    trainer().fit(resumed, ckpt_path=tmp_path / "step=8.ckpt")
+    assert resumed.steps == {0: 7}
+    for module in (first, resumed):
+        assert module.loader is not None
+        module.loader.close()
