@@ -24,9 +24,9 @@ import torch
 
 from ..echo import EchoCache
 from ..filecheck import memory_bytes
+from . import arguments, passes, workers, wrapped
 from . import batch_layout as bl
 from . import loader_state as ls
-from . import passes, workers, wrapped
 from .accept import accept_layout
 from .delivery import Assembler, next_batch, pin_choice
 from .lengths import LengthsTold, StaleLengthWarning
@@ -108,21 +108,21 @@ class EchoLoader(PassThrough):
         if not hasattr(loader, "__iter__"):
             raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
         self._loader = loader
-        self._factor, self._controller = passes.check_echo(echo_factor, echo_max)
-        self._deterministic = passes.check_deterministic(deterministic, self._controller)
+        self._factor, self._controller = arguments.check_echo(echo_factor, echo_max)
+        self._deterministic = arguments.check_deterministic(deterministic, self._controller)
         self._sharded = wrapped.check_flag("sharded", sharded)
-        self._shuffle_buffer = passes.check_count("shuffle_buffer", shuffle_buffer)
-        self._batch_size = passes.check_count("batch_size", batch_size)
+        self._shuffle_buffer = arguments.check_count("shuffle_buffer", shuffle_buffer)
+        self._batch_size = arguments.check_count("batch_size", batch_size)
         self._explicit_batch = self._batch_size is not None
         if self._batch_size is None:
             self._batch_size = wrapped.input_batch_size(loader)
         self._epoch_samples: int | None = None  # the wrapped loader's, when it tells
-        self._seed = passes.check_seed(seed)
-        self._capacity_bytes = passes.check_count("capacity_bytes", capacity_bytes)
-        self._interval = passes.check_count("echo_interval", echo_interval) or 1
-        self._timeout = passes.check_seconds("timeout", timeout)
-        self._close_timeout = passes.check_seconds("close_timeout", close_timeout) or 10.0
-        self._device = passes.check_device(device)
+        self._seed = arguments.check_seed(seed)
+        self._capacity_bytes = arguments.check_count("capacity_bytes", capacity_bytes)
+        self._interval = arguments.check_count("echo_interval", echo_interval) or 1
+        self._timeout = arguments.check_seconds("timeout", timeout)
+        self._close_timeout = arguments.check_seconds("close_timeout", close_timeout) or 10.0
+        self._device = arguments.check_device(device)
         self._pin = pin_choice(self._device, pin_memory, loader)
         self._shared = Shared()
         self._layout: bl.Layout | None = None
@@ -159,7 +159,7 @@ class EchoLoader(PassThrough):
 
         With ``echo_factor="auto"`` the controller may change it again later.
         """
-        e = passes.check_factor(value)
+        e = arguments.check_factor(value)
         self._factor = e
         cache = self._shared.cache
         if cache is not None:
