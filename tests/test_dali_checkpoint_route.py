@@ -11,10 +11,9 @@ import pytest
 pytest.importorskip("nvidia.dali")
 pytestmark = pytest.mark.dali
 
-from nvidia.dali import fn  # noqa: E402
 from nvidia.dali.plugin.pytorch import DALIClassificationIterator, LastBatchPolicy  # noqa: E402
 
-import echopipe.dali as edali  # noqa: E402
+from pipeline_support.dali_pipes import labelled_flip_pipe as train_pipe  # noqa: E402
 from pipeline_support.jpegs import solid_jpegs  # noqa: E402
 
 N = 30
@@ -24,16 +23,6 @@ N = 30
 def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     root = tmp_path_factory.mktemp("checkpoint_route_jpegs")
     return solid_jpegs(root, N, lambda i: (10, 12), lambda i: 8 * i)
-
-
-@edali.echo_pipeline_def(echo_factor=2)
-def train_pipe(files):
-    jpegs, labels = fn.readers.file(
-        files=files, labels=list(range(len(files))), random_shuffle=True, pad_last_batch=True,
-        name="Reader",
-    )  # fmt: skip
-    images, labels = edali.echo(fn.decoders.image(jpegs, device="cpu"), labels)
-    return fn.flip(images, horizontal=fn.random.coin_flip()), labels
 
 
 def _make(files, **kwargs):

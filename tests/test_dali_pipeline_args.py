@@ -15,6 +15,7 @@ from nvidia.dali import Pipeline, fn  # noqa: E402
 from nvidia.dali.plugin.pytorch import DALIClassificationIterator, LastBatchPolicy  # noqa: E402
 
 import echopipe.dali as edali  # noqa: E402
+from pipeline_support.dali_pipes import labelled_flip_pipe as train_pipe  # noqa: E402
 from pipeline_support.jpegs import solid_jpegs  # noqa: E402
 
 N = 14
@@ -24,17 +25,6 @@ N = 14
 def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     root = tmp_path_factory.mktemp("pipeline_args_jpegs")
     return solid_jpegs(root, N, lambda i: (10, 12), lambda i: 10 * i)
-
-
-@edali.echo_pipeline_def(echo_factor=2)
-def train_pipe(files):
-    jpegs, labels = fn.readers.file(
-        files=files, labels=list(range(len(files))), random_shuffle=True, pad_last_batch=True,
-        name="Reader",
-    )  # fmt: skip
-    images = fn.decoders.image(jpegs, device="cpu")
-    images, labels = edali.echo(images, labels)
-    return fn.flip(images, horizontal=fn.random.coin_flip()), labels
 
 
 def _make(files, **kwargs):

@@ -14,6 +14,7 @@ import torch
 from echopipe.pipeline import DistributedStalePipeline, HybridSchedule, StalePipeline
 from pipeline_support import models
 from pipeline_support.models import loss_fn, make_batches, sgd, small_cnn
+from pipeline_support.train_runs import torchrun_worker
 
 WORKER = Path(__file__).parent / "pipeline_support" / "dist_worker.py"
 TIMEOUT_WORKER = Path(__file__).parent / "pipeline_support" / "dist_timeout_worker.py"
@@ -34,25 +35,10 @@ def _assert_close(actual: dict, expected: dict) -> None:
         assert float((a - e).abs().max()) / scale <= 1e-12, key
 
 
-def _torchrun(worker: Path, out: Path, timeout: float) -> None:
-    env = dict(os.environ)
-    python_dir = Path(__file__).resolve().parent.parent / "python"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in [str(python_dir), env.get("PYTHONPATH", "")] if p
-    )
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(worker), str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-
-
 @pytest.fixture(scope="module")
 def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    _torchrun(WORKER, out, timeout=180)
+    torchrun_worker(WORKER, out, timeout=180)
     return out
 
 
@@ -198,7 +184,7 @@ def test_a_silent_neighbour_raises_timeout_error_naming_it(tmp_path: Path) -> No
     """Rank 1 builds its stage but never trains: rank 0 waits ``timeout_s`` (2 s) for the
     gradients it needs, then raises TimeoutError naming rank 1, instead of hanging (the
     subprocess timeout is the guard against a hang, not a bound on speed)."""
-    _torchrun(TIMEOUT_WORKER, tmp_path, timeout=120)
+    torchrun_worker(TIMEOUT_WORKER, tmp_path, timeout=120)
     seconds, outcome = (tmp_path / "rank0.txt").read_text().splitlines()
     assert outcome.startswith("TimeoutError: rank 0 (stage 0) waited more than 2 s"), outcome
     assert "from rank 1 (stage 1)" in outcome
@@ -208,7 +194,7 @@ def test_a_silent_neighbour_raises_timeout_error_naming_it(tmp_path: Path) -> No
 def test_integer_tensors_between_stages_are_named_not_an_assertion(tmp_path: Path) -> None:
     """Stage 1's input is token ids (no gradient to send back): the rank says so in a
     TypeError (it was a bare AssertionError)."""
-    _torchrun(INT_WORKER, tmp_path, timeout=120)
+    torchrun_worker(INT_WORKER, tmp_path, timeout=120)
     outcome = (tmp_path / "rank1.txt").read_text()
     assert outcome.startswith("TypeError: stage 1's input carries no gradient"), outcome
 

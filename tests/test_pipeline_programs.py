@@ -4,7 +4,6 @@ gradient clipping, mixed precision, frozen normalisation layers, non-tensor stag
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from functools import partial
@@ -26,6 +25,7 @@ from pipeline_support.models import BALANCES, loss_fn, make_batches, sgd, small_
 from pipeline_support.reference import ReferencePipeline
 from pipeline_support.resume_program import HALF, resume_batches, resume_model, resume_pipeline
 from pipeline_support.timing import FakeClock
+from pipeline_support.train_runs import torchrun_worker
 
 MAX_NORM = 0.05
 
@@ -188,19 +188,9 @@ def test_two_gloo_ranks_under_autocast_equal_the_threaded_engine(
 ) -> None:
     """Both engines train under the caller's bfloat16 autocast, with recompute, and agree even
     for the minibatches whose recompute runs in a ``drain()`` outside the autocast block."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    python_dir = Path(__file__).resolve().parent.parent / "python"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(python_dir), env.get("PYTHONPATH")] if p)
-    worker = Path(__file__).parent / "pipeline_support" / "dist_amp_worker.py"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={port}", str(worker), str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    torchrun_worker(
+        Path(__file__).parent / "pipeline_support" / "dist_amp_worker.py", tmp_path, 180
+    )
 
     with StalePipeline(
         amp_mlp(),

@@ -4,10 +4,6 @@ tied across layers, losses that return more than a scalar, layers frozen mid-run
 from __future__ import annotations
 
 import gc
-import os
-import socket
-import subprocess
-import sys
 import threading
 import weakref
 from pathlib import Path
@@ -17,6 +13,7 @@ import torch
 from torch import nn
 
 from echopipe.pipeline import PipelineError, StalePipeline
+from pipeline_support.train_runs import torchrun_worker
 
 loss_fn = nn.functional.cross_entropy
 
@@ -222,19 +219,9 @@ def test_unfreezing_a_parameter_no_optimizer_holds_is_named() -> None:
 def test_a_layer_frozen_on_data_parallel_replicas_stays_put(tmp_path: Path) -> None:
     """The replicas' gradient average filled a frozen parameter's missing gradient with zeros,
     and momentum and weight decay then moved it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    python_dir = Path(__file__).resolve().parent.parent / "python"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(python_dir), env.get("PYTHONPATH")] if p)
-    worker = Path(__file__).parent / "pipeline_support" / "dist_freeze_worker.py"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={port}", str(worker), str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    torchrun_worker(
+        Path(__file__).parent / "pipeline_support" / "dist_freeze_worker.py", tmp_path, 180
+    )
     for rank in range(2):
         saved = torch.load(tmp_path / f"rank{rank}.pt")
         for key, value in saved["before"].items():

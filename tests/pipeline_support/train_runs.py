@@ -1,5 +1,6 @@
-"""What the tests that run ``echopipe train`` in child processes (torchrun jobs, stopped runs)
-share: the environment, a free port, a stop at a marker, and the records a run leaves."""
+"""What the tests that run ``echopipe train`` or a pipeline worker in child processes (torchrun
+jobs, stopped runs) share: the environment, a free port, a two-rank worker job, a stop at a
+marker, and the records a run leaves."""
 
 from __future__ import annotations
 
@@ -36,6 +37,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def torchrun_worker(worker: Path, out: Path, timeout: float) -> None:
+    """Runs the script ``worker`` on two torchrun ranks, with ``out`` as its argument, and
+    fails the test with the job's output unless it ends with status 0."""
+    import sys
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(worker), str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
 def stop_when(cmd: list[str], ready: Callable[[str], bool]) -> tuple[int, str]:
