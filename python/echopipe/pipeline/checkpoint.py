@@ -56,7 +56,9 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
 
     The file is flushed and fsynced before ``os.replace`` and the folder entry after it, so a
     process killed at any point leaves either the old file or the complete new one. The folder
-    must exist (``FileNotFoundError`` names it otherwise). Returns the final path.
+    must exist (``FileNotFoundError`` names it otherwise). A write that fails (a full disk)
+    removes the temporary file and raises an ``OSError`` naming ``path``. Returns the final
+    path.
     """
     final = Path(path)
     folder = final.parent
@@ -69,9 +71,12 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, final)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename is None:
+            # A write into a full disk (ENOSPC, EFBIG) names no file: this one is named.
+            raise OSError(exc.errno, exc.strerror, str(final)) from exc
         raise
     _fsync_dir(folder)
     return final

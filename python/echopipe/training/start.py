@@ -270,6 +270,14 @@ class RunStart:
             extra["restarts"] = [restart_entry(self.resume_path, st, self.changed, notes)]
         write_config(self.out, self.cfg.as_json(), resolved, decisions, extra)
 
+    def explained(self, exc: Exception, step: int, started: bool) -> Exception:
+        """The error that ended the run at ``step``, told in its line: a failed collective as
+        the rank it waited for; a file the started run could not write (a full disk, a folder
+        gone read-only) with the checkpoint ``--resume`` continues from."""
+        if isinstance(exc, OSError) and started:
+            return DataError(f"{exc}; {self.interrupted_line(step, 'stopped')}")
+        return self.named_rank(exc, step)
+
     def named_rank(self, exc: Exception, step: int) -> Exception:
         """A collective that failed at ``step``, told as the rank it waited for (when one is
         silent)."""
@@ -306,16 +314,16 @@ class RunStart:
         self.say(note)
         return [note]
 
-    def interrupted_line(self, step: int | None) -> str:
+    def interrupted_line(self, step: int | None, how: str = "interrupted") -> str:
         """What Ctrl-C (or SIGTERM) says: where the run stopped and what ``--resume`` uses."""
         at = "during start-up" if step is None else f"at step {step}"
         out = self.out
         if self.last_saved is None or out is None:
             where = f" in {out}" if out is not None else ""
-            return f"interrupted {at}; no checkpoint{where} yet: there is nothing to resume"
+            return f"{how} {at}; no checkpoint{where} yet: there is nothing to resume"
         done, when = self.last_saved
         return (
-            f"interrupted {at}; --resume --output {out} continues from "
+            f"{how} {at}; --resume --output {out} continues from "
             f"{self.ckpts.last} (step {done}, {when})"
         )
 

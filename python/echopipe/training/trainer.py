@@ -121,7 +121,7 @@ class Trainer:
             step = self.run_state.global_step if self.configured else None
             raise Interrupted(start.interrupted_line(step)) from None
         except Exception as exc:
-            named = start.named_rank(exc, self.run_state.global_step)
+            named = start.explained(exc, self.run_state.global_step, self.configured)
             if named is exc:
                 raise
             raise named from None
