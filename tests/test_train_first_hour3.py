@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from echopipe.cli import main
+from pipeline_support.jpegs import two_class_folder
 from pipeline_support.train_runs import child_env
 
 RUN = ["--model", "lenet5", "--image-size", "32", "-b", "8", "--stages", "1", "--echo", "1",
@@ -57,3 +60,50 @@ def test_a_checkpoint_the_disk_cannot_hold_names_the_file_and_the_resume(
     again = _train([*data, "--resume"])
     assert again.returncode == 0, again.stderr
     assert "(8 steps, 2 epochs" in again.stdout, again.stdout
+
+
+FOLLOWED = "a link to the split folder itself is followed, links out of it are not"
+
+
+def _link_classes_out(data: Path, split: str, names: list[str]) -> Path:
+    """Moves ``split``'s class folders ``names`` to another disk's folder and links each back
+    (a layout that spreads a data set over disks, one link per class)."""
+    other = data.parent / "disk2" / split
+    other.mkdir(parents=True)
+    for name in names:
+        (data / split / name).rename(other / name)
+        (data / split / name).symlink_to(other / name)
+    return other
+
+
+@pytest.mark.parametrize(
+    ("linked", "said"),
+    [
+        # One: the line named a class folder the user sees in both splits.
+        (["cat"], "have different class folders (e.g. 'cat'): train/cat is a symbolic link "
+                  "to {other}/cat, outside train/, and such links are left out"),
+        # All but one: the line said train/ had one class folder.
+        (["ant", "cat"], "train/ has 1 class folder(s); a classifier needs at least 2; 2 "
+                         "symbolic link(s) in it are left out (e.g. {data}/train/ant: link "
+                         "leaves the data folder (to {other}/ant)): " + FOLLOWED),
+        # Every one: the line said train/ had no class sub-folders.
+        (["ant", "bee", "cat"], "has no class sub-folders; 3 symbolic link(s) in it are left "
+                                "out (e.g. {data}/train/ant: link leaves the data folder (to "
+                                "{other}/ant)): " + FOLLOWED),
+    ],
+)  # fmt: skip
+def test_class_folders_linked_from_another_disk_are_named_as_links_left_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], linked: list[str], said: str
+) -> None:
+    """Class folders that are links out of train/ are left out (a run reads only inside its
+    split); a start refused for the classes missing then says so, naming a link, instead of
+    naming a class that is there or saying there are none."""
+    data = two_class_folder(tmp_path / "data")
+    for split in ("train", "val"):
+        shutil.copytree(data / split / "ant", data / split / "bee")
+    other = _link_classes_out(data, "train", linked)
+    argv = ["train", "--data", str(data), *RUN, "--output", str(tmp_path / "run")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(said.format(data=data, other=other)), err
+    assert not (tmp_path / "run").exists()

@@ -18,6 +18,7 @@ __all__ = [
     "class_folders",
     "is_utf8",
     "link_problem",
+    "links_left_out",
     "list_tree",
     "open_regular_image",
     "walk_images",
@@ -146,6 +147,19 @@ def is_utf8(name: str) -> bool:
     return True
 
 
+def links_left_out(links_skipped: list[tuple[str, str]]) -> str:
+    """What a line about too few class folders adds when some were symbolic links left out
+    (class folders linked one by one from another disk are all left out; without this the
+    line said the folder had none)."""
+    if not links_skipped:
+        return ""
+    path, why = links_skipped[0]
+    return (
+        f"; {len(links_skipped)} symbolic link(s) in it are left out (e.g. {path}: {why}): "
+        "a link to the split folder itself is followed, links out of it are not"
+    )
+
+
 def class_folders(
     root_path: Path, real_root: str, links_skipped: list[tuple[str, str]]
 ) -> list[str]:
@@ -193,7 +207,10 @@ def list_tree(
     real_root = os.path.realpath(root_path)
     classes = class_folders(root_path, real_root, links_skipped)
     if not classes:
-        raise ValueError(f"image folder {str(root_path)!r} has no class sub-folders")
+        raise ValueError(
+            f"image folder {str(root_path)!r} has no class sub-folders"
+            f"{links_left_out(links_skipped)}"
+        )
     if on_classes is not None:
         on_classes(classes)
     files: list[str] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -141,14 +142,16 @@ def check_data(
             if len(classes) < 2:
                 raise DataError(
                     f"--data {str(data_dir)!r}: train/ has {len(classes)} class folder(s); a "
-                    "classifier needs at least 2"
+                    f"classifier needs at least 2{_class_links_left_out(data_dir / 'train')}"
                 )
         elif classes != indexes["train"].classes:
             extra = sorted(set(classes) ^ set(indexes["train"].classes))
+            found = ((n, why) for n in extra if (why := _left_out_link(data_dir, n)))
+            name, why = next(found, (extra[0], ""))
             # A ValueError: this rank's own finding, which the scan tells the other ranks.
             raise ValueError(
                 f"val/ and train/ of {str(data_dir)!r} have different class folders (e.g. "
-                f"{extra[0]!r})"
+                f"{name!r}){why}"
             )
 
     split = "train"
@@ -180,6 +183,31 @@ def check_data(
                 "model's outputs but is never trained"
             )
     return data_dir, train.classes, indexes
+
+
+def _class_links_left_out(split_dir: Path) -> str:
+    """The note on ``split_dir``'s class folders that are symbolic links left out."""
+    from ..data.folder_walk import class_folders, links_left_out
+
+    skipped: list[tuple[str, str]] = []
+    class_folders(split_dir, os.path.realpath(split_dir), skipped)
+    return links_left_out(skipped)
+
+
+def _left_out_link(data_dir: Path, name: str) -> str:
+    """Why the class folder ``name`` is missing from one split when that split has it as a
+    symbolic link the scan leaves out (it leaves the split, loops or dangles): without it the
+    line named a class the user sees in both splits."""
+    from ..data.folder_walk import link_problem
+
+    for split in ("train", "val"):
+        path = data_dir / split / name
+        if path.is_symlink() and link_problem(str(path), os.path.realpath(path.parent), set()):
+            where = "that loops or dangles"
+            with contextlib.suppress(OSError, RuntimeError):
+                where = f"to {os.path.realpath(path, strict=True)}, outside {split}/,"
+            return f": {split}/{name} is a symbolic link {where} and such links are left out"
+    return ""
 
 
 def _has_splits(data_dir: Path, share: ScanShare | None) -> None:
