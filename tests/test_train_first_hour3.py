@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from echopipe.cli import main
+from pipeline_support import train_runs as tr
 from pipeline_support.jpegs import two_class_folder
 from pipeline_support.train_runs import child_env
 
@@ -107,3 +110,25 @@ def test_class_folders_linked_from_another_disk_are_named_as_links_left_out(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith(said.format(data=data, other=other)), err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.dali
+def test_the_stop_line_quotes_a_run_folder_with_spaces_for_the_shell(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """The line of a stopped run gives the options that continue it; a folder with a space
+    (and non-ASCII letters) was written bare, so the pasted options named another folder."""
+    run = tmp_path / "my runs" / "ré sumé"
+    cmd = [sys.executable, "-m", "echopipe.cli", "train", "--data", str(tiny_imagenet), *RUN,
+           "--output", str(run)]  # fmt: skip
+    code, err = tr.stop_when(cmd, lambda seen: "epoch 1/2:" in seen)
+    assert code == 143, err
+    last = err.strip().splitlines()[-1]
+    found = re.fullmatch(
+        r"echopipe train: interrupted at step \d+; (.*) continues from (.*) "
+        r"\(step 4, end of epoch 1\)",
+        last,
+    )
+    assert found is not None, last
+    assert shlex.split(found[1]) == ["--resume", "--output", str(run)]
+    assert found[2] == str(run / "checkpoints" / "last.pt")

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shlex
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -315,7 +316,8 @@ class RunStart:
         return [note]
 
     def interrupted_line(self, step: int | None, how: str = "interrupted") -> str:
-        """What Ctrl-C (or SIGTERM) says: where the run stopped and what ``--resume`` uses."""
+        """What Ctrl-C (or SIGTERM) says: where the run stopped and what ``--resume`` uses
+        (the folder quoted as a shell would need it, so the options can be pasted)."""
         at = "during start-up" if step is None else f"at step {step}"
         out = self.out
         if self.last_saved is None or out is None:
@@ -323,7 +325,7 @@ class RunStart:
             return f"{how} {at}; no checkpoint{where} yet: there is nothing to resume"
         done, when = self.last_saved
         return (
-            f"{how} {at}; --resume --output {out} continues from "
+            f"{how} {at}; --resume --output {shlex.quote(str(out))} continues from "
             f"{self.ckpts.last} (step {done}, {when})"
         )
 
