@@ -132,3 +132,27 @@ def test_the_stop_line_quotes_a_run_folder_with_spaces_for_the_shell(
     assert found is not None, last
     assert shlex.split(found[1]) == ["--resume", "--output", str(run)]
     assert found[2] == str(run / "checkpoints" / "last.pt")
+
+
+@pytest.mark.parametrize("version", [b"0", b"2", b"10"])
+def test_a_checkpoint_of_another_format_version_is_named_as_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], version: bytes
+) -> None:
+    """A checkpoint an older or newer echopipe wrote (another version on its first line) was
+    refused as 'not an echopipe checkpoint'; the line says which format it is and which this
+    echopipe reads."""
+    import torch
+
+    from echopipe.training.checkpoints import read_state_file, write_checkpoint
+
+    path = tmp_path / "last.pt"
+    write_checkpoint({"w": torch.zeros(3)}, path)
+    assert torch.equal(read_state_file(path)["w"], torch.zeros(3))
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b"echopipe-checkpoint 1\n", b"echopipe-checkpoint " + version
+                                  + b"\n", 1))  # fmt: skip
+    assert main(["export", str(path), str(tmp_path / "model.pt")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"echopipe export: error: checkpoint '{path}' is of another format ('echopipe-checkpoint "
+        f"{version.decode()}'; this echopipe reads 'echopipe-checkpoint 1'); it is not loaded"
+    ]

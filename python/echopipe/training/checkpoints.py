@@ -60,6 +60,7 @@ __all__ = [
 CHECKPOINT_MAGIC = b"echopipe-checkpoint 1\n"
 """First line of every checkpoint file; a file that does not start with it is not read."""
 
+_OTHER_VERSION_RE = re.compile(rb"echopipe-checkpoint [0-9]{1,9}\n")
 _DIGEST_RE = re.compile(rb"^sha256 ([0-9a-f]{64}) ([0-9]{1,15})\n$")
 _TAG = "__echopipe_codec__"
 
@@ -255,11 +256,17 @@ def _read_payload(p: Path) -> bytes:
             f"checkpoint {name!r} cannot be opened ({exc.strerror or exc})"
         ) from None
     with f:
-        magic = f.read(len(CHECKPOINT_MAGIC))
+        magic = f.readline(len(CHECKPOINT_MAGIC) + 20)
         if magic != CHECKPOINT_MAGIC:
+            ours = CHECKPOINT_MAGIC.decode().strip()
+            if _OTHER_VERSION_RE.fullmatch(magic):  # one an echopipe older or newer wrote
+                raise CheckpointError(
+                    f"checkpoint {name!r} is of another format ({magic.decode().strip()!r}; "
+                    f"this echopipe reads {ours!r}); it is not loaded"
+                )
             raise CheckpointError(
-                f"{name!r} is not an echopipe checkpoint (its first line is not "
-                f"{CHECKPOINT_MAGIC.decode().strip()!r}); it is not loaded"
+                f"{name!r} is not an echopipe checkpoint (its first line is not {ours!r}); "
+                "it is not loaded"
             )
         match = _DIGEST_RE.match(f.readline(100))
         if match is None:
