@@ -65,6 +65,29 @@ def test_a_checkpoint_the_disk_cannot_hold_names_the_file_and_the_resume(
     assert "(8 steps, 2 epochs" in again.stdout, again.stdout
 
 
+@pytest.mark.dali
+def test_a_steps_csv_the_disk_cannot_hold_is_named_once(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """steps.csv, appended to through a buffer, fails when the buffer is written out before
+    the first checkpoint; the run's closing then wrote it once more and failed again, so the
+    line was the close's bare ``error: [Errno 27] File too large`` (and the closes after it
+    were skipped). The line names the file and where the run stopped."""
+    run = tmp_path / "run"
+    # 128 one-image steps in the one epoch: steps.csv's lines pass 4 KiB before its first
+    # checkpoint; config.json stays below.
+    args = ["--data", str(tiny_imagenet), "--output", str(run), "--epochs", "1", "-b", "1",
+            "--echo", "4", "--lr", "0.001"]  # fmt: skip
+    full = _train(args, file_limit=4096)
+    assert full.returncode == 1, full.stderr
+    assert "Traceback" not in full.stderr
+    assert full.stderr.strip().splitlines()[-1] == (
+        f"echopipe train: error: [Errno {errno.EFBIG}] {os.strerror(errno.EFBIG)}: "
+        f"'{run / 'steps.csv'}'; stopped at step 128; no checkpoint in {run} yet: there is "
+        "nothing to resume"
+    )
+
+
 FOLLOWED = "a link to the split folder itself is followed, links out of it are not"
 
 

@@ -8,6 +8,7 @@ stale pipeline and pay start-up costs. ``steps.csv`` in the run folder has one l
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -260,19 +261,33 @@ class StepLog:
             del self._waiting[step]
             if self.file is not None:
                 shown = "" if loss is None else f"{loss:.6g}"
-                self.file.write(f"{step},{epoch:.4f},{shown},{lr:.6g},{e:g},{wall_s:.3f}\n")
+                line = f"{step},{epoch:.4f},{shown},{lr:.6g},{e:g},{wall_s:.3f}\n"
+                self._named(lambda f, line=line: f.write(line))
 
     def flush(self) -> None:
         """Writes every waiting line (after a drain their losses are all known) to the disk."""
         self._write(every=True)
         if self.file is not None:
-            self.file.flush()
+            self._named(lambda f: f.flush())
 
     def close(self) -> None:
         self._write(every=True)
         if self.file is not None:
-            self.file.close()
+            self._named(lambda f: f.close())
             self.file = None
+
+    def _named(self, action: Callable[[TextIO], object]) -> None:
+        """``action`` on the file; an OSError (a full disk) names the file and closes it, so
+        it is raised once: the close of a run that stops on it would raise it again, in place
+        of the line that says where the run stopped, and skip the closes after it."""
+        assert self.file is not None
+        try:
+            action(self.file)
+        except OSError as exc:
+            file, self.file = self.file, None
+            with contextlib.suppress(OSError):
+                file.close()  # the descriptor is closed even when the flush in it fails
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
 
 _LINE_BYTES = 128
