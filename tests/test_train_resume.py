@@ -159,7 +159,8 @@ def test_resume_auto_starts_then_continues_and_clears_stale_temporary_files(
     assert main(argv) == 0
     out, err = capsys.readouterr()
     assert "removed 1 temporary file(s) of an interrupted write" in err
-    assert f"resume: {run / 'checkpoints' / 'last.pt'} (step 3, epoch 0)" in err
+    # In the stop line's words: step 3 lies in epoch 1 (it said 'epoch 0', the epochs done).
+    assert f"resume: {run / 'checkpoints' / 'last.pt'} (step 3, epoch 1)" in err
     assert "steps, 2 epochs" in out and not stale.exists()
     assert read_checkpoint(run / "checkpoints" / "last.pt")["run"]["global_step"] == 8
 

@@ -125,7 +125,7 @@ def test_a_sigterm_during_validation_keeps_the_trained_epoch(
     done = _cli(["train", "--output", str(run), "--resume"])
     assert done.returncode == 0, done.stderr
     assert (
-        f"resume: {last} (step 8, epoch 0; epoch 1 trained, not validated: it is validated first)"
+        f"resume: {last} (step 8, epoch 1 trained, not validated: it is validated first)"
         in done.stderr
     ), done.stderr
     assert "validating epoch 1/2 at step 8" in done.stderr
@@ -241,7 +241,7 @@ def test_a_sigterm_after_validation_keeps_the_validated_epoch(
 
     done = _cli(["train", "--output", str(run), "--resume"])
     assert done.returncode == 0, done.stderr
-    assert f"resume: {last} (step 8, epoch 1)" in done.stderr, done.stderr
+    assert f"resume: {last} (step 8, end of epoch 1)" in done.stderr, done.stderr
     assert "validating epoch 1/" not in done.stderr
     assert tr.rows(run) == tr.rows(ref)
     assert [r["step"] for r in tr.rows(run)] == [8, 16]

@@ -112,6 +112,11 @@ class RunState:
             return f"end of epoch {self.epoch}"
         return f"epoch {self.epoch + 1}"
 
+    def resume_position(self) -> str:
+        """:meth:`position` as a resume says it. In the stop line's words: the epochs done
+        ("epoch 1") named step 5 of the epoch that the stop line had called "epoch 2"."""
+        return self.position() + (": it is validated first" if self.validation_due else "")
+
     @property
     def t_down_s(self) -> float:
         """Mean compute seconds per step, or NaN before any was timed."""

@@ -305,8 +305,7 @@ class Trainer:
             self.pipeline.load_state_dict(saved["pipeline"])
             set_rng_state(saved["rng"])
             st = self.run_state
-            due = f"; {st.position()}: it is validated first" if st.validation_due else ""
-            where = f"step {st.global_step}, epoch {st.epoch}{due}"
+            where = f"step {st.global_step}, {st.resume_position()}"
             self.say(f"resume: {self.start.resume_path} ({where})")
 
     def _model(self) -> nn.Sequential:
