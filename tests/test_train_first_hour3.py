@@ -179,3 +179,27 @@ def test_a_checkpoint_of_another_format_version_is_named_as_one(
         f"echopipe export: error: checkpoint '{path}' is of another format ('echopipe-checkpoint "
         f"{version.decode()}'; this echopipe reads 'echopipe-checkpoint 1'); it is not loaded"
     ]
+
+
+@pytest.mark.dali
+def test_a_damaged_last_pt_names_the_prev_pt_a_resume_can_continue_from(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """A ``last.pt`` cut short (a copy of the run folder that stopped) was refused with no
+    word of the ``prev.pt`` beside it; the line gives the ``--resume`` that continues from
+    it, and that resume trains the run to its end."""
+    run = tmp_path / "run"
+    data = ["--data", str(tiny_imagenet), "--output", str(run)]
+    assert _train([*data, "--max-steps", "5"]).returncode == 0  # checkpoints at steps 4, 5
+    last, prev = run / "checkpoints" / "last.pt", run / "checkpoints" / "prev.pt"
+    with open(last, "r+b") as f:
+        f.truncate(1000)
+    refused = _train([*data, "--resume"])
+    assert refused.returncode == 1, refused.stderr
+    line = refused.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"echopipe train: error: checkpoint '{last}' is truncated"), line
+    assert line.endswith(f"; --resume {prev} continues from the checkpoint before it"), line
+    again = _train(["--data", str(tiny_imagenet), "--resume", str(prev)])
+    assert again.returncode == 0, again.stderr
+    assert f"resume: {prev} (step 4, end of epoch 1)" in again.stderr
+    assert "(8 steps, 2 epochs" in again.stdout, again.stdout

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoints import read_checkpoint
+from .checkpoints import CheckpointError, read_checkpoint
 from .config import DataError, TrainConfig, TrainError, UsageError
 from .distributed import DistContext
 from .options import CollectiveError
@@ -34,7 +35,17 @@ def read_resume(path: Path, world_size: int) -> dict[str, Any]:
             f"--resume: no checkpoint {str(path)!r} in this run folder; start without "
             "--resume, or give --resume CKPT"
         )
-    saved = read_checkpoint(path)
+    try:
+        saved = read_checkpoint(path)
+    except CheckpointError as exc:
+        prev = path.with_name("prev.pt")
+        if path.name != "last.pt" or not prev.is_file():
+            raise
+        # A damaged last.pt (a copy cut short, a bad disk) need not end the run: the file
+        # before it is kept beside it.
+        raise CheckpointError(
+            f"{exc}; --resume {shlex.quote(str(prev))} continues from the checkpoint before it"
+        ) from None
     if "run" not in saved or "pipeline" not in saved:
         raise UsageError(f"--resume {str(path)!r} holds no training run to continue")
     was = saved["run"]["world_size"]
