@@ -203,3 +203,27 @@ def test_a_damaged_last_pt_names_the_prev_pt_a_resume_can_continue_from(
     assert again.returncode == 0, again.stderr
     assert f"resume: {prev} (step 4, end of epoch 1)" in again.stderr
     assert "(8 steps, 2 epochs" in again.stdout, again.stdout
+
+
+def test_a_run_folder_it_cannot_write_in_is_one_line_naming_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An existing --output the run cannot write in (a read-only mount) was a bare ``[Errno
+    30] Read-only file system: '.../.echopipe-train.lock'`` (and for an empty folder on a
+    read-only tmpfs mount, tried by hand, the undoing of the lock file it never made failed
+    too, in place of that line). As root (who writes in a mode-555 folder) a lock name that
+    cannot be created stands in for the mount."""
+    data = two_class_folder(tmp_path / "data")
+    out = tmp_path / "archive"
+    out.mkdir()
+    if os.geteuid() == 0:
+        (out / ".echopipe-train.lock").symlink_to(tmp_path / "gone" / "lock")
+    else:
+        out.chmod(0o555)
+    argv = ["train", "--data", str(data), *RUN, "--output", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"echopipe train: error: --output '{out}': cannot write in the run "
+                             "folder ("), err  # fmt: skip
+    assert out.is_dir()

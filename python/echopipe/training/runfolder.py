@@ -162,8 +162,11 @@ class RunFolder:
                 "run and would be overwritten; choose a new or empty folder"
             )
         if lock:
-            self.lock_file_made = not (self.path / _LOCK_NAME).exists()
+            made = not (self.path / _LOCK_NAME).exists()
             self.lock = _lock(self.path)
+            # Only once it is there: undoing a lock file a read-only folder refused would fail
+            # too, and that error would replace the line saying why.
+            self.lock_file_made = made
 
     def remove_stale_tmp(self, *folders: Path) -> int:
         """Delete temporary files of writes that a kill interrupted; how many there were."""
@@ -211,6 +214,10 @@ def _lock(out: Path) -> Any:
         raise UsageError(
             f"--output {str(out)!r} is in use by another echopipe train; wait for it or choose "
             "another --output"
+        ) from None
+    except OSError as exc:  # a folder on a read-only mount, or not ours to write
+        raise UsageError(
+            f"--output {str(out)!r}: cannot write in the run folder ({exc.strerror or exc})"
         ) from None
     return lock
 
