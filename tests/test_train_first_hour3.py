@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from echopipe.cli import main
+from echopipe.data import scan_image_folder
 from pipeline_support import train_runs as tr
 from pipeline_support.jpegs import two_class_folder
 from pipeline_support.train_runs import child_env
@@ -227,3 +228,30 @@ def test_a_run_folder_it_cannot_write_in_is_one_line_naming_output(
     assert err[0].startswith(f"echopipe train: error: --output '{out}': cannot write in the run "
                              "folder ("), err  # fmt: skip
     assert out.is_dir()
+
+
+def test_a_link_into_another_class_folder_is_left_out_not_trained_under_two_labels(
+    tmp_path: Path,
+) -> None:
+    """Links inside train/ to another class's folder (a class folder that links to another,
+    a folder or file link inside a class that points into another class) were followed: the
+    other class's images were trained under both labels, silently. They are left out and
+    counted, each naming the class it points into; a link elsewhere inside train/ still
+    counts."""
+    root = two_class_folder(tmp_path / "data") / "train"
+    (root / "bee").symlink_to("ant")  # an alias of a class
+    (root / "cat" / "ants").symlink_to("../ant")  # a folder of another class, inside this one
+    (root / "cat" / "one.JPEG").symlink_to("../ant/00.JPEG")  # an image of another class
+    store = root / ".store"
+    store.mkdir()
+    shutil.copy(root / "cat" / "00.JPEG", store / "extra.JPEG")
+    (root / "cat" / "extra.JPEG").symlink_to("../.store/extra.JPEG")  # kept: no class's own
+    index = scan_image_folder(root)
+    assert index.classes == ["ant", "cat"]
+    assert index.counts_per_class() == [6, 7]
+    assert len({os.path.realpath(f) for f in index.files}) == len(index.files) == 13
+    skipped = {str(Path(p).relative_to(root)): why for p, why in index.links_skipped}
+    assert skipped == {
+        name: "link into the class folder 'ant' (its images would get two labels)"
+        for name in ("bee", "cat/ants", "cat/one.JPEG")
+    }

@@ -15,6 +15,7 @@ from typing import BinaryIO
 __all__ = [
     "OTHER_IMAGE_EXTENSIONS",
     "RENAME",
+    "ClassHomes",
     "class_folders",
     "is_utf8",
     "link_problem",
@@ -80,6 +81,33 @@ def link_problem(path: str, real_root: str, walking: set[str]) -> str | None:
     return None
 
 
+class ClassHomes:
+    """The real folders of a split's classes, to tell a link into another class's folder (or
+    into a folder above one) in a few dictionary look-ups, not one per class."""
+
+    def __init__(self, root_path: Path, real_root: str, classes: list[str]) -> None:
+        self.real_root = real_root
+        self.homes = {os.path.realpath(root_path / name): name for name in classes}
+        self.above: dict[str, str] = {}  # folders inside the root that hold a class folder
+        for home, name in self.homes.items():
+            up = os.path.dirname(home)
+            while up != real_root and _inside(up, real_root) and up not in self.above:
+                self.above[up] = name
+                up = os.path.dirname(up)
+
+    def other_class(self, path: str, own: str) -> str | None:
+        """Why the link ``path`` in class ``own`` is left out, or None."""
+        target = os.path.realpath(path)
+        name = self.above.get(target)
+        up = target
+        while name is None and up != self.real_root and _inside(up, self.real_root):
+            name = self.homes.get(up)
+            up = os.path.dirname(up)
+        if name is None or name == own:
+            return None
+        return f"link into the class folder {name!r} (its images would get two labels)"
+
+
 def walk_images(
     folder: Path,
     exts: tuple[str, ...],
@@ -87,12 +115,14 @@ def walk_images(
     links_skipped: list[tuple[str, str]],
     not_files: dict[str, str] | None = None,
     others: list[tuple[str, str]] | None = None,
+    homes: ClassHomes | None = None,
 ) -> Iterator[str]:
     """The image files under ``folder``. An entry named like an image that is neither a folder
     nor a regular file (a FIFO, socket or device) is yielded too, with why it is refused put in
     ``not_files``, so the scan names it; it is never opened. Files of the image formats of
     :data:`OTHER_IMAGE_EXTENSIONS` not among ``exts`` are added to ``others`` with why they are
-    left out."""
+    left out. With ``homes``, a link into another class folder is left out too: its images
+    would be trained under this class's label as well as their own."""
     # Depth first with the real paths of the folders being walked, so a link back into one of
     # them is seen as a loop; links out of the root are refused before they are followed. The
     # root counts as walked: a link to it would file every class's images under this one.
@@ -110,6 +140,8 @@ def walk_images(
                 continue
             if e.is_symlink():
                 reason = link_problem(e.path, real_root, set(walking))
+                if reason is None and homes is not None:
+                    reason = homes.other_class(e.path, folder.name)
                 if reason is not None:
                     links_skipped.append((e.path, reason))
                     continue
@@ -184,6 +216,25 @@ def class_folders(
     return classes
 
 
+def _not_aliases(
+    root_path: Path, real_root: str, classes: list[str], links_skipped: list[tuple[str, str]]
+) -> list[str]:
+    """``classes`` less the class folders that are links to another one (or into or above
+    one), which are left out: their images would be trained under two labels."""
+    linked = {name for name in classes if (root_path / name).is_symlink()}
+    if not linked:
+        return classes
+    homes = ClassHomes(root_path, real_root, [n for n in classes if n not in linked])
+    kept = []
+    for name in classes:
+        reason = homes.other_class(str(root_path / name), name) if name in linked else None
+        if reason is None:
+            kept.append(name)
+        else:
+            links_skipped.append((str(root_path / name), reason))
+    return kept
+
+
 def list_tree(
     root_path: Path,
     exts: tuple[str, ...],
@@ -205,7 +256,8 @@ def list_tree(
     if not is_utf8(str(root_path)):
         raise ValueError(f"image folder {str(root_path)!r} has a name that is not UTF-8{RENAME}")
     real_root = os.path.realpath(root_path)
-    classes = class_folders(root_path, real_root, links_skipped)
+    classes = _not_aliases(root_path, real_root, class_folders(root_path, real_root, links_skipped),
+                           links_skipped)  # fmt: skip
     if not classes:
         raise ValueError(
             f"image folder {str(root_path)!r} has no class sub-folders"
@@ -215,9 +267,10 @@ def list_tree(
         on_classes(classes)
     files: list[str] = []
     labels: list[int] = []
+    homes = ClassHomes(root_path, real_root, classes)
     for label, name in enumerate(classes):
         for path in walk_images(
-            root_path / name, exts, real_root, links_skipped, not_files, others
+            root_path / name, exts, real_root, links_skipped, not_files, others, homes
         ):
             files.append(path)
             labels.append(label)

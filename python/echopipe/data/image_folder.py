@@ -46,7 +46,8 @@ class ImageFolderIndex:
     Classes are the sorted names of ``root``'s sub-folders; ``labels[i]`` is the index in
     ``classes`` of ``files[i]``'s class. ``skipped`` lists ``(path, reason)`` for files left
     out by ``on_corrupt="skip"``; ``links_skipped`` lists ``(path, reason)`` for symbolic
-    links left out because they leave ``root``, loop or dangle; ``other_formats`` lists
+    links left out because they leave ``root``, loop, dangle or point into another class
+    folder; ``other_formats`` lists
     ``(path, reason)`` for files of image formats not read (BMP, GIF, TIFF, WebP, PNM: see
     :data:`~echopipe.data.folder_walk.OTHER_IMAGE_EXTENSIONS`). ``root`` is the scanned folder.
     """
@@ -254,7 +255,9 @@ def scan_image_folder(
     and folders (leading ``.``) are ignored, as are files directly in ``root``. Symbolic links
     are followed only while they stay inside ``root``; a link that leaves it, dangles, or leads
     back into a folder already being walked (a loop) is left out and listed in
-    ``links_skipped``, so a link can neither pull in files from elsewhere nor repeat a folder.
+    ``links_skipped``, so a link can neither pull in files from elsewhere nor repeat a folder;
+    so is a link into another class's folder (or a class folder linking to another), whose
+    images would otherwise be trained under two labels.
     A folder that cannot be listed raises OSError naming it (its images would be missing).
     DALI's reader takes only UTF-8 names: an image whose name (or sub-folder's) is not UTF-8 is
     a bad file at every ``check``, as is one that is not a regular file (a FIFO, socket or
