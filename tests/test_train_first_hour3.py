@@ -255,3 +255,30 @@ def test_a_link_into_another_class_folder_is_left_out_not_trained_under_two_labe
         name: "link into the class folder 'ant' (its images would get two labels)"
         for name in ("bee", "cat/ants", "cat/one.JPEG")
     }
+
+
+@pytest.mark.dali
+def test_an_export_the_disk_cannot_hold_is_one_line(tiny_imagenet: Path, tmp_path: Path) -> None:
+    """``echopipe export`` onto a full disk was a traceback: torch.save's zip writer turned the
+    failed write into ``RuntimeError: ... unexpected pos``. One line names OUT and why; no
+    file, temporary or final, is left."""
+    run = tmp_path / "run"
+    assert _train(["--data", str(tiny_imagenet), "--output", str(run), "--max-steps", "1"]
+                  ).returncode == 0  # fmt: skip
+    out = tmp_path / "exported" / "model.pt"
+    out.parent.mkdir()
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # lenet5's weights: 250 KB
+
+    cmd = [sys.executable, "-m", "echopipe.cli", "export", str(run / "checkpoints" / "last.pt"),
+           str(out)]  # fmt: skip
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"echopipe export: error: cannot write OUT '{out}': {os.strerror(errno.EFBIG)} (see "
+        "echopipe export --help)"
+    ]
+    assert list(out.parent.iterdir()) == []

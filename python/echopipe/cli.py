@@ -217,9 +217,7 @@ def _not_a_folder(path: Path) -> Path | None:
 
 
 def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    import torch
-
-    from .pipeline.checkpoint import atomic_write
+    from .pipeline.checkpoint import atomic_save
     from .training.checkpoints import CheckpointError, check_export, export_state_dict
 
     if not args.checkpoint.exists():
@@ -237,9 +235,9 @@ def _run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         return _fail(parser.prog, exc, debug=False)
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.out, lambda f: torch.save(weights, f))
+        atomic_save(weights, args.out)
     except OSError as exc:
-        parser.error(f"cannot write OUT {str(args.out)!r}: {exc}")
+        parser.error(f"cannot write OUT {str(args.out)!r}: {exc.strerror or exc}")
     model = saved["model"]
     try:
         check_export(args.out, model)  # what was written loads into the model it names

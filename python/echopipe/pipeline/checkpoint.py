@@ -84,7 +84,11 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save`` ``obj`` to ``path`` atomically (see :func:`atomic_write`)."""
-    return atomic_write(path, lambda f: torch.save(obj, f))
+    # Into memory first: torch.save's zip writer turns a failed file write (a full disk) into
+    # a RuntimeError about stream positions, where the write's own OSError names the file.
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return atomic_write(path, lambda f: f.write(buffer.getbuffer()))
 
 
 class CheckpointFileError(ValueError):
