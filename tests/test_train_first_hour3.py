@@ -282,3 +282,26 @@ def test_an_export_the_disk_cannot_hold_is_one_line(tiny_imagenet: Path, tmp_pat
         "echopipe export --help)"
     ]
     assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.dali
+def test_a_run_whose_data_folder_moved_is_told_how_to_continue(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """A data folder moved to another disk: the resume was refused (--data may not change)
+    with no way on. The folder is compared through links, so the line says that a link at the
+    old place continues the run, and that resume finishes it."""
+    data, moved, run = tmp_path / "data", tmp_path / "disk2" / "data", tmp_path / "run"
+    shutil.copytree(tiny_imagenet, data)
+    assert _train(["--data", str(data), "--output", str(run), "--max-steps", "3"]).returncode == 0
+    moved.parent.mkdir()
+    data.rename(moved)
+    hint = f" (moved? a link at '{data}' to its new place lets the run continue)"
+    for given in ([], ["--data", str(moved)]):
+        refused = _train(["--output", str(run), "--resume", *given])
+        assert refused.returncode == 2, refused.stderr
+        assert hint in refused.stderr.strip().splitlines()[-1], refused.stderr
+    data.symlink_to(moved)
+    done = _train(["--output", str(run), "--resume"])
+    assert done.returncode == 0, done.stderr
+    assert "(8 steps, 2 epochs" in done.stdout, done.stdout

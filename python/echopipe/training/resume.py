@@ -64,7 +64,8 @@ def merge_options(
             values[name] = getattr(cfg, name)
         elif name in given:
             if kind == "fixed":
-                refused.append(f"{flag(name)} was {was!r}, now {now[name]!r}")
+                moved = _moved_data(was) if name == "data" else ""
+                refused.append(f"{flag(name)} was {was!r}, now {now[name]!r}{moved}")
             changed[flag(name)] = [was, now[name]]
             values[name] = getattr(cfg, name)
         else:
@@ -94,8 +95,17 @@ def _inherited(f: dataclasses.Field, was: Any, ckpt: Path) -> Any:
     try:
         check_value(f, value)
     except UsageError as exc:
-        raise UsageError(f"--resume {str(ckpt)!r}: the checkpoint's {exc}") from None
+        moved = _moved_data(was) if f.name == "data" else ""
+        raise UsageError(f"--resume {str(ckpt)!r}: the checkpoint's {exc}{moved}") from None
     return value
+
+
+def _moved_data(was: Any) -> str:
+    """The way on for a run whose data folder is gone (moved to another disk): the folder is
+    compared through links, so a link at the old place to the new one continues the run."""
+    if not isinstance(was, str) or os.path.lexists(was):
+        return ""
+    return f" (moved? a link at {was!r} to its new place lets the run continue)"
 
 
 def agree_on_checkpoint(
