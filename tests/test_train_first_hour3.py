@@ -26,7 +26,9 @@ RUN = ["--model", "lenet5", "--image-size", "32", "-b", "8", "--stages", "1", "-
        "--epochs", "2", "--warmup-epochs", "0", "--no-progress"]  # fmt: skip
 
 
-def _train(args: list[str], file_limit: int | None = None) -> subprocess.CompletedProcess[str]:
+def _train(
+    args: list[str], file_limit: int | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
     def limit() -> None:
         # A file that cannot grow past ``file_limit`` bytes: writes fail with EFBIG, as a
         # full disk's fail with ENOSPC (SIGXFSZ ignored, or it would kill the process).
@@ -34,8 +36,8 @@ def _train(args: list[str], file_limit: int | None = None) -> subprocess.Complet
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
 
     cmd = [sys.executable, "-m", "echopipe.cli", "train", *RUN, *args]
-    return subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300,
-                          preexec_fn=None if file_limit is None else limit)  # fmt: skip
+    return subprocess.run(cmd, env={**child_env(), **env}, capture_output=True, text=True,
+                          timeout=300, preexec_fn=limit if file_limit else None)  # fmt: skip
 
 
 @pytest.mark.dali
@@ -305,3 +307,20 @@ def test_a_run_whose_data_folder_moved_is_told_how_to_continue(
     done = _train(["--output", str(run), "--resume"])
     assert done.returncode == 0, done.stderr
     assert "(8 steps, 2 epochs" in done.stdout, done.stdout
+
+
+@pytest.mark.dali
+def test_a_synthetic_set_the_cache_disk_cannot_hold_names_the_cache_folder(tmp_path: Path) -> None:
+    """The default data set, built into a cache folder on a full disk, ended with a bare
+    ``error: [Errno 27] File too large``. The line names the cache folder and the ways on."""
+    cache = tmp_path / "cache"
+    args = ["--synthetic-classes", "2", "--synthetic-per-class", "2", "--output",
+            str(tmp_path / "run")]  # fmt: skip
+    full = _train(args, file_limit=1000, ECHOPIPE_CACHE_DIR=str(cache))  # a JPEG: 2 to 4 KB
+    assert full.returncode == 1, full.stderr
+    assert full.stderr.strip().splitlines()[-1] == (
+        f"echopipe train: error: data: cannot build the synthetic set in '{cache}' "
+        f"({os.strerror(errno.EFBIG)}); set ECHOPIPE_CACHE_DIR to a folder with room, or give "
+        "--data"
+    )
+    assert not [p for p in cache.iterdir() if not p.name.endswith(".lock")]

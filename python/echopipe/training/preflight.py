@@ -125,20 +125,7 @@ def check_data(
     """
     from ..data import CheckFailedError, ScanShare, default_workers, scan_image_folder
 
-    if cfg.data is None:
-        from ..data import ensure_synthetic_imagenet
-
-        say(
-            f"data: the synthetic set ({cfg.synthetic_classes} classes x "
-            f"{cfg.synthetic_per_class} training images), built once into the cache (a minute or "
-            "so on 2 cores) and then reused..."
-        )
-        data_dir = ensure_synthetic_imagenet(
-            classes=cfg.synthetic_classes, per_class=cfg.synthetic_per_class
-        )
-        say(f"data: synthetic set {data_dir}")
-    else:
-        data_dir = Path(cfg.data)
+    data_dir = _synthetic_set(cfg, say) if cfg.data is None else Path(cfg.data)
     world = ctx.world_size if ctx is not None else 1
     share = ScanShare(ctx.rank, world, ctx.all_gather_object) if world > 1 else None
     _has_splits(data_dir, share)
@@ -219,6 +206,29 @@ def _left_out_link(data_dir: Path, name: str) -> str:
                 where = f"to {os.path.realpath(path, strict=True)}, outside {split}/,"
             return f": {split}/{name} is a symbolic link {where} and such links are left out"
     return ""
+
+
+def _synthetic_set(cfg: TrainConfig, say: Callable[[str], None]) -> Path:
+    """The synthetic set of ``cfg``'s size, made once into the cache folder."""
+    from ..data import default_dataset_dir, ensure_synthetic_imagenet
+
+    say(
+        f"data: the synthetic set ({cfg.synthetic_classes} classes x "
+        f"{cfg.synthetic_per_class} training images), built once into the cache (a minute or "
+        "so on 2 cores) and then reused..."
+    )
+    try:
+        data_dir = ensure_synthetic_imagenet(
+            classes=cfg.synthetic_classes, per_class=cfg.synthetic_per_class
+        )
+    except OSError as exc:  # a full or read-only cache folder: a write that names nothing
+        raise DataError(
+            f"data: cannot build the synthetic set in {str(default_dataset_dir())!r} "
+            f"({exc.strerror or exc}); set ECHOPIPE_CACHE_DIR to a folder with room, or "
+            "give --data"
+        ) from None
+    say(f"data: synthetic set {data_dir}")
+    return data_dir
 
 
 def _has_splits(data_dir: Path, share: ScanShare | None) -> None:
