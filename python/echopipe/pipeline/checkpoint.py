@@ -84,11 +84,37 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save`` ``obj`` to ``path`` atomically (see :func:`atomic_write`)."""
-    # Into memory first: torch.save's zip writer turns a failed file write (a full disk) into
-    # a RuntimeError about stream positions, where the write's own OSError names the file.
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return atomic_write(path, lambda f: f.write(buffer.getbuffer()))
+    return atomic_write(path, lambda f: _save_into(obj, f))
+
+
+class _KeptWriteError:
+    """A file as ``torch.save`` writes it, keeping the ``OSError`` of a write that fails."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _save_into(obj: Any, file: BinaryIO) -> None:
+    # torch.save's zip writer turns a failed write (a full disk) into a RuntimeError about
+    # stream positions; the write's own OSError says why (and atomic_write names the file).
+    kept = _KeptWriteError(file)
+    try:
+        torch.save(obj, kept)
+    except RuntimeError:
+        if kept.error is not None:
+            raise kept.error from None
+        raise
 
 
 class CheckpointFileError(ValueError):
