@@ -88,3 +88,18 @@ def test_pipeline_checkpoint_inside_a_pass_refuses_a_dali_iterator(files: list[s
             while True:
                 rest += [int(x) for x in pipe.run()[1].as_array().reshape(-1)]
     assert Counter(first + rest) == {k: 2 for k in range(N)}
+
+
+def test_dali_iterator_after_the_restored_pass_ended(files: list[str]) -> None:
+    with _make(files, enable_checkpointing=True) as pipe:
+        it = _iterator(pipe)
+        _labels(next(it) for _ in range(2))
+        checkpoint = pipe.checkpoint()
+    with _make(files, checkpoint=checkpoint, enable_checkpointing=True) as pipe:
+        with pytest.raises(StopIteration):  # a run() loop takes the rest of the restored pass
+            while True:
+                pipe.run()
+        pipe.reset()
+        # The next pass starts at its beginning, where an iterator counts whole epochs rightly.
+        # Before, the refusal of the restored pass stayed for the pipeline's lifetime.
+        assert Counter(_labels(_iterator(pipe))) == {k: 2 for k in range(N)}

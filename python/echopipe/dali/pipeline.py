@@ -186,6 +186,11 @@ class EchoPipeline(EchoPair):
             "checkpoints(), or one between two epochs"
         )
 
+    def _end_pass(self, runner: Any, queue: Any) -> None:
+        super()._end_pass(runner, queue)
+        # The restored pass is over: the next begins whole, where an iterator counts rightly.
+        self._restored_handed = 0
+
     def _scaled_meta(self, meta: dict[str, Any], policy: Any = None) -> dict[str, Any]:
         return scaled_meta(meta, self.config, self.reader_epochs, self.unaligned_reader, policy)
 
