@@ -245,3 +245,13 @@ def test_init_distributed_joins_again_after_a_torchrun_restart(tmp_path: Path) -
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     done = sorted(p.name for p in tmp_path.iterdir())
     assert done == ["attempt1_rank0", "attempt1_rank1"]
+
+
+def test_accuracy_of_a_model_with_several_heads_is_named_on_every_rank(tmp_path: Path) -> None:
+    """The last stage returns logits and auxiliary logits: accuracy raises StalePipeline's
+    TypeError on both ranks. Before, the last rank failed in torch.cat ('expected Tensor as
+    element 0') and stage 0 waited for a result that never came (its pipeline's timeout)."""
+    torchrun_worker(WORKER.with_name("dist_heads_worker.py"), tmp_path, timeout=180)
+    for rank in range(2):
+        outcome = (tmp_path / f"rank{rank}.txt").read_text()
+        assert outcome.startswith("TypeError: accuracy needs the model to output logits"), outcome

@@ -24,12 +24,16 @@ from .balance import partition_balance
 from .modes import eval_mode
 from .p2p import TAG_EVAL, TAG_TARGET, PeerLink
 from .ranks import StageTopology
-from .results import StepResult, output_to_cpu, unpack_batch
+from .results import StepResult, as_logits, output_to_cpu, unpack_batch
 
 __all__ = [
     "agree_steps", "agreed_auto_balance", "agreed_metric", "feed_steps", "pipeline_accuracy",
     "pipeline_evaluate",
 ]  # fmt: skip
+
+# The result the last stage sends when the model's output is not logits (an accuracy is in
+# [0, 1] or NaN): every rank then raises, where the others would wait for a result.
+_NOT_LOGITS = -1.0
 
 _NO_LIMIT = 2**62
 
@@ -168,10 +172,17 @@ def pipeline_accuracy(
         send(n, topology.next, TAG_EVAL)
     outputs = [evaluate(chunks[i] if chunks else None) for i in range(int(n.item()))]
     result = torch.zeros(1, dtype=torch.float64)
+    failure: TypeError | None = None
     if topology.is_last:
         assert target is not None
         done = [o for o in outputs if o is not None]
-        if done:
+        try:
+            done = [as_logits(o) for o in done]
+        except TypeError as exc:  # several heads: the other ranks wait for a result all the same
+            failure = exc
+        if failure is not None:
+            result[0] = _NOT_LOGITS
+        elif done:
             logits = torch.cat(done)
             result[0] = (logits.argmax(dim=1) == target.cpu().long()).double().mean()
         else:
@@ -180,7 +191,14 @@ def pipeline_accuracy(
             send(result, peer, TAG_EVAL)
     else:
         result = recv(topology.last_rank, TAG_EVAL)
+        if float(result[0]) == _NOT_LOGITS:
+            failure = TypeError(
+                "accuracy needs the model to output logits, its last stage outputs several "
+                "(a tuple, list or dict): score evaluate()'s outputs instead"
+            )
     link.reap_sends(wait_all=True)
+    if failure is not None:
+        raise failure
     return float(result.cpu()[0])
 
 

@@ -1,0 +1,61 @@
+"""torchrun worker: a two-stage pipeline whose last stage returns two heads (logits and
+auxiliary logits), scored with ``accuracy``.
+
+Usage: ``torchrun --nproc_per_node=2 dist_heads_worker.py OUTDIR``. Each rank writes what
+``accuracy`` raised to ``OUTDIR/rank<r>.txt``; then the ranks meet at a barrier, so a rank left
+waiting for the other's answer shows as its pipeline's timeout, not as a closed connection.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from echopipe.pipeline import DistributedStalePipeline
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main, self.aux = nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.main(h), self.aux(h)
+
+
+def _loss(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out[0], y) + 0.3 * nn.functional.cross_entropy(out[1], y)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), TwoHeads())
+    pipe = DistributedStalePipeline(
+        model, balance=[2, 1], optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=_loss,
+        timeout_s=10,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+    first = pipe.topology.is_first
+    try:
+        for _ in range(3):
+            pipe.train_step(x if first else None, y if first else None)
+        pipe.drain()
+        pipe.accuracy(x if first else None, y if first else None, batch_size=4)
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    (out / f"rank{dist.get_rank()}.txt").write_text(outcome + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
