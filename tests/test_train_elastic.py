@@ -10,6 +10,7 @@ import csv
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -196,9 +197,11 @@ def test_a_refused_resume_is_said_once_per_attempt_and_restarts_end_at_once(
     files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     refused = _torchrun(tiny_imagenet, out, "--resume", "auto", restarts=1)
     assert refused.returncode != 0
+    prev = shlex.quote(str(crafted.with_name("prev.pt")))
     line = (
         f"echopipe train: error: checkpoint {str(crafted)!r} fails its SHA-256 check (the file "
-        "was altered or damaged); it is not loaded"
+        f"was altered or damaged); it is not loaded; --resume {prev} continues from the "
+        "checkpoint before it"
     )
     again = f"{line} (refused by attempt 0 of this torchrun job; a restart cannot change it)"
     # The first attempt: each rank's line, rank 1's own relayed as it is (torchrun may end a
