@@ -541,7 +541,7 @@ ECHOPIPE_API void gather(const std::vector<SampleLease>& leases, int field, void
 
 // ---- registry (one per process, lives in libechopipe_core.so) ------------------------------
 
-/// Creates and registers a cache. An empty name gets a unique one ("echo-<handle>").
+/// Creates and registers a cache. An empty name gets the first free "echo-<n>".
 /// Throws std::invalid_argument if the name is taken (or the config is bad).
 ECHOPIPE_API std::shared_ptr<EchoCache> create_cache(const std::string& name,
                                                      const EchoConfig& config);

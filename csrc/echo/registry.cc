@@ -1,6 +1,7 @@
 // The process-wide registry of named echo caches, which the pybind11 module and the DALI plugin
 // share (both link libechopipe_core.so).
 #include <algorithm>
+#include <cstdint>
 #include <mutex>
 #include <stdexcept>
 #include <unordered_map>
@@ -13,6 +14,7 @@ namespace {
 struct Registry {
   std::mutex mu;
   std::unordered_map<std::string, std::shared_ptr<EchoCache>> by_name;
+  uint64_t next_unnamed = 1;
 };
 Registry& registry() {
   // Leaked on purpose: caches may be looked up from atexit handlers and plugin destructors.
@@ -28,7 +30,14 @@ std::shared_ptr<EchoCache> create_cache(const std::string& name, const EchoConfi
   if (!name.empty() && r.by_name.count(name)) {
     throw std::invalid_argument("an echo cache named '" + name + "' already exists");
   }
-  auto cache = EchoCache::create(config, name);
+  // An unnamed cache gets the first free "echo-<n>". A caller may have taken such a name
+  // explicitly: emplace would then keep the caller's cache, leave this one unregistered, and this
+  // one's close() would unregister the caller's (its DALI operators would no longer find it).
+  std::string chosen = name;
+  while (chosen.empty() || r.by_name.count(chosen)) {
+    chosen = "echo-" + std::to_string(r.next_unnamed++);
+  }
+  auto cache = EchoCache::create(config, chosen);
   r.by_name.emplace(cache->name(), cache);
   return cache;
 }
