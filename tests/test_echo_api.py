@@ -3,6 +3,7 @@ names that the DALI operators read, and what the cache hands back."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 echo = pytest.importorskip("echopipe.echo", reason="needs the native module echopipe._C")
@@ -34,3 +35,25 @@ def test_an_unnamed_cache_never_takes_a_name_a_caller_chose() -> None:
     finally:
         for c in [first, *chosen, *unnamed]:
             c.close()
+
+
+def test_a_negative_bit_view_is_stored_as_the_values_it_reads_as() -> None:
+    torch = pytest.importorskip("torch")
+    # The imaginary part of a conjugate is a view with the negative bit set; with one element
+    # it is contiguous, so its raw bytes (+2, +4) would be read in place.
+    views = [torch.tensor([1 + 2j]).conj().imag, torch.tensor(3 + 4j).conj().imag]
+    assert all(v.is_neg() and v.is_contiguous() for v in views)
+    with _small() as cache:
+        cache.echo_factor = 1.0
+        for v in views:
+            cache.put(v)
+            cache.put_batch(v.reshape(1, -1))
+        cache.end_of_input()
+        got = sorted(float(np.asarray(s.array).ravel()[0]) for s in cache)
+        assert got == [-4.0, -4.0, -2.0, -2.0]
+        out = torch.zeros(1, dtype=torch.complex64).conj().imag
+        cache.reset_input()
+        cache.put(np.float32(1.0))
+        with pytest.raises(ValueError):
+            cache.take_batch_into([out], timeout=10)
+        assert [float(s.array) for s in cache.take(1, timeout=10)] == [1.0]

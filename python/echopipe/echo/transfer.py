@@ -45,7 +45,9 @@ def _as_host_array(value: Any, index: int) -> tuple[Any, int, str, tuple[int, ..
             raise ValueError(
                 f"field {index}: EchoCache.put needs host tensors, got one on {value.device}"
             )
-        t = value.detach()
+        # A negative-bit view (``z.conj().imag``) stores its values unnegated: its raw bytes are
+        # not the values it reads as, and the cache copies raw bytes.
+        t = value.detach().resolve_neg()
         if not t.is_contiguous():
             t = t.contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
@@ -247,10 +249,12 @@ def _out_buffers(out: Sequence[Any]) -> tuple[int, list[int], list[int], list[An
     ptrs, row_bytes = [], []
     for i, buf in enumerate(out):
         if torch is not None and isinstance(buf, torch.Tensor):
-            if not buf.is_cpu or not buf.is_contiguous() or buf.dim() == 0:
+            # A negative-bit view would read the raw bytes written into it negated.
+            if not buf.is_cpu or not buf.is_contiguous() or buf.dim() == 0 or buf.is_neg():
+                neg = " (a negative-bit view)" if buf.is_neg() else ""
                 raise ValueError(
                     f"out[{i}]: needs a contiguous CPU tensor with a row dimension, got "
-                    f"{tuple(buf.shape)} on {buf.device}"
+                    f"{tuple(buf.shape)} on {buf.device}{neg}"
                 )
             ptr, count, nbytes = buf.data_ptr(), len(buf), buf.nbytes
         elif isinstance(buf, np.ndarray):
