@@ -3,6 +3,10 @@ names that the DALI operators read, and what the cache hands back."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -57,3 +61,64 @@ def test_a_negative_bit_view_is_stored_as_the_values_it_reads_as() -> None:
         with pytest.raises(ValueError):
             cache.take_batch_into([out], timeout=10)
         assert [float(s.array) for s in cache.take(1, timeout=10)] == [1.0]
+
+
+# The main thread waits inside the cache with no timeout; a helper thread sends it SIGINT once
+# the wait has begun. If the interrupt were held back, the helper closes the cache after a long
+# grace (the interrupt then surfaces as the call returns) and counts the call as forced.
+_CTRL_C_PROGRAM = """
+import os, signal, threading, time
+import numpy as np
+from echopipe.echo import EchoCache
+
+forced = []
+
+def interrupt(cache, blocked):
+    while not blocked(cache.stats()):
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGINT)
+    if not answered.wait(20):
+        forced.append(name)
+        cache.close()
+
+for name in ("take", "take_batch", "take_batch_into", "put", "put_batch", "wait_for_room"):
+    cache = EchoCache(1 << 16, 2, echo_factor=1.0, memory="pageable")
+    if name.startswith("take"):
+        blocked = lambda s: s.takes_waited >= 1
+    else:
+        cache.put_batch(np.arange(2))
+        blocked = lambda s: s.producers_waiting >= 1
+    call = {
+        "take": lambda: cache.take(1),
+        "take_batch": lambda: cache.take_batch(1),
+        "take_batch_into": lambda: cache.take_batch_into([np.zeros(1, np.int64)]),
+        "put": lambda: cache.put(np.int64(2)),
+        "put_batch": lambda: cache.put_batch(np.arange(3)),
+        "wait_for_room": lambda: cache.wait_for_room(1, timeout=3600),
+    }[name]
+    answered = threading.Event()
+    helper = threading.Thread(target=interrupt, args=(cache, blocked))
+    helper.start()
+    try:
+        call()
+        print(name, "returned")
+    except BaseException as exc:
+        print(name, type(exc).__name__)
+    answered.set()
+    helper.join()
+    cache.close()
+print("forced", len(forced))
+"""
+
+
+def test_ctrl_c_ends_a_main_thread_wait_without_a_timeout() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_CTRL_C_PROGRAM)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ended = dict(line.split() for line in proc.stdout.splitlines())
+    names = ["take", "take_batch", "take_batch_into", "put", "put_batch", "wait_for_room"]
+    assert ended == {**{name: "KeyboardInterrupt" for name in names}, "forced": "0"}

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -101,18 +103,47 @@ def _timeout_arg(timeout: float | None) -> float:
     return t
 
 
+# Python runs signal handlers (Ctrl-C's KeyboardInterrupt) in the main thread only, between
+# bytecodes: one native wait with the GIL released would hold Ctrl-C back until it ends, for
+# ever with no timeout. So the main thread waits in slices of this many seconds. A wait that
+# times out has claimed and stored nothing, so the next slice just waits again.
+SIGNAL_SLICE_S = 0.1
+
+
+def _interruptible(
+    call: Callable[[float], Any],
+    timeout: float | None,
+    progressed: Callable[[Any], bool] | None = None,
+) -> Any:
+    """``call(t)`` (``t`` the native timeout argument) once, or in slices on the main thread
+    until it does not time out or ``timeout`` has passed since the last ``progressed`` result."""
+    t = _timeout_arg(timeout)
+    if 0 <= t <= SIGNAL_SLICE_S or threading.current_thread() is not threading.main_thread():
+        return call(t)
+    deadline = None if t < 0 else time.monotonic() + t
+    while True:
+        left = SIGNAL_SLICE_S
+        if deadline is not None:
+            left = min(left, max(0.0, deadline - time.monotonic()))
+        result = call(left)
+        if (result if isinstance(result, str) else result[0]) != "timeout":
+            return result
+        if deadline is not None:
+            if progressed is not None and progressed(result):
+                deadline = time.monotonic() + t
+            elif time.monotonic() >= deadline:
+                return result
+
+
 def put(native: Any, sample: Any, timeout: float | None = None) -> None:
     """:meth:`EchoCache.put <echopipe.echo.EchoCache.put>` on the native cache ``native``."""
     parts = sample if isinstance(sample, (tuple, list)) else (sample,)
     if not 1 <= len(parts) <= 4:
         raise ValueError(f"a sample has 1..4 fields, got {len(parts)}")
     converted = [_as_host_array(p, i) for i, p in enumerate(parts)]
-    status = native.put_raw(
-        [c[1] for c in converted],
-        [c[2] for c in converted],
-        [list(c[3]) for c in converted],
-        _timeout_arg(timeout),
-    )
+    ptrs, dtypes = [c[1] for c in converted], [c[2] for c in converted]
+    shapes = [list(c[3]) for c in converted]
+    status = _interruptible(lambda t: native.put_raw(ptrs, dtypes, shapes, t), timeout)
     del converted  # keepalive until the native copy returned
     _raise_put(native, status, timeout)
 
@@ -128,13 +159,24 @@ def put_batch(native: Any, samples: Any, timeout: float | None = None) -> int:
         shapes = [c[3] for c in converted]
         raise ValueError(f"put_batch needs arrays with one common first dimension, got {shapes}")
     n = rows.pop()
-    status, done = native.put_rows_raw(
-        [c[1] for c in converted],
-        [c[2] for c in converted],
-        [list(c[3][1:]) for c in converted],
-        n,
-        _timeout_arg(timeout),
-    )
+    ptrs, dtypes = [c[1] for c in converted], [c[2] for c in converted]
+    shapes = [list(c[3][1:]) for c in converted]
+    row_bytes = [c[0].nbytes // n if n else 0 for c in converted]
+    done = 0
+
+    def put_rest(t: float) -> tuple[str, int]:
+        nonlocal done
+        status, got = native.put_rows_raw(
+            [p + done * b for p, b in zip(ptrs, row_bytes, strict=True)],
+            dtypes,
+            shapes,
+            n - done,
+            t,
+        )
+        done += int(got)
+        return status, int(got)
+
+    status, _ = _interruptible(put_rest, timeout, lambda r: r[1] > 0)
     del converted
     try:
         _raise_put(native, status, timeout)
@@ -148,7 +190,7 @@ def wait_for_room(native: Any, n: int, timeout: float | None = None) -> None:
     """:meth:`EchoCache.wait_for_room <echopipe.echo.EchoCache.wait_for_room>` on ``native``."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
-    status = native.wait_for_room(int(n), _timeout_arg(timeout))
+    status = _interruptible(lambda t: native.wait_for_room(int(n), t), timeout)
     if status == "timeout":
         raise TimeoutError(f"EchoCache.wait_for_room: no room for {n} within {timeout}s")
     _raise_put(native, status, timeout)
@@ -187,7 +229,7 @@ def take(native: Any, n: int, unit: int, timeout: float | None = None) -> list[E
     """:meth:`EchoCache.take <echopipe.echo.EchoCache.take>` on ``native`` (``unit``: see
     :func:`check_n`)."""
     n = check_n(n, unit)
-    status, leases = native.take(n, _timeout_arg(timeout))
+    status, leases = _interruptible(lambda t: native.take(n, t), timeout)
     if status in ("ok", "end"):
         return [EchoSample(lease) for lease in leases]
     _raise_take(native, status, timeout)
@@ -197,7 +239,9 @@ def take(native: Any, n: int, unit: int, timeout: float | None = None) -> list[E
 def take_batch(native: Any, n: int, unit: int, timeout: float | None = None) -> EchoBatch | None:
     """:meth:`EchoCache.take_batch <echopipe.echo.EchoCache.take_batch>` on ``native``."""
     n = check_n(n, unit)
-    status, fields, dtypes, shapes, ids, emissions = native.take_batch(n, _timeout_arg(timeout))
+    status, fields, dtypes, shapes, ids, emissions = _interruptible(
+        lambda t: native.take_batch(n, t), timeout
+    )
     if status == "end":
         return None
     if status != "ok":
@@ -231,7 +275,9 @@ def take_batch_into(
     n = check_n(rows - start if n is None else n, unit)
     if n > rows - start:
         raise ValueError(f"n={n} copies do not fit in rows {start}..{rows - 1} of the buffers")
-    status, count = native.take_batch_into(ptrs, row_bytes, rows - start, n, _timeout_arg(timeout))
+    status, count = _interruptible(
+        lambda t: native.take_batch_into(ptrs, row_bytes, rows - start, n, t), timeout
+    )
     del keep  # the buffers stay alive until the copies are done
     if status == "end" and count == 0:
         return None
