@@ -122,3 +122,14 @@ def test_ctrl_c_ends_a_main_thread_wait_without_a_timeout() -> None:
     ended = dict(line.split() for line in proc.stdout.splitlines())
     names = ["take", "take_batch", "take_batch_into", "put", "put_batch", "wait_for_room"]
     assert ended == {**{name: "KeyboardInterrupt" for name in names}, "forced": "0"}
+
+
+def test_a_take_of_more_copies_than_memory_holds_names_n() -> None:
+    n = 1 << 50
+    with _small() as cache:
+        for take in (cache.take, cache.take_batch):
+            with pytest.raises(MemoryError) as info:
+                take(n, timeout=0)
+            assert f"n={n}" in str(info.value)
+        cache.put(np.int64(5))
+        assert [int(s.array) for s in cache.take(1, timeout=10)] == [5]

@@ -11,11 +11,12 @@ into the caller's own buffers (``take_batch_into``: the one copy out).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -225,11 +226,22 @@ def _raise_take(native: Any, status: str, timeout: float | None) -> None:
         raise CacheClosedError(f"echo cache '{native.name}' is closed")
 
 
+@contextlib.contextmanager
+def _naming_n(n: int) -> Iterator[None]:
+    """A take reserves room for ``n`` copies before it claims any (so nothing is lost), and a
+    mistyped ``n`` fails there: name it instead of C++'s bare ``std::bad_alloc``."""
+    try:
+        yield
+    except MemoryError as exc:
+        raise MemoryError(f"n={n}: no memory to take that many copies at once ({exc})") from exc
+
+
 def take(native: Any, n: int, unit: int, timeout: float | None = None) -> list[EchoSample]:
     """:meth:`EchoCache.take <echopipe.echo.EchoCache.take>` on ``native`` (``unit``: see
     :func:`check_n`)."""
     n = check_n(n, unit)
-    status, leases = _interruptible(lambda t: native.take(n, t), timeout)
+    with _naming_n(n):
+        status, leases = _interruptible(lambda t: native.take(n, t), timeout)
     if status in ("ok", "end"):
         return [EchoSample(lease) for lease in leases]
     _raise_take(native, status, timeout)
@@ -239,9 +251,10 @@ def take(native: Any, n: int, unit: int, timeout: float | None = None) -> list[E
 def take_batch(native: Any, n: int, unit: int, timeout: float | None = None) -> EchoBatch | None:
     """:meth:`EchoCache.take_batch <echopipe.echo.EchoCache.take_batch>` on ``native``."""
     n = check_n(n, unit)
-    status, fields, dtypes, shapes, ids, emissions = _interruptible(
-        lambda t: native.take_batch(n, t), timeout
-    )
+    with _naming_n(n):
+        status, fields, dtypes, shapes, ids, emissions = _interruptible(
+            lambda t: native.take_batch(n, t), timeout
+        )
     if status == "end":
         return None
     if status != "ok":
