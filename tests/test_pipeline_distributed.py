@@ -255,3 +255,18 @@ def test_accuracy_of_a_model_with_several_heads_is_named_on_every_rank(tmp_path:
     for rank in range(2):
         outcome = (tmp_path / f"rank{rank}.txt").read_text()
         assert outcome.startswith("TypeError: accuracy needs the model to output logits"), outcome
+
+
+@pytest.mark.distributed
+def test_a_killed_neighbour_is_named_in_a_connection_error(tmp_path: Path) -> None:
+    """Rank 1 dies by SIGKILL: rank 0 raises ConnectionError naming rank 1, its stage and the
+    message it waited for (it was Gloo's RuntimeError about a socket, naming no rank)."""
+    from pipeline_support.train_runs import child_env, free_port
+
+    worker = Path(__file__).parent / "pipeline_support" / "dist_lost_peer_worker.py"
+    cmd = [sys.executable, str(worker), str(tmp_path), str(free_port())]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert (tmp_path / "rank0.txt").is_file(), proc.stderr[-3000:]
+    outcome = (tmp_path / "rank0.txt").read_text().strip()
+    assert outcome.startswith("ConnectionError: rank 0 (stage 0) failed to "), outcome
+    assert "rank 1 (stage 1)" in outcome

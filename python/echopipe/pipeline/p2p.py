@@ -150,24 +150,36 @@ class PeerLink:
         return self._down_group if sender < receiver else self._up_group
 
     def wait(self, work: Any, what: str, peer: int, tag: int) -> None:
-        """Waits for one point-to-point operation, bounded by ``timeout_s`` on CPU (Gloo)."""
-        if self._timeout is None or self.device.type != "cpu":
+        """Waits for one point-to-point operation, bounded by ``timeout_s`` on CPU (Gloo).
+
+        On CPU a peer that died (its connection closed or reset) raises
+        :class:`ConnectionError` naming it, instead of Gloo's words about a socket.
+        """
+        if self.device.type != "cpu":
             work.wait()
             return
         # Gloo raises a plain RuntimeError for a timeout as for any other failure; a wait that
         # failed only after its whole timeout had passed is taken as the timeout.
         started = time.monotonic()
+        message = _TAG_NAMES.get(tag, f"tag {tag}")
+        route = (
+            f"{what} {message} {'from' if what == 'receive' else 'to'} rank {peer} "
+            f"(stage {(peer - self._base) % self.num_stages})"
+        )
         try:
-            work.wait(timeout=self._timeout)
+            if self._timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=self._timeout)
         except RuntimeError as exc:
-            if time.monotonic() - started < self._timeout.total_seconds():
-                raise
-            message = _TAG_NAMES.get(tag, f"tag {tag}")
-            role = f"stage {(peer - self._base) % self.num_stages}"
+            if self._timeout is None or time.monotonic() - started < self._timeout.total_seconds():
+                raise ConnectionError(
+                    f"rank {self.rank} (stage {self.stage_index}) failed to {route}: that "
+                    "rank has probably failed or exited (see its own error)"
+                ) from exc
             raise TimeoutError(
                 f"rank {self.rank} (stage {self.stage_index}) waited more than "
-                f"{self._timeout.total_seconds():g} s to {what} {message} "
-                f"{'from' if what == 'receive' else 'to'} rank {peer} ({role}); is that rank "
+                f"{self._timeout.total_seconds():g} s to {route}; is that rank "
                 "alive and calling the same methods in the same order?"
             ) from exc
 

@@ -1,0 +1,57 @@
+"""Two processes (torch.multiprocessing, no torchrun): rank 1 is killed with SIGKILL.
+
+Usage: ``python dist_lost_peer_worker.py OUTDIR``. Both ranks build a 2-stage
+:class:`DistributedStalePipeline` over Gloo; rank 1 then kills itself with SIGKILL (no
+exception, no cleanup, as the OOM killer does it) and rank 0 trains. No launcher stops rank 0,
+so it writes what it raised to ``OUTDIR/rank0.txt``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pipeline_support.models import make_batches, sgd, small_cnn
+
+
+def run(rank: int, out: Path, port: int) -> None:
+    from echopipe.pipeline import DistributedStalePipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    pipe = DistributedStalePipeline(
+        small_cnn(0), balance=[4, 4], optimizer=sgd,
+        loss_fn=torch.nn.functional.cross_entropy, timeout_s=60,
+    )  # fmt: skip
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for x, y in make_batches(6):
+            pipe.train_step(x, y)
+        pipe.drain()
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    (out / "rank0.txt").write_text(outcome + "\n")
+    os._exit(0)  # the process group cannot shut down cleanly without its peer
+
+
+def main() -> None:
+    out, port = Path(sys.argv[1]), int(sys.argv[2])
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run, args=(rank, out, port)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+
+
+if __name__ == "__main__":
+    main()
