@@ -59,9 +59,9 @@ class DistributedStalePipeline:
         optimizer, scheduler, scheduler_interval, loss_fn, recompute, pipelined, hybrid: as for
             :class:`~echopipe.pipeline.StalePipeline`.
         device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
-        timeout_s: longest wait, in seconds, for one message to or from a neighbouring rank
-            before :class:`TimeoutError` (``None``: wait as long as the process group allows).
-            Applies to CPU tensors (Gloo); on NCCL the process group's timeout bounds waits.
+        timeout_s: longest wait, in seconds, for a message to or from a neighbouring rank or
+            for the replicas' gradient average before :class:`TimeoutError` (``None``: as long
+            as the process group allows). On CPU (Gloo); on NCCL the group's timeout bounds it.
         num_stages, sample_input, balance_cost, balance_cache: for ``balance="auto"``, as for
             :class:`~echopipe.pipeline.StalePipeline`.
         grad_hook: ``hook(stage, params, grads)`` before this rank's optimizer step, as for
@@ -133,7 +133,7 @@ class DistributedStalePipeline:
         self.recompute = bool(recompute)
         self._core = rank_core(
             self.topology, self.stage, self.device, optimizer, scheduler, scheduler_interval,
-            loss_fn, self.recompute, grad_hook,
+            loss_fn, self.recompute, grad_hook, timeout,
         )  # fmt: skip
         self._core.staleness = stage_staleness(self.num_stages, self._pipelined)[self.stage_index]
         self._link = PeerLink(self.topology, self.device, timeout)

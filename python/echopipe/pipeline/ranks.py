@@ -8,7 +8,9 @@ within its data-parallel group of ``R`` ranks right before its optimizer step
 
 from __future__ import annotations
 
+import datetime
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,21 +118,39 @@ class ReplicaAverage:
     Args:
         params: the stage's trainable parameters (a missing gradient counts as zeros).
         group: the process group of this stage's ranks across the replicas.
+        timeout: longest wait for the average on CPU (Gloo), or ``None``.
+        topology: this rank's place, for the names in its errors.
         num_replicas: the size of ``group``.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group: Any, num_replicas: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        group: Any,
+        num_replicas: int,
+        timeout: datetime.timedelta | None = None,
+        topology: StageTopology | None = None,
+    ) -> None:
         self.params = list(params)
         self.group = group
         self.num_replicas = num_replicas
+        self.timeout = timeout
+        self.topology = topology
 
     def __call__(self, grads: list[torch.Tensor | None]) -> None:
         """Replace ``grads`` in place by their averages over the replicas (one all-reduce)."""
-        average_over_replicas(grads, self.params, self.group, self.num_replicas)
+        average_over_replicas(
+            grads, self.params, self.group, self.num_replicas, self.timeout, self.topology
+        )
 
 
 def average_over_replicas(
-    grads: list[torch.Tensor | None], params: Sequence[nn.Parameter], group: Any, num_replicas: int
+    grads: list[torch.Tensor | None],
+    params: Sequence[nn.Parameter],
+    group: Any,
+    num_replicas: int,
+    timeout: datetime.timedelta | None = None,
+    topology: StageTopology | None = None,
 ) -> None:
     """Replace ``grads`` in place by their averages over the ``num_replicas`` ranks of ``group``.
 
@@ -147,13 +167,46 @@ def average_over_replicas(
     if not filled:
         return
     flat = torch.cat([g.reshape(-1) for g in filled.values()])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if topology is None or flat.device.type != "cpu":
+        work.wait()
+    else:
+        wait_for_replicas(work, timeout, topology)
     flat.div_(num_replicas)
     offset = 0
     for i, g in filled.items():
         n = g.numel()
         grads[i] = flat[offset : offset + n].view_as(g)
         offset += n
+
+
+def wait_for_replicas(
+    work: Any, timeout: datetime.timedelta | None, topology: StageTopology
+) -> None:
+    """Waits for the replicas' gradient average on CPU (Gloo), bounded by ``timeout``.
+
+    A replica that failed and stays up would otherwise hold the others for the process
+    group's timeout (30 minutes by default), and one that died gives Gloo's words about a
+    socket: a :class:`TimeoutError` or :class:`ConnectionError` names the ranks instead.
+    """
+    k, replicas = topology.num_stages, topology.num_replicas
+    who = f"rank {topology.rank} (stage {topology.stage_index}, replica {topology.replica})"
+    peers = [rep * k + topology.stage_index for rep in range(replicas)]
+    started = time.monotonic()
+    try:
+        work.wait() if timeout is None else work.wait(timeout=timeout)
+    except RuntimeError as exc:
+        # Gloo raises a plain RuntimeError for a timeout as for any other failure.
+        if timeout is not None and time.monotonic() - started >= timeout.total_seconds():
+            raise TimeoutError(
+                f"{who} waited more than {timeout.total_seconds():g} s for the gradient "
+                f"average of stage {topology.stage_index}'s replicas (ranks {peers}); is every "
+                "one of them alive and calling the same methods in the same order?"
+            ) from exc
+        raise ConnectionError(
+            f"{who} failed to average gradients with stage {topology.stage_index}'s replicas "
+            f"(ranks {peers}): one of them has probably failed or exited (see its own error)"
+        ) from exc
 
 
 def rank_grad_hook(
@@ -193,15 +246,17 @@ def rank_core(
     loss_fn: LossFn,
     recompute: bool,
     grad_hook: StageGradHook | None,
+    timeout: datetime.timedelta | None = None,
 ) -> StageCore:
     """The stage core of one rank: its optimizer (and scheduler) over the stage's trainable
     parameters, the loss on the last stage, the replica average and ``grad_hook`` before each
-    update. (``data_parallel_group`` is collective: every rank builds its core.)"""
+    update, waiting at most ``timeout`` for the average on CPU. (``data_parallel_group`` is
+    collective: every rank builds its core.)"""
     group = data_parallel_group(topology)
     params = [p for p in stage.parameters() if p.requires_grad]
     opt = stage_optimizer(optimizer, params, topology.stage_index)
     sched = scheduler(opt) if (scheduler is not None and opt is not None) else None
-    average = ReplicaAverage(params, group, topology.num_replicas)
+    average = ReplicaAverage(params, group, topology.num_replicas, timeout, topology)
     hook = rank_grad_hook(
         params, average if topology.num_replicas > 1 else None, grad_hook, topology.stage_index
     )
