@@ -308,3 +308,21 @@ def test_a_failed_replica_bounds_the_gradient_average_by_timeout_s(tmp_path: Pat
         "TimeoutError: rank 0 (stage 0, replica 0) waited more than 2 s for the gradient average"
     ), outcome
     assert "(ranks [0, 1])" in outcome
+
+
+@pytest.mark.distributed
+def test_a_loader_without_len_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Stage 0's loader is a generator: both ranks raise the TypeError (rank 1 waited in the
+    step count's all_reduce for rank 0, which had raised alone), and the retry with
+    ``steps=`` then runs on both."""
+    from pipeline_support.train_runs import child_env, free_port
+
+    worker = Path(__file__).parent / "pipeline_support" / "dist_unsized_loader_worker.py"
+    cmd = [sys.executable, str(worker), str(tmp_path), str(free_port())]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    for rank in range(2):
+        path = tmp_path / f"rank{rank}.txt"
+        assert path.is_file(), proc.stderr[-3000:]
+        refused, retried = path.read_text().splitlines()
+        assert refused.startswith("TypeError: run_epoch on stage 0 needs a loader with len()")
+        assert retried == "steps 3"

@@ -36,6 +36,7 @@ __all__ = [
 _NOT_LOGITS = -1.0
 
 _NO_LIMIT = 2**62
+_UNSIZED = -1  # a stage-0 loader without len(), in agree_steps
 
 
 def agreed_auto_balance(
@@ -67,15 +68,22 @@ def agree_steps(
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
         return steps
     mine = _NO_LIMIT
-    if is_first:
-        if loader is None or not hasattr(loader, "__len__"):
-            raise TypeError(
-                "run_epoch on stage 0 needs a loader with len() (DALI's and echopipe's "
-                "iterators, torch DataLoader) or steps="
-            )
+    unsized = is_first and (loader is None or not hasattr(loader, "__len__"))
+    if is_first and not unsized:
         mine = len(loader)  # type: ignore[arg-type]
-    count = torch.tensor([mine], dtype=torch.int64, device=_collective_device(device))
+    # A stage-0 rank without a length sends -1 (the minimum) rather than raising alone: every
+    # rank raises, instead of the others waiting in this all_reduce for the process group's
+    # timeout, or pairing it with the next collective of a rank that caught the error.
+    count = torch.tensor(
+        [_UNSIZED if unsized else mine], dtype=torch.int64, device=_collective_device(device)
+    )
     dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    if int(count.item()) == _UNSIZED:
+        raise TypeError(
+            f"run_epoch on stage 0 needs a loader with len() (DALI's and echopipe's iterators, "
+            f"torch DataLoader) or steps=; {'this rank' if unsized else 'a stage-0 rank'} "
+            "passed none"
+        )
     return int(count.item())
 
 

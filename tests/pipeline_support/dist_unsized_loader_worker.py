@@ -1,0 +1,63 @@
+"""Two processes (torch.multiprocessing): ``run_epoch`` given a loader without ``len()`` on
+stage 0 (a generator), then the same epoch with ``steps=``, as a caller who catches the
+``TypeError`` would retry it.
+
+Usage: ``python dist_unsized_loader_worker.py OUTDIR PORT``. Each rank writes what the first
+call raised and what the retry returned to ``OUTDIR/rank<r>.txt``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pipeline_support.models import make_batches, sgd, small_cnn
+
+
+def run(rank: int, out: Path, port: int) -> None:
+    from echopipe.pipeline import DistributedStalePipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    pipe = DistributedStalePipeline(
+        small_cnn(0), balance=[4, 4], optimizer=sgd,
+        loss_fn=torch.nn.functional.cross_entropy, timeout_s=60,
+    )  # fmt: skip
+    batches = make_batches(3)
+    lines = []
+    try:
+        pipe.run_epoch((b for b in batches) if pipe.is_first else None)
+        lines.append("no error")
+    except Exception as exc:
+        lines.append(f"{type(exc).__name__}: {exc}")
+    try:
+        result = pipe.run_epoch((b for b in batches) if pipe.is_first else None, steps=3)
+        lines.append(f"steps {result.steps}")
+    except Exception as exc:
+        lines.append(f"{type(exc).__name__}: {exc}")
+    (out / f"rank{rank}.txt").write_text("\n".join(lines) + "\n")
+    os._exit(0)  # a rank left waiting by the other cannot shut its process group down
+
+
+def main() -> None:
+    out, port = Path(sys.argv[1]), int(sys.argv[2])
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run, args=(rank, out, port)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+
+
+if __name__ == "__main__":
+    main()
