@@ -326,3 +326,24 @@ def test_a_loader_without_len_is_refused_on_every_rank(tmp_path: Path) -> None:
         refused, retried = path.read_text().splitlines()
         assert refused.startswith("TypeError: run_epoch on stage 0 needs a loader with len()")
         assert retried == "steps 3"
+
+
+@pytest.mark.distributed
+def test_a_failed_checkpoint_write_is_raised_on_every_rank(tmp_path: Path) -> None:
+    """Replica 0 cannot write its stage (no such folder): it raises FileNotFoundError and
+    replica 1, which writes nothing, an OSError (it waited in the barrier for rank 0); both
+    then save to a real folder."""
+    from pipeline_support.train_runs import child_env, free_port
+
+    worker = Path(__file__).parent / "pipeline_support" / "dist_save_fails_worker.py"
+    cmd = [sys.executable, str(worker), str(tmp_path), str(free_port())]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    outcomes = {}
+    for rank in range(2):
+        path = tmp_path / f"rank{rank}.txt"
+        assert path.is_file(), proc.stderr[-3000:]
+        outcomes[rank] = path.read_text().splitlines()
+    assert outcomes[0][0].startswith("FileNotFoundError: checkpoint folder does not exist")
+    assert outcomes[1][0].startswith("OSError: the checkpoint is incomplete: 1 rank(s) failed")
+    assert outcomes[0][1] == outcomes[1][1] == "saved"
+    assert (tmp_path / "ck.stage0").is_file()

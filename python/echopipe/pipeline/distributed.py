@@ -377,11 +377,11 @@ class DistributedStalePipeline:
         return f"{os.fspath(path)}.stage{self.stage_index}"
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Drain, then write one file per stage (replica 0 writes; collective barrier after)."""
-        state = self.state_dict()
-        if self.replica == 0:
-            atomic_save(state, self.checkpoint_path(path))
-        dist.barrier()
+        """Drain, then write one file per stage (replica 0 writes; collective: when one rank's
+        write fails, it raises its error and every other rank an ``OSError``)."""
+        state, file = self.state_dict(), self.checkpoint_path(path)
+        write = (lambda: atomic_save(state, file)) if self.replica == 0 else None
+        agree.agreed_save(write, self.device)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Load this rank's stage file written by :meth:`save_checkpoint`."""

@@ -27,8 +27,8 @@ from .ranks import StageTopology
 from .results import StepResult, as_logits, output_to_cpu, unpack_batch
 
 __all__ = [
-    "agree_steps", "agreed_auto_balance", "agreed_metric", "feed_steps", "pipeline_accuracy",
-    "pipeline_evaluate",
+    "agree_steps", "agreed_auto_balance", "agreed_metric", "agreed_save", "feed_steps",
+    "pipeline_accuracy", "pipeline_evaluate",
 ]  # fmt: skip
 
 # The result the last stage sends when the model's output is not logits (an accuracy is in
@@ -143,6 +143,31 @@ def feed_steps(
             samples += int(x.shape[0])
         losses.extend(train_step(x, target).losses)
     return samples, losses
+
+
+def agreed_save(save: Callable[[], object] | None, device: torch.device) -> None:
+    """Runs this rank's checkpoint write (``None``: it writes nothing), then agrees with every
+    rank that all writes succeeded (collective: one ``all_reduce``).
+
+    A rank whose write failed raises its own error, and every other rank an ``OSError``: a
+    barrier there would keep the ranks that did not write waiting for the failed ones.
+    """
+    failed: Exception | None = None
+    if save is not None:
+        try:
+            save()
+        except Exception as exc:
+            failed = exc
+    flag = [float(failed is not None)]
+    failures = torch.tensor(flag, dtype=torch.float64, device=_collective_device(device))
+    dist.all_reduce(failures)
+    if failed is not None:
+        raise failed
+    if failures.item() > 0:
+        raise OSError(
+            f"the checkpoint is incomplete: {int(failures.item())} rank(s) failed to write "
+            "their stage's file (see their errors)"
+        )
 
 
 def pipeline_accuracy(

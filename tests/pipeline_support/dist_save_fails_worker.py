@@ -1,0 +1,69 @@
+"""Two processes (torch.multiprocessing): one stage, two data-parallel replicas; the checkpoint
+goes to a folder that does not exist, so replica 0's write fails and replica 1 writes nothing.
+
+Usage: ``python dist_save_fails_worker.py OUTDIR PORT``. Each rank writes what the failed save
+raised, and whether a save to ``OUTDIR`` then works, to ``OUTDIR/rank<r>.txt``. Rank 0 ends
+once rank 1 has written its outcome (an event, not a time).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pipeline_support.models import make_batches, sgd, small_cnn
+
+
+def run(rank: int, out: Path, port: int, rank1_done: Any) -> None:
+    from echopipe.pipeline import DistributedStalePipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    pipe = DistributedStalePipeline(
+        small_cnn(0), balance=[8], optimizer=sgd, loss_fn=torch.nn.functional.cross_entropy
+    )
+    for x, y in make_batches(2):
+        pipe.train_step(x[3 * rank : 3 * rank + 3], y[3 * rank : 3 * rank + 3])
+    lines = []
+    try:
+        pipe.save_checkpoint(out / "missing" / "ck")
+        lines.append("no error")
+    except Exception as exc:
+        lines.append(f"{type(exc).__name__}: {exc}")
+    try:
+        pipe.save_checkpoint(out / "ck")
+        lines.append("saved")
+    except Exception as exc:
+        lines.append(f"{type(exc).__name__}: {exc}")
+    (out / f"rank{rank}.txt").write_text("\n".join(lines) + "\n")
+    if rank == 1:
+        rank1_done.set()
+    else:
+        rank1_done.wait(timeout=60)  # a guard against a hang, not a bound on speed
+    os._exit(0)  # a rank left waiting by the other cannot shut its process group down
+
+
+def main() -> None:
+    out, port = Path(sys.argv[1]), int(sys.argv[2])
+    ctx = mp.get_context("spawn")
+    rank1_done = ctx.Event()
+    procs = [ctx.Process(target=run, args=(rank, out, port, rank1_done)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+
+
+if __name__ == "__main__":
+    main()
