@@ -347,3 +347,22 @@ def test_a_failed_checkpoint_write_is_raised_on_every_rank(tmp_path: Path) -> No
     assert outcomes[1][0].startswith("OSError: the checkpoint is incomplete: 1 rank(s) failed")
     assert outcomes[0][1] == outcomes[1][1] == "saved"
     assert (tmp_path / "ck.stage0").is_file()
+
+
+@pytest.mark.distributed
+def test_auto_balance_needs_the_sample_input_on_rank_0_only(tmp_path: Path) -> None:
+    """Rank 0 alone passes ``sample_input``: both ranks adopt its choice (rank 1 refused it and
+    left rank 0 waiting in the broadcast); without one on rank 0, both raise ValueError."""
+    from pipeline_support.train_runs import child_env, free_port
+
+    worker = Path(__file__).parent / "pipeline_support" / "dist_auto_balance_worker.py"
+    cmd = [sys.executable, str(worker), str(tmp_path), str(free_port())]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    outcomes = {}
+    for rank in range(2):
+        path = tmp_path / f"rank{rank}.txt"
+        assert path.is_file(), proc.stderr[-3000:]
+        outcomes[rank] = path.read_text().splitlines()
+    assert outcomes[0][0] == outcomes[1][0] and outcomes[0][0].startswith("balance [")
+    assert outcomes[0][1].startswith("ValueError: balance='auto' needs sample_input")
+    assert outcomes[1][1].startswith("ValueError: rank 0 could not choose the balance")

@@ -45,16 +45,28 @@ def agreed_auto_balance(
     """``balance="auto"`` on every rank: rank 0 chooses (``partition_balance``), all adopt it.
 
     Measured timings differ between ranks, so each rank choosing for itself could split the
-    model differently and deadlock the pipeline; rank 0's choice is broadcast instead.
+    model differently and deadlock the pipeline; rank 0's choice is broadcast instead. Only
+    rank 0 reads ``sample_input`` and ``num_stages`` (the others may pass ``None``, as stage 0
+    alone passes data elsewhere); when rank 0 cannot choose, every rank raises its
+    ``ValueError`` instead of waiting for the broadcast.
     """
-    if sample_input is None or num_stages is None:
-        raise ValueError(
-            "balance='auto' needs sample_input (a representative batch) and num_stages"
-        )
     choice: list[Any] = [None]
+    failed: ValueError | None = None
     if dist.get_rank() == 0:
-        choice[0] = list(partition_balance(module, sample_input, num_stages, **kw))
+        try:
+            if sample_input is None or num_stages is None:
+                raise ValueError(
+                    "balance='auto' needs sample_input (a representative batch) and "
+                    "num_stages on rank 0"
+                )
+            choice[0] = list(partition_balance(module, sample_input, num_stages, **kw))
+        except ValueError as exc:
+            failed, choice[0] = exc, str(exc)
     dist.broadcast_object_list(choice, src=0)
+    if failed is not None:
+        raise failed
+    if isinstance(choice[0], str):
+        raise ValueError(f"rank 0 could not choose the balance: {choice[0]}")
     return [int(v) for v in choice[0]]
 
 

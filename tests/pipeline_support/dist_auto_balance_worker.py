@@ -1,0 +1,53 @@
+"""Two processes (torch.multiprocessing): ``balance="auto"`` with ``sample_input`` on rank 0
+only (stage 0 alone holds data), then without one on rank 0 either.
+
+Usage: ``python dist_auto_balance_worker.py OUTDIR PORT``. Each rank writes the balance it
+adopted and what the second construction raised to ``OUTDIR/rank<r>.txt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pipeline_support.models import make_batches, sgd, small_cnn
+
+
+def run(rank: int, out: Path, port: int) -> None:
+    from echopipe.pipeline import DistributedStalePipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sample = make_batches(1)[0][0] if rank == 0 else None
+    lines = []
+    for sample_input in (sample, None):
+        try:
+            pipe = DistributedStalePipeline(
+                small_cnn(0), balance="auto", num_stages=2, sample_input=sample_input,
+                optimizer=sgd, loss_fn=torch.nn.functional.cross_entropy, timeout_s=60,
+            )  # fmt: skip
+            lines.append(f"balance {pipe.balance}")
+        except Exception as exc:
+            lines.append(f"{type(exc).__name__}: {exc}")
+    (out / f"rank{rank}.txt").write_text("\n".join(lines) + "\n")
+    os._exit(0)  # a rank left waiting by the other cannot shut its process group down
+
+
+def main() -> None:
+    out, port = Path(sys.argv[1]), int(sys.argv[2])
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run, args=(rank, out, port)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+
+
+if __name__ == "__main__":
+    main()
