@@ -366,3 +366,18 @@ def test_auto_balance_needs_the_sample_input_on_rank_0_only(tmp_path: Path) -> N
     assert outcomes[0][0] == outcomes[1][0] and outcomes[0][0].startswith("balance [")
     assert outcomes[0][1].startswith("ValueError: balance='auto' needs sample_input")
     assert outcomes[1][1].startswith("ValueError: rank 0 could not choose the balance")
+
+
+@pytest.mark.distributed
+def test_run_epoch_bounds_its_step_count_agreement_by_timeout_s(tmp_path: Path) -> None:
+    """Rank 1 never starts the epoch: rank 0 raises TimeoutError after ``timeout_s`` (2 s) in
+    the step count's all_reduce, instead of waiting there for the process group's timeout."""
+    from pipeline_support.train_runs import child_env, free_port
+
+    worker = Path(__file__).parent / "pipeline_support" / "dist_silent_epoch_worker.py"
+    cmd = [sys.executable, str(worker), str(tmp_path), str(free_port())]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert (tmp_path / "rank0.txt").is_file(), proc.stderr[-3000:]
+    outcome = (tmp_path / "rank0.txt").read_text().strip()
+    assert outcome.startswith("TimeoutError: rank 0 (stage 0) waited more than 2 s"), outcome
+    assert "run_epoch's agreement on the step count" in outcome

@@ -334,7 +334,7 @@ class DistributedStalePipeline:
         if epoch_step := step_schedulers and self._core.scheduler_interval == "epoch":
             refuse_metric_schedulers([self._core.scheduler])  # before the epoch, not after it
         start = time.perf_counter()
-        count = agree.agree_steps(loader, steps, self.is_first, self.device)
+        count = agree.agree_steps(loader, steps, self.is_first, self._link)
         batches = loader if self.is_first else None
         samples, losses = agree.feed_steps(self.train_step, batches, count, output_map, self.rank)
         if epoch_step:

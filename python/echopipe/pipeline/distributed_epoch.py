@@ -71,10 +71,12 @@ def agreed_auto_balance(
 
 
 def agree_steps(
-    loader: Iterable[Any] | None, steps: int | None, is_first: bool, device: torch.device
+    loader: Iterable[Any] | None, steps: int | None, is_first: bool, link: PeerLink
 ) -> int:
     """Minibatches in this epoch: ``steps`` if given, else the smallest ``len(loader)`` over the
-    stage-0 ranks (collective: one ``all_reduce`` on every rank)."""
+    stage-0 ranks (collective: one ``all_reduce`` on every rank, bounded by ``link``'s
+    timeout)."""
+    device = link.device
     if steps is not None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
@@ -89,7 +91,8 @@ def agree_steps(
     count = torch.tensor(
         [_UNSIZED if unsized else mine], dtype=torch.int64, device=_collective_device(device)
     )
-    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    work = dist.all_reduce(count, op=dist.ReduceOp.MIN, async_op=True)
+    link.wait_collective(work, "run_epoch's agreement on the step count")
     if int(count.item()) == _UNSIZED:
         raise TypeError(
             f"run_epoch on stage 0 needs a loader with len() (DALI's and echopipe's iterators, "

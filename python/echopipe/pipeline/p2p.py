@@ -183,6 +183,28 @@ class PeerLink:
                 "alive and calling the same methods in the same order?"
             ) from exc
 
+    def wait_collective(self, work: Any, what: str) -> None:
+        """Waits for a collective that every rank joins (``what`` names it), bounded by
+        ``timeout_s`` on CPU (Gloo) as :meth:`wait` is: a rank that stopped calling the
+        pipeline's methods would otherwise hold the others for the process group's timeout."""
+        if self.device.type != "cpu" or self._timeout is None:
+            work.wait()
+            return
+        started = time.monotonic()
+        try:
+            work.wait(timeout=self._timeout)
+        except RuntimeError as exc:
+            if time.monotonic() - started < self._timeout.total_seconds():
+                raise ConnectionError(
+                    f"rank {self.rank} (stage {self.stage_index}) failed in {what}: another "
+                    "rank has probably failed or exited (see its own error)"
+                ) from exc
+            raise TimeoutError(
+                f"rank {self.rank} (stage {self.stage_index}) waited more than "
+                f"{self._timeout.total_seconds():g} s for every rank to join {what}; is every "
+                "rank alive and calling the same methods in the same order?"
+            ) from exc
+
     def reap_sends(self, wait_all: bool = False) -> None:
         """Drop completed sends (in order); with ``wait_all``, wait for every one first."""
         while self._pending_sends:

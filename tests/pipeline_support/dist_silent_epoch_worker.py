@@ -1,0 +1,61 @@
+"""Two processes (torch.multiprocessing): rank 1 builds its stage but never calls
+``run_epoch``, and its process stays up; rank 0 starts an epoch with ``timeout_s=2``.
+
+Usage: ``python dist_silent_epoch_worker.py OUTDIR PORT``. Rank 0 writes what it raised to
+``OUTDIR/rank0.txt`` and then lets rank 1 end (an event, not a time).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pipeline_support.models import make_batches, sgd, small_cnn
+
+
+def run(rank: int, out: Path, port: int, rank0_done: Any) -> None:
+    from echopipe.pipeline import DistributedStalePipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    pipe = DistributedStalePipeline(
+        small_cnn(0), balance=[4, 4], optimizer=sgd,
+        loss_fn=torch.nn.functional.cross_entropy, timeout_s=2,
+    )  # fmt: skip
+    if rank == 0:
+        try:
+            pipe.run_epoch(make_batches(3))
+            outcome = "no error"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        (out / "rank0.txt").write_text(outcome + "\n")
+        rank0_done.set()
+    else:
+        rank0_done.wait(timeout=60)  # a guard against a hang, not a bound on speed
+    os._exit(0)  # the process group cannot shut down cleanly after a timed-out collective
+
+
+def main() -> None:
+    out, port = Path(sys.argv[1]), int(sys.argv[2])
+    ctx = mp.get_context("spawn")
+    rank0_done = ctx.Event()
+    procs = [ctx.Process(target=run, args=(rank, out, port, rank0_done)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+
+
+if __name__ == "__main__":
+    main()
