@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline_support.models import make_batches, sgd, small_cnn
+from pipeline_support.spawned_ranks import spawn_two_ranks
 
 
 def run(rank: int, out: Path, port: int) -> None:
@@ -44,13 +44,7 @@ def run(rank: int, out: Path, port: int) -> None:
 
 
 def main() -> None:
-    out, port = Path(sys.argv[1]), int(sys.argv[2])
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(rank, out, port)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join()
+    spawn_two_ranks(run)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline_support.models import make_batches, sgd, small_cnn
+from pipeline_support.spawned_ranks import spawn_two_ranks
 
 
 def run(rank: int, out: Path, port: int, rank1_done: Any) -> None:
@@ -55,14 +55,7 @@ def run(rank: int, out: Path, port: int, rank1_done: Any) -> None:
 
 
 def main() -> None:
-    out, port = Path(sys.argv[1]), int(sys.argv[2])
-    ctx = mp.get_context("spawn")
-    rank1_done = ctx.Event()
-    procs = [ctx.Process(target=run, args=(rank, out, port, rank1_done)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join()
+    spawn_two_ranks(run, with_event=True)
 
 
 if __name__ == "__main__":
