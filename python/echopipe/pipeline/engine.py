@@ -28,7 +28,7 @@ from .build import (
     resolve_balance,
 )
 from .checkpoint import atomic_save, load_file
-from .modes import eval_mode, module_modes
+from .modes import FedModes, eval_mode
 from .partition import DeviceLike, parse_devices, split_sequential
 from .results import (
     DEFAULT_OUTPUT_MAP,
@@ -174,6 +174,7 @@ class StalePipeline:
         self.steps_fed = 0
         self.samples_seen = 0
         self._idle = True  # no minibatch in flight (after construction or a drain)
+        self._fed_modes = FedModes()  # read at the first minibatch after each drain
         self._workers = StageWorkers(
             self._cores, self.devices, divide_threads(self.devices, intra_op_threads),
             max_prefetch, clock,
@@ -187,10 +188,8 @@ class StalePipeline:
         return self._workers.step_seconds()
 
     def staleness(self) -> list[int]:
-        """Per stage: how many of the newest updates its forward misses in steady state.
-
-        ``2(K-1-k)`` for stage ``k`` of ``K`` in pipelined mode, ``0`` in synchronous mode.
-        """
+        """Per stage: how many of the newest updates its forward misses in steady state,
+        ``2(K-1-k)`` for stage ``k`` of ``K`` in pipelined mode, ``0`` in synchronous mode."""
         return stage_staleness(self.num_stages, self._pipelined)
 
     @property
@@ -237,7 +236,7 @@ class StalePipeline:
             self.set_pipelined(False)
         batch = Batch(
             index, x, target, caller_event(x), caller_event(target), caller_autocast(),
-            module_modes(self.stages), x._version, target._version,
+            self._fed_modes.of(self.stages), x._version, target._version,
         )  # fmt: skip
         self._workers.put(batch)
         self._idle = False
@@ -309,6 +308,7 @@ class StalePipeline:
     def _drain_to(self, staleness: list[int]) -> None:
         self._workers.drain_to(staleness)
         self._idle = True
+        self._fed_modes.forget()
 
     def set_pipelined(self, pipelined: bool) -> None:
         """Switch between pipelined and synchronous mode after draining in-flight work."""

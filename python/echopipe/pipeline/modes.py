@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from torch import nn
 
 __all__ = [
+    "FedModes",
     "ModeSnapshot",
     "ModuleModes",
     "check_modes",
@@ -28,6 +29,26 @@ ModeSnapshot = tuple[tuple[bool, ...], ...]
 def module_modes(stages: Iterable[nn.Module]) -> ModeSnapshot:
     """The train/eval mode of every module of ``stages``, as the caller feeds a minibatch."""
     return tuple(tuple(m.training for m in s.modules()) for s in stages)
+
+
+class FedModes:
+    """The modes minibatches are fed with. They may change only while the pipeline is drained
+    (a stage finding them changed at a forward fails), so those read at the first minibatch
+    after a drain are every later minibatch's: one walk of the modules per drain, not one per
+    ``train_step`` besides each stage's own at its forward."""
+
+    def __init__(self) -> None:
+        self._snapshot: ModeSnapshot | None = None
+
+    def of(self, stages: Iterable[nn.Module]) -> ModeSnapshot:
+        """The modes a minibatch fed now carries (read if none was fed since the last drain)."""
+        if self._snapshot is None:
+            self._snapshot = module_modes(stages)
+        return self._snapshot
+
+    def forget(self) -> None:
+        """A drain: the modes may change until the next minibatch, which reads them again."""
+        self._snapshot = None
 
 
 def check_modes(stage: int, module: nn.Module, index: int, fed: ModeSnapshot) -> None:
