@@ -72,6 +72,7 @@ class _InFlight:
     aliases: list[torch.Tensor] = field(default_factory=list)
     trainable: tuple[bool, ...] = ()  # each parameter's requires_grad at forward time
     saved_input: torch.Tensor | None = None  # recompute mode
+    saved_version: int | None = None  # its version counter when it is the tensor fed, not a copy
     target: torch.Tensor | None = None
     autocast: AutocastState = ()  # the forward's, for the recomputation
     modes: ModeSnapshot = ()  # the stages' module modes when it was fed, for the recomputation
@@ -172,6 +173,9 @@ class StageCore:
         self.scheduler_steps = 0
         # Depth of the in-flight window: D+1 outputs kept, D = staleness of this stage.
         self.staleness = 0
+        # Whether a forward (recompute mode) changed the input it was given in place; None
+        # until one after the latest drain has run (modes, which may decide it, change then).
+        self._changes_input: bool | None = None
 
     # ----------------------------------------------------------------------------------------
     def forward(
@@ -205,15 +209,20 @@ class StageCore:
             inp = x
         recompute_here = self.recompute and self.staleness > 0
         if recompute_here:
-            # The recompute needs the input as it was: a layer changing its input in place
-            # (x.sub_(mean)) changes x itself where there is no leaf clone (stage 0).
-            saved = x.detach().clone() if inp is x else x.detach()
+            if not self.in_flight:  # the first forward after a drain (or ever)
+                self._changes_input = None
+            # The recompute needs the input as it was: where there is no leaf clone (stage 0)
+            # a layer changing its input in place (x.sub_(mean)) changes x itself, so a copy is
+            # taken until a forward has left x's version counter as it was.
+            copy = x.detach().clone() if inp is x and self._changes_input is not False else None
+            version = x._version
             with torch.no_grad(), _autocast(autocast):
                 out = self.module(inp)
             self._check_output(out)
+            saved, saved_version = self._input_as_fed(index, x, copy, version)
             record = _InFlight(
-                index, None, None, trainable=trainable, saved_input=saved, target=target,
-                autocast=autocast, modes=modes,
+                index, None, None, trainable=trainable, saved_input=saved,
+                saved_version=saved_version, target=target, autocast=autocast, modes=modes,
             )  # fmt: skip
             self.in_flight.append(record)
             self.forwards_done += 1
@@ -241,6 +250,25 @@ class StageCore:
         # The last stage's output goes nowhere, and may be several heads (a tuple or a dict).
         sent = out.detach() if isinstance(out, torch.Tensor) else out
         return sent, (loss.detach() if loss is not None else None)
+
+    def _input_as_fed(
+        self, index: int, x: torch.Tensor, copy: torch.Tensor | None, version: int
+    ) -> tuple[torch.Tensor, int | None]:
+        """What the recompute of minibatch ``index`` starts from, after a forward given ``x``
+        at version ``version`` (``copy``: a copy taken before it): ``x`` itself and its version
+        where the forward left it, which the recompute checks, else the copy."""
+        changed = x._version != version
+        if copy is None:
+            if changed:  # (only where x went to the layers: stages > 0 give them a clone)
+                raise RuntimeError(
+                    f"stage {self.index}: the input of minibatch {index} was changed in place "
+                    "during its forward, by a layer (one that did not since the last drain) or "
+                    "by a refill after train_step: the recompute needs the input as fed, so "
+                    "change it out of place in the model, or feed a new tensor per minibatch"
+                )
+            return x.detach(), version
+        self._changes_input = bool(self._changes_input) or changed
+        return (copy, None) if changed else (x.detach(), version)
 
     def _refuse_unfrozen(self) -> None:
         for name, p in self._frozen:
@@ -305,6 +333,12 @@ class StageCore:
         x = record.saved_input
         assert x is not None
         check_modes(self.index, self.module, record.index, record.modes)  # BN: batch or running
+        if record.saved_version is not None and x._version != record.saved_version:
+            raise RuntimeError(
+                f"the input of minibatch {record.index} was modified in place after its forward, "
+                f"before stage {self.index}'s recompute read it (a reused buffer?): the pipeline "
+                "reads it later, so feed a new tensor per minibatch (or a .clone())"
+            )
         leaf: torch.Tensor | None = None
         if not self.is_first and x.is_floating_point():
             leaf = x.detach().requires_grad_(True)
