@@ -83,6 +83,11 @@ class KeepAlive:
     def hold(self, tensor: torch.Tensor, until: StreamEvent) -> None:
         """Keep ``tensor`` alive until ``until`` has fired."""
         self._held.append((tensor, until))
+        self.release_done()
+
+    def release_done(self) -> None:
+        """Let go of the tensors whose events have fired (all of them once the streams the
+        events are on have been synchronised)."""
         self._held = [(t, e) for t, e in self._held if not e.done()]
 
     def __len__(self) -> int:

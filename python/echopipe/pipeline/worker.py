@@ -374,6 +374,7 @@ class StageWorkers:
                 assert draining is not None
                 compute.synchronize()
                 copy.synchronize()
+                held.release_done()  # else the last sources stay until the next transfer
                 core.staleness = draining.staleness[k]
                 self._drained.put(draining.serial)
                 draining = None
