@@ -256,6 +256,21 @@ def test_evaluate_names_a_bad_batch_size(batch_size: object) -> None:
             pipe.accuracy(x, y, batch_size=batch_size)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("made_there", ["x", "target"])
+def test_a_minibatch_made_under_inference_mode_is_named(made_there: str) -> None:
+    """GPU preprocessing often runs under ``torch.inference_mode()``; train_step failed with a
+    traceback ending in 'Inference tensors do not track version counter'. A clone made
+    outside inference mode trains."""
+    with StalePipeline(amp_mlp(), balance=BALANCE, optimizer=amp_sgd, loss_fn=loss_fn) as pipe:
+        x, y = amp_batches()[0]
+        with torch.inference_mode():
+            made = (x * 1, y) if made_there == "x" else (x, y * 1)
+        with pytest.raises(TypeError, match=f"{made_there} is an inference tensor"):
+            pipe.train_step(*made)
+        pipe.train_step(*(t.clone() for t in made))
+        assert len(pipe.drain()) == 1
+
+
 def test_a_checkpoint_resumed_in_another_process_continues_the_run(tmp_path: Path) -> None:
     """Saved mid-training by one process, loaded by a fresh pipeline in another: the weights
     end as an uninterrupted run's that drained at the same step, exactly."""

@@ -37,6 +37,7 @@ from .results import (
     StepResult,
     as_class_target,
     as_logits,
+    check_minibatch,
     checked_batch_size,
     concat_outputs,
     output_to_cpu,
@@ -226,11 +227,7 @@ class StalePipeline:
         (and loss) under the ``torch.autocast`` regions the caller has entered around the call.
         """
         self._workers.check()
-        if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor):
-            raise TypeError(
-                f"train_step needs tensors (x, target), got {type(x).__name__}, "
-                f"{type(target).__name__}"
-            )
+        check_minibatch(x, target)
         index = self.steps_fed
         if self.hybrid is not None and self._pipelined and not self.hybrid.pipelined_at(index):
             self.set_pipelined(False)

@@ -23,6 +23,7 @@ __all__ = [
     "LossRecord",
     "StepResult",
     "as_logits",
+    "check_minibatch",
     "checked_batch_size",
     "concat_outputs",
     "output_to_cpu",
@@ -127,6 +128,25 @@ def as_class_target(target: torch.Tensor) -> torch.Tensor:
     if target.dim() == 2 and target.shape[1] == 1:
         target = target.reshape(-1)
     return target if target.dtype == torch.int64 else target.long()
+
+
+def check_minibatch(x: object, target: object) -> None:
+    """``train_step``'s ``x`` and ``target``: tensors, made outside ``torch.inference_mode()``.
+
+    An inference tensor has no version counter, which the pipeline reads to name a buffer
+    refilled after ``train_step``, and autograd cannot save it for backward.
+    """
+    if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(
+            f"train_step needs tensors (x, target), got {type(x).__name__}, {type(target).__name__}"
+        )
+    for name, tensor in (("x", x), ("target", target)):
+        if tensor.is_inference():
+            raise TypeError(
+                f"train_step: {name} is an inference tensor (made under "
+                "torch.inference_mode()), which training cannot use: make it outside "
+                f"inference mode, or pass {name}.clone() made outside it"
+            )
 
 
 def checked_batch_size(batch_size: object) -> int:
