@@ -146,9 +146,9 @@ def _seen_model(first: nn.Module) -> nn.Sequential:
 
 
 def test_recompute_on_stage_0_reads_the_input_as_fed_without_a_copy(one_thread) -> None:
-    """Stage 0 kept a copy of every input in flight for its recompute (4 x 6 doubles per
-    minibatch here, 7 minibatches in flight at K = 4), also when its layers leave the input
-    as it is, which the input's version counter shows."""
+    """Stage 0 kept a copy of every input in flight for its recompute (D_0 + 1 of them: 3 here
+    at K = 2, 7 at K = 4), also when its layers leave the input as it is, which the input's
+    version counter shows."""
     batches = _batches(6)
     fed = {x.untyped_storage().data_ptr() for x, _ in batches}
     results = []
