@@ -251,14 +251,18 @@ def _rank(rank: int, store: str, out: str) -> None:
             length = len(el)
             batches, got = epoch(el)
         results.append(f"{length} {batches} {dict(got) == dict.fromkeys(sampler, 2)}")
-        # A mid-epoch state holds the saving rank's cached samples: only that rank takes it.
+        # A mid-epoch state holds the saving rank's cached samples: only that rank takes it;
+        # rank 0's holds every rank's, all of them having called state_dict() at that step.
         with EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), 2.0) as el:
             batches = iter(el)
             next(batches)
             states: list[Any] = [None, None]
             dist.all_gather_object(states, el.state_dict())
+        alone0 = {k: v for k, v in states[0].items() if k != "rank_states"}
+        for state in (states[0], alone0):
+            with EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), 2.0) as el:
+                results.append(_outcome(lambda s=state: el.load_state_dict(s), LoaderStateError))
         with EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), 2.0) as el:
-            results.append(_outcome(lambda: el.load_state_dict(states[0]), LoaderStateError))
             results.append(_outcome(lambda: el.load_state_dict(alone), LoaderStateError))
         auto = EchoLoader(DataLoader(data, batch_size=4, sampler=sampler), "auto")
         results.append(_outcome(lambda: iter(auto), ValueError))
@@ -288,11 +292,12 @@ def test_several_processes_reading_the_whole_dataset_each_get_one_clear_error() 
         for out in outs:
             with open(out) as f:
                 got = f.read().split("\n")
-            len_error, iter_error, sharded, rank0_state, alone, auto, auto_len, back = got
+            len_error, iter_error, sharded, gathered, rank0_state, alone, auto, auto_len, back = got
             assert len_error == iter_error
             assert "2 torch.distributed processes" in len_error and "RandomSampler" in len_error
             assert "DistributedSampler" in len_error
             assert sharded == "8 8 True"  # 15 samples per process, 30 copies, batches of 4
+            assert gathered == "no error"
             if out == outs[0]:
                 assert rank0_state == "no error"
             else:

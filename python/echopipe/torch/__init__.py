@@ -12,6 +12,7 @@ from .loader import (
     FactorReplacedWarning,
     LayoutError,
     LoaderError,
+    RankStatesError,
     ShapeChangeError,
     StaleLengthWarning,
     UnshardedLoaderError,
@@ -19,5 +20,5 @@ from .loader import (
 
 __all__ = [
     "EchoLoader", "EchoLoaderStats", "FactorReplacedWarning", "LayoutError", "LoaderError",
-    "ShapeChangeError", "StaleLengthWarning", "UnshardedLoaderError",
+    "RankStatesError", "ShapeChangeError", "StaleLengthWarning", "UnshardedLoaderError",
 ]  # fmt: skip

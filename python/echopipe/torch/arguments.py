@@ -63,9 +63,10 @@ def check_seed(value: Any) -> int:
     return echo_config.check_int("seed", value, 0, echo_config.MAX_SEED)
 
 
-def check_seconds(name: str, value: Any) -> float | None:
-    """``value``: ``None`` or a positive number of seconds; the error names ``name``."""
-    if value is not None and not (isinstance(value, (int, float)) and value > 0):
+def check_seconds(name: str, value: Any, optional: bool = True) -> float | None:
+    """``value``: a positive number of seconds, or ``None`` where ``optional``; the error
+    names ``name``."""
+    if (value is not None or not optional) and not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     return None if value is None else float(value)
 

@@ -14,6 +14,7 @@ See ``docs/echo_loader.md`` for the semantics (ordering, accounting, resume) and
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
@@ -31,15 +32,17 @@ from .accept import accept_layout
 from .delivery import Assembler, next_batch, pin_choice
 from .lengths import LengthsTold, StaleLengthWarning
 from .passes import EchoLoaderStats, FactorReplacedWarning
+from .rank_states import RankStates, RankStatesError, own_state
 from .reader import LoaderError, Producer, Shared, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
 
 __all__ = [
     "EchoLoader", "EchoLoaderStats", "FactorReplacedWarning", "LayoutError", "LoaderError",
-    "ShapeChangeError", "StaleLengthWarning", "UnshardedLoaderError",
+    "RankStatesError", "ShapeChangeError", "StaleLengthWarning", "UnshardedLoaderError",
 ]  # fmt: skip
 
 LayoutError, ShapeChangeError = bl.LayoutError, bl.ShapeChangeError
+_IDENTS = itertools.count()  # EchoLoaders in the order a process makes them, alike on every rank
 
 
 class EchoLoader(PassThrough):
@@ -79,6 +82,8 @@ class EchoLoader(PassThrough):
         sharded: The wrapped loader already reads only this process's share of the data (a
             dataset built per rank), so a plain ``RandomSampler`` or ``SequentialSampler`` under
             several torch.distributed processes is not refused (:class:`UnshardedLoaderError`).
+        state_timeout: Under several torch.distributed processes, how long rank 0's mid-epoch
+            :meth:`state_dict` waits for every other rank's (:class:`RankStatesError` after).
 
     Iterating yields about ``e`` times as many batches per epoch as the wrapped loader. A
     failure of the wrapped loader raises :class:`LoaderError` naming the batch; a batch that
@@ -104,6 +109,7 @@ class EchoLoader(PassThrough):
         close_timeout: float = 10.0,
         deterministic: bool = False,
         sharded: bool = False,
+        state_timeout: float = 60.0,
     ) -> None:
         if not hasattr(loader, "__iter__"):
             raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
@@ -122,6 +128,8 @@ class EchoLoader(PassThrough):
         self._interval = arguments.check_count("echo_interval", echo_interval) or 1
         self._timeout = arguments.check_seconds("timeout", timeout)
         self._close_timeout = arguments.check_seconds("close_timeout", close_timeout) or 10.0
+        wait = arguments.check_seconds("state_timeout", state_timeout, optional=False)
+        self._ranks = RankStates(next(_IDENTS), float(wait))  # rank 0's holds every rank's
         self._device = arguments.check_device(device)
         self._pin = pin_choice(self._device, pin_memory, loader)
         self._shared = Shared()
@@ -289,7 +297,12 @@ class EchoLoader(PassThrough):
     def state_dict(self) -> dict[str, Any]:
         """Everything to continue later, mid-epoch too (call it between batches): the cached
         samples with their remaining tickets, the position in the wrapped loader's epoch, the
-        counters and the ``"auto"`` controller; plain values and bytes (``torch.save`` it)."""
+        counters and the ``"auto"`` controller; plain values and bytes (``torch.save`` it).
+
+        Under several torch.distributed processes, rank 0's state saved mid-epoch also holds
+        every other rank's, taken at the same step (``"rank_states"``), so a checkpoint that rank
+        0 alone writes (Lightning's) resumes every rank: every rank calls it then, as Lightning
+        does (:class:`RankStatesError` on rank 0 after ``state_timeout`` otherwise)."""
         producer, cache = self._shared.producer, self._shared.cache
         passes.warn_cut_short(self._cut_short)  # set only between an early end and the next epoch
         guard = producer.lock if producer is not None else threading.Lock()
@@ -299,7 +312,7 @@ class EchoLoader(PassThrough):
             blob = cache.state_dict() if at.mid_epoch and cache is not None else None
         mine = at.counts if at.mid_epoch else (0, 0, 0, 0)
         ended = at.counts if at.ended else (0, 0, 0, 0)  # into the totals, as at the epoch's end
-        return {
+        return self._ranks.gathered({
             "version": ls.STATE_VERSION,
             "epoch": self._epoch + at.ended,
             "mid_epoch": at.mid_epoch,
@@ -319,7 +332,7 @@ class EchoLoader(PassThrough):
             "input_batch_size": wrapped.input_batch_size(self._loader),
             "shard": wrapped.data_shard(self._loader),
             **at.order(),
-        }
+        })  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` before iterating; the next ``iter()`` continues there.
@@ -334,7 +347,7 @@ class EchoLoader(PassThrough):
         if self._current is not None:
             raise RuntimeError("load_state_dict() during an epoch; call it before iter()")
         clean = ls.check_loader_state(
-            state,
+            own_state(state, wrapped.data_shard(self._loader)),  # rank 0's holds every rank's
             version=ls.STATE_VERSION,
             counts=passes.COUNTS,
             auto=self._controller is not None,

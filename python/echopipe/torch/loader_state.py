@@ -229,9 +229,10 @@ def check_shard(clean: dict[str, Any], here: list[int] | None) -> None:
     if clean["cache"] is not None and saved != here:
         where = "one process" if here is None else f"rank {here[0]} of {here[1]}"
         raise LoaderStateError(
-            f"was saved by rank {saved[0]} of {saved[1]} processes mid-epoch and holds that "
-            f"rank's cached samples, but this loader is {where}: each rank loads the state its "
-            "own EchoLoader saved (a checkpoint written by rank 0 alone holds rank 0's)"
+            f"EchoLoader state was saved by rank {saved[0]} of {saved[1]} processes mid-epoch "
+            f"and holds that rank's cached samples, but this loader is {where}: rank 0's state "
+            "holds every rank's only when every rank called state_dict() at that step "
+            "(Lightning does); otherwise each rank loads the state its own EchoLoader saved"
         )
 
 

@@ -1,0 +1,130 @@
+"""Every rank's mid-epoch :class:`~echopipe.torch.EchoLoader` state inside the one rank 0 saves.
+
+Under several torch.distributed processes a mid-epoch state holds its rank's cached samples,
+and a program that writes one checkpoint for all ranks writes rank 0's: Lightning calls every
+rank's ``state_dict()`` (``FitLoop.on_save_checkpoint``, inside ``Trainer.save_checkpoint``,
+which every rank runs), writes rank 0's dict alone, and on resume loads that dict into every
+rank's loader. So each rank other than 0 hands its state to rank 0 through the process group's
+key-value store (no collective: nothing pairs with the program's own collectives, and a rank
+that never hands one in is waited for at most ``state_timeout``), and rank 0's mid-epoch state
+carries them under ``"rank_states"``; ``load_state_dict`` on rank r takes rank r's.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import torch
+
+from .loader_state import LoaderStateError, shard
+
+__all__ = ["RankStates", "RankStatesError", "own_state"]
+
+_PREFIX = "echopipe.echo_loader"
+_POLL_S = 0.02  # between looks at the store: a Ctrl-C is taken within that
+
+
+class RankStatesError(RuntimeError):
+    """Rank 0's mid-epoch ``state_dict()`` did not get every other rank's state in time (a rank
+    that does not call ``state_dict()`` at that step, or that failed), or the store failed."""
+
+
+class RankStates:
+    """One EchoLoader's hand-over of its states: ``ident`` numbers the EchoLoaders of a process
+    in the order they were made, which every rank of one program shares."""
+
+    def __init__(self, ident: int, timeout_s: float) -> None:
+        self._ident, self._timeout_s = ident, timeout_s
+        self._published: str | None = None  # this rank's last key: replaced by the next
+
+    def gathered(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (this rank's), with, on rank 0 in mid-epoch, every other rank's state at
+        the same point (``"rank_states"``, in rank order); another rank hands its state over.
+        The point is the batches delivered since the loader's start, the same on every rank of
+        one DDP job whether or not its epoch has just ended."""
+        here = shard()
+        if here is None:
+            return state
+        rank, world = here
+        at = state["totals"]["delivered_batches"] + state["delivered_batches_epoch"]
+        store = _store()
+        if rank != 0:
+            self._publish(store, rank, self._key(at, rank), state)
+            return state
+        if not state["mid_epoch"]:
+            return state
+        return {**state, "rank_states": self._collect(store, at, world)}
+
+    def _key(self, at: int, rank: int) -> str:
+        return f"{self._ident}/{at}/{rank}"
+
+    def _publish(self, store: Any, rank: int, key: str, state: dict[str, Any]) -> None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        try:
+            if self._published not in (None, key):  # rank 0 took it (DDP steps in lockstep)
+                store.delete_key(self._published)
+            store.set(key, buffer.getvalue())
+        except RuntimeError as exc:
+            raise RankStatesError(
+                f"EchoLoader: rank {rank} could not hand its state to rank 0 through the "
+                f"process group's store: {exc}"
+            ) from None
+        self._published = key
+
+    def _collect(self, store: Any, at: int, world: int) -> list[dict[str, Any]]:
+        keys = [self._key(at, rank) for rank in range(1, world)]
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            while missing := [r for r, k in enumerate(keys, 1) if not store.check([k])]:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(_POLL_S)
+            raws = [] if missing else [store.get(key) for key in keys]
+            for key in [] if missing else keys:
+                store.delete_key(key)
+        except RuntimeError as exc:
+            raise RankStatesError(
+                f"EchoLoader: rank 0 could not read the other ranks' states from the process "
+                f"group's store: {exc}"
+            ) from None
+        if missing:
+            raise RankStatesError(
+                f"EchoLoader: rank 0's state_dict() after batch {at} waited {self._timeout_s:g} s "
+                f"(state_timeout) for the state of rank{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))}: a mid-epoch state holds every rank's cached "
+                "samples, so every rank calls state_dict() at the same step (Lightning does); a "
+                "program that saves on rank 0 alone saves between epochs, or each rank its own"
+            )
+        return [torch.load(io.BytesIO(raw), weights_only=True) for raw in raws]
+
+
+def _store() -> Any:
+    # The default group's store is what every rank of the job reaches (a TCPStore, or a
+    # torchrun attempt's prefix of it); torch names no public accessor for it.
+    from torch.distributed import distributed_c10d
+
+    return torch.distributed.PrefixStore(_PREFIX, distributed_c10d._get_default_store())
+
+
+def own_state(state: Any, here: list[int] | None) -> Any:
+    """The state this loader (of data shard ``here``) loads from ``state``: rank r's entry of
+    rank 0's ``"rank_states"``, else ``state`` itself without them (refused or taken as before
+    by the checks that follow)."""
+    if not isinstance(state, dict) or "rank_states" not in state:
+        return state
+    entries = state["rank_states"]
+    if (
+        not isinstance(entries, list)
+        or len(entries) >= 1 << 16
+        or not all(isinstance(e, dict) and "rank_states" not in e for e in entries)
+    ):
+        raise LoaderStateError("EchoLoader state 'rank_states' is not a list of rank states")
+    top = {k: v for k, v in state.items() if k != "rank_states"}
+    if here is not None and top.get("shard") != here:
+        for entry in entries:
+            if entry.get("shard") == here:
+                return entry
+    return top
