@@ -287,6 +287,50 @@ def test_a_factor_raised_during_a_fit_that_keeps_the_old_length_is_named(where, 
     assert "reload_dataloaders_every_n_epochs=1" in str(stale[0].message)
 
 
+def test_a_max_steps_stop_on_an_older_lengths_count_is_not_called_stale() -> None:
+    """With reload_dataloaders_every_n_epochs=1 Lightning reads len() again after the factor
+    was raised in on_train_epoch_end (15 at e = 2, then 23 at e = 3), and max_steps=30 stops
+    epoch 1 after 15 batches by its own limit, the count of the older len(): that warned
+    StaleLengthWarning before, which says to reload the dataloaders the fit already reloads."""
+    from echopipe.torch import StaleLengthWarning
+
+    module = Kept("end")
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1, max_steps=30, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        reload_dataloaders_every_n_epochs=1,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    assert module.loader is not None
+    module.loader.close()
+    assert module.lengths == [15, 23] and module.steps == {0: 15, 1: 15}
+    assert not [w for w in caught if issubclass(w.category, StaleLengthWarning)]
+
+
+def test_a_plain_loops_own_step_limit_on_an_older_lengths_count_is_not_called_stale() -> None:
+    """After an epoch at e = 2 (len() 15) and set_echo_factor(3) (23 batches), a loop whose own
+    step limit ends the training after 15 batches of the next epoch is not warned (it was); one
+    that takes 15 batches per epoch, the len() it read before, is, once it goes on to a second
+    such epoch and again at that one's end."""
+    from echopipe.torch import StaleLengthWarning
+
+    for epochs in (1, 2):
+        with EchoLoader(DataLoader(Ids(), batch_size=6), echo_factor=2.0) as loader:
+            total = len(loader)
+            assert sum(1 for _ in loader) == total == 15
+            loader.set_echo_factor(3.0)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(epochs):
+                    for _ in zip(range(total), loader, strict=False):
+                        pass
+            assert len(loader) == 23
+        stale = [w for w in caught if issubclass(w.category, StaleLengthWarning)]
+        assert len(stale) == (0 if epochs == 1 else 2), epochs
+
+
 class Persistent(Module):
     """A DataModule's way: one EchoLoader over a DataLoader with persistent workers, kept."""
 

@@ -199,6 +199,7 @@ class EchoLoader(PassThrough):
 
     def _start_epoch(self) -> None:
         passes.warn_kept_stream(self)  # (once) the epoch cut short lost read-ahead batches
+        self._lens_told.pass_started()  # the loop went on from a cut epoch: name a stale len()
         resume, self._resume, self._cut_short = self._resume, None, None
         self._epoch_samples = wrapped.samples_per_epoch(self._loader)
         if resume is not None:
@@ -260,7 +261,7 @@ class EchoLoader(PassThrough):
         if abort:
             self._cut_short = passes.cut_short(producer, self._shared.cache, self._epoch,
                                                self._delivered_epoch[0])  # fmt: skip
-            self._lens_told.warn_if_stale(self)
+            self._lens_told.epoch_cut(self)
             shutdown(self._shared, self._close_timeout)  # the cache goes; a new epoch makes one
         elif producer is not None:
             producer.shutdown(self._close_timeout)  # already ended: it ended the input
@@ -371,6 +372,7 @@ class EchoLoader(PassThrough):
         self._stream = None  # the restored cache's layout is the saved one
         self._shared.cache = cache  # (None after the shutdown above when there is none)
         self._resume, self._cut_short = (clean if clean["mid_epoch"] else None), None
+        self._lens_told.forget_cut()
 
     # ---- lifecycle ----
     # Lightning's teardown reads _iterator and sets it to None to end a DataLoader's workers.
