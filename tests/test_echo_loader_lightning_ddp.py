@@ -25,8 +25,7 @@ from torch.utils.data import DistributedSampler
 pytest.importorskip("lightning")
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-sys.path.insert(0, str(Path(__file__).parent / "pipeline_support"))
-from echo_loader_lightning_ddp_program import SEED, STOP, Ids  # noqa: E402
+from pipeline_support.echo_loader_lightning_ddp_program import SEED, STOP, Ids  # noqa: E402
 
 PROGRAM = Path(__file__).parent / "pipeline_support" / "echo_loader_lightning_ddp_program.py"
 HANG_S = 300.0
