@@ -13,6 +13,7 @@ from .loader import (
     LayoutError,
     LoaderError,
     RankStatesError,
+    RankStatesWarning,
     ShapeChangeError,
     StaleLengthWarning,
     UnshardedLoaderError,
@@ -20,5 +21,6 @@ from .loader import (
 
 __all__ = [
     "EchoLoader", "EchoLoaderStats", "FactorReplacedWarning", "LayoutError", "LoaderError",
-    "RankStatesError", "ShapeChangeError", "StaleLengthWarning", "UnshardedLoaderError",
+    "RankStatesError", "RankStatesWarning", "ShapeChangeError", "StaleLengthWarning",
+    "UnshardedLoaderError",
 ]  # fmt: skip

@@ -32,13 +32,14 @@ from .accept import accept_layout
 from .delivery import Assembler, next_batch, pin_choice
 from .lengths import LengthsTold, StaleLengthWarning
 from .passes import EchoLoaderStats, FactorReplacedWarning
-from .rank_states import RankStates, RankStatesError, own_state
+from .rank_states import RankStates, RankStatesError, RankStatesWarning, own_state
 from .reader import LoaderError, Producer, Shared, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
 
 __all__ = [
     "EchoLoader", "EchoLoaderStats", "FactorReplacedWarning", "LayoutError", "LoaderError",
-    "RankStatesError", "ShapeChangeError", "StaleLengthWarning", "UnshardedLoaderError",
+    "RankStatesError", "RankStatesWarning", "ShapeChangeError", "StaleLengthWarning",
+    "UnshardedLoaderError",
 ]  # fmt: skip
 
 LayoutError, ShapeChangeError = bl.LayoutError, bl.ShapeChangeError
@@ -83,7 +84,7 @@ class EchoLoader(PassThrough):
             dataset built per rank), so a plain ``RandomSampler`` or ``SequentialSampler`` under
             several torch.distributed processes is not refused (:class:`UnshardedLoaderError`).
         state_timeout: Under several torch.distributed processes, how long rank 0's mid-epoch
-            :meth:`state_dict` waits for every other rank's (:class:`RankStatesError` after).
+            :meth:`state_dict` waits for every other rank's (:class:`RankStatesWarning` after).
 
     Iterating yields about ``e`` times as many batches per epoch as the wrapped loader. A
     failure of the wrapped loader raises :class:`LoaderError` naming the batch; a batch that
@@ -303,7 +304,8 @@ class EchoLoader(PassThrough):
         Under several torch.distributed processes, rank 0's state saved mid-epoch also holds
         every other rank's, taken at the same step (``"rank_states"``), so a checkpoint that rank
         0 alone writes (Lightning's) resumes every rank: every rank calls it then, as Lightning
-        does (:class:`RankStatesError` on rank 0 after ``state_timeout`` otherwise)."""
+        does (otherwise rank 0's holds its own, with a :class:`RankStatesWarning` after
+        ``state_timeout``, and later ones wait no more)."""
         producer, cache = self._shared.producer, self._shared.cache
         passes.warn_cut_short(self._cut_short)  # set only between an early end and the next epoch
         guard = producer.lock if producer is not None else threading.Lock()

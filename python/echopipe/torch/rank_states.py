@@ -8,27 +8,40 @@ rank's loader. So each rank other than 0 hands its state to rank 0 through the p
 key-value store (no collective: nothing pairs with the program's own collectives, and a rank
 that never hands one in is waited for at most ``state_timeout``), and rank 0's mid-epoch state
 carries them under ``"rank_states"``; ``load_state_dict`` on rank r takes rank r's.
+
+A program that calls ``state_dict()`` on rank 0 alone (a checkpoint every N steps written under
+``if rank == 0``) keeps training: rank 0's state then holds its own samples only, as it did
+before states were handed over, with a :class:`RankStatesWarning`, and after one such miss rank
+0 no longer waits (it takes what the store holds at that moment), so the save costs the program
+one ``state_timeout`` at most, not one per checkpoint.
 """
 
 from __future__ import annotations
 
 import io
 import time
+import warnings
 from typing import Any
 
 import torch
 
 from .loader_state import LoaderStateError, shard
 
-__all__ = ["RankStates", "RankStatesError", "own_state"]
+__all__ = ["RankStates", "RankStatesError", "RankStatesWarning", "own_state"]
 
 _PREFIX = "echopipe.echo_loader"
 _POLL_S = 0.02  # between looks at the store: a Ctrl-C is taken within that
 
 
 class RankStatesError(RuntimeError):
+    """The process group's store failed while a rank handed its state over or rank 0 read
+    the others'."""
+
+
+class RankStatesWarning(RuntimeWarning):
     """Rank 0's mid-epoch ``state_dict()`` did not get every other rank's state in time (a rank
-    that does not call ``state_dict()`` at that step, or that failed), or the store failed."""
+    that does not call ``state_dict()`` at that step, or that failed): the state holds rank
+    0's samples only, and another rank refuses it (``LoaderStateError``) at a resume."""
 
 
 class RankStates:
@@ -38,6 +51,7 @@ class RankStates:
     def __init__(self, ident: int, timeout_s: float) -> None:
         self._ident, self._timeout_s = ident, timeout_s
         self._published: str | None = None  # this rank's last key: replaced by the next
+        self._missed = False  # rank 0 went without some rank's state once: it waits no more
 
     def gathered(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (this rank's), with, on rank 0 in mid-epoch, every other rank's state at
@@ -55,7 +69,7 @@ class RankStates:
             return state
         if not state["mid_epoch"]:
             return state
-        return {**state, "rank_states": self._collect(store, at, world)}
+        return self._gathered_or_own(state, store, at, world)
 
     def _key(self, at: int, rank: int) -> str:
         return f"{self._ident}/{at}/{rank}"
@@ -74,9 +88,11 @@ class RankStates:
             ) from None
         self._published = key
 
-    def _collect(self, store: Any, at: int, world: int) -> list[dict[str, Any]]:
+    def _gathered_or_own(self, state: dict[str, Any], store: Any, at: int, world: int) -> dict:
+        """Rank 0's ``state`` with every other rank's, or alone (warned) where one is missing."""
+        waited = 0.0 if self._missed else self._timeout_s
         keys = [self._key(at, rank) for rank in range(1, world)]
-        deadline = time.monotonic() + self._timeout_s
+        deadline = time.monotonic() + waited
         try:
             while missing := [r for r, k in enumerate(keys, 1) if not store.check([k])]:
                 if time.monotonic() >= deadline:
@@ -91,14 +107,20 @@ class RankStates:
                 f"group's store: {exc}"
             ) from None
         if missing:
-            raise RankStatesError(
-                f"EchoLoader: rank 0's state_dict() after batch {at} waited {self._timeout_s:g} s "
-                f"(state_timeout) for the state of rank{'s' if len(missing) > 1 else ''} "
-                f"{', '.join(map(str, missing))}: a mid-epoch state holds every rank's cached "
-                "samples, so every rank calls state_dict() at the same step (Lightning does); a "
-                "program that saves on rank 0 alone saves between epochs, or each rank its own"
+            self._missed = True
+            warnings.warn(
+                f"EchoLoader: rank 0's state_dict() after batch {at} got no state from "
+                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                f"(waited {waited:g} s; state_timeout {self._timeout_s:g} s), so this mid-epoch "
+                "state holds rank 0's cached samples only and another rank refuses it: call "
+                "state_dict() on every rank at the same step (Lightning does), or save between "
+                "epochs",
+                RankStatesWarning,
+                stacklevel=4,
             )
-        return [torch.load(io.BytesIO(raw), weights_only=True) for raw in raws]
+            return state
+        states = [torch.load(io.BytesIO(raw), weights_only=True) for raw in raws]
+        return {**state, "rank_states": states}
 
 
 def _store() -> Any:
