@@ -362,3 +362,38 @@ def test_run_epoch_bounds_its_step_count_agreement_by_timeout_s(tmp_path: Path) 
     outcome = (tmp_path / "rank0.txt").read_text().strip()
     assert outcome.startswith("TimeoutError: rank 0 (stage 0) waited more than 2 s"), outcome
     assert "run_epoch's agreement on the step count" in outcome
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("call", "what"),
+    [
+        ("step_schedulers", "step_schedulers' agreement on the metric"),
+        ("save_checkpoint", "save_checkpoint's agreement on the writes' outcome"),
+    ],
+)
+@pytest.mark.parametrize("fault", ["blocks", "exits"])
+def test_a_rank_missing_from_an_agreement_is_bounded_by_timeout_s(
+    tmp_path: Path, call: str, what: str, fault: str
+) -> None:
+    """Rank 1 never calls ``step_schedulers(metric)`` / ``save_checkpoint`` (it blocks, or its
+    process exits): rank 0 raises TimeoutError after ``timeout_s`` (2 s), or ConnectionError,
+    naming itself, rank 1 and the agreement. Their ``all_reduce`` waited for the process group's
+    timeout (60 s here, 30 minutes by default), then raised Gloo's RuntimeError, which names an
+    address."""
+    from pipeline_support.train_runs import child_env, free_port
+
+    worker = Path(__file__).parent / "pipeline_support" / "dist_silent_agreement_worker.py"
+    cmd = [sys.executable, str(worker), str(tmp_path), str(free_port()), call, fault]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert (tmp_path / "rank0.txt").is_file(), proc.stderr[-3000:]
+    seconds, outcome = (tmp_path / "rank0.txt").read_text().splitlines()
+    if fault == "blocks":
+        assert outcome.startswith(
+            f"TimeoutError: rank 0 (stage 0) waited more than 2 s for rank 1 to join {what};"
+        ), outcome
+        assert float(seconds) >= 2.0  # it waited its timeout before giving up
+    else:
+        assert outcome.startswith(
+            f"ConnectionError: rank 0 (stage 0) failed in {what}: rank 1 has probably failed"
+        ), outcome

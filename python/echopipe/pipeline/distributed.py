@@ -59,9 +59,11 @@ class DistributedStalePipeline:
         optimizer, scheduler, scheduler_interval, loss_fn, recompute, pipelined, hybrid: as for
             :class:`~echopipe.pipeline.StalePipeline`.
         device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
-        timeout_s: longest wait, in seconds, for a message to or from a neighbouring rank or
-            for the replicas' gradient average before :class:`TimeoutError` (``None``: as long
-            as the process group allows). On CPU (Gloo); on NCCL the group's timeout bounds it.
+        timeout_s: longest wait, in seconds, for a message to or from a neighbouring rank,
+            for the replicas' gradient average or for what the ranks agree on (an epoch's step
+            count, ``step_schedulers``' metric, ``save_checkpoint``'s outcome) before
+            :class:`TimeoutError` (``None``: as long as the process group allows). On CPU
+            (Gloo); on NCCL the group's timeout bounds it.
         num_stages, sample_input, balance_cost, balance_cache: for ``balance="auto"``, as for
             :class:`~echopipe.pipeline.StalePipeline`.
         grad_hook: ``hook(stage, params, grads)`` before this rank's optimizer step, as for
@@ -290,12 +292,13 @@ class DistributedStalePipeline:
     def step_schedulers(self, metrics: float | None = None) -> None:
         """Step this stage's scheduler after its update of the newest minibatch fed so far.
 
-        Collective (one ``all_reduce``). With ``metrics`` (``ReduceLROnPlateau``) the pipeline
-        drains and every stage's scheduler steps on the last stage's value (the mean over the
-        replicas; ranks of other stages may pass ``None``), see ``agreed_metric``.
+        Collective (one ``all_reduce``, bounded by ``timeout_s`` on CPU). With ``metrics``
+        (``ReduceLROnPlateau``) the pipeline drains and every stage's scheduler steps on the
+        last stage's value (the mean over the replicas; ranks of other stages may pass
+        ``None``), see ``agreed_metric``.
         """
         core = self._core
-        value = agree.agreed_metric(metrics, self.is_last, self.device)
+        value = agree.agreed_metric(metrics, self.is_last, self._link)
         if value is not None:
             self.drain()
             core.step_scheduler(value)
@@ -377,11 +380,12 @@ class DistributedStalePipeline:
         return f"{os.fspath(path)}.stage{self.stage_index}"
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Drain, then write one file per stage (replica 0 writes; collective: when one rank's
-        write fails, it raises its error and every other rank an ``OSError``)."""
+        """Drain, then write one file per stage (replica 0 writes; collective, bounded by
+        ``timeout_s`` on CPU: when one rank's write fails, it raises its error and every other
+        rank an ``OSError``)."""
         state, file = self.state_dict(), self.checkpoint_path(path)
         write = (lambda: atomic_save(state, file)) if self.replica == 0 else None
-        agree.agreed_save(write, self.device)
+        agree.agreed_save(write, self._link)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Load this rank's stage file written by :meth:`save_checkpoint`."""

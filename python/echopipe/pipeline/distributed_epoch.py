@@ -108,8 +108,9 @@ def _collective_device(device: torch.device) -> torch.device | str:
     return device if on_gpu else "cpu"
 
 
-def agreed_metric(metrics: float | None, is_last: bool, device: torch.device) -> float | None:
-    """The metric every rank's scheduler steps on (collective: one ``all_reduce``).
+def agreed_metric(metrics: float | None, is_last: bool, link: PeerLink) -> float | None:
+    """The metric every rank's scheduler steps on (collective: one ``all_reduce``, bounded by
+    ``link``'s timeout).
 
     It is the last stage's (the mean over the replicas' last-stage ranks): the loss and the
     outputs of ``evaluate`` exist only there, so the ranks of other stages may pass ``None`` or
@@ -120,8 +121,9 @@ def agreed_metric(metrics: float | None, is_last: bool, device: torch.device) ->
     given = metrics is not None
     mine = float(metrics) if given and is_last else 0.0  # type: ignore[arg-type]
     flags = [mine, float(given and is_last), float(given), float(is_last)]
-    agreed = torch.tensor(flags, dtype=torch.float64, device=_collective_device(device))
-    dist.all_reduce(agreed)
+    agreed = torch.tensor(flags, dtype=torch.float64, device=_collective_device(link.device))
+    work = dist.all_reduce(agreed, async_op=True)
+    link.wait_collective(work, "step_schedulers' agreement on the metric")
     total, last_given, any_given, lasts = agreed.tolist()
     if any_given == 0:
         return None
@@ -160,9 +162,10 @@ def feed_steps(
     return samples, losses
 
 
-def agreed_save(save: Callable[[], object] | None, device: torch.device) -> None:
+def agreed_save(save: Callable[[], object] | None, link: PeerLink) -> None:
     """Runs this rank's checkpoint write (``None``: it writes nothing), then agrees with every
-    rank that all writes succeeded (collective: one ``all_reduce``).
+    rank that all writes succeeded (collective: one ``all_reduce``, bounded by ``link``'s
+    timeout).
 
     A rank whose write failed raises its own error, and every other rank an ``OSError``: a
     barrier there would keep the ranks that did not write waiting for the failed ones.
@@ -174,8 +177,9 @@ def agreed_save(save: Callable[[], object] | None, device: torch.device) -> None
         except Exception as exc:
             failed = exc
     flag = [float(failed is not None)]
-    failures = torch.tensor(flag, dtype=torch.float64, device=_collective_device(device))
-    dist.all_reduce(failures)
+    failures = torch.tensor(flag, dtype=torch.float64, device=_collective_device(link.device))
+    work = dist.all_reduce(failures, async_op=True)
+    link.wait_collective(work, "save_checkpoint's agreement on the writes' outcome")
     if failed is not None:
         raise failed
     if failures.item() > 0:

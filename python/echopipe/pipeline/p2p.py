@@ -54,6 +54,7 @@ _TAG_NAMES = {
     TAG_EVAL: "evaluation activations",
 }
 _MAX_DIMS = 8
+_NAMED_RANKS = 8  # a collective's error lists the ranks it waited for, up to this many
 _DTYPES = [
     torch.float32,
     torch.float64,
@@ -191,17 +192,26 @@ class PeerLink:
             work.wait()
             return
         started = time.monotonic()
+        # Gloo's error names an address, not a rank: name the ranks this one waited for.
+        others = [r for r in range(dist.get_world_size()) if r != self.rank]
+        if len(others) == 1:
+            waited, culprit = f"rank {others[0]}", f"rank {others[0]}"
+        elif len(others) <= _NAMED_RANKS:
+            waited, culprit = f"ranks {others}", f"one of ranks {others}"
+        else:
+            waited = f"the other {len(others)} ranks"
+            culprit = f"one of {waited}"
         try:
             work.wait(timeout=self._timeout)
         except RuntimeError as exc:
             if time.monotonic() - started < self._timeout.total_seconds():
                 raise ConnectionError(
-                    f"rank {self.rank} (stage {self.stage_index}) failed in {what}: another "
-                    "rank has probably failed or exited (see its own error)"
+                    f"rank {self.rank} (stage {self.stage_index}) failed in {what}: {culprit} "
+                    "has probably failed or exited (see its own error)"
                 ) from exc
             raise TimeoutError(
                 f"rank {self.rank} (stage {self.stage_index}) waited more than "
-                f"{self._timeout.total_seconds():g} s for every rank to join {what}; is every "
+                f"{self._timeout.total_seconds():g} s for {waited} to join {what}; is every "
                 "rank alive and calling the same methods in the same order?"
             ) from exc
 
