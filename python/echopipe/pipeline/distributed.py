@@ -9,9 +9,11 @@ Every rank executes the same fixed operation order as :class:`~echopipe.pipeline
 (see ``schedule.py``), so results equal the single-process engine's. All ranks call
 :meth:`DistributedStalePipeline.train_step` once per minibatch; only stage 0 of each replica
 reads ``x`` and ``target`` (others may pass ``None``); stage 0 sends the target to the last
-stage. With ``timeout_s`` set, a message that does not arrive in time raises
-:class:`TimeoutError` naming the peer rank (on Gloo; NCCL bounds its waits with the process
-group's own ``timeout``, given to ``init_process_group``). A rank that raises exits non-zero and
+stage; they belong to the pipeline until stage 0 has run that minibatch's backward
+(``rank_schedule.py``). With ``timeout_s`` set, a message that does not arrive in time raises
+:class:`TimeoutError` naming the peer rank, as does a rank missing from what the ranks agree
+on (``distributed_epoch.py``) (on Gloo; NCCL bounds its waits with the process group's own
+``timeout``, given to ``init_process_group``). A rank that raises exits non-zero and
 torchrun then stops the others. :func:`~echopipe.pipeline.init_distributed` joins the group with
 a backend that works on the node (Gloo where GPUs are fewer than local ranks, NCCL with
 ``device_id`` otherwise).
@@ -22,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -33,12 +34,13 @@ from torch import nn
 from . import distributed_epoch as agree
 from .build import LossFn, OptimizerFactory, SchedulerFactory, StageGradHook, check_arguments
 from .checkpoint import atomic_save, load_file
-from .p2p import TAG_ACT, TAG_GRAD, TAG_TARGET, PeerLink, link_timeout
+from .p2p import PeerLink, link_timeout
 from .partition import DeviceLike, split_sequential
+from .rank_schedule import RankSchedule
 from .ranks import StageTopology, rank_core, rank_device
 from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult
 from .schedule import HybridSchedule, stage_staleness
-from .stage import caller_autocast, refuse_metric_schedulers
+from .stage import refuse_metric_schedulers
 from .state import Progress, check_rank_state, rank_state, restore_rank
 
 __all__ = ["DistributedStalePipeline"]
@@ -139,8 +141,7 @@ class DistributedStalePipeline:
         )  # fmt: skip
         self._core.staleness = stage_staleness(self.num_stages, self._pipelined)[self.stage_index]
         self._link = PeerLink(self.topology, self.device, timeout)
-        self._inputs: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
-        self._losses: list[LossRecord] = []
+        self._schedule = RankSchedule(self.topology, self._core, self._link, self.device)
         self.steps_fed = 0
         self.samples_seen = 0
 
@@ -190,73 +191,15 @@ class DistributedStalePipeline:
     def _per_stage(self, mine: Any) -> list[Any]:
         return [mine if k == self.stage_index else None for k in range(self.num_stages)]
 
-    # Schedule ------------------------------------------------------------------------------
-    def _forward_one(self) -> None:
-        core = self._core
-        index = core.last_forward_index + 1
-        target: torch.Tensor | None = None
-        if self.is_first:
-            x, tgt = self._inputs.popleft()
-            x = x.to(self.device)
-            if self.is_last:
-                target = tgt.to(self.device)
-            else:
-                self._link.send(tgt, self.topology.last_rank, TAG_TARGET)
-        else:
-            assert self.topology.prev is not None
-            if self.is_last:
-                # Stage 0 sends the target before its activations; with two stages both go to
-                # this rank, and without tags the receives must come in the same order.
-                target = self._link.recv(self.topology.base, TAG_TARGET)
-            x = self._link.recv(self.topology.prev, TAG_ACT)
-        out, loss = core.forward(index, x, target, caller_autocast())  # for a recompute
-        if self.is_last:
-            assert loss is not None
-            self._losses.append(LossRecord(index, loss.detach()))
-        else:
-            assert self.topology.next is not None
-            self._link.send(out, self.topology.next, TAG_ACT)
-
-    def _backward_one(self) -> None:
-        core = self._core
-        index = core.in_flight[0].index
-        grad = None
-        if not self.is_last:
-            assert self.topology.next is not None
-            grad = self._link.recv(self.topology.next, TAG_GRAD)
-        grad_in = core.backward(index, grad)
-        if not self.is_first:
-            assert self.topology.prev is not None
-            if grad_in is None:  # (the previous rank waits for a tensor: no way to say "none")
-                raise TypeError(
-                    f"stage {self.stage_index}'s input carries no gradient (an integer tensor "
-                    "between stages?): DistributedStalePipeline sends every stage's input "
-                    "gradient back, so the tensors between stages must be floating point; move "
-                    "the boundary, or use StalePipeline"
-                )
-            self._link.send(grad_in, self.topology.prev, TAG_GRAD)
-
-    def _advance(self, drain: bool) -> None:
-        core = self._core
-        while True:
-            can_forward = core.last_forward_index + 1 < self.steps_fed
-            if len(core.in_flight) <= core.staleness:
-                if can_forward:
-                    self._forward_one()
-                elif drain and core.in_flight:
-                    self._backward_one()
-                else:
-                    return
-            else:
-                self._backward_one()
-
     # Public --------------------------------------------------------------------------------
     def train_step(
         self, x: torch.Tensor | None = None, target: torch.Tensor | None = None
     ) -> StepResult:
         """Feed one minibatch (collective: every rank calls it once per minibatch).
 
-        Stage 0 needs ``x`` and ``target``; other ranks ignore them. Returns a
+        Stage 0 needs ``x`` and ``target``; other ranks ignore them. Stage 0 reads both until
+        it has run this minibatch's backward: one changed in place before then (a refilled
+        buffer) raises :class:`PipelineError` from the call that runs it. Returns a
         :class:`StepResult` as :meth:`StalePipeline.train_step` does; its ``finished`` losses
         are those of the minibatches this rank finished during the call (only the last stage
         has any).
@@ -267,21 +210,19 @@ class DistributedStalePipeline:
         if self.is_first:
             if x is None or target is None:
                 raise ValueError("stage 0 needs x and target in train_step")
-            self._inputs.append((x, target))
+            self._schedule.inputs.append((x, target))
             self.samples_seen += int(x.shape[0])
         self.steps_fed += 1
-        self._advance(drain=False)
-        finished, self._losses = self._losses, []
-        return StepResult(index, finished)
+        self._schedule.advance(self.steps_fed, drain=False)
+        return StepResult(index, self._schedule.take_losses())
 
     def drain(self) -> list[LossRecord]:
         """Finish all in-flight minibatches on this rank (collective); returns finished losses."""
-        self._advance(drain=True)
+        self._schedule.advance(self.steps_fed, drain=True)
         self._link.reap_sends(wait_all=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        finished, self._losses = self._losses, []
-        return finished
+        return self._schedule.take_losses()
 
     def set_pipelined(self, pipelined: bool) -> None:
         """Drain, then switch between pipelined and synchronous mode (collective)."""

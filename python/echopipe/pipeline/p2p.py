@@ -109,8 +109,10 @@ class PeerLink:
         self._down_group: Any = dist.new_group(everyone)
         self._up_group: Any = dist.new_group(everyone)
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        """Post an asynchronous send of ``tensor`` (header, then data) to rank ``dst``."""
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> torch.Tensor:
+        """Post an asynchronous send of ``tensor`` (header, then data) to rank ``dst``; returns
+        the tensor the send reads (``tensor`` itself unless it had to be copied), which Gloo
+        reads only once ``dst`` posts its receive."""
         tensor = tensor.detach().contiguous()
         if self.device.type == "cuda" and not tensor.is_cuda:
             tensor = tensor.to(self.device)
@@ -132,6 +134,7 @@ class PeerLink:
             # The tensors stay referenced until the send completes.
             self._pending_sends.append((work, (header, tensor, dst, tag)))
         self.reap_sends()
+        return tensor
 
     def recv(self, src: int, tag: int) -> torch.Tensor:
         """Receive one tensor (header, then data) from rank ``src``; blocks."""
