@@ -90,6 +90,7 @@ def test_distributed_api_matches_stale_pipeline(torchrun_results: Path) -> None:
     loader = [[{"data": x, "label": y.reshape(-1, 1).int()}] for x, y in batches]
     expected = ref.run_epoch(loader, drain=True)
     accuracy = ref.accuracy(batches[0][0], batches[0][1], batch_size=4)
+    chunked = ref.evaluate(batches[0][0], batch_size=4)
     final = [s.state_dict() for s in ref.stages]
     ref.close()
     ranks = [torch.load(torchrun_results / f"api_rank{r}.pt") for r in range(2)]
@@ -102,6 +103,9 @@ def test_distributed_api_matches_stale_pipeline(torchrun_results: Path) -> None:
         assert result["optimizers"] == [k == r for k in range(2)]
     assert ranks[0]["samples"] == expected.samples and ranks[0]["losses"] == []
     assert ranks[1]["losses"] == pytest.approx(expected.losses, rel=1e-12)
+    # evaluate(x, batch_size) takes StalePipeline's chunks (it took no batch_size).
+    assert ranks[0]["chunked_logits"] is None
+    torch.testing.assert_close(ranks[1]["chunked_logits"], chunked, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.distributed
@@ -251,11 +255,14 @@ def test_init_distributed_joins_again_after_a_torchrun_restart(tmp_path: Path) -
 def test_accuracy_of_a_model_with_several_heads_is_named_on_every_rank(tmp_path: Path) -> None:
     """The last stage returns logits and auxiliary logits: accuracy raises StalePipeline's
     TypeError on both ranks. Before, the last rank failed in torch.cat ('expected Tensor as
-    element 0') and stage 0 waited for a result that never came (its pipeline's timeout)."""
+    element 0') and stage 0 waited for a result that never came (its pipeline's timeout).
+    ``evaluate(x, batch_size=4)`` returns the tuple of heads, each concatenated over the two
+    chunks, as StalePipeline's does (it took no batch_size)."""
     torchrun_worker(WORKER.with_name("dist_heads_worker.py"), tmp_path, timeout=180)
     for rank in range(2):
-        outcome = (tmp_path / f"rank{rank}.txt").read_text()
+        outcome, heads = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
         assert outcome.startswith("TypeError: accuracy needs the model to output logits"), outcome
+        assert heads == ("None" if rank == 0 else "tuple (6, 3) (6, 3) equal"), heads
 
 
 @pytest.mark.distributed

@@ -1,9 +1,11 @@
 """torchrun worker: a two-stage pipeline whose last stage returns two heads (logits and
-auxiliary logits), scored with ``accuracy``.
+auxiliary logits), scored with ``accuracy`` and evaluated in chunks of 4 of its 6 rows.
 
 Usage: ``torchrun --nproc_per_node=2 dist_heads_worker.py OUTDIR``. Each rank writes what
-``accuracy`` raised to ``OUTDIR/rank<r>.txt``; then the ranks meet at a barrier, so a rank left
-waiting for the other's answer shows as its pipeline's timeout, not as a closed connection.
+``accuracy`` raised, and what ``evaluate(x, batch_size=4)`` returned (``None`` off the last
+stage; the heads' shapes, and whether they equal one chunk's), to ``OUTDIR/rank<r>.txt``; then
+the ranks meet at a barrier, so a rank left waiting for the other's answer shows as its
+pipeline's timeout, not as a closed connection.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ def _loss(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tens
     return nn.functional.cross_entropy(out[0], y) + 0.3 * nn.functional.cross_entropy(out[1], y)
 
 
+def _compare(chunked: object, whole: tuple[torch.Tensor, ...]) -> str:
+    """What evaluate returned in chunks, and whether it equals the one-chunk evaluation."""
+    if not isinstance(chunked, tuple):
+        return type(chunked).__name__
+    shapes = " ".join(str(tuple(t.shape)) for t in chunked)
+    same = all(torch.allclose(a, b) for a, b in zip(chunked, whole, strict=True))
+    return f"tuple {shapes} {'equal' if same else 'different'}"
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -52,7 +63,13 @@ def main() -> None:
         outcome = "no error"
     except Exception as exc:
         outcome = f"{type(exc).__name__}: {exc}"
-    (out / f"rank{dist.get_rank()}.txt").write_text(outcome + "\n")
+    try:
+        chunked = pipe.evaluate(x if first else None, batch_size=4)
+        whole = pipe.evaluate(x if first else None)
+        heads = "None" if chunked is None else _compare(chunked, whole)
+    except Exception as exc:
+        heads = f"{type(exc).__name__}: {exc}"
+    (out / f"rank{dist.get_rank()}.txt").write_text(f"{outcome}\n{heads}\n")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -8,7 +8,8 @@ single-process engine:
    checkpoint, continue 3 minibatches; a fresh pipeline loads the checkpoint and continues the
    same 3 minibatches.
 2. dp: 1 stage, 2 data-parallel replicas, each on half of every minibatch.
-3. the StalePipeline API: ``balance="auto"``, ``run_epoch``, ``accuracy``.
+3. the StalePipeline API: ``balance="auto"``, ``run_epoch``, ``accuracy``, ``evaluate`` in
+   chunks.
 4. hook: a ``grad_hook`` clipping the gradients and ``ReduceLROnPlateau`` stepped on the last
    stage's metric (rank 0 passes none), in the pipeline and over 2 replicas.
 """
@@ -101,9 +102,11 @@ def main() -> None:
         batches[0][0] if epoch.is_first else None, batches[0][1] if epoch.is_first else None,
         batch_size=4,
     )  # fmt: skip
+    chunked = epoch.evaluate(batches[0][0] if epoch.is_first else None, batch_size=4)
     torch.save(
         {
             "auto_balance": auto.balance,
+            "chunked_logits": chunked,
             "steps": result.steps,
             "samples": result.samples,
             "losses": result.losses,

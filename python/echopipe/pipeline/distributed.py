@@ -38,7 +38,7 @@ from .p2p import PeerLink, link_timeout
 from .partition import DeviceLike, split_sequential
 from .rank_schedule import RankSchedule
 from .ranks import StageTopology, rank_core, rank_device
-from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult
+from .results import DEFAULT_OUTPUT_MAP, EpochResult, LossRecord, StepResult, checked_batch_size
 from .schedule import HybridSchedule, stage_staleness
 from .stage import refuse_metric_schedulers
 from .state import Progress, check_rank_state, rank_state, restore_rank
@@ -251,13 +251,17 @@ class DistributedStalePipeline:
         else:
             core.schedule_scheduler_step()
 
-    def evaluate(self, x: torch.Tensor | None) -> torch.Tensor | None:
-        """Eval-mode forward through the stages (collective; drains first).
+    def evaluate(self, x: torch.Tensor | None, batch_size: int | None = None) -> Any:
+        """Eval-mode forward through the stages (collective; drains first), in chunks of
+        ``batch_size`` rows of stage 0's ``x`` (``None``: one chunk), as
+        :meth:`StalePipeline.evaluate` runs it.
 
-        Stage 0 passes ``x``; the last stage returns the output on CPU, other ranks ``None``.
+        Stage 0 passes ``x``; the last stage returns the output on CPU (several heads: the same
+        tuple, list or dict, each tensor concatenated over the chunks), other ranks ``None``.
         """
+        size = None if batch_size is None else checked_batch_size(batch_size)
         self.drain()
-        return agree.pipeline_evaluate(self.topology, self._link, self.stage, self.device, x)
+        return agree.pipeline_evaluate(self.topology, self._link, self.stage, self.device, x, size)
 
     def run_epoch(
         self,
@@ -290,11 +294,12 @@ class DistributedStalePipeline:
     def accuracy(
         self, x: torch.Tensor | None, target: torch.Tensor | None, batch_size: int = 512
     ) -> float:
-        """Top-1 accuracy of an eval-mode forward (collective; drains first).
+        """Top-1 accuracy of :meth:`evaluate` (collective; drains first).
 
         Stage 0 passes ``x`` and ``target`` (others ``None``); every rank of the replica gets
         the same fraction in [0, 1], as :meth:`StalePipeline.accuracy` returns it.
         """
+        checked_batch_size(batch_size)
         self.drain()
         topology, link = self.topology, self._link
         return agree.pipeline_accuracy(topology, link, self.evaluate, x, target, batch_size)

@@ -24,7 +24,7 @@ from .balance import partition_balance
 from .modes import eval_mode
 from .p2p import TAG_EVAL, TAG_TARGET, PeerLink
 from .ranks import StageTopology
-from .results import StepResult, as_logits, output_to_cpu, unpack_batch
+from .results import StepResult, as_logits, concat_outputs, output_to_cpu, unpack_batch
 
 __all__ = [
     "agree_steps", "agreed_auto_balance", "agreed_metric", "agreed_save", "feed_steps",
@@ -192,50 +192,39 @@ def agreed_save(save: Callable[[], object] | None, link: PeerLink) -> None:
 def pipeline_accuracy(
     topology: StageTopology,
     link: PeerLink,
-    evaluate: Callable[[torch.Tensor | None], torch.Tensor | None],
+    evaluate: Callable[[torch.Tensor | None, int | None], Any],
     x: torch.Tensor | None,
     target: torch.Tensor | None,
     batch_size: int,
 ) -> float:
-    """Top-1 accuracy of ``evaluate`` (one eval-mode forward through the stages) over the
-    chunks of ``x``, computed by the last stage and sent to every rank of the replica.
+    """Top-1 accuracy of ``evaluate(x, batch_size)`` (an eval-mode forward through the stages),
+    computed by the last stage and sent to every rank of the replica.
 
     Collective, on a drained pipeline: stage 0 passes ``x`` and ``target``, the others
     ``None``; ``link`` carries the messages in the pipeline's order.
     """
     send, recv = link.send, link.recv
-    chunks: list[torch.Tensor] = []
     if topology.is_first:
         if x is None or target is None:
             raise ValueError("stage 0 needs x and target in accuracy")
-        chunks = list(torch.split(x, batch_size))
         target = target.reshape(-1)
         if not topology.is_last:
             send(target, topology.last_rank, TAG_TARGET)
     elif topology.is_last:
         target = recv(topology.base, TAG_TARGET)  # stage 0 sends it first
-    # The chunk count travels down the pipeline ahead of the chunks.
-    n = torch.tensor([len(chunks)], dtype=torch.int64)
-    if not topology.is_first:
-        assert topology.prev is not None
-        n = recv(topology.prev, TAG_EVAL)
-    if not topology.is_last:
-        assert topology.next is not None
-        send(n, topology.next, TAG_EVAL)
-    outputs = [evaluate(chunks[i] if chunks else None) for i in range(int(n.item()))]
+    output = evaluate(x, batch_size)
     result = torch.zeros(1, dtype=torch.float64)
     failure: TypeError | None = None
     if topology.is_last:
         assert target is not None
-        done = [o for o in outputs if o is not None]
+        logits: torch.Tensor | None = None
         try:
-            done = [as_logits(o) for o in done]
+            logits = as_logits(output)
         except TypeError as exc:  # several heads: the other ranks wait for a result all the same
             failure = exc
-        if failure is not None:
+        if logits is None:
             result[0] = _NOT_LOGITS
-        elif done:
-            logits = torch.cat(done)
+        elif logits.shape[0] > 0:
             result[0] = (logits.argmax(dim=1) == target.cpu().long()).double().mean()
         else:
             result[0] = math.nan
@@ -260,21 +249,42 @@ def pipeline_evaluate(
     stage: nn.Module,
     device: torch.device,
     x: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """One eval-mode forward through the stages of a drained pipeline (collective): stage 0
-    passes ``x``; the last stage returns the output on CPU, the other ranks ``None``."""
+    batch_size: int | None = None,
+) -> Any:
+    """An eval-mode forward of ``x`` through the stages of a drained pipeline (collective),
+    in chunks of ``batch_size`` rows (``None``: one chunk): stage 0 passes ``x``; the last
+    stage returns the output on CPU, concatenated over the chunks in the structure of the
+    stage's output (as :meth:`StalePipeline.evaluate` returns it), the other ranks ``None``.
+
+    Stage 0 sends the chunk count down the pipeline ahead of the chunks: only it knows ``x``.
+    """
+    chunks: list[torch.Tensor] = []
+    if topology.is_first:
+        if x is None:
+            raise ValueError("stage 0 needs x in evaluate")
+        chunks = [x] if batch_size is None else list(torch.split(x, batch_size))
+    count = torch.tensor([len(chunks)], dtype=torch.int64)
+    if not topology.is_first:
+        assert topology.prev is not None
+        count = link.recv(topology.prev, TAG_EVAL)
+    if not topology.is_last:
+        assert topology.next is not None
+        link.send(count, topology.next, TAG_EVAL)
+    outputs: list[Any] = []
     with torch.no_grad(), eval_mode([stage]):
-        if topology.is_first:
-            if x is None:
-                raise ValueError("stage 0 needs x in evaluate")
-            h = x.to(device)
-        else:
-            assert topology.prev is not None
-            h = link.recv(topology.prev, TAG_EVAL)
-        h = stage(h)
-        if not topology.is_last:
-            assert topology.next is not None
-            link.send(h, topology.next, TAG_EVAL)
-            link.reap_sends(wait_all=True)
-            return None
-        return output_to_cpu(h)
+        for i in range(int(count.item())):
+            if topology.is_first:
+                h = chunks[i].to(device)
+            else:
+                assert topology.prev is not None
+                h = link.recv(topology.prev, TAG_EVAL)
+            h = stage(h)
+            if topology.is_last:
+                outputs.append(output_to_cpu(h))
+            else:
+                assert topology.next is not None
+                link.send(h, topology.next, TAG_EVAL)
+    link.reap_sends(wait_all=True)
+    if not topology.is_last:
+        return None
+    return concat_outputs(outputs) if outputs else torch.empty(0)
