@@ -413,17 +413,18 @@ def test_a_buffer_refilled_after_train_step_is_named(tmp_path: Path, reused: str
     tensors), and Gloo sends the target only when the last stage receives it: a loop refilling
     one buffer per minibatch trained on later values, silently (the target), or failed in
     autograd's version check, naming neither (the input). Now stage 0 raises StalePipeline's
-    PipelineError naming the minibatch; a first layer changing the input in place is not
-    taken for the caller."""
+    PipelineError naming the minibatch, and again when the caller drains after it; a first
+    layer changing the input in place is not taken for the caller."""
     from pipeline_support.train_runs import child_env, free_port
 
     worker = Path(__file__).parent / "pipeline_support" / "dist_refilled_buffer_worker.py"
     cmd = [sys.executable, str(worker), str(tmp_path), str(free_port()), reused]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
     assert (tmp_path / "rank0.txt").is_file(), proc.stderr[-3000:]
-    in_place_layer, refilled = (tmp_path / "rank0.txt").read_text().splitlines()
+    in_place_layer, refilled, retried = (tmp_path / "rank0.txt").read_text().splitlines()
     assert in_place_layer == "no error"
     assert refilled.startswith(
         f"PipelineError: rank 0: the {reused} of minibatch 0 was modified in place after train_step"
     ), refilled
     assert refilled.endswith("| stage 0"), refilled
+    assert retried == refilled  # the error stays raised, as StalePipeline's does

@@ -113,12 +113,16 @@ class RankSchedule:
     def _backward_one(self) -> None:
         core, topology, link = self.core, self.topology, self.link
         index = core.in_flight[0].index
+        if topology.is_first:
+            # The caller cannot run before this backward ends, by which time every stage is
+            # done with the minibatch; checking before the receive leaves the state as it was
+            # when it raises, so a later call raises again.
+            self._check_unchanged(self._held[0])
+            self._held.popleft()
         grad = None
         if not topology.is_last:
             assert topology.next is not None
             grad = link.recv(topology.next, TAG_GRAD)
-        if topology.is_first:
-            self._check_unchanged(self._held.popleft())
         grad_in = core.backward(index, grad)
         if not topology.is_first:
             assert topology.prev is not None
