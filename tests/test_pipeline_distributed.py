@@ -428,3 +428,22 @@ def test_a_buffer_refilled_after_train_step_is_named(tmp_path: Path, reused: str
     ), refilled
     assert refilled.endswith("| stage 0"), refilled
     assert retried == refilled  # the error stays raised, as StalePipeline's does
+
+
+@pytest.mark.distributed
+def test_modes_switched_before_a_recompute_are_named(tmp_path: Path) -> None:
+    """``model.eval()`` right after feeding, before a drain: stage 0 recomputed the forwards of
+    its minibatches in flight (1 and 2) in eval mode (its batch norms on running statistics)
+    and trained on those gradients, silently. As StalePipeline's stages do, it now raises the
+    RuntimeError naming the stage and the minibatch."""
+    from pipeline_support.train_runs import child_env, free_port
+
+    worker = Path(__file__).parent / "pipeline_support" / "dist_modes_worker.py"
+    cmd = [sys.executable, str(worker), str(tmp_path), str(free_port())]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert (tmp_path / "rank0.txt").is_file(), proc.stderr[-3000:]
+    outcome = (tmp_path / "rank0.txt").read_text().strip()
+    assert outcome.startswith(
+        "RuntimeError: stage 0: its modules' train/eval modes changed while minibatch 1 was "
+        "in flight"
+    ), outcome

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .modes import module_modes
 from .p2p import TAG_ACT, TAG_GRAD, TAG_TARGET, PeerLink
 from .ranks import StageTopology
 from .results import LossRecord
@@ -98,7 +99,13 @@ class RankSchedule:
                 # this rank, and without tags the receives must come in the same order.
                 target = link.recv(topology.base, TAG_TARGET)
             x = link.recv(topology.prev, TAG_ACT)
-        out, loss = core.forward(index, x, target, caller_autocast())  # for a recompute
+        # The forward runs now, inside train_step; a recompute runs at the backward, after the
+        # caller may have switched modes (model.eval() without a drain), which it refuses.
+        modes = tuple(
+            module_modes([core.module])[0] if k == topology.stage_index else ()
+            for k in range(topology.num_stages)
+        )
+        out, loss = core.forward(index, x, target, caller_autocast(), modes)
         if topology.is_first:
             # Copies made above (to another device) are the pipeline's own: they never change.
             kept = (("input", x, x._version), ("target", tgt, tgt._version))
