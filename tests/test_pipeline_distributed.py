@@ -421,7 +421,9 @@ def test_a_buffer_refilled_after_train_step_is_named(tmp_path: Path, reused: str
     cmd = [sys.executable, str(worker), str(tmp_path), str(free_port()), reused]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
     assert (tmp_path / "rank0.txt").is_file(), proc.stderr[-3000:]
-    in_place_layer, refilled, retried = (tmp_path / "rank0.txt").read_text().splitlines()
+    lines = (tmp_path / "rank0.txt").read_text().splitlines()
+    not_a_tensor, in_place_layer, refilled, retried = lines
+    assert not_a_tensor == "TypeError: train_step needs tensors (x, target), got list, Tensor"
     assert in_place_layer == "no error"
     assert refilled.startswith(
         f"PipelineError: rank 0: the {reused} of minibatch 0 was modified in place after train_step"

@@ -1,5 +1,6 @@
 """Two processes (torch.multiprocessing), a two-stage pipeline with ``timeout_s=10``:
 
+0. rank 0 feeds a list instead of a tensor, alone;
 1. stage 0 begins with a layer that changes its input in place, and gets a new tensor per
    minibatch: the pipeline's own change must not be taken for the caller's;
 2. a loop that refills one input (or target) buffer in place per minibatch, as a plain loop
@@ -56,6 +57,14 @@ def run(rank: int, out: Path, port: int, rank0_done: Any, *, reused: str) -> Non
         model, balance=[5, 4], optimizer=sgd, loss_fn=loss_fn, timeout_s=10
     )
     failure: Exception | None = None
+    if rank == 0:  # refused before any message: rank 1 does not take part
+        x, y = make_batches(1)[0]
+        try:
+            pipe.train_step(x.tolist(), y)  # type: ignore[arg-type]
+        except Exception as exc:
+            failure = exc
+        lines.append(_outcome(failure))
+        failure = None
     try:
         for x, y in make_batches(4):
             pipe.train_step(x, y)

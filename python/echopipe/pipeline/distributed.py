@@ -204,14 +204,21 @@ class DistributedStalePipeline:
         are those of the minibatches this rank finished during the call (only the last stage
         has any).
         """
+        if self.is_first:  # checked before any message, as StalePipeline checks them
+            if x is None or target is None:
+                raise ValueError("stage 0 needs x and target in train_step")
+            if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor):
+                raise TypeError(
+                    f"train_step needs tensors (x, target), got {type(x).__name__}, "
+                    f"{type(target).__name__}"
+                )
         index = self.steps_fed
         if self.hybrid is not None and self._pipelined and not self.hybrid.pipelined_at(index):
             self.set_pipelined(False)
         if self.is_first:
-            if x is None or target is None:
-                raise ValueError("stage 0 needs x and target in train_step")
+            assert x is not None and target is not None
             self._schedule.inputs.append((x, target))
-            self.samples_seen += int(x.shape[0])
+            self.samples_seen += int(x.shape[0]) if x.dim() > 0 else 1
         self.steps_fed += 1
         self._schedule.advance(self.steps_fed, drain=False)
         return StepResult(index, self._schedule.take_losses())
