@@ -11,7 +11,8 @@ and Gloo's ``isend`` copies the target only when the last stage posts its receiv
 stage 0 has run the minibatch's backward (by which time every other stage is done with it), a
 caller that refills either tensor in place changes what the pipeline trains on. Their version
 counters, noted after the forward (a first layer may change ``x`` in place itself), tell it,
-as :class:`~echopipe.pipeline.StalePipeline`'s stage workers tell it.
+as :class:`~echopipe.pipeline.StalePipeline`'s stage workers tell it. The forward also notes
+the stage's train/eval modes, which a recompute at the backward checks.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ class _Held:
 
     index: int
     tensors: tuple[tuple[str, torch.Tensor, int], ...]
+
+
+def _same_memory(used: torch.Tensor, given: torch.Tensor) -> bool:
+    """Whether ``used`` reads the caller's ``given`` (itself or a view), not a copy."""
+    return (
+        used.device == given.device
+        and used.untyped_storage().data_ptr() == given.untyped_storage().data_ptr()
+    )
 
 
 class RankSchedule:
@@ -86,12 +95,12 @@ class RankSchedule:
         index = core.last_forward_index + 1
         target: torch.Tensor | None = None
         if topology.is_first:
-            x, tgt = self.inputs.popleft()
-            x = x.to(self.device)
+            given = self.inputs.popleft()
+            x = given[0].to(self.device)
             if topology.is_last:
-                target = tgt = tgt.to(self.device)
+                target = tgt = given[1].to(self.device)
             else:
-                tgt = link.send(tgt, topology.last_rank, TAG_TARGET)
+                tgt = link.send(given[1], topology.last_rank, TAG_TARGET)
         else:
             assert topology.prev is not None
             if topology.is_last:
@@ -107,8 +116,13 @@ class RankSchedule:
         )
         out, loss = core.forward(index, x, target, caller_autocast(), modes)
         if topology.is_first:
-            # Copies made above (to another device) are the pipeline's own: they never change.
-            kept = (("input", x, x._version), ("target", tgt, tgt._version))
+            # Copies made above (to another device) are the pipeline's own: nobody else can
+            # change them, and holding them would keep device memory.
+            kept = tuple(
+                (name, mine, mine._version)
+                for name, used, mine in (("input", x, given[0]), ("target", tgt, given[1]))
+                if _same_memory(used, mine)
+            )
             self._held.append(_Held(index, kept))
         if topology.is_last:
             assert loss is not None
