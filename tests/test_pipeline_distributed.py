@@ -257,12 +257,15 @@ def test_accuracy_of_a_model_with_several_heads_is_named_on_every_rank(tmp_path:
     TypeError on both ranks. Before, the last rank failed in torch.cat ('expected Tensor as
     element 0') and stage 0 waited for a result that never came (its pipeline's timeout).
     ``evaluate(x, batch_size=4)`` returns the tuple of heads, each concatenated over the two
-    chunks, as StalePipeline's does (it took no batch_size)."""
+    chunks, as StalePipeline's does (it took no batch_size), and ``batch_size=0`` is refused
+    by ``evaluate`` and ``accuracy`` on every rank (``accuracy`` failed in ``torch.split`` on
+    stage 0 alone, leaving rank 1 waiting for its pipeline's timeout)."""
     torchrun_worker(WORKER.with_name("dist_heads_worker.py"), tmp_path, timeout=180)
     for rank in range(2):
-        outcome, heads = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
+        outcome, heads, *refused = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
         assert outcome.startswith("TypeError: accuracy needs the model to output logits"), outcome
         assert heads == ("None" if rank == 0 else "tuple (6, 3) (6, 3) equal"), heads
+        assert refused == ["ValueError: batch_size must be an int >= 1, got 0"] * 2, refused
 
 
 @pytest.mark.distributed

@@ -3,13 +3,15 @@ auxiliary logits), scored with ``accuracy`` and evaluated in chunks of 4 of its 
 
 Usage: ``torchrun --nproc_per_node=2 dist_heads_worker.py OUTDIR``. Each rank writes what
 ``accuracy`` raised, and what ``evaluate(x, batch_size=4)`` returned (``None`` off the last
-stage; the heads' shapes, and whether they equal one chunk's), to ``OUTDIR/rank<r>.txt``; then
+stage; the heads' shapes, and whether they equal one chunk's), then what ``evaluate`` and
+``accuracy`` with ``batch_size=0`` raised, to ``OUTDIR/rank<r>.txt``; then
 the ranks meet at a barrier, so a rank left waiting for the other's answer shows as its
 pipeline's timeout, not as a closed connection.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -69,7 +71,15 @@ def main() -> None:
         heads = "None" if chunked is None else _compare(chunked, whole)
     except Exception as exc:
         heads = f"{type(exc).__name__}: {exc}"
-    (out / f"rank{dist.get_rank()}.txt").write_text(f"{outcome}\n{heads}\n")
+    refused = []
+    for call in (pipe.evaluate, functools.partial(pipe.accuracy, target=y if first else None)):
+        try:  # every rank refuses it before any message
+            call(x if first else None, batch_size=0)
+            refused.append("no error")
+        except Exception as exc:
+            refused.append(f"{type(exc).__name__}: {exc}")
+    lines = [outcome, heads, *refused]
+    (out / f"rank{dist.get_rank()}.txt").write_text("\n".join(lines) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 
