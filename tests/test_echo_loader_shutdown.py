@@ -7,6 +7,7 @@ has a timeout, so a hang fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import echopipe
-from echopipe.torch import EchoLoader
+from echopipe.torch import EchoLoader, LoaderError
 
 PROGRAM = Path(__file__).with_name("shutdown_program.py")
 HANG_S = 60.0  # a child that has not done its part by then hangs
@@ -171,6 +172,58 @@ def test_an_interrupt_does_not_wait_for_torchs_worker_check() -> None:
         "the interrupted reader waited for torch's worker check"
     )
     el.close()
+
+
+class Stuck(Dataset):
+    """Samples 0..7, then samples that wait for ``release``: a worker stuck in the dataset."""
+
+    def __init__(self) -> None:
+        self.release = multiprocessing.get_context("fork").Event()
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        if i >= 8:
+            self.release.wait(HANG_S)
+        return torch.full((3,), float(i)), i
+
+
+def _stuck_loader(data: Stuck) -> DataLoader:
+    return DataLoader(data, batch_size=4, num_workers=1, timeout=1,
+                      multiprocessing_context="fork")  # fmt: skip
+
+
+def test_the_wrapped_loaders_timeout_is_not_held_up_by_ending_its_stuck_worker() -> None:
+    """``DataLoader(timeout=1)`` with a worker stuck in its dataset: the plain loader raises its
+    RuntimeError after the timeout; ending the iterator then waits up to torch's 5 s for the
+    stuck worker before it kills it. EchoLoader's epoch waited for that end before it raised
+    the error (about 6 s instead of 1 s here). Now the error comes while the worker is still
+    being ended (the worker, which only the test can release, is still alive then), with the
+    plain loader's type and message as its cause, and close() waits for that end."""
+    plain_data = Stuck()
+    with pytest.raises(RuntimeError) as plain:
+        list(_stuck_loader(plain_data))
+    plain_data.release.set()
+    expected = (type(plain.value), str(plain.value))
+    del plain  # its traceback holds the plain iterator, whose released worker then ends
+    data = Stuck()
+    before = children()
+    el = EchoLoader(_stuck_loader(data), 2.0)
+    with pytest.raises(LoaderError) as caught:
+        for _batch in el:
+            pass
+    stuck = children() - before  # the worker, if the error did not wait for torch to kill it
+    error = caught.value
+    assert (type(error.__cause__), str(error.__cause__)) == expected
+    assert f"raised at batch 2 of epoch 0: RuntimeError: {expected[1]}" in str(error)
+    assert el.stats().fresh_batches_epoch == 2  # the reader gave up at the third batch's timeout
+    assert len(stuck) == 1, "the error waited until torch had killed the stuck worker"
+    failed = el._shared.failed  # the reader left to end the wrapped iterator
+    assert failed is not None and failed.error is error
+    data.release.set()
+    el.close()  # waits for the reader, which ends the worker
+    assert not failed.is_alive() and all(gone(p) for p in stuck)
 
 
 @pytest.mark.parametrize("group", [False, True])

@@ -340,6 +340,9 @@ void register_errors() {
                        py::make_tuple(e.sample_bytes(), e.capacity_bytes()));
     } catch (const CacheStateError& e) {
       raise_echo_error("CacheStateError", PyExc_ValueError, e.what());
+    } catch (const CacheForkedError& e) {
+      raise_echo_error("CacheForkedError", PyExc_RuntimeError, e.what(),
+                       py::make_tuple(e.creator_pid(), e.pid()));
     } catch (const ArenaAllocationError& e) {
       PyErr_SetString(PyExc_MemoryError, e.what());
     }
@@ -362,7 +365,12 @@ void bind_echo(py::module_& m) {
         "CUDA devices visible now (0 without CUDA/driver); first call touches the runtime.");
   m.def("cuda_available", &cuda_available);
   m.def("cache_names", &cache_names, "Names of registered echo caches.");
-  m.def("remove_cache", &remove_cache, py::arg("name"));
+  m.def("remove_cache", py::overload_cast<const std::string&>(&remove_cache), py::arg("name"));
+  m.def("remove_cache", py::overload_cast<const std::string&, uint64_t>(&remove_cache),
+        py::arg("name"), py::arg("handle"),
+        "Unregisters `name` only if it is the cache with `handle`.");
+  m.def("fork_generation", &fork_generation,
+        "Forks this process descends from since the core was loaded (0 in the first process).");
   m.def(
       "find_cache",
       [](const std::string& name) -> py::object {
@@ -445,6 +453,10 @@ void bind_echo(py::module_& m) {
           "arena_device_ptr",
           [](const EchoCache& c) { return reinterpret_cast<uintptr_t>(c.arena_device()); })
       .def_property_readonly("closed", &EchoCache::closed)
+      .def_property_readonly("forked", &EchoCache::forked,
+                             "True in a process forked from the one that created the cache.")
+      .def("check_process", &EchoCache::check_process,
+           "Raises CacheForkedError in a process forked from the one that created the cache.")
       .def_property_readonly(
           "refused_sample",
           [](const EchoCache& c) -> py::object {

@@ -1,6 +1,8 @@
 // The echo cache's public operations: put/reserve/commit, take, stream control, waiting for
 // room, the sink's quota and layouts, and statistics (algorithm: echo_cache.h; internals:
 // echo_impl.cc; leases and gathers: lease.cc; save/restore: echo_state.cc; registry: registry.cc).
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -26,6 +28,7 @@ std::shared_ptr<EchoCache> EchoCache::create(const EchoConfig& config, std::stri
   config.validate();
   auto* cache = new EchoCache(config, std::move(name));
   return std::shared_ptr<EchoCache>(cache, [](EchoCache* c) {
+    if (c->forked()) return;  // never destroyed in a fork (see echo_cache.h, Processes)
     // acq_rel: orders every lease's last use before the delete, whichever side deletes.
     if (c->impl_->leases.fetch_or(Impl::kOrphaned, std::memory_order_acq_rel) == 0) delete c;
   });
@@ -33,12 +36,15 @@ std::shared_ptr<EchoCache> EchoCache::create(const EchoConfig& config, std::stri
 
 void EchoCache::drop_leases(EchoCache* cache, uint64_t n) noexcept {
   const uint64_t before = cache->impl_->leases.fetch_sub(n, std::memory_order_acq_rel);
-  if (before == Impl::kOrphaned + n) delete cache;  // the last lease of an ownerless cache
+  // The last lease of an ownerless cache; a fork's copy (orphaned in the parent) is never freed.
+  if (before == Impl::kOrphaned + n && !cache->forked()) delete cache;
 }
 
 EchoCache::EchoCache(const EchoConfig& config, std::string name)
     : config_(config), name_(std::move(name)) {
   handle_ = g_next_handle.fetch_add(1);
+  fork_generation_ = fork_generation();
+  creator_pid_ = static_cast<int64_t>(getpid());
   if (name_.empty()) name_ = "echo-" + std::to_string(handle_);
   impl_ = std::make_unique<Impl>(config_);
 }
@@ -46,6 +52,8 @@ EchoCache::EchoCache(const EchoConfig& config, std::string name)
 EchoCache::~EchoCache() { close(); }
 
 void EchoCache::close() {
+  // A fork's copy: its wait_mu may be held by a parent thread that does not exist here.
+  if (forked()) return;
   if (impl_->closed.exchange(true, std::memory_order_seq_cst)) return;
   impl_->notify_all();
 }
@@ -55,6 +63,7 @@ bool EchoCache::closed() const { return impl_->closed.load(std::memory_order_acq
 double EchoCache::echo_factor() const { return impl_->echo_factor.load(std::memory_order_relaxed); }
 
 void EchoCache::set_echo_factor(double e) {
+  check_process();
   if (!echo_factor_in_bounds(e)) {
     throw std::invalid_argument("set_echo_factor: echo_factor must be a finite number in [1, " +
                                 std::to_string(kMaxEchoFactor) + "], got " + std::to_string(e));
@@ -90,6 +99,7 @@ size_t EchoCache::reserve_slots(const SampleDesc& desc, double timeout_s, uint32
                                 size_t max, PutStatus* status) {
   Impl& I = *impl_;
   size_t got = 0;
+  check_process();
   desc.validate();
   const uint64_t need = desc.extent_bytes();
   if (need > I.usable_bytes) {
@@ -159,6 +169,7 @@ size_t EchoCache::reserve_slots(const SampleDesc& desc, double timeout_s, uint32
 PutStatus EchoCache::commit(PutReservation& r) {
   if (!r.valid()) throw std::invalid_argument("commit() of an invalid (empty) reservation");
   if (r.cache_.get() != this) throw std::invalid_argument("reservation belongs to another cache");
+  check_process();
   const uint32_t s = r.slot_;
   r.cache_.reset();
   return commit_slot(s);
@@ -241,6 +252,7 @@ void EchoCache::abort(PutReservation& r) {
   Impl& I = *impl_;
   const uint32_t s = r.slot_;
   r.cache_.reset();
+  if (forked()) return;  // (a destructor's call) the copy's alloc_mu may be held by the parent
   {
     std::lock_guard<std::mutex> lk(I.alloc_mu);
     I.free_slot_locked(s);
@@ -306,6 +318,7 @@ PutStatus EchoCache::put_rows(const SampleDesc& desc, const void* const* field_d
 
 PutStatus EchoCache::wait_for_room(size_t n, double timeout_s) {
   Impl& I = *impl_;
+  check_process();
   if (n > config_.capacity_samples) {
     throw std::invalid_argument(
         "wait_for_room(n=" + std::to_string(n) +
@@ -339,6 +352,7 @@ PutStatus EchoCache::wait_for_room(size_t n, double timeout_s) {
 
 TakeStatus EchoCache::take(size_t n, std::vector<SampleLease>& out, double timeout_s) {
   Impl& I = *impl_;
+  check_process();
   if (n == 0) throw std::invalid_argument("take(n) needs n >= 1, got n=0");
   int64_t want = static_cast<int64_t>(n);
   if (config_.mode == EchoMode::kBatch) {
@@ -487,6 +501,7 @@ uint64_t EchoCache::refused_sample_bytes() const {
 
 void EchoCache::end_of_input() {
   Impl& I = *impl_;
+  check_process();
   {
     std::lock_guard<std::mutex> lk(I.alloc_mu);
     I.input_ended_locked = true;
@@ -498,6 +513,7 @@ void EchoCache::end_of_input() {
 
 void EchoCache::reset_input() {
   Impl& I = *impl_;
+  check_process();
   std::lock_guard<std::mutex> alk(I.assembly_mu);
   std::lock_guard<std::mutex> lk(I.alloc_mu);
   I.input_ended_locked = false;
@@ -510,12 +526,14 @@ void EchoCache::reset_input() {
 // ---- the sink's side state -------------------------------------------------------------------
 
 void EchoCache::set_quota(int64_t remaining) {
+  check_process();
   impl_->quota.store(remaining < 0 ? -1 : remaining, std::memory_order_relaxed);
 }
 
 int64_t EchoCache::quota() const { return impl_->quota.load(std::memory_order_relaxed); }
 
 bool EchoCache::take_quota() {
+  check_process();
   int64_t q = impl_->quota.load(std::memory_order_relaxed);
   for (;;) {
     if (q < 0) return true;
@@ -529,6 +547,7 @@ void EchoCache::set_layouts(std::vector<std::string> layouts) {
     throw std::invalid_argument("set_layouts: a sample has at most " + std::to_string(kMaxFields) +
                                 " fields, got " + std::to_string(layouts.size()) + " layouts");
   }
+  check_process();
   std::lock_guard<std::mutex> lk(impl_->side_mu);
   impl_->layouts = std::move(layouts);
 }
@@ -538,6 +557,7 @@ void EchoCache::record_layout(int field, std::string_view layout) {
     throw std::invalid_argument("record_layout: field " + std::to_string(field) +
                                 " is out of range [0, " + std::to_string(kMaxFields) + ")");
   }
+  check_process();
   std::lock_guard<std::mutex> lk(impl_->side_mu);
   auto& l = impl_->layouts;
   if (static_cast<int>(l.size()) <= field) l.resize(field + 1);
@@ -545,6 +565,7 @@ void EchoCache::record_layout(int field, std::string_view layout) {
 }
 
 std::vector<std::string> EchoCache::layouts() const {
+  check_process();
   std::lock_guard<std::mutex> lk(impl_->side_mu);
   return impl_->layouts;
 }
@@ -553,6 +574,7 @@ std::vector<std::string> EchoCache::layouts() const {
 
 EchoStats EchoCache::stats() const {
   Impl& I = *impl_;
+  check_process();
   EchoStats st;
   {
     std::lock_guard<std::mutex> lk(I.alloc_mu);

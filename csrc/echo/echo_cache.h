@@ -67,6 +67,16 @@
 // Lifetime. EchoCache is always held by std::shared_ptr (EchoCache::create or the registry).
 // Leases hold a shared_ptr to their cache, so sample memory stays valid until the last lease is
 // dropped, even after close() and after every other owner is gone.
+//
+// Processes. A cache belongs to the process that created it. A fork() copies it into the child
+// (arena and tickets included), where it would hand out the same samples as the parent and every
+// sibling, fed by threads that do not exist there; so a forked child's copy refuses every use
+// with CacheForkedError (EchoCache::forked(), from a generation that a pthread_atfork handler
+// bumps in each child). Its close() does nothing there and it is never destroyed there: its
+// mutexes and condition variable may be held or waited on by parent threads, and destroying a
+// condition variable with waiters blocks. The registry's lock is taken around fork() so that the
+// child's registry is usable; a forked child may create caches of its own, also under the names
+// of inherited ones.
 #pragma once
 
 #include <array>
@@ -106,6 +116,22 @@ class ECHOPIPE_API SampleTooLargeError : public std::invalid_argument {
 class ECHOPIPE_API CacheStateError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
+};
+
+/// A cache used in a process forked from the one that created it (a DataLoader worker, an
+/// os.fork() child). The fork's copy of the cache (arena, slots, tickets) is private to it, so
+/// every forked process would hand out the same samples again, and the threads that fed the cache
+/// do not exist there: refused, as CUDA refuses a forked child. Python sees
+/// echopipe.echo.CacheForkedError (a RuntimeError).
+class ECHOPIPE_API CacheForkedError : public std::runtime_error {
+ public:
+  CacheForkedError(const std::string& name, int64_t creator_pid, int64_t pid);
+  int64_t creator_pid() const { return creator_pid_; }
+  int64_t pid() const { return pid_; }
+
+ private:
+  int64_t creator_pid_;
+  int64_t pid_;
 };
 
 /// An arena this machine cannot provide (mmap, cudaHostAlloc or cudaMalloc failed): memory, not
@@ -449,6 +475,13 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   /// 1 <= e <= kMaxEchoFactor and finite.
   void set_echo_factor(double e);
   const std::string& name() const { return name_; }
+  /// True in a process forked from the one that created this cache (fork_generation() moved on
+  /// since). There every operation that reads or changes the cache throws CacheForkedError,
+  /// close() does nothing (its locks may be held by threads that exist only in the parent), and
+  /// the copy is never destroyed (the process's exit frees it).
+  bool forked() const noexcept;
+  /// Throws CacheForkedError (naming the cache and both processes) when forked().
+  void check_process() const;
   /// Process-unique handle (also the registry key for find_cache(uint64_t)).
   uint64_t handle() const { return handle_; }
   /// kPinned, kPageable or kDevice: what the arena actually is (never kAuto).
@@ -522,6 +555,8 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   EchoConfig config_;
   std::string name_;
   uint64_t handle_ = 0;
+  uint64_t fork_generation_ = 0;  // fork_generation() when created: another one means forked()
+  int64_t creator_pid_ = 0;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -542,14 +577,23 @@ ECHOPIPE_API void gather(const std::vector<SampleLease>& leases, int field, void
 // ---- registry (one per process, lives in libechopipe_core.so) ------------------------------
 
 /// Creates and registers a cache. An empty name gets the first free "echo-<n>".
-/// Throws std::invalid_argument if the name is taken (or the config is bad).
+/// Throws std::invalid_argument if the name is taken by a cache of this process (or the config
+/// is bad); a forked() cache inherited from the parent process gives its name up.
 ECHOPIPE_API std::shared_ptr<EchoCache> create_cache(const std::string& name,
                                                      const EchoConfig& config);
-/// Registered cache by name or handle, or nullptr.
+/// Registered cache by name or handle, or nullptr (in a forked process also an inherited, forked()
+/// one: using it throws CacheForkedError, which says more than "no such cache").
 ECHOPIPE_API std::shared_ptr<EchoCache> find_cache(const std::string& name);
 ECHOPIPE_API std::shared_ptr<EchoCache> find_cache(uint64_t handle);
 /// Unregisters (does not close) a cache; returns false if the name was unknown.
 ECHOPIPE_API bool remove_cache(const std::string& name);
+/// Unregisters the cache `name` only if it is the one with `handle` (a cache inherited from the
+/// parent of a forked process may have been replaced there by a new one of the same name).
+ECHOPIPE_API bool remove_cache(const std::string& name, uint64_t handle);
+/// Forks this process descends from since libechopipe_core.so was loaded: 0 in the process that
+/// loaded it, one more in each forked child (a pthread_atfork handler, which also keeps the
+/// registry's lock consistent across fork()). A cache made at another generation is forked().
+ECHOPIPE_API uint64_t fork_generation() noexcept;
 /// Names of registered caches.
 ECHOPIPE_API std::vector<std::string> cache_names();
 

@@ -110,6 +110,7 @@ struct ParsedUnit {
 
 std::vector<uint8_t> EchoCache::save_state() const {
   Impl& I = *impl_;
+  check_process();
   std::vector<uint8_t> buf;
   Writer w{buf};
   // No publish, reservation or slot reuse runs while these are held (retired units are given
@@ -178,6 +179,7 @@ std::vector<uint8_t> EchoCache::save_state() const {
 
 void EchoCache::restore_state(const uint8_t* data, size_t size) {
   Impl& I = *impl_;
+  check_process();
   Reader r{data, size};
   if (size < sizeof(kMagic) || std::memcmp(data, kMagic, sizeof(kMagic)) != 0) {
     throw CacheStateError("not an echo cache state (bad magic)");

@@ -214,6 +214,10 @@ void release_leases(std::vector<SampleLease>& leases) {
 
 void EchoCache::give_back(std::vector<SampleLease>& leases) noexcept {
   Impl& I = *impl_;
+  if (forked()) {  // a fork's copy: no waking (wait_mu may be held by a parent thread)
+    release_leases(leases);
+    return;
+  }
   uint64_t samples = 0;
   int64_t tickets = 0;
   for (size_t i = 0; i < leases.size();) {

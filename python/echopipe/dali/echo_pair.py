@@ -172,9 +172,15 @@ class EchoPair(EpochPasses, EchoPipelineBase):
         return self._shard_size
 
     def start(self) -> None:
-        """Builds both DALI pipelines and starts the upstream runner (idempotent)."""
+        """Builds both DALI pipelines and starts the upstream runner (idempotent).
+
+        In a fork of the process that made the pipeline (a ``DataLoader`` worker) it raises
+        :class:`~echopipe.echo.CacheForkedError`, as every use of the running pipeline does: the
+        fork's copy of its cache is private, and its DALI and runner threads do not exist there.
+        """
         if self._closed:
             raise RuntimeError("this EchoPipeline was closed")
+        self.cache.check_process()
         if self._started:
             return
         self._build()

@@ -20,6 +20,7 @@ from .config import EchoConfig, EchoConfigError
 from .controller import EchoChange, EchoController
 from .values import (
     CacheClosedError,
+    CacheForkedError,
     CacheStateError,
     CacheTooSmallError,
     EchoBatch,
@@ -32,6 +33,7 @@ from .values import (
 
 __all__ = [
     "CacheClosedError",
+    "CacheForkedError",
     "CacheStateError",
     "CacheTooSmallError",
     "EchoBatch",

@@ -15,6 +15,8 @@ released: :meth:`EchoCache.put_batch` puts the rows of arrays, :meth:`EchoCache.
 gathers a batch into fresh contiguous arrays (one memcpy per sample), which is what a
 host-to-device copy wants, and :meth:`EchoCache.take_batch_into` copies into the caller's own
 (pinned, say) buffers instead. Interpreter exit closes every open cache before Python joins threads.
+A cache belongs to the process that created it: in a fork of it (a ``DataLoader`` worker) every
+use but :meth:`~EchoCache.close` raises :class:`CacheForkedError`.
 """
 
 from __future__ import annotations
@@ -178,6 +180,12 @@ class EchoCache:
     def closed(self) -> bool:
         """True after :meth:`close`."""
         return bool(self._native.closed)
+
+    def check_process(self) -> None:
+        """Raises :class:`CacheForkedError` in a process forked from the one that created the
+        cache, as every other use there does (the fork's copy is private to it: each forked
+        process would hand out the same samples again). :meth:`close` works there."""
+        self._native.check_process()
 
     # ---- lifecycle ----
     def close(self) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 
 __all__ = [
     "CacheClosedError",
+    "CacheForkedError",
     "CacheStateError",
     "CacheTooSmallError",
     "EchoBatch",
@@ -31,6 +32,23 @@ class EchoCacheError(Exception):
 
 class CacheClosedError(EchoCacheError, RuntimeError):
     """Raised by blocking calls on a cache that was closed (possibly while they waited)."""
+
+
+class CacheForkedError(EchoCacheError, RuntimeError):
+    """Raised by any use of a cache, an ``EchoLoader`` or an ``EchoPipeline`` in a process forked
+    from the one that made it (a ``DataLoader`` worker of the ``fork`` start method, an
+    ``os.fork()`` child). The fork's copy is private to it: each forked process would hand out
+    the same samples again, and the threads that fed the copy do not exist there. Make the
+    object in the process that uses it, after the fork, or keep it in the main process around
+    the ``DataLoader``. ``creator_pid`` and ``pid`` name the two processes (None where the
+    error was rebuilt from its message, as torch does with a worker's error)."""
+
+    def __init__(
+        self, message: str, creator_pid: int | None = None, pid: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.creator_pid = creator_pid
+        self.pid = pid
 
 
 class InputEndedError(EchoCacheError, RuntimeError):

@@ -33,7 +33,8 @@ from .delivery import Assembler, next_batch, pin_choice
 from .lengths import LengthsTold, StaleLengthWarning
 from .passes import EchoLoaderStats, FactorReplacedWarning
 from .rank_states import RankStates, RankStatesError, RankStatesWarning, own_state
-from .reader import LoaderError, Producer, Shared, shutdown
+from .reader import LoaderError, Producer
+from .shared import FORKED_ADVICE, Shared, join_failed, shutdown
 from .wrapped import PassThrough, UnshardedLoaderError
 
 __all__ = [
@@ -189,6 +190,7 @@ class EchoLoader(PassThrough):
         """
         if self._closed:
             raise RuntimeError("EchoLoader is closed")
+        self._shared.origin.check("EchoLoader", FORKED_ADVICE)
         wrapped.check_sharded(self._loader, self._sharded)
         passes.check_auto_alone(self._controller is not None)
         if self._current is not None:  # an iterator still in its epoch (as DataLoader does)
@@ -199,6 +201,7 @@ class EchoLoader(PassThrough):
         return passes.EpochIterator(self, self._serial)
 
     def _start_epoch(self) -> None:
+        join_failed(self._shared, self._close_timeout)  # one reader of the wrapped loader
         passes.warn_kept_stream(self)  # (once) the epoch cut short lost read-ahead batches
         self._lens_told.pass_started()  # the loop went on from a cut epoch: name a stale len()
         resume, self._resume, self._cut_short = self._resume, None, None
@@ -236,6 +239,7 @@ class EchoLoader(PassThrough):
     def _next(self, token: int) -> Any:
         if self._closed:
             raise RuntimeError("EchoLoader is closed")
+        self._shared.origin.check("EchoLoader", FORKED_ADVICE)
         if token != self._current:
             raise passes.replaced(self._epoch)
         if not self._started:
@@ -263,7 +267,8 @@ class EchoLoader(PassThrough):
             self._cut_short = passes.cut_short(producer, self._shared.cache, self._epoch,
                                                self._delivered_epoch[0])  # fmt: skip
             self._lens_told.epoch_cut(self)
-            shutdown(self._shared, self._close_timeout)  # the cache goes; a new epoch makes one
+            # The cache goes (a new epoch makes one); a reader's own error is not held up.
+            shutdown(self._shared, self._close_timeout, leave_failed=True)
         elif producer is not None:
             producer.shutdown(self._close_timeout)  # already ended: it ended the input
         self._shared.producer = None
@@ -306,6 +311,7 @@ class EchoLoader(PassThrough):
         0 alone writes (Lightning's) resumes every rank: every rank calls it then, as Lightning
         does (otherwise rank 0's holds its own, with a :class:`RankStatesWarning` after
         ``state_timeout``, and later ones wait no more)."""
+        self._shared.origin.check("EchoLoader", FORKED_ADVICE)
         producer, cache = self._shared.producer, self._shared.cache
         passes.warn_cut_short(self._cut_short)  # set only between an early end and the next epoch
         guard = producer.lock if producer is not None else threading.Lock()
@@ -347,6 +353,7 @@ class EchoLoader(PassThrough):
         does not fit raises :class:`~.loader_state.LoaderStateError` (a ValueError naming the
         field) and leaves the loader as it was.
         """
+        self._shared.origin.check("EchoLoader", FORKED_ADVICE)
         if self._current is not None:
             raise RuntimeError("load_state_dict() during an epoch; call it before iter()")
         clean = ls.check_loader_state(
@@ -383,10 +390,13 @@ class EchoLoader(PassThrough):
     def close(self) -> None:
         """Stops the reader and the workers of the wrapped loader, also of the DataLoader
         iterators it keeps (:func:`.workers.end_loader_workers`), frees the cache. Idempotent;
-        the reader part also runs when the ``EchoLoader`` is garbage collected and at exit."""
+        the reader part also runs when the ``EchoLoader`` is garbage collected and at exit. In a
+        fork of the process that made it, it only marks it closed: the rest is the parent's."""
         self._closed, self._current = True, None
         self._finalizer()
-        workers.end_loader_workers(self._loader)
+        if not self._shared.origin.forked():
+            join_failed(self._shared, self._close_timeout)
+            workers.end_loader_workers(self._loader)
 
     def __enter__(self) -> EchoLoader:
         return self

@@ -16,7 +16,7 @@ from ..echo import config as echo_config
 from . import batch_layout as bl
 from . import wrapped
 from .loader_state import LoaderStateError, check_position, check_shard, epoch_position, shard
-from .reader import shutdown
+from .shared import shutdown
 
 if TYPE_CHECKING:
     from .loader import EchoLoader

@@ -1,8 +1,9 @@
 """The reader thread of :class:`echopipe.torch.EchoLoader`: one epoch of the wrapped loader
 into the echo cache, stoppable at any point, with the wrapped loader's workers ended with it.
 
-It holds the loader only weakly and shares a small :class:`Shared` record with it, so that the
-loader can be garbage collected (its finalizer then stops the reader and closes the cache).
+It holds the loader only weakly and shares a small :class:`.shared.Shared` record with it, so
+that the loader can be garbage collected (its finalizer then stops the reader and closes the
+cache).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..echo import CacheClosedError, EchoCache
+from ..echo import CacheClosedError
 from . import batch_layout as bl
 from . import order, workers, wrapped
 from .workers import release_iterator, wake
@@ -360,24 +361,3 @@ def _summary(exc: BaseException) -> str:
     if len(lines) <= 1:
         return lines[0] if lines else ""
     return f"{lines[0]} ... {lines[-1].strip()}"
-
-
-class Shared:
-    """What the producer thread, the finalizer and the loader share (never the loader itself)."""
-
-    def __init__(self) -> None:
-        self.cache: EchoCache | None = None
-        self.producer: Producer | None = None
-        self.lock = threading.Lock()
-
-
-def shutdown(shared: Shared, timeout: float) -> None:
-    producer, cache = shared.producer, shared.cache
-    if producer is not None:
-        producer.stop.set()
-    if cache is not None:
-        cache.close()  # wakes a producer blocked on a full cache
-    if producer is not None:
-        producer.shutdown(timeout)
-    shared.producer = None
-    shared.cache = None
