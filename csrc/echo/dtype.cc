@@ -1,6 +1,7 @@
 // Element types, sample descriptions and configuration validation for the echo cache. Every
 // rejection here is a std::invalid_argument whose message names the offending value, because the
 // Python bindings turn it into a ValueError shown to the user as is.
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -72,6 +73,10 @@ DType dtype_from_name(std::string_view name) {
 }
 
 int64_t FieldDesc::numel() const {
+  // An empty field may have huge other dimensions: their product is never formed.
+  for (int i = 0; i < ndim; ++i) {
+    if (shape[i] == 0) return 0;
+  }
   int64_t n = 1;
   for (int i = 0; i < ndim; ++i) n *= shape[i];
   return n;
@@ -96,6 +101,21 @@ void SampleDesc::validate() const {
       if (fd.shape[d] < 0) {
         throw std::invalid_argument("field " + std::to_string(f) + ": negative dimension " +
                                     std::to_string(fd.shape[d]));
+      }
+    }
+    // numel() and nbytes() multiply the dimensions: a product that wrapped around (a corrupt
+    // saved state, raw shapes) would describe more elements than the bytes stored, which a view
+    // or a gather would then read past.
+    const bool empty = std::find(fd.shape, fd.shape + fd.ndim, int64_t{0}) != fd.shape + fd.ndim;
+    uint64_t bytes = dtype_size(fd.dtype);
+    for (int d = 0; d < fd.ndim && !empty; ++d) {
+      if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(fd.shape[d]), &bytes) ||
+          bytes > kMaxFieldBytes) {
+        std::string shape;
+        for (int i = 0; i < fd.ndim; ++i) shape += (i ? ", " : "") + std::to_string(fd.shape[i]);
+        throw std::invalid_argument("field " + std::to_string(f) + ": shape (" + shape + ") of " +
+                                    dtype_name(fd.dtype) + " holds more than " +
+                                    std::to_string(kMaxFieldBytes) + " bytes");
       }
     }
   }

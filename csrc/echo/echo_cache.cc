@@ -170,9 +170,9 @@ PutStatus EchoCache::commit(PutReservation& r) {
   if (!r.valid()) throw std::invalid_argument("commit() of an invalid (empty) reservation");
   if (r.cache_.get() != this) throw std::invalid_argument("reservation belongs to another cache");
   check_process();
-  const uint32_t s = r.slot_;
-  r.cache_.reset();
-  return commit_slot(s);
+  // The reservation's reference may be the cache's last owner: it stays until the commit is done.
+  const std::shared_ptr<EchoCache> owner = std::move(r.cache_);
+  return commit_slot(r.slot_);
 }
 
 PutStatus EchoCache::commit_slot(uint32_t s) {
@@ -249,15 +249,20 @@ void EchoCache::commit_slots_example(const uint32_t* chunk, size_t n) {
 void EchoCache::abort(PutReservation& r) {
   if (!r.valid()) return;
   if (r.cache_.get() != this) throw std::invalid_argument("reservation belongs to another cache");
-  Impl& I = *impl_;
-  const uint32_t s = r.slot_;
-  r.cache_.reset();
+  // The reservation's reference may be the cache's last owner: it stays until the abort is done.
+  const std::shared_ptr<EchoCache> owner = std::move(r.cache_);
   if (forked()) return;  // (a destructor's call) the copy's alloc_mu may be held by the parent
+  unreserve(&r.slot_, 1);
+}
+
+void EchoCache::unreserve(const uint32_t* slots, size_t n) {
+  Impl& I = *impl_;
   {
     std::lock_guard<std::mutex> lk(I.alloc_mu);
-    I.free_slot_locked(s);
+    for (size_t j = 0; j < n; ++j) I.free_slot_locked(slots[j]);
   }
-  if (I.pending.fetch_sub(1, std::memory_order_seq_cst) == 1 &&
+  if (I.pending.fetch_sub(static_cast<int64_t>(n), std::memory_order_seq_cst) ==
+          static_cast<int64_t>(n) &&
       I.input_ended.load(std::memory_order_seq_cst)) {
     I.try_seal();
   }
@@ -270,9 +275,14 @@ PutStatus EchoCache::put(const SampleDesc& desc, const void* const* field_data, 
   if (st != PutStatus::kOk) return st;
   // The slot is ours until commit_slot (nothing else reads or frees a pending slot).
   auto* base = static_cast<uint8_t*>(impl_->arena.host) + impl_->slots[s].offset;
-  for (int f = 0; f < desc.num_fields; ++f) {
-    const size_t nb = desc.fields[f].nbytes();
-    detail::arena_copy(impl_->arena.kind, base + desc.field_offset(f), field_data[f], nb);
+  try {
+    for (int f = 0; f < desc.num_fields; ++f) {
+      const size_t nb = desc.fields[f].nbytes();
+      detail::arena_copy(impl_->arena.kind, base + desc.field_offset(f), field_data[f], nb);
+    }
+  } catch (...) {  // a device arena's copy failed: the slot goes back, or it stays pending
+    unreserve(&s, 1);
+    throw;
   }
   return commit_slot(s);
 }
@@ -287,13 +297,18 @@ PutStatus EchoCache::put_rows(const SampleDesc& desc, const void* const* field_d
     const size_t got = reserve_slots(desc, timeout_s, chunk, std::min(kChunk, rows - *done), &st);
     if (got == 0) return st;
     // The slots are ours until committed (nothing else reads or frees a pending slot).
-    for (size_t j = 0; j < got; ++j) {
-      auto* base = static_cast<uint8_t*>(impl_->arena.host) + impl_->slots[chunk[j]].offset;
-      for (int f = 0; f < desc.num_fields; ++f) {
-        const size_t nb = desc.fields[f].nbytes();
-        const auto* src = static_cast<const uint8_t*>(field_data[f]) + (*done + j) * nb;
-        detail::arena_copy(impl_->arena.kind, base + desc.field_offset(f), src, nb);
+    try {
+      for (size_t j = 0; j < got; ++j) {
+        auto* base = static_cast<uint8_t*>(impl_->arena.host) + impl_->slots[chunk[j]].offset;
+        for (int f = 0; f < desc.num_fields; ++f) {
+          const size_t nb = desc.fields[f].nbytes();
+          const auto* src = static_cast<const uint8_t*>(field_data[f]) + (*done + j) * nb;
+          detail::arena_copy(impl_->arena.kind, base + desc.field_offset(f), src, nb);
+        }
       }
+    } catch (...) {  // as in put(): the chunk's slots go back; *done counts the rows stored
+      unreserve(chunk, got);
+      throw;
     }
     if (config_.mode == EchoMode::kExample && !impl_->closed.load(std::memory_order_acquire)) {
       commit_slots_example(chunk, got);

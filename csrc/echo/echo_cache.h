@@ -172,6 +172,9 @@ ECHOPIPE_API DType dtype_from_name(std::string_view name);
 constexpr int kMaxFields = 4;           ///< fields per sample (e.g. image, label, metadata)
 constexpr int kMaxDims = 8;             ///< dimensions per field
 constexpr size_t kFieldAlignment = 64;  ///< every field starts at a multiple of this in the arena
+/// Most bytes of one field: kMaxFields aligned fields then still add up without overflow (larger
+/// ones cannot fit an arena anyway).
+constexpr uint64_t kMaxFieldBytes = uint64_t{1} << 61;
 
 /// One field of a sample: a dense C-contiguous array.
 struct FieldDesc {
@@ -190,7 +193,8 @@ struct SampleDesc {
   int num_fields = 0;
   FieldDesc fields[kMaxFields];
 
-  /// Throws std::invalid_argument naming the bad value (num_fields, ndim, negative dim, dtype).
+  /// Throws std::invalid_argument naming the bad value (num_fields, ndim, negative dim, dtype,
+  /// or a shape of more than kMaxFieldBytes, whose byte count would wrap around).
   ECHOPIPE_API void validate() const;
   /// Bytes one sample occupies in the arena: sum of field sizes, each rounded up to 64 B.
   ECHOPIPE_API size_t extent_bytes() const;
@@ -549,6 +553,9 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   size_t reserve_slots(const SampleDesc& desc, double timeout_s, uint32_t* slots, size_t max,
                        PutStatus* status);
   PutStatus commit_slot(uint32_t slot);
+  // Gives n reserved, uncommitted slots back (abort, or a put whose copy in failed): freed, no
+  // longer pending (which may seal an ended input), and a blocked producer woken.
+  void unreserve(const uint32_t* slots, size_t n);
   // Example mode: publishes n reserved slots with one update of each shared counter.
   void commit_slots_example(const uint32_t* slots, size_t n);
 
