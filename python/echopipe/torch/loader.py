@@ -260,8 +260,8 @@ class EchoLoader(PassThrough):
         if token != self._current:
             return
         self._current = None
-        if not self._started:
-            return  # never read: not an epoch
+        if not self._started or self._shared.origin.forked():
+            return  # never read: not an epoch; or a fork's copy of the parent's epoch
         producer = self._shared.producer
         if abort:
             self._cut_short = passes.cut_short(producer, self._shared.cache, self._epoch,
