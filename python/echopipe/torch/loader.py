@@ -91,7 +91,8 @@ class EchoLoader(PassThrough):
     failure of the wrapped loader raises :class:`LoaderError` naming the batch; a batch that
     cannot be split into samples raises :class:`LayoutError` (:class:`ShapeChangeError` for
     a per-sample shape that changed within an epoch); several torch.distributed
-    processes reading the whole dataset each raise :class:`UnshardedLoaderError`.
+    processes reading the whole dataset each raise :class:`UnshardedLoaderError`. In a fork of
+    the process that made it (a DataLoader worker) it raises ``echopipe.echo.CacheForkedError``.
     """
 
     def __init__(
