@@ -190,6 +190,7 @@ def test_an_echo_loader_started_before_a_fork_is_refused_in_the_child_and_goes_o
     echo.close()
 
 
+@pytest.mark.dali
 def test_a_dali_pipeline_made_before_a_fork_is_refused_in_the_child(tmp_path) -> None:
     pytest.importorskip("nvidia.dali")
     from nvidia.dali import fn
