@@ -230,6 +230,7 @@ def test_a_forked_child_lets_go_of_a_cache_a_parent_thread_waits_in() -> None:
     """The child's copy is never destroyed there: a consumer of the parent waited in its
     condition variable, and destroying (or notifying) the copy would wait for that consumer,
     which does not exist in the child, for ever."""
+    gc.collect()  # earlier tests' garbage (a DALI pipeline's threads) is not the child's to end
     cache = EchoCache(capacity_bytes=1 << 20, capacity_samples=16, echo_factor=1.0)
     consumer = threading.Thread(target=cache.take, args=(1, HANG_S), daemon=True)
     consumer.start()

@@ -5,16 +5,13 @@ worker processes, a webdataset pipeline, a Hugging Face dataset formatted for to
 background producer thread reads the wrapped loader, splits every batch into samples and puts
 them into echopipe's native :class:`~echopipe.echo.EchoCache` (one cache slot per sample, so
 this is *example* echoing); iterating the ``EchoLoader`` draws random batches of the same size
-and structure from the cache. Each fresh sample is delivered ``floor(e)`` or ``ceil(e)`` times
-(mean ``e``), so an epoch yields about ``e`` times as many batches as the wrapped loader, while
-the wrapped loader is read once.
+and structure from the cache: each fresh sample ``floor(e)`` or ``ceil(e)`` times (mean ``e``).
 
 See ``docs/echo_loader.md`` for the semantics (ordering, accounting, resume) and the limits.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 import weakref
@@ -44,7 +41,6 @@ __all__ = [
 ]  # fmt: skip
 
 LayoutError, ShapeChangeError = bl.LayoutError, bl.ShapeChangeError
-_IDENTS = itertools.count()  # EchoLoaders in the order a process makes them, alike on every rank
 
 
 class EchoLoader(PassThrough):
@@ -132,7 +128,7 @@ class EchoLoader(PassThrough):
         self._timeout = arguments.check_seconds("timeout", timeout)
         self._close_timeout = arguments.check_seconds("close_timeout", close_timeout) or 10.0
         wait = arguments.check_seconds("state_timeout", state_timeout, optional=False)
-        self._ranks = RankStates(next(_IDENTS), float(wait))  # rank 0's holds every rank's
+        self._ranks = RankStates.made(float(wait))  # rank 0's holds every rank's
         self._device = arguments.check_device(device)
         self._pin = pin_choice(self._device, pin_memory, loader)
         self._shared = Shared()
@@ -280,9 +276,6 @@ class EchoLoader(PassThrough):
         if not abort:
             passes.check_epoch_samples(self._last_epoch[1], self._epoch_samples, self._epoch - 1)
 
-    def _last_layout(self) -> str | None:
-        return self._saved_layout or self._prior_layout
-
     def _epoch_counts(self, producer: Producer | None) -> tuple[int, int, int, int]:
         if producer is None:
             return (0, self._fresh_base, *self._delivered_epoch)  # type: ignore[return-value]
@@ -306,12 +299,8 @@ class EchoLoader(PassThrough):
         """Everything to continue later, mid-epoch too (call it between batches): the cached
         samples with their remaining tickets, the position in the wrapped loader's epoch, the
         counters and the ``"auto"`` controller; plain values and bytes (``torch.save`` it).
-
-        Under several torch.distributed processes, rank 0's state saved mid-epoch also holds
-        every other rank's, taken at the same step (``"rank_states"``), so a checkpoint that rank
-        0 alone writes (Lightning's) resumes every rank: every rank calls it then, as Lightning
-        does (otherwise rank 0's holds its own, with a :class:`RankStatesWarning` after
-        ``state_timeout``, and later ones wait no more)."""
+        Under several processes rank 0's mid-epoch state holds every rank's, for a checkpoint
+        that rank 0 alone writes, as Lightning's (:mod:`echopipe.torch.rank_states`)."""
         self._shared.origin.check("EchoLoader", FORKED_ADVICE)
         producer, cache = self._shared.producer, self._shared.cache
         passes.warn_cut_short(self._cut_short)  # set only between an early end and the next epoch
@@ -322,6 +311,7 @@ class EchoLoader(PassThrough):
             blob = cache.state_dict() if at.mid_epoch and cache is not None else None
         mine = at.counts if at.mid_epoch else (0, 0, 0, 0)
         ended = at.counts if at.ended else (0, 0, 0, 0)  # into the totals, as at the epoch's end
+        last_layout = self._saved_layout or self._prior_layout
         return self._ranks.gathered({
             "version": ls.STATE_VERSION,
             "epoch": self._epoch + at.ended,
@@ -337,7 +327,7 @@ class EchoLoader(PassThrough):
             "controller": self._controller.state_dict() if self._controller else None,
             "cache": blob,
             "cache_config": dict(self._cache_config) if self._cache_config else None,
-            "layout": self._stream.signature() if self._stream else self._last_layout(),
+            "layout": self._stream.signature() if self._stream else last_layout,
             "batch_size": self._batch_size,
             "input_batch_size": wrapped.input_batch_size(self._loader),
             "shard": wrapped.data_shard(self._loader),
@@ -391,8 +381,7 @@ class EchoLoader(PassThrough):
     def close(self) -> None:
         """Stops the reader and the workers of the wrapped loader, also of the DataLoader
         iterators it keeps (:func:`.workers.end_loader_workers`), frees the cache. Idempotent;
-        the reader part also runs when the ``EchoLoader`` is garbage collected and at exit. In a
-        fork of the process that made it, it only marks it closed: the rest is the parent's."""
+        also run (reader part) at garbage collection and exit; in a fork, only marks it closed."""
         self._closed, self._current = True, None
         self._finalizer()
         if not self._shared.origin.forked():

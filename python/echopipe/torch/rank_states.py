@@ -19,6 +19,7 @@ one ``state_timeout`` at most, not one per checkpoint.
 from __future__ import annotations
 
 import io
+import itertools
 import time
 import warnings
 from typing import Any
@@ -30,6 +31,7 @@ from .loader_state import LoaderStateError, shard
 __all__ = ["RankStates", "RankStatesError", "RankStatesWarning", "own_state"]
 
 _PREFIX = "echopipe.echo_loader"
+_IDENTS = itertools.count()  # EchoLoaders in the order a process makes them, alike on every rank
 _POLL_S = 0.02  # between looks at the store: a Ctrl-C is taken within that
 
 
@@ -47,6 +49,11 @@ class RankStatesWarning(RuntimeWarning):
 class RankStates:
     """One EchoLoader's hand-over of its states: ``ident`` numbers the EchoLoaders of a process
     in the order they were made, which every rank of one program shares."""
+
+    @classmethod
+    def made(cls, timeout_s: float) -> RankStates:
+        """The next EchoLoader's, numbered in the order this process makes them."""
+        return cls(next(_IDENTS), timeout_s)
 
     def __init__(self, ident: int, timeout_s: float) -> None:
         self._ident, self._timeout_s = ident, timeout_s
