@@ -125,12 +125,12 @@ def resolve_stream(torch: Any, stream: Any, device: Any) -> Any:
 def keep_until_done(torch: Any, stream: Any, out: Any, leases: list[Any]) -> None:
     """After the launch on ``stream``: keep ``leases`` until the stream has passed the kernel.
 
-    When ``stream`` is not the one torch allocates ``out`` on (the current stream), the output
-    is also marked as used by ``stream``, so freeing ``out`` early cannot hand its memory to
-    another tensor while the kernel still writes it.
+    The output is also marked as used by ``stream``, so freeing ``out`` early cannot hand its
+    memory to another tensor while the kernel still writes it. This is done whatever the
+    current stream is: a caller's ``out`` may come from another stream than the current one,
+    and for the stream that allocated it torch's allocator ignores the mark.
     """
-    if stream != torch.cuda.current_stream(out.device):
-        out.record_stream(stream)
+    out.record_stream(stream)
     # A blocking-sync event: the keeper's wait sleeps instead of spinning a core.
     event = torch.cuda.Event(blocking=True)
     event.record(stream)
