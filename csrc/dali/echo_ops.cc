@@ -7,10 +7,11 @@
 // has no inputs, so DALI gives it the pipeline's batch size, and it draws that many samples from
 // the same cache, each fresh sample floor(e) or ceil(e) times. The pair lets the downstream part
 // run e times as many iterations as the upstream part without breaking DALI's fixed-batch-size
-// rule. Both are stateless for DALI's own checkpointing: the cache state is saved by echopipe in
-// Python.
+// rule. The cache state is saved by echopipe in Python; to DALI's own checkpointing the sink is
+// stateless and the source saves its padding template (dali/source_state.h).
 #include "dali/echo_ops.h"
 
+#include <any>
 #include <cstring>
 #include <functional>
 #include <utility>
@@ -210,9 +211,10 @@ void DescribeOutputs(const DrawnBatch& batch, const SampleCopy* padding, int num
   out[num_fields].type = DALI_INT64;
 }
 
-void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding, PaddingAge& age) {
+void UpdatePadding(const DrawnBatch& batch, std::shared_ptr<const SampleCopy>& padding,
+                   PaddingAge& age) {
   if (!age.take_from(batch)) return;
-  auto copy = std::make_unique<SampleCopy>();
+  auto copy = std::make_shared<SampleCopy>();
   const auto& lease = batch.leases[0];
   copy->desc = lease.desc();
   for (int f = 0; f < copy->desc.num_fields; ++f) {
@@ -220,6 +222,22 @@ void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding
     copy->fields.emplace_back(p, p + lease.nbytes(f));
   }
   padding = std::move(copy);
+}
+
+SourceState SavedSourceState(const dali::OpCheckpoint& cpt) {
+  // OpCheckpoint reads its state only through a cast that fails when none was saved (a
+  // checkpoint taken before the first iteration); the pointer form of any_cast tells instead.
+  const auto* state =
+      std::any_cast<SourceState>(&const_cast<dali::OpCheckpoint&>(cpt).MutableCheckpointState());
+  return state != nullptr ? *state : SourceState{};
+}
+
+void DeserializeSourceState(dali::OpCheckpoint& cpt, const std::string& data, int num_fields) {
+  try {
+    cpt.MutableCheckpointState() = DecodeSourceState(data, num_fields);
+  } catch (const SourceStateError& e) {
+    DALI_FAIL(dali::make_string("echopipe: ", e.what()));
+  }
 }
 
 const void* FieldData(const DrawnBatch& batch, const SampleCopy* padding, int i, int f,
@@ -249,6 +267,27 @@ void WriteInfo(const DrawnBatch& batch, int64_t* dst, int batch_size) {
 
 ECHOPIPE_DALI_EXPORT const char* echopipe_dali_built_version() {
   return ECHOPIPE_DALI_BUILT_VERSION;
+}
+
+// Checks a serialized echo source state (an operator's entry in a DALI checkpoint) for Python
+// before DALI restores it, where a refusal would come with DALI's stack trace. Returns 1 for a
+// valid state, 0 for data that is not a source state, -1 for a malformed one, whose reason is
+// written to `reason` (NUL-terminated, cut to `reason_size`).
+ECHOPIPE_DALI_EXPORT int echopipe_dali_check_source_state(const char* data, size_t size,
+                                                          int num_fields, char* reason,
+                                                          size_t reason_size) {
+  const std::string_view bytes(data, size);
+  if (!echopipe_dali::IsSourceState(bytes)) return 0;
+  try {
+    (void)echopipe_dali::DecodeSourceState(bytes, num_fields);
+    return 1;
+  } catch (const std::exception& e) {
+    if (reason_size > 0) {
+      std::strncpy(reason, e.what(), reason_size - 1);
+      reason[reason_size - 1] = '\0';
+    }
+    return -1;
+  }
 }
 
 ECHOPIPE_DALI_EXPORT int echopipe_dali_gpu_backend() {
@@ -313,10 +352,10 @@ class EchoSinkCPU : public StatelessOperator<CPUBackend> {
   std::shared_ptr<echopipe::EchoCache> cache_;
 };
 
-class EchoSourceCPU : public StatelessOperator<CPUBackend> {
+class EchoSourceCPU : public Operator<CPUBackend> {
  public:
   explicit EchoSourceCPU(const OpSpec& spec)
-      : StatelessOperator<CPUBackend>(spec),
+      : Operator<CPUBackend>(spec),
         cache_name_(spec.GetArgument<std::string>("cache_name")),
         num_fields_(spec.GetArgument<int>("num_fields")),
         cache_(echopipe_dali::HostCacheOrFail(cache_name_, "echopipe echo source")) {}
@@ -352,12 +391,31 @@ class EchoSourceCPU : public StatelessOperator<CPUBackend> {
     batch_ = {};  // drops the leases: the slots may be reused once every copy is out
   }
 
+  // The padding template, so a restored source pads the rest of its pass as the saved one would.
+  void SaveState(OpCheckpoint& cpt, AccessOrder) override {
+    cpt.MutableCheckpointState() = echopipe_dali::SourceState{padding_, padding_age_.stale};
+  }
+
+  void RestoreState(const OpCheckpoint& cpt) override {
+    const auto state = echopipe_dali::SavedSourceState(cpt);
+    padding_ = state.padding;
+    padding_age_.stale = state.stale;
+  }
+
+  std::string SerializeCheckpoint(const OpCheckpoint& cpt) const override {
+    return echopipe_dali::EncodeSourceState(echopipe_dali::SavedSourceState(cpt));
+  }
+
+  void DeserializeCheckpoint(OpCheckpoint& cpt, const std::string& data) const override {
+    echopipe_dali::DeserializeSourceState(cpt, data, num_fields_);
+  }
+
  private:
   std::string cache_name_;
   int num_fields_;
   std::shared_ptr<echopipe::EchoCache> cache_;
   echopipe_dali::DrawnBatch batch_;
-  std::unique_ptr<echopipe_dali::SampleCopy> padding_;
+  std::shared_ptr<const echopipe_dali::SampleCopy> padding_;
   echopipe_dali::PaddingAge padding_age_;
 };
 

@@ -11,7 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "dali/pipeline/operator/checkpointing/op_checkpoint.h"
 #include "dali/pipeline/operator/operator.h"
+#include "dali/source_state.h"
 #include "echo/echo_cache.h"
 
 namespace echopipe_dali {
@@ -36,12 +38,6 @@ void RecordInputLayouts(echopipe::EchoCache& cache, const dali::Workspace& ws);
 /// Cache descriptor (element type and shape of every field) of sample `i` of the sink's inputs,
 /// on either backend; DALI error naming the input when it has too many dimensions.
 echopipe::SampleDesc DescribeInputSample(const dali::Workspace& ws, int i);
-
-/// Copy of one sample, kept by a source to pad the batches it emits after the end of input.
-struct SampleCopy {
-  echopipe::SampleDesc desc;
-  std::vector<std::vector<uint8_t>> fields;
-};
 
 /// Outcome of drawing one downstream batch: leases for the real samples, and for each output
 /// position the index of the lease (or of the template when no lease exists) it copies from.
@@ -79,7 +75,14 @@ void DescribeOutputs(const DrawnBatch& batch, const SampleCopy* padding, int num
                      std::vector<dali::OutputDesc>& out, const std::string& cache_name);
 
 /// Keeps a host copy of the pass's first drawn sample as the padding template (see PaddingAge).
-void UpdatePadding(const DrawnBatch& batch, std::unique_ptr<SampleCopy>& padding, PaddingAge& age);
+void UpdatePadding(const DrawnBatch& batch, std::shared_ptr<const SampleCopy>& padding,
+                   PaddingAge& age);
+
+/// The SourceState a source's SaveState put into `cpt` (a default one when it holds none).
+SourceState SavedSourceState(const dali::OpCheckpoint& cpt);
+
+/// Decodes a source's serialized state into `cpt`; a DALI error saying what is wrong.
+void DeserializeSourceState(dali::OpCheckpoint& cpt, const std::string& data, int num_fields);
 
 /// Host pointer and size of field `f` for output sample `i`.
 const void* FieldData(const DrawnBatch& batch, const SampleCopy* padding, int i, int f,

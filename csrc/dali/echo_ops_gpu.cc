@@ -228,6 +228,9 @@ struct DevicePadding {
   void* fields[echopipe::kMaxFields] = {};
   size_t nbytes[echopipe::kMaxFields] = {};
   bool filled = false;  // its copy is queued (in the plan of the batch it came from)
+  // Its bytes on the host, for DALI's checkpoints: a restored template's, or copied back once
+  // when a checkpoint first saves it.
+  std::shared_ptr<const echopipe_dali::SampleCopy> host;
 
   DevicePadding() = default;
   DevicePadding(const DevicePadding&) = delete;
@@ -238,10 +241,10 @@ struct DevicePadding {
   }
 };
 
-class EchoSourceGPU : public StatelessOperator<GPUBackend> {
+class EchoSourceGPU : public Operator<GPUBackend> {
  public:
   explicit EchoSourceGPU(const OpSpec& spec)
-      : StatelessOperator<GPUBackend>(spec),
+      : Operator<GPUBackend>(spec),
         cache_name_(spec.GetArgument<std::string>("cache_name")),
         num_fields_(spec.GetArgument<int>("num_fields")),
         cache_(echopipe_dali::FindCacheOrFail(cache_name_, "echopipe echo source (gpu)")),
@@ -254,6 +257,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     // back to the cache, so a small cache is not kept full by slots that only wait for the next
     // RunImpl (dali/source_draw.h says why that could hang).
     RetireFinished();
+    RestorePadding(ws.stream());
     int batch_size = ws.GetRequestedBatchSize(0);
     const echopipe_dali::SampleCopy* pad = padding_ ? &padding_->desc_only : nullptr;
     batch_ = echopipe_dali::DrawBatch(*cache_, batch_size, pad, cache_name_,
@@ -269,6 +273,7 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     RetireFinished();
     const int n = static_cast<int>(batch_.source_index.size());
     cudaStream_t stream = ws.stream();
+    stream_ = stream;
     InFlight flight;
     flight.info = TakeInfoBuffer(static_cast<size_t>(3 * n) * sizeof(int64_t));
     echopipe_dali::WriteInfo(batch_, static_cast<int64_t*>(flight.info->host()), n);
@@ -296,6 +301,33 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     flight.batch = std::move(batch_);
     batch_ = {};
     in_flight_.push(std::move(flight));
+  }
+
+  // The padding template, so a restored source pads the rest of its pass as the saved one would.
+  // DALI calls this after each iteration's RunImpl, on its stream.
+  void SaveState(OpCheckpoint& cpt, AccessOrder) override {
+    echopipe_dali::SourceState state;
+    if (padding_ && padding_->filled) {
+      state = {HostPadding(), padding_age_.stale};
+    } else if (restored_) {
+      state = {restored_, restored_stale_};
+    }
+    cpt.MutableCheckpointState() = state;
+  }
+
+  void RestoreState(const OpCheckpoint& cpt) override {
+    const auto state = echopipe_dali::SavedSourceState(cpt);
+    restored_ = state.padding;
+    restored_stale_ = state.stale;
+    padding_age_.stale = state.stale;
+  }
+
+  std::string SerializeCheckpoint(const OpCheckpoint& cpt) const override {
+    return echopipe_dali::EncodeSourceState(echopipe_dali::SavedSourceState(cpt));
+  }
+
+  void DeserializeCheckpoint(OpCheckpoint& cpt, const std::string& data) const override {
+    echopipe_dali::DeserializeSourceState(cpt, data, num_fields_);
   }
 
  private:
@@ -377,6 +409,47 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
     padding_->filled = true;
   }
 
+  // A restored template goes to the device before the first draw that may pad with it, on the
+  // stream of the copies that will read it.
+  void RestorePadding(cudaStream_t stream) {
+    if (!restored_) return;
+    auto pad = std::make_unique<DevicePadding>();
+    pad->desc_only.desc = restored_->desc;
+    for (int f = 0; f < restored_->desc.num_fields; ++f) {
+      const size_t nbytes = restored_->fields[f].size();
+      pad->nbytes[f] = nbytes;
+      CudaCheck(cudaMalloc(&pad->fields[f], nbytes > 0 ? nbytes : 1), "cudaMalloc (padding)");
+      if (nbytes > 0) {
+        CudaCheck(cudaMemcpyAsync(pad->fields[f], restored_->fields[f].data(), nbytes,
+                                  cudaMemcpyHostToDevice, stream),
+                  "cudaMemcpyAsync (restored padding)");
+      }
+    }
+    pad->filled = true;
+    pad->host = std::move(restored_);
+    restored_ = nullptr;
+    padding_ = std::move(pad);
+  }
+
+  // The template's bytes on the host. Copied back once per template (a pass), after the copies
+  // that filled it on this stream; the wait is a checkpointing pipeline's only one per pass.
+  std::shared_ptr<const echopipe_dali::SampleCopy> HostPadding() {
+    if (!padding_->host) {
+      auto copy = std::make_shared<echopipe_dali::SampleCopy>();
+      copy->desc = padding_->desc_only.desc;
+      for (int f = 0; f < copy->desc.num_fields; ++f) {
+        copy->fields.emplace_back(padding_->nbytes[f]);
+        if (padding_->nbytes[f] == 0) continue;
+        CudaCheck(cudaMemcpyAsync(copy->fields[f].data(), padding_->fields[f], padding_->nbytes[f],
+                                  cudaMemcpyDeviceToHost, stream_),
+                  "cudaMemcpyAsync (padding for a checkpoint)");
+      }
+      CudaCheck(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (padding for a checkpoint)");
+      padding_->host = std::move(copy);
+    }
+    return padding_->host;
+  }
+
   std::unique_ptr<PinnedBuffer> TakeInfoBuffer(size_t bytes) {
     for (auto it = free_info_.begin(); it != free_info_.end(); ++it) {
       if ((*it)->bytes() >= bytes) {
@@ -407,6 +480,10 @@ class EchoSourceGPU : public StatelessOperator<GPUBackend> {
   std::unique_ptr<DevicePadding> padding_;
   std::unique_ptr<DevicePadding> old_padding_;  // replaced by this batch; joins its flight
   echopipe_dali::PaddingAge padding_age_;
+  // A template restored from a checkpoint, on the host until the first draw (RestorePadding).
+  std::shared_ptr<const echopipe_dali::SampleCopy> restored_;
+  bool restored_stale_ = true;
+  cudaStream_t stream_ = nullptr;  // of the last RunImpl: the copies a checkpoint waits for
   echopipe::cuda::CopyPlan plan_;
   std::vector<std::unique_ptr<PinnedBuffer>> free_info_;
   // Last, so it is destroyed first: each flight's event waits for the copies that read the

@@ -14,6 +14,7 @@ from typing import Any
 from .config import EchoPipelineConfig
 from .epochs import ReaderEpochs
 from .queue import DownstreamQueue
+from .state_check import check_dali_checkpoint
 from .upstream import UpstreamRunner
 
 # 2: the config holds the echo configuration as its own "echo" entry.
@@ -135,6 +136,9 @@ def check_state(
             "this pipeline has enable_checkpointing=True but the checkpoint carries no DALI "
             "state (it was saved with enable_checkpointing=False)"
         )
+    for key in ("dali_upstream", "dali_downstream"):
+        if key in state:  # (DALI itself would refuse a malformed one with a RuntimeError)
+            check_dali_checkpoint(state[key], f"echo state {key!r}", _num_fields(state))
     if not enable_checkpointing and "dali_upstream" in state:
         # Its reader would start from the first file while the echo state goes on from the
         # saved batch (files repeated and missed); plain DALI refuses such a restore too.
@@ -144,6 +148,12 @@ def check_state(
             "first file; create the pipeline with enable_checkpointing=True"
         )
     return float(saved["echo"]["factor"])
+
+
+def _num_fields(state: dict[str, Any]) -> int:
+    """The state's fields per sample, or 0 (not compared) where it holds no sensible count."""
+    num = state.get("num_fields")
+    return num if type(num) is int and 0 < num < 1 << 16 else 0
 
 
 def apply_state(

@@ -95,3 +95,18 @@ def load() -> ctypes.CDLL:
 def gpu_backend_compiled() -> bool:
     """True when the plugin registered the GPU backends of the echo operators."""
     return bool(load().echopipe_dali_gpu_backend())
+
+
+def check_source_state(data: bytes, num_fields: int = 0) -> tuple[bool, str]:
+    """Whether ``data``, an operator's entry in a DALI checkpoint, is an echo source's saved
+    state (its padding template), and why it cannot be restored ("" when it can), as the
+    plugin's own decoder judges it; ``num_fields`` (0: any) is the source's number of fields.
+    DALI would refuse a malformed one only with its stack trace, so it is checked here first."""
+    lib = load()
+    check = lib.echopipe_dali_check_source_state
+    check.restype = ctypes.c_int
+    check.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p,
+                      ctypes.c_size_t]  # fmt: skip
+    reason = ctypes.create_string_buffer(512)
+    result = check(data, len(data), num_fields, reason, len(reason))
+    return result != 0, reason.value.decode("utf-8", "replace") if result < 0 else ""

@@ -7,9 +7,10 @@ state is ``"0"`` or empty makes its restore spin forever without an error.
 
 DALI's checkpoint (as DALI 2.4 writes it) is a protobuf ``PipelineCheckpoint``: repeated operator
 checkpoints (field 1: name, data) and an external context (field 2: pipeline data as JSON,
-iterator data). An operator's data is empty, a Philox state string (random operators), or a
+iterator data). An operator's data is empty, a Philox state string (random operators), a
 reader's list of ``LoaderStateSnapshot`` messages (field 1 each; in one, field 1 is the
-``std::minstd_rand0`` engine as decimal text, 2 the epoch, 3 the age). Anything else is
+``std::minstd_rand0`` engine as decimal text, 2 the epoch, 3 the age), or the echo source's
+own state (its padding template), which the plugin's decoder checks. Anything else is
 refused: a DALI release that writes another format needs this module taught it first.
 """
 
@@ -122,9 +123,11 @@ def _fields(data: bytes, where: str) -> list[tuple[int, int | bytes]]:
     return out
 
 
-def _check_operator(name: str, data: bytes, where: str) -> None:
+def _check_operator(name: str, data: bytes, where: str, num_fields: int) -> None:
     here = f"{where}: operator {name!r}"
     if not data or _PHILOX.fullmatch(data):
+        return
+    if _check_source_state(data, here, num_fields):
         return
     if data.startswith(b"Philox"):
         raise _fail(here, "has a damaged random-number state")
@@ -133,6 +136,19 @@ def _check_operator(name: str, data: bytes, where: str) -> None:
         raise _fail(here, "has a state that is not a DALI reader's")
     for _, snapshot in outer:
         _check_snapshot(dict(_fields(snapshot, here)), here)  # type: ignore[arg-type]
+
+
+def _check_source_state(data: bytes, here: str, num_fields: int) -> bool:
+    """True for a valid echo source state; refuses a malformed one."""
+    from .plugin import check_source_state
+
+    try:
+        is_state, problem = check_source_state(data, num_fields)
+    except ImportError:  # no plugin to read it: no pipeline here could restore it either
+        return False
+    if problem:
+        raise _fail(here, f"cannot be restored: {problem}")
+    return is_state
 
 
 def _check_snapshot(snapshot: dict[int, int | bytes], here: str) -> None:
@@ -149,8 +165,9 @@ def _check_snapshot(snapshot: dict[int, int | bytes], here: str) -> None:
         _int(snapshot.get(number, 0), f"{here} field {number}", 0, 1 << 40)
 
 
-def check_dali_checkpoint(blob: Any, where: str) -> None:
-    """Check one of DALI's serialized pipeline checkpoints before DALI restores from it.
+def check_dali_checkpoint(blob: Any, where: str, num_fields: int = 0) -> None:
+    """Check one of DALI's serialized pipeline checkpoints before DALI restores from it;
+    ``num_fields`` is the echo source's (0: not compared).
 
     Raises:
         DaliStateError: the blob is not a DALI checkpoint with valid reader and random states.
@@ -163,7 +180,7 @@ def check_dali_checkpoint(blob: Any, where: str) -> None:
             name, data = op.get(1, b""), op.get(2, b"")
             if not isinstance(name, bytes) or not isinstance(data, bytes) or set(op) - {1, 2}:
                 raise _fail(where, "is not a valid DALI checkpoint (a damaged operator entry)")
-            _check_operator(name.decode("utf-8", "replace")[:80], data, where)
+            _check_operator(name.decode("utf-8", "replace")[:80], data, where, num_fields)
         elif number == 2 and isinstance(value, bytes) and context is None:
             context = dict(_fields(value, where))
         else:
@@ -282,7 +299,7 @@ def check_echo_state(state: Any, where: str = "echo state") -> None:
         _number(state.get(key, 0.0), f"{where} {key!r}")
     for key in ("dali_upstream", "dali_downstream"):
         if key in state:
-            check_dali_checkpoint(state[key], f"{where} {key!r}")
+            check_dali_checkpoint(state[key], f"{where} {key!r}", num_fields)
     if "iterator_data" in state:
         check_iterator_data(state["iterator_data"], where)
 
