@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("nvidia.dali")
 pytestmark = pytest.mark.dali
@@ -38,19 +39,23 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return solid_jpegs(root, 21, lambda i: (8, 8), lambda i: 8 * i + 4)
 
 
-@edali.echo_pipeline_def(num_threads=1, device_id=None)
-def echo_pipe(files):
+@edali.echo_pipeline_def(num_threads=1)
+def echo_pipe(files, gpu):
     jpegs, labels = fn.readers.file(
         files=files, labels=list(range(len(files))), shard_id=0, num_shards=2,
         random_shuffle=True, pad_last_batch=True, stick_to_shard=True, name="Reader",
     )  # fmt: skip
-    return edali.echo(fn.decoders.image(jpegs, device="cpu"), labels)
+    images = fn.decoders.image(jpegs, device="cpu")
+    if gpu:  # the GPU sink and source, whose template lives in device memory
+        images, labels = images.gpu(), labels.gpu()
+    return edali.echo(images, labels)
 
 
-def _pipe(files, exec_dynamic: bool = True, **kwargs):
+def _pipe(files, exec_dynamic: bool = True, gpu: bool = False, **kwargs):
     return echo_pipe(
-        files, batch_size=4, echo_factor=2, seed=3, deterministic=True,
-        enable_checkpointing=True, exec_dynamic=exec_dynamic, **kwargs,
+        files, gpu, batch_size=4, echo_factor=2, seed=3, deterministic=True,
+        enable_checkpointing=True, exec_dynamic=exec_dynamic, device_id=0 if gpu else None,
+        **kwargs,
     )  # fmt: skip
 
 
@@ -63,26 +68,26 @@ def _loader(pipe, iterator: str):
 
 
 def _host(batch) -> tuple[np.ndarray, np.ndarray]:
-    return batch[0]["data"].numpy().copy(), batch[0]["label"].numpy().reshape(-1).copy()
+    return batch[0]["data"].cpu().numpy().copy(), batch[0]["label"].cpu().numpy().reshape(-1).copy()
 
 
 def _epochs(loader, epochs: int = 2) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     return [[_host(b) for b in loader] for _ in range(epochs)]
 
 
-def _saved(files, iterator: str, steps: int, exec_dynamic: bool = True):
+def _saved(files, iterator: str, steps: int, exec_dynamic: bool = True, gpu: bool = False):
     """The first ``steps`` batches and the state saved after them (DALI's ``checkpoints()``
     or ``EchoIterator.state_dict()``)."""
-    with _pipe(files, exec_dynamic) as pipe:
+    with _pipe(files, exec_dynamic, gpu) as pipe:
         loader = _loader(pipe, iterator)
         first = [_host(next(loader)) for _ in range(steps)]
         state = loader.checkpoints()[0] if iterator == "dali" else loader.state_dict()
     return first, state
 
 
-def _resumed(files, iterator: str, state, exec_dynamic: bool = True):
+def _resumed(files, iterator: str, state, exec_dynamic: bool = True, gpu: bool = False):
     restored = dict(checkpoint=state) if iterator == "dali" else {}
-    with _pipe(files, exec_dynamic, **restored) as pipe:
+    with _pipe(files, exec_dynamic, gpu, **restored) as pipe:
         loader = _loader(pipe, iterator)
         if iterator == "echo":
             loader.load_state_dict(state)
@@ -95,21 +100,35 @@ def _same(a, b) -> bool:
     )
 
 
+def _check_restore(files, iterator: str, steps: int, exec_dynamic: bool, gpu: bool) -> None:
+    with _pipe(files, exec_dynamic, gpu) as pipe:
+        whole = _epochs(_loader(pipe, iterator))
+    assert [len(epoch) for epoch in whole] == [6, 6]
+    padding = whole[0][-1][1]
+    assert len(set(padding.tolist())) == 1  # one sample of the pass, four times
+    first, state = _saved(files, iterator, steps, exec_dynamic, gpu)
+    rest, following = _resumed(files, iterator, state, exec_dynamic, gpu)
+    assert _same(first + rest, whole[0])
+    assert _same(following, whole[1])
+
+
 @pytest.mark.parametrize("exec_dynamic", [True, False])
 @pytest.mark.parametrize("steps", [1, 4])
 @pytest.mark.parametrize("iterator", ["dali", "echo"])
 def test_a_deterministic_restore_gives_the_uninterrupted_batches_padding_included(
     files, iterator, steps, exec_dynamic
 ) -> None:
-    with _pipe(files, exec_dynamic) as pipe:
-        whole = _epochs(_loader(pipe, iterator))
-    assert [len(epoch) for epoch in whole] == [6, 6]
-    padding = whole[0][-1][1]
-    assert len(set(padding.tolist())) == 1  # one sample of the pass, four times
-    first, state = _saved(files, iterator, steps, exec_dynamic)
-    rest, following = _resumed(files, iterator, state, exec_dynamic)
-    assert _same(first + rest, whole[0])
-    assert _same(following, whole[1])
+    _check_restore(files, iterator, steps, exec_dynamic, gpu=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("iterator", ["dali", "echo"])
+def test_the_gpu_sources_template_restores_too(files, iterator) -> None:
+    """The GPU source keeps its template in device memory: saved through a copy back to the
+    host, restored by a copy on its stream before the first draw."""
+    if not plugin.gpu_backend_compiled():
+        pytest.skip("the plugin was built without its GPU operators")
+    _check_restore(files, iterator, 1, exec_dynamic=True, gpu=True)
 
 
 # ---- the source's entry in the saved DALI checkpoint -----------------------------------------
