@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from contextlib import nullcontext
 
 import pytest
 
@@ -53,6 +54,27 @@ def test_a_prefetch_depth_below_one_is_named(files: list[str], depth) -> None:
     named = r"prefetch_queue_depth must be .*, got " + re.escape(repr(depth))
     with pytest.raises(ValueError, match=named):
         _make(files, prefetch_queue_depth=depth)
+
+
+@pytest.mark.parametrize("seed", [None, -1])
+def test_dalis_no_seed_draws_a_random_seed(files: list[str], seed) -> None:
+    """``seed=None`` is DALI's default and ``-1`` its older one, both "draw a random seed"; a
+    DALI program passing ``seed=args.seed`` with either was refused (EchoConfigError: "seed
+    must be an integer"). Now each pipeline draws its own, as DALI does (which warns that -1
+    is deprecated)."""
+    deprecated = pytest.warns(UserWarning, match="negative seed") if seed == -1 else nullcontext()
+    with deprecated:
+        pipes = [
+            train_pipe(files, batch_size=4, num_threads=1, device_id=None, seed=seed)
+            for _ in range(2)
+        ]
+    with pipes[0], pipes[1]:
+        assert pipes[0].config.seed != pipes[1].config.seed
+        it = DALIClassificationIterator(
+            pipes[0], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL
+        )
+        labels = Counter(x for b in it for x in b[0]["label"].reshape(-1).tolist())
+        assert labels == {k: 2 for k in range(N)}
 
 
 @edali.echo_pipeline_def(echo_factor=2)

@@ -16,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import secrets
 from collections.abc import Callable
 from typing import Any
 
 from ..echo.config import EchoConfig, check_factor
+from .builder_checks import MAX_PAIR_SEED
 from .config import EchoPipelineConfig
 from .pipeline import EchoPipeline
 from .tracing import trace_counting_echo
@@ -111,6 +113,9 @@ def _create(
             f"when calling {name}(..., batch_size=...)"
         )
     checkpoint = extra.pop("checkpoint", None)
+    if opts["seed"] is None or (type(opts["seed"]) is int and opts["seed"] == -1):
+        # DALI's "no seed" (None, its default; -1 before it): a random one, as DALI draws
+        opts["seed"] = secrets.randbelow(MAX_PAIR_SEED + 1)
     # A pipeline's factor is a number (set_echo_factor changes it between epochs): its error
     # must not offer EchoConfig's 'auto'.
     check_factor(opts["echo_factor"], "echo_factor")
@@ -170,7 +175,8 @@ def echo_pipeline_def(fn: Callable[..., Any] | None = None, **decorator_kwargs: 
             boundaries; iterator epochs are sample counts). See docs/dali.md, "Epochs".
         deterministic: run the upstream in lock-step with the consumer, so the output is a pure
             function of ``seed`` and the input order (also what makes checkpoints replay exactly).
-        seed: seeds the cache's tickets and draws, and both DALI pipelines.
+        seed: seeds the cache's tickets and draws, and both DALI pipelines (default 0); None,
+            DALI's "no seed" (or its older -1), draws a random one, as DALI does.
         memory: cache arena: ``"auto"`` (pinned when a GPU is present), ``"pageable"``,
             ``"pinned"`` or ``"device"`` (GPU memory, for inputs on the GPU; see
             :mod:`echopipe.echo.memory`).
