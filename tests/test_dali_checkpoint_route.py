@@ -11,8 +11,10 @@ import pytest
 pytest.importorskip("nvidia.dali")
 pytestmark = pytest.mark.dali
 
+from nvidia.dali import fn  # noqa: E402
 from nvidia.dali.plugin.pytorch import DALIClassificationIterator, LastBatchPolicy  # noqa: E402
 
+import echopipe.dali as edali  # noqa: E402
 from pipeline_support.dali_pipes import labelled_flip_pipe as train_pipe  # noqa: E402
 from pipeline_support.jpegs import solid_jpegs  # noqa: E402
 
@@ -103,3 +105,52 @@ def test_dali_iterator_after_the_restored_pass_ended(files: list[str]) -> None:
         # The next pass starts at its beginning, where an iterator counts whole epochs rightly.
         # Before, the refusal of the restored pass stayed for the pipeline's lifetime.
         assert Counter(_labels(_iterator(pipe))) == {k: 2 for k in range(N)}
+
+
+@edali.echo_pipeline_def(echo_factor=2, num_threads=1, device_id=None)
+def sharded_pipe(files, shard_id, num_shards):
+    jpegs, labels = fn.readers.file(
+        files=files, labels=list(range(len(files))), shard_id=shard_id, num_shards=num_shards,
+        random_shuffle=True, pad_last_batch=True, name="Reader",
+    )  # fmt: skip
+    return edali.echo(fn.decoders.image(jpegs, device="cpu"), labels)
+
+
+def _echo_iterator(pipe):
+    return edali.EchoIterator(
+        pipe, reader_name="Reader", auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL
+    )
+
+
+@pytest.mark.parametrize("iterator", ["dali", "echo"])
+def test_a_checkpoint_of_another_shard_is_refused(files: list[str], iterator: str) -> None:
+    """DALI's ResNet-50 example saves its checkpoint on rank 0 alone. A program that adds the
+    loader's state to it restores rank 0's state on every rank: plain DALI's rank 1 then
+    reads its own files, but an echo pipeline's cache and stashed batches hold rank 0's
+    samples, so rank 1 trained on shard 0's files until its pass ended (16 samples here),
+    silently. Now refused in one line naming both shards; its own shard still restores."""
+
+    def make(shard: int, **kwargs):
+        return sharded_pipe(
+            files, shard, 2, batch_size=4, seed=3, enable_checkpointing=True, cache_samples=12,
+            shuffle_buffer=8, **kwargs,
+        )  # fmt: skip
+
+    def restored(shard: int, state):
+        pipe = make(shard, **(dict(checkpoint=state) if iterator == "dali" else {}))
+        it = _iterator(pipe) if iterator == "dali" else _echo_iterator(pipe)
+        if iterator == "echo":
+            it.load_state_dict(state)
+        return pipe, it
+
+    with make(0) as pipe:
+        it = _iterator(pipe) if iterator == "dali" else _echo_iterator(pipe)
+        first = _labels(next(it) for _ in range(2))
+        state = it.checkpoints()[0] if iterator == "dali" else it.state_dict()
+    with pytest.raises(edali.CheckpointShardError, match=r"shard 0 of 2 .* reads shard 1 of 2"):
+        restored(1, state)
+    pipe, it = restored(0, state)
+    with pipe:
+        rest = _labels(it)
+    counts = Counter(first + rest)  # (the reader's shuffled split)
+    assert len(counts) == N // 2 and set(counts.values()) == {2}

@@ -46,7 +46,7 @@ from .builders import (
     index_imagenet_split,
     resolve_split_dir,
 )
-from .checkpointing import DaliCheckpointNeededError
+from .checkpointing import CheckpointShardError, DaliCheckpointNeededError
 from .config import EchoPipelineConfig
 from .dali_api import CountedSizeWarning, UntrimmedPaddingWarning
 from .definition import echo_pipeline_def
@@ -91,6 +91,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "AugmentSpec",
+    "CheckpointShardError",
     "CountedSizeWarning",
     "DaliCheckpointNeededError",
     "DaliPluginMissingError",

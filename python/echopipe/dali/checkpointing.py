@@ -28,6 +28,12 @@ class DaliCheckpointNeededError(ValueError):
     repeated and missed."""
 
 
+class CheckpointShardError(ValueError):
+    """A state saved by a pipeline whose reader reads another shard (or another number of
+    shards) than the pipeline restoring it: its cache and stashed batches hold the other
+    shard's samples, which this shard would train on until its pass ends."""
+
+
 def _compared(config: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint and the pipeline restoring it must agree on."""
     return {
@@ -88,6 +94,9 @@ def capture_state(
             "upstream_wait_s": upstream_wait_s,
             "downstream_wait_s": queue.wait_s,
         }
+        if reader is not None:
+            state["reader"] = {"name": reader.name, "shard_id": reader.shard_id,
+                               "shards": reader.shards}  # fmt: skip
         if dali_pipelines is not None:
             state["dali_upstream"] = dali_pipelines[0].checkpoint()
             state["dali_downstream"] = dali_pipelines[1].checkpoint()
@@ -154,6 +163,23 @@ def _num_fields(state: dict[str, Any]) -> int:
     """The state's fields per sample, or 0 (not compared) where it holds no sensible count."""
     num = state.get("num_fields")
     return num if type(num) is int and 0 < num < 1 << 16 else 0
+
+
+def check_shard(state: dict[str, Any], reader: ReaderEpochs | None) -> None:
+    """Refuses a state saved by a pipeline whose ``reader`` read another shard
+    (:class:`CheckpointShardError`). A state from before the shard was saved is not checked;
+    plain DALI's reader state holds no shard either, but its restore mixes no samples."""
+    saved = state.get("reader")
+    if saved is None or reader is None:
+        return
+    mine = (reader.shard_id, reader.shards)
+    if (saved["shard_id"], saved["shards"]) != mine:
+        raise CheckpointShardError(
+            f"this checkpoint was saved by shard {saved['shard_id']} of {saved['shards']} of "
+            f"reader {saved['name']!r}, but this pipeline reads shard {mine[0]} of {mine[1]}; "
+            "its cached samples are the other shard's, so restore each shard (each rank) from "
+            "a checkpoint it saved itself"
+        )
 
 
 def apply_state(

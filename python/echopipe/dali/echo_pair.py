@@ -23,7 +23,7 @@ import numpy as np
 from . import plugin
 from .base import EchoPipelineBase
 from .builder_checks import positive_or_default
-from .checkpointing import apply_state, capture_state, check_state
+from .checkpointing import apply_state, capture_state, check_shard, check_state
 from .config import EchoPipelineConfig, make_cache
 from .epochs import ReaderEpochs
 from .pair import PairSettings, build_pair
@@ -250,9 +250,10 @@ class EchoPair(EpochPasses, EchoPipelineBase):
                 "load_state_dict() must be called before the first batch (the DALI pipelines are "
                 "built with the checkpoint)"
             )
-        if self.config.epochs == "auto":
-            _ = self.shard_size  # resolves epochs, as when saved
+        if self.config.epochs == "auto" or "reader" in state:
+            _ = self.shard_size  # resolves epochs, as when saved, and the reader's shard
         factor = check_state(state, self.config, self._enable_checkpointing)
+        check_shard(state, self.reader_epochs)
         if self._enable_checkpointing and self.upstream is not None:
             # Built early (shard_size) without DALI's checkpoints; nothing ran, so rebuild.
             self.upstream = self.downstream = None

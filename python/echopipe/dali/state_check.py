@@ -240,6 +240,7 @@ _STATE_OPTIONAL = frozenset(
         "downstream_wait_s",
         "dali_upstream",
         "dali_downstream",
+        "reader",
     }
 )
 
@@ -300,6 +301,12 @@ def check_echo_state(state: Any, where: str = "echo state") -> None:
     for key in ("dali_upstream", "dali_downstream"):
         if key in state:
             check_dali_checkpoint(state[key], f"{where} {key!r}", num_fields)
+    if "reader" in state:
+        reader = state["reader"]
+        _keys(reader, f"{where} 'reader'", {"name", "shard_id", "shards"})
+        _of(reader["name"], str, f"{where} reader 'name'")
+        shards = _int(reader["shards"], f"{where} reader 'shards'", 1, 1 << 31)
+        _int(reader["shard_id"], f"{where} reader 'shard_id'", 0, shards - 1)
     if "iterator_data" in state:
         check_iterator_data(state["iterator_data"], where)
 
