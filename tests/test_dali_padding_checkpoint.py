@@ -227,6 +227,10 @@ DAMAGE = {  # what a crafted or cut file can hold, and the words of its refusal
     "a huge extent": (_at(8, struct.pack("<q", 2**62)), "truncated or damaged"),
     "a negative extent": (_at(8, struct.pack("<q", -5)), "negative dimension"),
     "a byte after its end": (lambda data: data + b"x", "1 more bytes"),
+    "a current template it lacks": (
+        lambda data: data[: len(MAGIC) + 4] + b"\x00\x00",
+        "marks a padding template as current but holds none",
+    ),
 }
 
 

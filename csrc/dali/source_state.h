@@ -167,6 +167,12 @@ inline SourceState DecodeSourceState(std::string_view data, int num_fields) {
                            " fields, but this source has num_fields=" + std::to_string(num_fields) +
                            "; the checkpoint may come from another pipeline");
   }
+  if (fields == 0 && !state.stale) {
+    // (a source marks its template current only when it takes one)
+    throw SourceStateError(
+        "the echo source's saved state is malformed: it marks a padding template as current "
+        "but holds none");
+  }
   auto copy = std::make_shared<SampleCopy>();
   copy->desc.num_fields = fields;
   for (int f = 0; f < fields; ++f) {
