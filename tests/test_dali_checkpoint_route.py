@@ -154,3 +154,21 @@ def test_a_checkpoint_of_another_shard_is_refused(files: list[str], iterator: st
         rest = _labels(it)
     counts = Counter(first + rest)  # (the reader's shuffled split)
     assert len(counts) == N // 2 and set(counts.values()) == {2}
+
+
+@pytest.mark.parametrize("other", [20, 30])
+def test_a_checkpoint_over_another_data_set_is_refused(files: list[str], other: int) -> None:
+    """A state restored over a reader of another size: its cache and position belong to the
+    data set it was saved over. Before, DALI's iterator failed a pass later in a line about
+    reset() and size= (24 files saved, 21 restored), or epochs silently missed files (24
+    saved, 30 restored: epochs of 28 and 27 of the 30 files)."""
+    with _make(files[:24], enable_checkpointing=True) as pipe:
+        it = _iterator(pipe)
+        first = _labels(next(it) for _ in range(2))
+        (checkpoint,) = it.checkpoints()
+    refused = pytest.raises(edali.CheckpointShardError, match=f"of 24 samples, .* has {other};")
+    with refused:
+        _make(files[:other], checkpoint=checkpoint, enable_checkpointing=True)
+    with _make(files[:24], checkpoint=checkpoint, enable_checkpointing=True) as pipe:
+        rest = _labels(_iterator(pipe))
+    assert Counter(first + rest) == {k: 2 for k in range(24)}

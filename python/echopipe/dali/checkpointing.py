@@ -29,9 +29,10 @@ class DaliCheckpointNeededError(ValueError):
 
 
 class CheckpointShardError(ValueError):
-    """A state saved by a pipeline whose reader reads another shard (or another number of
-    shards) than the pipeline restoring it: its cache and stashed batches hold the other
-    shard's samples, which this shard would train on until its pass ends."""
+    """A state saved by a pipeline whose reader reads another shard than the pipeline
+    restoring it (another shard_id or number of shards, or a data set of another size): its
+    cache and stashed batches hold the other shard's samples, which this shard would train on
+    until its pass ends, and its position counts the other shard's batches."""
 
 
 def _compared(config: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +97,7 @@ def capture_state(
         }
         if reader is not None:
             state["reader"] = {"name": reader.name, "shard_id": reader.shard_id,
-                               "shards": reader.shards}  # fmt: skip
+                               "shards": reader.shards, "size": reader.size}  # fmt: skip
         if dali_pipelines is not None:
             state["dali_upstream"] = dali_pipelines[0].checkpoint()
             state["dali_downstream"] = dali_pipelines[1].checkpoint()
@@ -179,6 +180,13 @@ def check_shard(state: dict[str, Any], reader: ReaderEpochs | None) -> None:
             f"reader {saved['name']!r}, but this pipeline reads shard {mine[0]} of {mine[1]}; "
             "its cached samples are the other shard's, so restore each shard (each rank) from "
             "a checkpoint it saved itself"
+        )
+    if saved.get("size", reader.size) != reader.size:
+        raise CheckpointShardError(
+            f"this checkpoint was saved over reader {saved['name']!r} of {saved['size']} "
+            f"samples, but this pipeline's reader {reader.name!r} has {reader.size}; its cached "
+            "samples and position belong to the other data set, so resume over the data set "
+            "it was saved over"
         )
 
 

@@ -303,10 +303,11 @@ def check_echo_state(state: Any, where: str = "echo state") -> None:
             check_dali_checkpoint(state[key], f"{where} {key!r}", num_fields)
     if "reader" in state:
         reader = state["reader"]
-        _keys(reader, f"{where} 'reader'", {"name", "shard_id", "shards"})
+        _keys(reader, f"{where} 'reader'", {"name", "shard_id", "shards"}, frozenset({"size"}))
         _of(reader["name"], str, f"{where} reader 'name'")
         shards = _int(reader["shards"], f"{where} reader 'shards'", 1, 1 << 31)
         _int(reader["shard_id"], f"{where} reader 'shard_id'", 0, shards - 1)
+        _int(reader.get("size", 0), f"{where} reader 'size'")
     if "iterator_data" in state:
         check_iterator_data(state["iterator_data"], where)
 
