@@ -16,6 +16,7 @@ from nvidia.dali import Pipeline, fn  # noqa: E402
 from nvidia.dali.plugin.pytorch import DALIClassificationIterator, LastBatchPolicy  # noqa: E402
 
 import echopipe.dali as edali  # noqa: E402
+from echopipe.dali.state_check import DaliStateError  # noqa: E402
 from pipeline_support.dali_pipes import labelled_flip_pipe as train_pipe  # noqa: E402
 from pipeline_support.jpegs import solid_jpegs  # noqa: E402
 
@@ -98,6 +99,21 @@ def test_serialize_is_refused_in_one_line_and_the_plain_call_serializes(files: l
     copy = Pipeline.deserialize(serialized_pipeline=plain.serialize(), **settings)
     copy.build()
     assert [int(x) for x in copy.run()[1].as_array().reshape(-1)] == [0, 1, 2, 3]
+
+
+def test_an_echo_checkpoint_given_to_the_plain_call_is_named(files: list[str]) -> None:
+    """The training call's checkpoint passed to the call without the echo point (the
+    validation pipeline): DALI said only 'Failed to deserialize checkpoint from protobuf'."""
+    settings = {"batch_size": 4, "num_threads": 1, "device_id": None}
+    with maybe_echo_pipe(files, enable_checkpointing=True, **settings) as pipe:
+        it = DALIClassificationIterator(pipe, reader_name="Reader")
+        next(it)
+        (checkpoint,) = it.checkpoints()
+    with pytest.raises(DaliStateError, match=r"builds no echo\(\) point") as refused:
+        maybe_echo_pipe(
+            files, is_training=False, enable_checkpointing=True, checkpoint=checkpoint, **settings
+        )
+    assert "\n" not in str(refused.value)
 
 
 def test_a_pipeline_closed_before_its_build_says_so(files: list[str]) -> None:

@@ -24,6 +24,8 @@ from ..echo.config import EchoConfig, check_factor
 from .builder_checks import MAX_PAIR_SEED
 from .config import EchoPipelineConfig
 from .pipeline import EchoPipeline
+from .state_check import DaliStateError
+from .state_codec import MAGIC
 from .tracing import trace_counting_echo
 
 #: Echo options and their defaults (see :func:`echo_pipeline_def`).
@@ -84,8 +86,21 @@ def _plain_pipeline(
     if calls:
         return None
     if checkpoint is not None:  # not given to the probe: it may be an echo checkpoint
+        _refuse_echo_checkpoint(checkpoint)
         pipe = pipeline_def(func, **dali_decorator)(*args, checkpoint=checkpoint, **call)
     return pipe
+
+
+def _refuse_echo_checkpoint(checkpoint: Any) -> None:
+    """An echo pipeline's state given to a call that builds no echo point (DALI would say only
+    that it failed to parse a protobuf)."""
+    blob = checkpoint.encode("latin-1") if isinstance(checkpoint, str) else checkpoint
+    if isinstance(blob, bytes | bytearray) and bytes(blob[: len(MAGIC)]) == MAGIC:
+        raise DaliStateError(
+            "checkpoint= holds an echoing pipeline's state, but this call builds no echo() "
+            "point (a plain DALI pipeline, e.g. the validation call); pass it to the call that "
+            "echoes, and here a checkpoint of this pipeline"
+        )
 
 
 def _create(
