@@ -270,7 +270,7 @@ ECHOPIPE_DALI_EXPORT const char* echopipe_dali_built_version() {
 }
 
 // Checks a serialized echo source state (an operator's entry in a DALI checkpoint) for Python
-// before DALI restores it, where a refusal would come with DALI's stack trace. Returns 1 for a
+// before DALI restores it, where a refusal is an untyped RuntimeError at the build. Returns 1 for a
 // valid state, 0 for data that is not a source state, -1 for a malformed one, whose reason is
 // written to `reason` (NUL-terminated, cut to `reason_size`).
 ECHOPIPE_DALI_EXPORT int echopipe_dali_check_source_state(const char* data, size_t size,

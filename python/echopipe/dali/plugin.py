@@ -101,9 +101,15 @@ def check_source_state(data: bytes, num_fields: int = 0) -> tuple[bool, str]:
     """Whether ``data``, an operator's entry in a DALI checkpoint, is an echo source's saved
     state (its padding template), and why it cannot be restored ("" when it can), as the
     plugin's own decoder judges it; ``num_fields`` (0: any) is the source's number of fields.
-    DALI would refuse a malformed one only with its stack trace, so it is checked here first."""
+    DALI would refuse a malformed one only as a RuntimeError at the build, so it is checked
+    here first."""
     lib = load()
-    check = lib.echopipe_dali_check_source_state
+    try:
+        check = lib.echopipe_dali_check_source_state
+    except AttributeError:  # a plugin built from an older checkout
+        raise DaliPluginMissingError(
+            f"{plugin_path()} has no echopipe_dali_check_source_state; rebuild echopipe"
+        ) from None
     check.restype = ctypes.c_int
     check.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p,
                       ctypes.c_size_t]  # fmt: skip
