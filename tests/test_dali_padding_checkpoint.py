@@ -224,7 +224,7 @@ DAMAGE = {  # what a crafted or cut file can hold, and the words of its refusal
     "three fields": (_at(5, b"\x03"), "num_fields=2"),
     "an unknown element type": (_at(6, b"\x63"), "dtype code 99"),
     "nine dimensions": (_at(7, b"\x09"), "at most 8"),
-    "a huge extent": (_at(8, struct.pack("<q", 2**62)), "truncated or damaged"),
+    "a huge extent": (_at(8, struct.pack("<q", 2**62)), "holds more than 2305843009213693952"),
     "a negative extent": (_at(8, struct.pack("<q", -5)), "negative dimension"),
     "a byte after its end": (lambda data: data + b"x", "1 more bytes"),
     "a current template it lacks": (
