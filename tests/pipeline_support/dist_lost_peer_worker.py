@@ -14,18 +14,16 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline_support.models import make_batches, sgd, small_cnn
-from pipeline_support.spawned_ranks import spawn_two_ranks
+from pipeline_support.spawned_ranks import join_gloo, spawn_two_ranks
 
 
 def run(rank: int, out: Path, port: int) -> None:
     from echopipe.pipeline import DistributedStalePipeline
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_gloo(rank, port)
     pipe = DistributedStalePipeline(
         small_cnn(0), balance=[4, 4], optimizer=sgd,
         loss_fn=torch.nn.functional.cross_entropy, timeout_s=60,

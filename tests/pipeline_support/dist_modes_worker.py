@@ -10,28 +10,21 @@ written (an event, not a time).
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline_support.models import make_batches, sgd, small_cnn
-from pipeline_support.spawned_ranks import spawn_two_ranks
+from pipeline_support.spawned_ranks import end_after_rank0, join_gloo, spawn_two_ranks
 
 
 def run(rank: int, out: Path, port: int, rank0_done: Any) -> None:
     from echopipe.pipeline import DistributedStalePipeline
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+    join_gloo(rank, port, timeout_s=60)
     model = small_cnn(0)
     pipe = DistributedStalePipeline(
         model, balance=[4, 4], optimizer=sgd, loss_fn=torch.nn.functional.cross_entropy,
@@ -45,12 +38,7 @@ def run(rank: int, out: Path, port: int, rank0_done: Any) -> None:
         pipe.drain()
     except Exception as exc:
         outcome = f"{type(exc).__name__}: {exc}"
-    if rank == 0:
-        (out / "rank0.txt").write_text(outcome + "\n")
-        rank0_done.set()
-    else:
-        rank0_done.wait(timeout=120)  # a guard against a hang, not a bound on speed
-    os._exit(0)  # a rank left waiting by the other cannot shut its process group down
+    end_after_rank0(rank, out, outcome, rank0_done, guard_s=120)
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ not a time).
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 import sys
@@ -22,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline_support.models import make_batches, sgd, small_cnn
-from pipeline_support.spawned_ranks import spawn_two_ranks
+from pipeline_support.spawned_ranks import join_gloo, spawn_two_ranks
 
 
 class _NormalizeInPlace(nn.Module):
@@ -45,11 +43,7 @@ def _outcome(exc: Exception | None) -> str:
 def run(rank: int, out: Path, port: int, rank0_done: Any, *, reused: str) -> None:
     from echopipe.pipeline import DistributedStalePipeline
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+    join_gloo(rank, port, timeout_s=60)
     loss_fn = torch.nn.functional.cross_entropy
     lines = []
     model = nn.Sequential(_NormalizeInPlace(), *small_cnn(0))

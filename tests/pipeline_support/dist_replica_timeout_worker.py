@@ -9,28 +9,21 @@ then lets rank 1 end (an event, not a time).
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline_support.models import make_batches, sgd, small_cnn
-from pipeline_support.spawned_ranks import spawn_two_ranks
+from pipeline_support.spawned_ranks import end_after_rank0, join_gloo, spawn_two_ranks
 
 
 def run(rank: int, out: Path, port: int, rank0_done: Any) -> None:
     from echopipe.pipeline import DistributedStalePipeline
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
+    join_gloo(rank, port, timeout_s=120)
     calls = []
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -49,12 +42,7 @@ def run(rank: int, out: Path, port: int, rank0_done: Any) -> None:
         outcome = "no error"
     except Exception as exc:
         outcome = f"{type(exc).__name__}: {exc}"
-    if rank == 0:
-        (out / "rank0.txt").write_text(outcome + "\n")
-        rank0_done.set()
-    else:
-        rank0_done.wait(timeout=300)  # a guard against a hang, not a bound on speed
-    os._exit(0)  # the process group cannot shut down cleanly after a timed-out collective
+    end_after_rank0(rank, out, outcome, rank0_done, guard_s=300)
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ shows as Gloo's error after that long, not as a hang.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 import sys
@@ -21,21 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline_support.models import make_batches, plateau, sgd, small_cnn
-from pipeline_support.spawned_ranks import spawn_two_ranks
+from pipeline_support.spawned_ranks import join_gloo, spawn_two_ranks
 
 
 def run(rank: int, out: Path, port: int, rank0_done: Any, *, call: str, fault: str) -> None:
     from echopipe.pipeline import DistributedStalePipeline
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+    join_gloo(rank, port, timeout_s=60)
     pipe = DistributedStalePipeline(
         small_cnn(0), balance=[4, 4], optimizer=sgd, scheduler=plateau,
         loss_fn=torch.nn.functional.cross_entropy, timeout_s=2,

@@ -4,11 +4,15 @@ for, lets one rank tell the other it has written its outcome (an event, not a ti
 
 from __future__ import annotations
 
+import datetime
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -23,3 +27,26 @@ def spawn_two_ranks(run: Callable[..., Any], with_event: bool = False) -> None:
         proc.start()
     for proc in procs:
         proc.join()
+
+
+def join_gloo(rank: int, port: int, timeout_s: float | None = None) -> None:
+    """One torch thread (two ranks share the 2 cores), then this rank's place in the two-rank
+    gloo group on ``port`` (``timeout_s``: the group's own timeout, torch's default if None)."""
+    torch.set_num_threads(1)
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, **timeout
+    )
+
+
+def end_after_rank0(rank: int, out: Path, outcome: str, rank0_done: Any, guard_s: float) -> None:
+    """Rank 0 writes ``outcome`` to ``OUTDIR/rank0.txt`` and lets rank 1 go; rank 1, which rank
+    0's failure may have left waiting, ends once it has (``guard_s`` only guards against a hang,
+    it bounds no speed). Both leave with ``os._exit``: a group whose collective timed out or
+    failed cannot shut down cleanly."""
+    if rank == 0:
+        (out / "rank0.txt").write_text(outcome + "\n")
+        rank0_done.set()
+    else:
+        rank0_done.wait(timeout=guard_s)
+    os._exit(0)
