@@ -69,6 +69,42 @@ def test_a_checkpoint_the_disk_cannot_hold_names_the_file_and_the_resume(
 
 
 @pytest.mark.dali
+def test_a_best_pt_that_cannot_be_written_names_the_last_pt_that_was(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """``last.pt`` is written before ``best.pt``; when ``best.pt`` then failed, the line named
+    the checkpoint before (``continues from last.pt (step 4, ...)``, though last.pt held step 8)
+    and the temporary file that was already removed. It names ``best.pt`` and the step last.pt
+    holds, and the resume continues from that step."""
+    from echopipe.training.checkpoints import read_checkpoint, read_state_file, write_checkpoint
+
+    run = tmp_path / "run"
+    data = ["--data", str(tiny_imagenet), "--output", str(run)]
+    assert _train([*data, "--max-steps", "4"]).returncode == 0
+    last, best = run / "checkpoints" / "last.pt", run / "checkpoints" / "best.pt"
+    # No best top-1 yet, so epoch 2's end writes best.pt whatever its top-1; a folder in its
+    # place makes that write fail (os.replace cannot put a file over a folder).
+    state = read_state_file(last)
+    state["run"]["best_top1"] = -1.0
+    write_checkpoint(state, last)
+    best.unlink()
+    best.mkdir()
+    failed = _train([*data, "--resume"])
+    assert failed.returncode == 1, failed.stderr
+    assert "Traceback" not in failed.stderr
+    assert failed.stderr.strip().splitlines()[-1] == (
+        f"echopipe train: error: [Errno {errno.EISDIR}] {os.strerror(errno.EISDIR)}: '{best}'; "
+        f"stopped at step 8; --resume --output {run} continues from {last} (step 8, end of "
+        "epoch 2)"
+    )
+    assert read_checkpoint(last)["run"]["global_step"] == 8
+    assert not [p.name for p in last.parent.iterdir() if p.name.startswith(".")]
+    again = _train([*data, "--resume"])
+    assert again.returncode == 0, again.stderr
+    assert "resume: the run finished its 2 epoch(s) at step 8" in again.stderr
+
+
+@pytest.mark.dali
 def test_a_steps_csv_the_disk_cannot_hold_is_named_once(
     tiny_imagenet: Path, tmp_path: Path
 ) -> None:

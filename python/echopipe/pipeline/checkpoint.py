@@ -56,9 +56,9 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
 
     The file is flushed and fsynced before ``os.replace`` and the folder entry after it, so a
     process killed at any point leaves either the old file or the complete new one. The folder
-    must exist (``FileNotFoundError`` names it otherwise). A write that fails (a full disk)
-    removes the temporary file and raises an ``OSError`` naming ``path``. Returns the final
-    path.
+    must exist (``FileNotFoundError`` names it otherwise). A write or move that fails (a full
+    disk, a folder in ``path``'s place) removes the temporary file and raises an ``OSError``
+    naming ``path``. Returns the final path.
     """
     final = Path(path)
     folder = final.parent
@@ -74,8 +74,10 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
-        if isinstance(exc, OSError) and exc.errno is not None and exc.filename is None:
-            # A write into a full disk (ENOSPC, EFBIG) names no file: this one is named.
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename in (None, tmp_name):
+            # A write into a full disk (ENOSPC, EFBIG) names no file, and a failed os.replace
+            # (a folder in the final name's place) names the temporary file this just removed:
+            # the final file is named instead.
             raise OSError(exc.errno, exc.strerror, str(final)) from exc
         raise
     _fsync_dir(folder)

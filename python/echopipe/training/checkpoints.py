@@ -31,15 +31,16 @@ import hashlib
 import io
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..filecheck import FileCheckError, check_stored_zip, check_tree, open_regular, read_exactly
 from ..models import build_model
 from ..pipeline.checkpoint import atomic_write
+from .checkpoint_codec import decode_state, encode_state
 from .checkpoint_schema import check_train_state, flat_weights
 from .schema_values import SchemaError
 
@@ -62,7 +63,6 @@ CHECKPOINT_MAGIC = b"echopipe-checkpoint 1\n"
 
 _OTHER_VERSION_RE = re.compile(rb"echopipe-checkpoint [0-9]{1,9}\n")
 _DIGEST_RE = re.compile(rb"^sha256 ([0-9a-f]{64}) ([0-9]{1,15})\n$")
-_TAG = "__echopipe_codec__"
 
 
 class CheckpointError(ValueError):
@@ -76,89 +76,6 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
-# Encoding for weights_only
-# --------------------------------------------------------------------------------------------
-
-
-def encode_state(obj: Any) -> Any:
-    """``obj`` with every value ``torch.load(weights_only=True)`` refuses made loadable.
-
-    ``bytes`` and numpy arrays become uint8 tensors with their dtype and shape, tuples become
-    tagged lists, numpy scalars become Python numbers. :func:`decode_state` reverses it.
-    """
-    if isinstance(obj, np.generic):  # before float: np.float64 is a float subclass
-        return obj.item()
-    if isinstance(obj, torch.Tensor | str | int | float | bool | type(None)):
-        return obj
-    if isinstance(obj, bytes | bytearray):
-        return {
-            _TAG: "bytes",
-            "data": torch.frombuffer(bytearray(obj), dtype=torch.uint8)
-            if obj
-            else torch.empty(0, dtype=torch.uint8),
-        }
-    if isinstance(obj, np.ndarray):
-        raw = np.ascontiguousarray(obj).tobytes()
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
-        return {
-            _TAG: "ndarray",
-            "dtype": obj.dtype.str,
-            "shape": list(obj.shape),
-            "data": data.to(torch.uint8),
-        }
-    if isinstance(obj, tuple):
-        return {_TAG: "tuple", "items": [encode_state(v) for v in obj]}
-    if isinstance(obj, list):
-        return [encode_state(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: encode_state(v) for k, v in obj.items()}
-    raise TypeError(f"checkpoint state holds a {type(obj).__name__}, which is not stored")
-
-
-def decode_state(obj: Any) -> Any:
-    """The inverse of :func:`encode_state`.
-
-    Raises:
-        ValueError: a tagged entry is malformed (a file's damage, or a crafted one).
-    """
-    if isinstance(obj, list):
-        return [decode_state(v) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    tag = obj.get(_TAG)
-    if tag is None:
-        return {k: decode_state(v) for k, v in obj.items()}
-    if tag == "bytes":
-        return _byte_tensor(obj.get("data")).numpy().tobytes()
-    if tag == "ndarray":
-        dtype, shape = obj.get("dtype"), obj.get("shape")
-        kind = np.dtype(dtype).kind if isinstance(dtype, str) and len(dtype) <= 8 else ""
-        if kind not in _ARRAY_KINDS or np.dtype(dtype).subdtype is not None:
-            raise ValueError(f"an array entry has the dtype {str(dtype)[:20]!r}")
-        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-            raise ValueError("an array entry has a damaged shape")
-        raw = _byte_tensor(obj.get("data")).numpy()
-        if raw.size != np.dtype(dtype).itemsize * int(np.prod(shape, dtype=object)):
-            raise ValueError(f"an array entry of shape {shape} holds {raw.size} bytes")
-        return np.frombuffer(raw.tobytes(), dtype=np.dtype(dtype)).reshape(shape).copy()
-    if tag == "tuple":
-        items = obj.get("items")
-        if not isinstance(items, list):
-            raise ValueError("a tuple entry has no items")
-        return tuple(decode_state(v) for v in items)
-    raise ValueError(f"an entry has the unknown tag {str(tag)[:20]!r}")
-
-
-_ARRAY_KINDS = "biufc"
-
-
-def _byte_tensor(data: Any) -> torch.Tensor:
-    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
-        raise ValueError("an encoded entry is not a 1-D uint8 tensor")
-    return data.contiguous()
-
-
-# --------------------------------------------------------------------------------------------
 # One checkpoint file
 # --------------------------------------------------------------------------------------------
 
@@ -168,6 +85,18 @@ def write_checkpoint(
 ) -> Path:
     """Write ``state`` to ``path`` (and the same bytes to each of ``also``) atomically in the
     checksummed, weights-only format."""
+    write = _checkpoint_writer(state)
+    # ``path`` first: a process killed between the writes leaves its newest state resumable
+    # (``also``, e.g. best.pt, one write behind) rather than an ``also`` without a ``path``.
+    for target in (path, *also):
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(target, write)
+    return Path(path)
+
+
+def _checkpoint_writer(state: dict[str, Any]) -> Callable[[Any], None]:
+    """What writes ``state``'s file (header and payload) into an open file; the payload is
+    serialised once, however many files take it."""
     buffer = io.BytesIO()
     torch.save(encode_state(state), buffer)
     payload = buffer.getvalue()
@@ -178,12 +107,7 @@ def write_checkpoint(
         f.write(header)
         f.write(payload)
 
-    # ``path`` first: a process killed between the writes leaves its newest state resumable
-    # (``also``, e.g. best.pt, one write behind) rather than an ``also`` without a ``path``.
-    for target in (path, *also):
-        Path(target).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(target, write)
-    return Path(path)
+    return write
 
 
 def read_state_file(path: str | os.PathLike[str]) -> Any:
@@ -337,9 +261,13 @@ class RunCheckpoints:
             return []
         return sorted(p for p in self.folder.iterdir() if p.suffix == ".pt")
 
-    def save(self, state: dict[str, Any], *, best: bool) -> Path:
+    def save(
+        self, state: dict[str, Any], *, best: bool, on_last: Callable[[], None] | None = None
+    ) -> Path:
         """Write ``state`` as ``last.pt``, and as ``best.pt`` too when ``best``; the file it
-        replaces becomes ``prev.pt``."""
+        replaces becomes ``prev.pt``. ``on_last`` is called once ``last.pt`` is in place,
+        before ``best.pt`` is written: a ``best.pt`` that then cannot be written (raised, an
+        ``OSError`` naming it) leaves a new ``last.pt`` that the caller already knows of."""
         self.check_inside()
         self.written += 1
         if self.last.is_file():
@@ -349,7 +277,14 @@ class RunCheckpoints:
             link.unlink(missing_ok=True)
             os.link(self.last, link)
             os.replace(link, self.prev)
-        return write_checkpoint(state, self.last, *((self.best,) if best else ()))
+        write = _checkpoint_writer(state)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.last, write)
+        if on_last is not None:
+            on_last()
+        if best:
+            atomic_write(self.best, write)
+        return self.last
 
 
 def export_state_dict(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], Any]:

@@ -315,6 +315,10 @@ class RunStart:
         self.say(note)
         return [note]
 
+    def mark_saved(self, st: RunState) -> None:
+        """``st``'s checkpoint is written: the line that ends the run names it from now on."""
+        self.last_saved = (st.global_step, st.position())
+
     def interrupted_line(self, step: int | None, how: str = "interrupted") -> str:
         """What Ctrl-C (or SIGTERM) says: where the run stopped and what ``--resume`` uses
         (the folder quoted as a shell would need it, so the options can be pasted)."""

@@ -351,8 +351,8 @@ class Trainer:
         if self.step_log is not None:
             self.step_log.flush()  # every step the checkpoint holds is in steps.csv
         with signals_deferred():  # (a stop held back names this checkpoint, so set it inside)
-            self.start.ckpts.save(payload, best=best)
-            self.start.last_saved = (st.global_step, st.position())
+            # Set once last.pt is in place: a stop, or a best.pt that fails, names that step.
+            self.start.ckpts.save(payload, best=best, on_last=lambda: self.start.mark_saved(st))
 
     def _write_metrics(self, summary: TrainSummary | None = None) -> None:
         history = (
