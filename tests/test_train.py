@@ -550,8 +550,8 @@ def inject_timings(monkeypatch: pytest.MonkeyPatch, t_up: float, t_down: float) 
 
     real_fill = echo_start.fill_seconds_per_batch
 
-    def fill(pipe: Any, timeout_s: float) -> float | None:
-        return None if real_fill(pipe, timeout_s) is None else t_up
+    def fill(pipe: Any, timeout_s: float, report: Any = None) -> float | None:
+        return None if real_fill(pipe, timeout_s, report) is None else t_up
 
     monkeypatch.setattr(echo_start, "fill_seconds_per_batch", fill)
     monkeypatch.setattr(echo_start, "measure_step_seconds", lambda *a, **k: t_down)

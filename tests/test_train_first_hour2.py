@@ -14,6 +14,7 @@ from PIL import Image
 
 from echopipe.cli import main
 from echopipe.data import scan_image_folder
+from echopipe.training.fill import FillReport
 from echopipe.training.progress import Progress
 
 
@@ -104,3 +105,82 @@ def test_lines_on_the_refill_after_an_epoch_end_show_no_rate_and_the_drain_count
     }
     assert sorted(rates) == [1, 2, 3, 6], lines
     assert all(r == pytest.approx(80.0, rel=0.01) for r in rates.values()), lines
+
+
+def test_a_slow_fill_before_step_1_is_said_after_a_quiet_spell_then_every_so_often() -> None:
+    """With a slow reader the first step waited up to 30 s for the echo cache's fill with
+    nothing said. A wait says what it waits for once it has lasted ``quiet_s`` (2 s), then
+    about every ``every_s`` (10 s), with the pace and the time left; a fill done sooner, or
+    reached, says nothing."""
+    now = [100.0]
+    lines: list[str] = []
+    report = FillReport(lines.append, quiet_s=2.0, every_s=10.0, clock=lambda: now[0])
+    what = "filling the echo cache (--shuffle-buffer 32)"
+    for t, read in ((0.0, 0), (1.9, 0), (2.0, 0), (6.0, 8), (11.9, 8), (12.0, 16), (16.0, 32)):
+        now[0] = 100.0 + t
+        report(read, 32, what)
+    assert lines == [
+        "input: before step 1, filling the echo cache (--shuffle-buffer 32): 0 of 32 samples "
+        "read so far",
+        "input: before step 1, filling the echo cache (--shuffle-buffer 32): 16 of 32 samples "
+        "read so far (1.3/s, about 0:12 left)",
+    ]
+    quick: list[str] = []
+    done = FillReport(quick.append, clock=lambda: now[0])
+    now[0] += 5.0
+    done(32, 32, what)
+    assert quick == []
+
+
+@pytest.mark.dali
+def test_the_wait_for_the_echo_cache_before_step_1_says_so_and_ends_filled(
+    tiny_imagenet: Path,
+) -> None:
+    """A reader slowed to 50 ms a sample (``--read-delay-ms``): the wait before the first step
+    says what it waits for, through the run's ``say``, and ends once the cache holds the shuffle
+    buffer (the first draw's own condition), so the first batch is drawn at once."""
+    from echopipe.dali import ReaderSpec, imagenet_train_pipeline
+    from echopipe.training.fill import wait_for_fill
+
+    pipe = imagenet_train_pipeline(
+        tiny_imagenet, batch_size=4, reader=ReaderSpec(read_delay_ms=50.0, num_threads=1)
+    )
+    lines: list[str] = []
+    try:
+        # Said at its first look (quiet_s=0), once (every_s): a fill of 16 samples at 50 ms each
+        # takes at least 0.8 s, so it is not done when the wait starts.
+        wait_for_fill(pipe, FillReport(lines.append, quiet_s=0.0, every_s=1e9))
+        stats = pipe.cache.stats()
+        assert stats.resident_with_tickets >= 16, stats
+        assert len(lines) == 1, lines
+        assert re.fullmatch(
+            r"input: before step 1, filling the echo cache \(--shuffle-buffer 16\): \d+ of 16 "
+            r"samples read so far( \(.*/s, about \d+:\d\d left\))?",
+            lines[0],
+        ), lines
+        outputs, _ = pipe.next_batch()
+        assert len(outputs[0]) == 4
+    finally:
+        pipe.close()
+
+
+@pytest.mark.dali
+def test_a_run_with_a_slow_reader_says_what_step_1_waits_for(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """``--read-delay-ms 200`` with the shuffle buffer of 32 samples: step 1 waits at least
+    6.4 s for the fill, and the run said nothing between its start line and the first step.
+    A line says what it waits for (the first after 2 s, inside the fill)."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["train", "--data", str(tiny_imagenet), "--output", str(tmp_path / "run"),
+            "--model", "lenet5", "--image-size", "32", "-b", "8", "--stages", "1", "--echo",
+            "1", "--epochs", "1", "--max-steps", "1", "--read-delay-ms", "200"]  # fmt: skip
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(argv) == 0
+    lines = err.getvalue().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("train: lenet5"))
+    said = [line for line in lines[start + 1 :] if line.startswith("input: before step 1")]
+    assert said and said[0].startswith(
+        "input: before step 1, filling the echo cache (--shuffle-buffer 32): "
+    ), lines
+    assert all(re.search(r": \d+ of 32 samples read so far", line) for line in said), said

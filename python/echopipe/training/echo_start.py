@@ -17,6 +17,8 @@ import torch
 
 from ..echo.controller import EchoController
 from .decide import measure_step_seconds
+from .fill import FillReport
+from .progress import format_duration
 
 __all__ = ["FILL_TIMEOUT_S", "fill_seconds_per_batch", "prime_echo"]
 
@@ -27,11 +29,13 @@ _POLL_S = 0.02
 _STALL_S = 1.0  # no upstream iteration for this long (or 5 of its iterations): it is blocked
 
 
-def fill_seconds_per_batch(pipe: Any, timeout_s: float) -> float | None:
+def fill_seconds_per_batch(
+    pipe: Any, timeout_s: float, report: FillReport | None = None
+) -> float | None:
     """Starts ``pipe`` (an :class:`~echopipe.dali.EchoPipeline`) and returns its upstream
     seconds per downstream batch of fresh samples over a few iterations after the first, or
     ``None`` when the upstream did not run them within ``timeout_s`` (a full cache, a slow
-    reader) or ``pipe`` keeps no timers."""
+    reader) or ``pipe`` keeps no timers. ``report`` is told the samples read meanwhile."""
     from ..dali.base import per_batch_seconds  # DALI only once a pipeline exists
 
     if not hasattr(pipe, "upstream_time") or not hasattr(pipe, "start"):
@@ -64,6 +68,10 @@ def fill_seconds_per_batch(pipe: Any, timeout_s: float) -> float | None:
             return per_batch_seconds(n, span, pipe.batch_size, pipe.upstream_batch_size)
         if now >= deadline:
             return None
+        if report is not None:
+            per = int(pipe.upstream_batch_size)
+            report(batches * per, (_FILL_BATCHES + 1) * per, f"timing the reader for --echo auto "
+                   f"(at most {format_duration(timeout_s)})")  # fmt: skip
         time.sleep(_POLL_S)  # the runner's counters have no event to wait on
 
 
@@ -73,14 +81,15 @@ def prime_echo(
     t_down: float | None,
     decisions: list[str],
     timeout_s: float | None = None,
+    report: FillReport | None = None,
 ) -> float:
     """The step-0 echo factor: ``controller.prime`` from the fill's ``t_up`` and ``t_down``
     (seconds per training step, timed before the fill started so the upstream thread did not
     slow it; ``None`` when not measured); the decision is appended to ``decisions``. Returns
     the factor to start with (1 when either time is missing; the wait for ``t_up`` is
-    ``timeout_s``, by default :data:`FILL_TIMEOUT_S`)."""
+    ``timeout_s``, by default :data:`FILL_TIMEOUT_S`; ``report`` is told how it goes)."""
     timeout_s = FILL_TIMEOUT_S if timeout_s is None else timeout_s
-    t_up = fill_seconds_per_batch(pipe, timeout_s) if timeout_s > 0 else None
+    t_up = fill_seconds_per_batch(pipe, timeout_s, report=report) if timeout_s > 0 else None
     if t_up is None or t_down is None or not math.isfinite(t_up) or t_down <= 0:
         decisions.append(
             "echo: starts at e = 1: no estimate of t_up before the first step (the upstream "
@@ -109,12 +118,15 @@ def start_factor(
     devices: list[str],
     timings: dict[str, float],
     decisions: list[str],
+    report: FillReport | None = None,
 ) -> float:
     """``--echo auto``'s factor before step 1, the same on every rank: the fill's ``t_up``
     over the stage trial's step time (measured on ``balance`` when the trial did not run);
-    the input starts at it."""
+    the input starts at it. ``report`` is told how the wait for ``t_up`` goes."""
     sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
     step_s = timings.get("step_s") or measure_step_seconds(model, sample, balance, devices)
-    factor = ctx.broadcast_object(prime_echo(controller, data.pipe, step_s, decisions))
+    factor = ctx.broadcast_object(
+        prime_echo(controller, data.pipe, step_s, decisions, report=report)
+    )
     data.set_factor(factor)
     return factor

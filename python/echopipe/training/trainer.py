@@ -26,6 +26,7 @@ from .decide import choose_balance
 from .distributed import DistContext, all_reduce_grads, stage_devices
 from .echo_start import start_factor
 from .epoch import EpochLoop
+from .fill import fill_report, wait_for_fill
 from .input import TrainInput
 from .preflight import say_left_out
 from .progress import Progress, StepLog, to_stderr
@@ -165,8 +166,9 @@ class Trainer:
                 torch.set_num_threads(1)
                 self._open.append(_Restore(lambda: torch.set_num_threads(threads)))
             if self.controller is not None:  # --echo auto's step-0 decision
+                report = fill_report(cfg, ctx, self.say)
                 factor = start_factor(cfg, ctx, self.controller, self.data, model, balance,
-                                      devices, timings, self.decisions)  # fmt: skip
+                                      devices, timings, self.decisions, report)  # fmt: skip
         devices = [devices[i % len(devices)] for i in range(len(balance))]
         ctx.make_stage_groups(len(balance))
         if saved:
@@ -187,6 +189,7 @@ class Trainer:
         self._build_pipeline(model, balance, devices)
         self._announce(factor, balance, devices, notes)
         self.configured = True
+        wait_for_fill(self.data.pipe, fill_report(cfg, ctx, self.say))  # said, not silent
         return EpochLoop(
             cfg=cfg,
             ctx=ctx,
