@@ -282,6 +282,34 @@ def test_an_option_is_never_taken_for_a_longer_one(
     assert "unrecognized arguments" in line and option in line
 
 
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["train", "--epoch", "1"], " (did you mean --epochs?)"),
+        (["train", "--warmup=1"], " (did you mean --warmup-epochs?)"),
+        (["train", "--modle", "lenet5"], " (did you mean --model?)"),
+        (["train", "--modle", "x", "--no-progres"],
+         " (--modle: did you mean --model?; --no-progres: did you mean --no-progress?)"),
+        (["train", "--echo-factor", "2"], ""),  # nothing near enough to name
+        (["bench", "--quik"], " (did you mean --quick?)"),
+    ],
+)  # fmt: skip
+def test_an_unknown_option_is_named_by_its_command_with_the_closest_option(
+    argv: list[str], hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped option was refused by the top-level parser: ``echopipe: error:
+    unrecognized arguments: --epoch 1 (see echopipe --help)``, a help without the command's
+    options and no word of the option meant. The command refuses it, naming the closest."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    given = " ".join(argv[1:])
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"echopipe {argv[0]}: error: unrecognized arguments: {given}{hint} (see echopipe "
+        f"{argv[0]} --help)"
+    ]
+
+
 @pytest.mark.parametrize("case", sorted(BAD_DATA))
 def test_bad_data_gives_one_line_and_exit_1(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

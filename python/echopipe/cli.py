@@ -18,9 +18,10 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NoReturn
+from typing import Any
 
 from . import stops
+from .cli_parser import CommandParser, OneLineParser
 
 __all__ = [
     "BENCH_DEFAULT", "BENCH_STUDIES", "BENCH_SUITES", "bench_dir", "bench_results_dir",
@@ -37,17 +38,6 @@ BENCH_STUDIES: tuple[str, ...] = (
 
 BENCH_SUITES: tuple[str, ...] = BENCH_DEFAULT + BENCH_STUDIES
 """Every suite ``echopipe bench`` knows, in the order it runs them."""
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """``parser.error`` prints one line (no usage block) and exits with status 2. No option is
-    abbreviated: a prefix read ``--check`` as ``--checkpoint-every``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_train(sub: Any) -> argparse.ArgumentParser:
@@ -130,14 +120,14 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``echopipe`` argument parser (sub-commands ``train`` and ``bench``)."""
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="echopipe",
         description="echopipe: data echoing in DALI + stale-weight pipelined training.",
     )
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"echopipe {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     sub.required = True
     for add in (_add_train, _add_export, _add_bench):
         command = add(sub)
