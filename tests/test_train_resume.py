@@ -385,8 +385,8 @@ def test_a_stop_held_back_by_a_checkpoint_write_names_that_checkpoint(
 
     save = RunCheckpoints.save
 
-    def save_and_stop(self: RunCheckpoints, state: dict[str, Any], *, best: bool) -> Any:
-        written = save(self, state, best=best)
+    def save_and_stop(self: RunCheckpoints, state: dict[str, Any], *, best: bool, **kw: Any) -> Any:
+        written = save(self, state, best=best, **kw)
         if state["run"]["global_step"] == 4:
             os.kill(os.getpid(), signal.SIGINT)
         return written
@@ -414,8 +414,8 @@ def test_a_stop_right_after_the_last_checkpoint_leaves_metrics_a_resume_complete
 
     save = RunCheckpoints.save
 
-    def save_and_stop(self: RunCheckpoints, state: dict[str, Any], *, best: bool) -> Any:
-        written = save(self, state, best=best)
+    def save_and_stop(self: RunCheckpoints, state: dict[str, Any], *, best: bool, **kw: Any) -> Any:
+        written = save(self, state, best=best, **kw)
         if state["run"]["epoch"] == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return written
