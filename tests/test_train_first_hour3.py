@@ -105,6 +105,33 @@ def test_a_best_pt_that_cannot_be_written_names_the_last_pt_that_was(
 
 
 @pytest.mark.dali
+def test_a_resume_that_names_the_runs_model_takes_the_rest_from_the_checkpoint(
+    tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--resume --model lenet5`` of a lenet5 run trained at ``--image-size 32`` was refused,
+    ``--image-size 64 does not fit --model lenet5``: the combination was checked with the
+    defaults of the options not given, which a resume takes from the checkpoint. It resumes;
+    a new run (``--resume auto`` with no checkpoint yet) is still checked as given, before its
+    folder is made."""
+    run = tmp_path / "run"
+    data = ["--data", str(tiny_imagenet), "--output", str(run)]
+    assert _train([*data, "--max-steps", "4"]).returncode == 0
+    resumed = ["train", *data, "--resume", "--model", "lenet5", "--no-progress", "--max-steps", "5"]
+    assert main(resumed) == 0
+    err = capsys.readouterr().err
+    assert f"resume: {run / 'checkpoints' / 'last.pt'} (step 4, end of epoch 1)" in err, err
+    assert "lenet5 on 4 classes" in err and "error" not in err, err
+    fresh = tmp_path / "fresh"
+    argv = ["train", "--data", str(tiny_imagenet), "--output", str(fresh), "--resume", "auto",
+            "--model", "lenet5", "--no-progress"]  # fmt: skip
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "echopipe train: error: --image-size 64 does not fit --model lenet5, which takes 32 to 35"
+    ]
+    assert not fresh.exists()
+
+
+@pytest.mark.dali
 def test_a_steps_csv_the_disk_cannot_hold_is_named_once(
     tiny_imagenet: Path, tmp_path: Path
 ) -> None:

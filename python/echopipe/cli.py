@@ -172,7 +172,7 @@ def _run_train(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: 
         default = type(cfg)()
         cfg = dataclasses.replace(cfg, model=default.model, image_size=default.image_size)
     try:
-        cfg.validate()
+        cfg.validate(combination=not cfg.resume)  # a resume's: once merged with its checkpoint
     except UsageError as exc:
         if args.debug:
             raise

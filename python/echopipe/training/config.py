@@ -331,8 +331,12 @@ class TrainConfig:
         if isinstance(self.amp, bool):  # the older on/off spelling means bfloat16
             self.amp = "bf16" if self.amp else "off"
 
-    def validate(self) -> None:
-        """Raise :class:`UsageError` naming the first bad value; touches no data or model."""
+    def validate(self, *, combination: bool = True) -> None:
+        """Raise :class:`UsageError` naming the first bad value; touches no data or model.
+        ``combination=False`` checks each value alone: on a resume the options not given are
+        the checkpoint's, and their defaults refused true combinations (``--resume --model
+        lenet5`` of a lenet5 run at ``--image-size 32``, for the default 64); the merged options
+        are checked whole (:func:`~.resume.merge_options`)."""
         for f in dataclasses.fields(self):
             check_value(f, getattr(self, f.name))
         if self.resume == "auto" and self.output is None:
@@ -343,7 +347,8 @@ class TrainConfig:
         if isinstance(self.resume, Path) and not self.resume.is_file():
             what = "is not a file" if self.resume.exists() else "does not exist"
             raise UsageError(f"--resume checkpoint {str(self.resume)!r} {what}")
-        check_combination(self)
+        if combination:
+            check_combination(self)
 
     def echo_config(self) -> EchoConfig:
         """The run's :class:`~echopipe.echo.EchoConfig`, from the options that give its fields

@@ -163,6 +163,7 @@ class RunStart:
                     "choose another --output"
                 )
             if cfg.resume == "auto":
+                cfg.validate()  # a new run: its options' combination, as given and defaulted
                 self.say(f"resume auto: no checkpoint in {self.out} yet; the run starts")
             return
         path, saved = found

@@ -55,7 +55,7 @@ def train(
     bad data, each with one line naming the value or file, before any heavy work where it can;
     :class:`~.config.Interrupted` on Ctrl-C, saying what ``--resume`` would continue from.
     """
-    cfg.validate()
+    cfg.validate(combination=not cfg.resume)  # a resume's: once merged with its checkpoint
     end_if_refused(cfg.dist_timeout_s)  # a restarted torchrun attempt of a refused resume
     ctx = DistContext.from_env(cfg.dist_timeout_s)
     try:
