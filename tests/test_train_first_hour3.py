@@ -4,6 +4,7 @@ run writes its files."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import resource
@@ -129,6 +130,27 @@ def test_a_resume_that_names_the_runs_model_takes_the_rest_from_the_checkpoint(
         "echopipe train: error: --image-size 64 does not fit --model lenet5, which takes 32 to 35"
     ]
     assert not fresh.exists()
+
+
+@pytest.mark.dali
+def test_a_finished_resume_from_an_older_checkpoint_keeps_the_newer_metrics(
+    tiny_imagenet: Path, tmp_path: Path
+) -> None:
+    """A run of 2 epochs trained on to 3 (``--resume --epochs 3``); ``--resume prev.pt`` (the
+    end of epoch 2, a finished run at its own 2 epochs) trains nothing, and rewrote
+    metrics.json and metrics.csv from that checkpoint: epoch 3's row and the summary of step
+    12 were gone, though last.pt still held them. The files are left as they are."""
+    run = tmp_path / "run"
+    data = ["--data", str(tiny_imagenet), "--output", str(run)]
+    assert _train(data).returncode == 0
+    assert _train([*data, "--resume", "--epochs", "3"]).returncode == 0
+    metrics = (run / "metrics.json").read_text(), (run / "metrics.csv").read_text()
+    assert [r["step"] for r in json.loads(metrics[0])["epochs"]] == [4, 8, 12]
+    prev = run / "checkpoints" / "prev.pt"
+    old = _train([*data, "--resume", str(prev)])
+    assert old.returncode == 0, old.stderr
+    assert "resume: the run finished its 2 epoch(s) at step 8" in old.stderr, old.stderr
+    assert ((run / "metrics.json").read_text(), (run / "metrics.csv").read_text()) == metrics
 
 
 @pytest.mark.dali

@@ -230,11 +230,14 @@ class RunStart:
         """A run stopped (Ctrl-C, SIGTERM) after its last checkpoint but before the metrics
         written after it has a finished checkpoint and a ``metrics.json`` without its last
         epoch's row or its summary, which no resume would write: they are written here, from
-        the checkpoint. Complete run files are left as they are."""
+        the checkpoint. Complete run files are left as they are, and so are files of more
+        epochs than the checkpoint holds (a resume from ``prev.pt`` or an older CKPT of a run
+        that trained on): written from it, they lost the newer epochs' rows."""
         assert self.saved is not None and self.out is not None
         st = RunState.from_state_dict(self.saved["run"])
         doc = read_run_metrics(self.out)
-        if doc is not None and len(doc["epochs"]) == len(st.rows) and doc.get("summary"):
+        rows = -1 if doc is None else len(doc["epochs"])
+        if rows > len(st.rows) or (rows == len(st.rows) and doc and doc.get("summary")):
             return
         config = read_run_config(self.out) or {}
         controller = self.saved.get("controller") or {}
