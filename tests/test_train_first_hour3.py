@@ -153,6 +153,25 @@ def test_a_finished_resume_from_an_older_checkpoint_keeps_the_newer_metrics(
     assert ((run / "metrics.json").read_text(), (run / "metrics.csv").read_text()) == metrics
 
 
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_run_folder_inside_the_data_splits_is_refused_before_it_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], split: str
+) -> None:
+    """``--output DATA/train/run1`` made the run folder a class folder of train/, and the start
+    was refused for classes that differ between the splits, naming the run's own folder as a
+    class (``(e.g. 'run1')``). It is refused as the run folder it is, before it is made."""
+    data = two_class_folder(tmp_path / "data")
+    out = data / split / "run1"
+    argv = ["train", "--data", str(data), *RUN, "--output", str(out)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"echopipe train: error: --output '{out}' is inside --data's {split}/ folder "
+        f"({data / split}): the run folder would be read as a class of images; choose a "
+        f"folder outside {split}/"
+    ]
+    assert not out.exists()
+
+
 @pytest.mark.dali
 def test_a_steps_csv_the_disk_cannot_hold_is_named_once(
     tiny_imagenet: Path, tmp_path: Path

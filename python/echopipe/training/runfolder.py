@@ -10,6 +10,7 @@ start that is refused leaves nothing behind: the folders it made and its lock fi
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -28,7 +29,25 @@ __all__ = [
     "newest_run_folder",
     "read_run_config",
     "read_run_metrics",
+    "refuse_inside_data",
 ]
+
+
+def refuse_inside_data(out: Path, data: Path | None) -> None:
+    """Refuse (UsageError) a run folder inside ``data``'s ``train/`` or ``val/``, before it is
+    made: it would be listed as a class folder, and the start refused for classes that differ
+    between the splits, naming the run's own folder as a class."""
+    if data is None:
+        return
+    where = Path(os.path.realpath(out))  # the parts that exist, resolved through links
+    for split in ("train", "val"):
+        root = Path(os.path.realpath(Path(data) / split))
+        if where == root or root in where.parents:
+            raise UsageError(
+                f"--output {str(out)!r} is inside --data's {split}/ folder ({root}): the run "
+                f"folder would be read as a class of images; choose a folder outside {split}/"
+            )
+
 
 RUN_FILES = ("config.json", "metrics.json", "metrics.csv", "steps.csv", "training.png", "tb")
 """What a run writes into its folder besides ``checkpoints/``: a folder holding any of them that

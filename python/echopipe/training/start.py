@@ -27,7 +27,13 @@ from .preflight import check_cache_fits, check_data, read_resume, same_world_siz
 from .refusal import record_refusal
 from .report import TrainSummary, summarize, write_config, write_run_files
 from .resume import agree_on_checkpoint, agree_on_file, merge_options, restart_entry
-from .runfolder import RunFolder, ensure_same_run, read_run_config, read_run_metrics
+from .runfolder import (
+    RunFolder,
+    ensure_same_run,
+    read_run_config,
+    read_run_metrics,
+    refuse_inside_data,
+)
 from .schedule import EpochClock, LrSchedule, stretch_schedule
 from .state import RunState
 
@@ -73,6 +79,7 @@ class RunStart:
             self.cfg = cfg = dataclasses.replace(cfg, data=Path(os.path.abspath(cfg.data)))
         self.folder = RunFolder.choose(cfg, "output" in self.given, ctx.broadcast_object, self.say)
         self.out = self.folder.path
+        refuse_inside_data(self.out, cfg.data)
         self._open_folder()
         top = self.out / "checkpoints"
         self.ckpts = RunCheckpoints(top / f"rank{ctx.rank}" if ctx.enabled else top, root=self.out)
