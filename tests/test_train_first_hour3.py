@@ -172,6 +172,23 @@ def test_a_run_folder_inside_the_data_splits_is_refused_before_it_is_made(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("inner", ["train", "val/ant"])
+def test_a_split_or_class_folder_given_as_data_names_the_data_folder_above_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], inner: str
+) -> None:
+    """``--data DATA/train`` (or a class folder) said only that it has no train/ folder; the
+    line names the data folder it is inside, as the --data to give."""
+    data = two_class_folder(tmp_path / "data")
+    given = data / inner
+    argv = ["train", "--data", str(given), *RUN, "--output", str(tmp_path / "run")]
+    assert main(argv) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"echopipe train: error: --data '{given}' has no train/ folder (ImageNet layout: "
+        "train/<class>/*.JPEG and val/<class>/*.JPEG); it is inside the data folder "
+        f"'{data}': give --data '{data}'"
+    ]
+
+
 @pytest.mark.dali
 def test_a_steps_csv_the_disk_cannot_hold_is_named_once(
     tiny_imagenet: Path, tmp_path: Path

@@ -231,6 +231,15 @@ def _synthetic_set(cfg: TrainConfig, say: Callable[[str], None]) -> Path:
     return data_dir
 
 
+def _data_folder_above(data_dir: Path) -> str:
+    """The way on when ``data_dir`` is a split or class folder of a data folder (``--data
+    DIR/train``): that data folder, named."""
+    for up in list(data_dir.parents)[:2]:
+        if (up / "train").is_dir() and (up / "val").is_dir():
+            return f"; it is inside the data folder {str(up)!r}: give --data {str(up)!r}"
+    return ""
+
+
 def _has_splits(data_dir: Path, share: ScanShare | None) -> None:
     """Refuses a data folder without train/ or val/ before anything is scanned."""
     from ..data.folder_check import listing_failed
@@ -239,7 +248,7 @@ def _has_splits(data_dir: Path, share: ScanShare | None) -> None:
         if not (data_dir / split).is_dir():
             missing = (
                 f"--data {str(data_dir)!r} has no {split}/ folder (ImageNet layout: "
-                "train/<class>/*.JPEG and val/<class>/*.JPEG)"
+                f"train/<class>/*.JPEG and val/<class>/*.JPEG){_data_folder_above(data_dir)}"
             )
             if share is None:
                 raise DataError(missing)
