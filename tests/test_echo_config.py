@@ -215,6 +215,7 @@ BOUND_LITERALS = re.compile(
 OTHER_BOUNDS = {
     ("dali/state_check.py", "_MINSTD_MODULUS = 2**31 - 1"): "the modulus of DALI's reader RNG",
     ("dali/state_check.py", 'f"{here} field {number}", 0, 1 << 40)'): "DALI reader counters",
+    ("dali/state_check.py", "_DALI_SHARDS_MAX = 1 << 31"): "DALI's shard count type",
 }
 
 

@@ -37,6 +37,7 @@ __all__ = [
 
 _BIG = 1 << 62
 _MINSTD_MODULUS = 2**31 - 1  # a minstd state is in [1, m - 1]; 0 is a fixed point
+_DALI_SHARDS_MAX = 1 << 31  # DALI's readers keep num_shards in an int
 _PHILOX = re.compile(rb"Philox_[0-9A-Fa-f]{16}_[0-9A-Fa-f]{16}:[0-9A-Fa-f]{16}_[0-9]{1,9}")
 _ITERATOR_FIELDS = ("_counter", "_counter_per_gpu", "_shard_sizes_per_gpu", "_shards_id", "_size")
 
@@ -305,7 +306,7 @@ def check_echo_state(state: Any, where: str = "echo state") -> None:
         reader = state["reader"]
         _keys(reader, f"{where} 'reader'", {"name", "shard_id", "shards"}, frozenset({"size"}))
         _of(reader["name"], str, f"{where} reader 'name'")
-        shards = _int(reader["shards"], f"{where} reader 'shards'", 1, 1 << 31)
+        shards = _int(reader["shards"], f"{where} reader 'shards'", 1, _DALI_SHARDS_MAX)
         _int(reader["shard_id"], f"{where} reader 'shard_id'", 0, shards - 1)
         _int(reader.get("size", 0), f"{where} reader 'size'")
     if "iterator_data" in state:
