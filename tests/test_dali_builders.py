@@ -9,6 +9,7 @@ import collections
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -479,6 +480,25 @@ def test_read_delay_in_plain_and_decode_pipelines(data: Path) -> None:
     no_delay.run()
     assert no_delay.upstream_tap.stats()["delay_s"] == 0.0
     assert no_delay.upstream_tap.samples >= 3
+
+
+def test_close_cuts_short_the_read_delay_the_upstream_waits_in(data: Path) -> None:
+    # Each upstream batch of 4 asks for 4 x 10 s: a close that joined the upstream thread only
+    # after the delay would leave the tap's wait ended by its timer, not by the close.
+    pipe = imagenet_train_pipeline(
+        data, batch_size=4, image_size=SIZE, echo_factor=2.0, read_delay_ms=10_000,
+        num_threads=1, upstream_threads=1,
+    )  # fmt: skip
+    tap = pipe.upstream_tap
+    pipe.start()
+    deadline = time.monotonic() + 120  # a hang guard only
+    while tap.stats()["waiting"] == 0:
+        assert time.monotonic() < deadline, "the upstream never entered the read delay"
+        time.sleep(0.01)
+    assert _run_in_thread(pipe.close, timeout=120) is None
+    after = tap.stats()
+    assert after["cut_short"] >= 1 and after["waiting"] == 0
+    assert not pipe.upstream_alive
 
 
 # ---- argument errors -------------------------------------------------------------------------

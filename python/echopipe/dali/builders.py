@@ -87,6 +87,13 @@ class ImagenetEchoPipeline(EchoPipeline):
         named = error if tap is None else explain_decode_failure(tap, error)
         return named if named is not error else super().describe_upstream_error(error)
 
+    def close(self) -> None:
+        """Ends the tap's read delay first: the upstream thread that the close joins may be
+        inside it, for up to a batch's ``read_delay_ms`` (seconds with a slow reader)."""
+        if self.upstream_tap is not None:
+            self.upstream_tap.stop()
+        super().close()
+
 
 def imagenet_train_pipeline(
     data_dir: str | Path | ImageFolderIndex,

@@ -19,6 +19,7 @@ The public names are re-exported by :mod:`echopipe.dali.builders` and :mod:`echo
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,10 @@ def val_reader_args(
 
 
 def attach(pipe: Any, index: ImageFolderIndex, tap: UpstreamTap | None) -> Any:
+    if tap is not None:
+        # Made after the pipeline's own finalizer, so run before it (at collection and at
+        # exit): the join of its upstream thread then waits for no read delay.
+        weakref.finalize(pipe, tap.stop)
     pipe.folder_index = index
     pipe.skipped_files = list(index.skipped)
     pipe.upstream_tap = tap

@@ -185,6 +185,8 @@ class PythonEchoPipeline(EchoPipelineBase):
     def close(self, timeout: float = 10.0) -> None:
         """Stop the upstream thread and free both pipelines."""
         self._stop.set()
+        if self.upstream_tap is not None:  # (its read delay would hold the thread's end)
+            self.upstream_tap.stop()
         self.buffer.close()
         if self._thread is not None:
             self._thread.join(timeout)

@@ -1,10 +1,13 @@
 """The upstream tap of the ImageNet builders: simulated read delay and recent source paths.
 
 ``read_delay_ms`` mimics a network file system: every upstream batch waits
-``batch_size * read_delay_ms`` milliseconds (``time.sleep``, so it costs wall time but no CPU)
+``batch_size * read_delay_ms`` milliseconds (on an event, so it costs wall time but no CPU)
 between the reader and the decoder, in a ``fn.python_function`` placed in the upstream pipeline
-only. The same tap records the source paths of the last few batches, so a file that passes the
-header check but that DALI's decoder rejects can be found and named afterwards
+only. :meth:`UpstreamTap.stop` (the pipeline's close) ends a wait at once and lets later
+batches through undelayed: a closing pipeline joins its upstream thread, which would otherwise
+sit out up to a whole batch's delay (seconds) before a stop could end the process. The same
+tap records the source paths of the last few batches, so a file that passes the header check
+but that DALI's decoder rejects can be found and named afterwards
 (:meth:`UpstreamTap.find_undecodable`, :func:`explain_decode_failure`). The public names are
 re-exported by :mod:`echopipe.dali.builders` and :mod:`echopipe.dali`.
 """
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 
 import numpy as np
 
@@ -25,13 +27,16 @@ __all__ = ["UpstreamTap", "explain_decode_failure", "optional_tap"]
 class UpstreamTap:
     """Callable for ``fn.python_function`` between the reader and the decoder.
 
-    Each call receives one batch of encoded files and their ``source_info`` paths, sleeps
-    ``len(batch) * read_delay_ms`` milliseconds when a delay is set, remembers the paths of the
-    last ``history_batches`` batches, and passes the encoded files through unchanged.
+    Each call receives one batch of encoded files and their ``source_info`` paths, waits
+    ``len(batch) * read_delay_ms`` milliseconds when a delay is set (less once :meth:`stop` is
+    called), remembers the paths of the last ``history_batches`` batches, and passes the
+    encoded files through unchanged.
 
-    Counters (read them any time; they are updated under a lock): ``samples``, ``batches`` and
-    ``delay_s`` (total seconds slept). ``check`` and ``on_corrupt`` are the scan's settings, so
-    that the message of a decoder failure suggests only what was not already in use.
+    Counters (read them any time; they are updated under a lock): ``samples``, ``batches``,
+    ``delay_s`` (total seconds of delay asked for), ``waiting`` (calls inside their delay now)
+    and ``cut_short`` (delays that :meth:`stop` ended before their time). ``check`` and
+    ``on_corrupt`` are the scan's settings, so that the message of a decoder failure suggests
+    only what was not already in use.
     """
 
     def __init__(
@@ -54,13 +59,25 @@ class UpstreamTap:
         self.samples = 0
         self.batches = 0
         self.delay_s = 0.0
+        self.waiting = 0
+        self.cut_short = 0
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        """End every delay now and skip those to come (the pipeline is closing)."""
+        self._stopped.set()
 
     def __call__(self, encoded: list[np.ndarray], sources: list[np.ndarray]) -> list[np.ndarray]:
         paths = [arr.tobytes().decode("utf-8", "replace") for arr in sources]
         pause = len(encoded) * self.read_delay_ms / 1000.0
-        if pause > 0:
-            # Sleep releases the GIL: the delay costs upstream wall time, not CPU.
-            time.sleep(pause)
+        if pause > 0 and not self._stopped.is_set():
+            # The wait releases the GIL: the delay costs upstream wall time, not CPU.
+            with self._lock:
+                self.waiting += 1
+            woken = self._stopped.wait(pause)
+            with self._lock:
+                self.waiting -= 1
+                self.cut_short += int(woken)
         with self._lock:
             self._recent.append(paths)
             self.samples += len(encoded)
@@ -88,9 +105,15 @@ class UpstreamTap:
         return bad
 
     def stats(self) -> dict[str, float]:
-        """``{"samples", "batches", "delay_s"}`` so far."""
+        """``{"samples", "batches", "delay_s", "waiting", "cut_short"}`` so far."""
         with self._lock:
-            return {"samples": self.samples, "batches": self.batches, "delay_s": self.delay_s}
+            return {
+                "samples": self.samples,
+                "batches": self.batches,
+                "delay_s": self.delay_s,
+                "waiting": self.waiting,
+                "cut_short": self.cut_short,
+            }
 
 
 def optional_tap(
