@@ -98,6 +98,8 @@ class EpochLoop:
         training = self._mark is not None
         self.drain()  # the pipeline's state_dict() would drain too
         self._count_time()
+        st = self.run_state  # the unfinished epoch's wall time, which a resume goes on from
+        st.epoch_wall_s = time.perf_counter() - self.epoch_t0 if st.step_in_epoch else 0.0
         self.save(best=best)
         if training:
             self._mark = time.perf_counter()
@@ -111,7 +113,6 @@ class EpochLoop:
 
     def run_epoch(self) -> None:
         cfg, st = self.cfg, self.run_state
-        self.epoch_t0 = time.perf_counter()
         switch, restart = hybrid_switch_epoch(self.lr_schedule.span())
         at = self.lr_schedule.at(float(st.epoch))
         if switch is not None and at >= switch and max(self.pipeline.staleness()) > 0:
@@ -126,8 +127,9 @@ class EpochLoop:
         # A resumed epoch goes on from its checkpoint's figures (an earlier version's have none).
         if st.step_in_epoch == 0 or st.epoch_samples == 0:
             st.epoch_loss_sum, st.epoch_losses = 0.0, 0
-            st.epoch_samples, st.epoch_train_s = 0, 0.0
+            st.epoch_samples, st.epoch_train_s, st.epoch_wall_s = 0, 0.0, 0.0
             st.epoch_fresh_start = int(self.data.counters()["fresh"])
+        self.epoch_t0 = time.perf_counter() - st.epoch_wall_s  # (the earlier processes' part)
         self.last_loss = None
         fresh0 = st.epoch_fresh_start
         self._mark = time.perf_counter()
@@ -311,7 +313,8 @@ class EpochLoop:
             st.epoch, st.step_in_epoch, st.epoch_fresh = st.epoch + 1, 0, 0.0
         row = self._row(top1, val_loss, val_n, counters)
         row["val_top5"] = top5
-        self._epoch_figures(row)
+        epoch_s = time.perf_counter() - self.epoch_t0
+        row.update(st.epoch_figures(self.ctx.world_size, self.epoch_fresh, epoch_s))
         # The epoch's row replaces the one a --max-steps stop inside it wrote (its counters went
         # on from that stop): one row per epoch.
         st.rows[:] = [*(r for r in st.rows if not is_partial(r)), row]
@@ -356,15 +359,6 @@ class EpochLoop:
         """Fresh and echoed samples and upstream time, summed over the replicas."""
         c = self.data.counters()
         return self.ctx.all_reduce_sum([c["fresh"], c["echoed"], c["up_s"], c["up_iters"]])
-
-    def _epoch_figures(self, row: dict[str, Any]) -> None:
-        """This epoch's own time and rates (the row's other rates are over the whole run)."""
-        world, st = self.ctx.world_size, self.run_state
-        train_s = max(st.epoch_train_s, 1e-9)
-        row["epoch_s"] = time.perf_counter() - self.epoch_t0
-        row["epoch_img_per_s"] = world * st.epoch_samples / train_s
-        row["epoch_fresh_per_s"] = world * self.epoch_fresh / train_s
-        row["partial"] = st.step_in_epoch != 0  # last: the columns before it keep their places
 
     def _row(
         self, top1: float, val_loss: float, val_n: int, counters: list[float]

@@ -246,6 +246,7 @@ def _as_trained(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
     st.epoch, st.step_in_epoch = trained["epoch"], trained["step_in_epoch"]
     st.epoch_fresh, st.best_top1 = trained["epoch_fresh"], trained["best_top1"]
     st.steps_per_epoch, st.factors_used = trained["steps_per_epoch"], trained["factors_used"]
+    st.epoch_wall_s = float(st.rows[-1].get("epoch_s") or 0.0)  # the epoch's time, gone on from
     st.rows = st.rows[:-1]
     return st.state_dict()
 

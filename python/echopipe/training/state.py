@@ -28,10 +28,11 @@ class RunState:
         step_in_epoch: steps taken in the unfinished epoch.
         steps_per_epoch: planned steps of the current epoch.
         epoch_fresh: fresh samples the unfinished epoch has taken (``batch / e`` per step).
-        epoch_loss_sum, epoch_losses, epoch_samples, epoch_train_s, epoch_fresh_start: the
-            unfinished epoch's loss sum and count, samples delivered, training seconds and the
-            input's fresh count when it started; a resumed epoch goes on from them, so its
-            metrics row is the whole epoch's.
+        epoch_loss_sum, epoch_losses, epoch_samples, epoch_train_s, epoch_fresh_start,
+            epoch_wall_s: the unfinished epoch's loss sum and count, samples delivered,
+            training seconds, the input's fresh count when it started, and wall seconds (up to
+            the checkpoint, validation included); a resumed epoch goes on from them, so its
+            metrics row and epoch line are the whole epoch's.
         epoch_clock: the LR schedule's segments (see :class:`~.schedule.EpochClock`).
         checkpoints_written: checkpoint files written, over all resumes.
         wall_s: wall time of the earlier (resumed) runs.
@@ -60,6 +61,7 @@ class RunState:
     epoch_samples: int = 0
     epoch_train_s: float = 0.0
     epoch_fresh_start: int = 0
+    epoch_wall_s: float = 0.0
     epoch_clock: list[tuple[int, float, float]] = field(default_factory=list)
     checkpoints_written: int = 0
     wall_s: float = 0.0
@@ -77,8 +79,9 @@ class RunState:
 
     #: Fields that checkpoints of earlier versions lack: those take the defaults.
     LATER_FIELDS = frozenset(
-        {"epoch_loss_sum", "epoch_losses", "epoch_samples", "epoch_train_s", "epoch_fresh_start"}
-    )
+        {"epoch_loss_sum", "epoch_losses", "epoch_samples", "epoch_train_s", "epoch_fresh_start",
+         "epoch_wall_s"}
+    )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values for a checkpoint."""
@@ -116,6 +119,19 @@ class RunState:
         """:meth:`position` as a resume says it. In the stop line's words: the epochs done
         ("epoch 1") named step 5 of the epoch that the stop line had called "epoch 2"."""
         return self.position() + (": it is validated first" if self.validation_due else "")
+
+    def epoch_figures(self, world: int, fresh: float, epoch_s: float) -> dict[str, Any]:
+        """The unfinished epoch's own time and rates for its row and line: ``epoch_s``, its
+        wall seconds over every process that trained it (``epoch_wall_s`` and this one's), and
+        the rates over its training seconds, ``fresh`` its fresh samples (the row's other rates
+        are over the whole run)."""
+        train_s = max(self.epoch_train_s, 1e-9)
+        return {
+            "epoch_s": epoch_s,
+            "epoch_img_per_s": world * self.epoch_samples / train_s,
+            "epoch_fresh_per_s": world * fresh / train_s,
+            "partial": self.step_in_epoch != 0,  # last: the columns before it keep their places
+        }
 
     @property
     def t_down_s(self) -> float:
