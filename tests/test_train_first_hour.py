@@ -178,8 +178,8 @@ def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(
     assert proc.returncode == 143, "".join(seen) + rest
     assert "Traceback" not in rest
     assert rest.strip().splitlines() == [
-        f"echopipe train: interrupted during start-up; no checkpoint in {run} yet: there is "
-        "nothing to resume"
+        f"echopipe train: interrupted during start-up; nothing to resume: the run folder {run} "
+        "was removed again"
     ]
     assert not run.exists()
 

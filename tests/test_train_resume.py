@@ -204,7 +204,9 @@ def test_interrupt_names_the_checkpoint_resume_would_use(
     early = tmp_path / "early"
     with pytest.raises(Interrupted) as info:
         train(_cfg(tiny_imagenet, early), log=interrupt_at("train: "))
-    assert info.value.line.startswith("interrupted during start-up; no checkpoint")
+    assert info.value.line == (
+        f"interrupted during start-up; nothing to resume: the run folder {early} was removed again"
+    )
     assert not early.exists()  # a start that did not happen leaves nothing behind
     run = tmp_path / "run"
     with pytest.raises(Interrupted) as info:

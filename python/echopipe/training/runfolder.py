@@ -123,6 +123,7 @@ class RunFolder:
         self.created: list[Path] = []
         self.lock: Any = None
         self.lock_file_made = False
+        self.removed = False  # discard() removed the folder itself (a start that did not happen)
 
     @staticmethod
     def choose(
@@ -217,6 +218,7 @@ class RunFolder:
                 folder.rmdir()
             except OSError:  # not empty: it stays
                 break
+        self.removed = bool(self.created) and not self.path.exists()
 
 
 _LOCK_NAME = ".echopipe-train.lock"

@@ -335,6 +335,8 @@ class RunStart:
         (the folder quoted as a shell would need it, so the options can be pasted)."""
         at = "during start-up" if step is None else f"at step {step}"
         out = self.out
+        if self.folder is not None and self.folder.removed:  # (made by this start, gone again)
+            return f"{how} {at}; nothing to resume: the run folder {out} was removed again"
         if self.last_saved is None or out is None:
             where = f" in {out}" if out is not None else ""
             return f"{how} {at}; no checkpoint{where} yet: there is nothing to resume"
