@@ -23,6 +23,7 @@ import torch
 from ..echo.config import MAX_ECHO_FACTOR
 from ..models import MODEL_NAMES, build_model
 from .config import TrainConfig
+from .file_list import check_file_list_entry
 from .schedule import decay_groups
 from .schema_values import (
     SchemaError,
@@ -351,6 +352,8 @@ def check_train_state(state: Any) -> None:
     need(config.get("model", name) == name, "model 'name'", f"{name!r} is not config's model")
     _check_pipeline(state["pipeline"], state["model"])
     run = _check_run(state["run"])
+    if "train_files" in state:  # checkpoints written before the file list was recorded lack it
+        check_file_list_entry(state["train_files"])
     _check_rng(state["rng"])
     _check_small_parts(state, config)
     try:

@@ -110,6 +110,15 @@ class TrainInput:
         self.factor = factor
         self.builds += 1
 
+    def count_in(self, state: dict[str, Any]) -> None:
+        """Add the counters of the pipeline that saved ``state`` to ``base``, where ``state``
+        is not restored (an input that starts afresh over a changed train/)."""
+        stats, runner = state["iterator"]["stats"], state["pipeline"]["runner"]
+        for key in ("fresh", "echoed", "samples"):
+            self.base[key] += int(stats[key])
+        self.base["up_s"] += float(runner.get("seconds", 0.0))
+        self.base["up_iters"] += int(runner["iterations"])
+
     def set_factor(self, factor: float) -> None:
         """Use echo factor ``factor`` for fresh samples cached from now on.
 

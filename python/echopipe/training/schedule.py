@@ -19,6 +19,7 @@ __all__ = [
     "lr_factor",
     "schedule_epoch",
     "sgd_factory",
+    "stage_staleness_of",
     "stretch_schedule",
 ]
 
@@ -65,6 +66,14 @@ def hybrid_switch_epoch(cfg: TrainConfig) -> tuple[int | None, bool]:
 
     switch = HybridSchedule.default(cfg.epochs, 1).pipelined_steps
     return switch, 0 < switch < cfg.epochs
+
+
+def stage_staleness_of(cfg: TrainConfig, stages: int) -> list[int]:
+    """Each stage's staleness in the run's pipelined phase, also after a hybrid switch ended
+    it; a run that was never pipelined (``--hybrid-switch 0``) had none."""
+    from ..pipeline import stage_staleness
+
+    return stage_staleness(stages, hybrid_switch_epoch(cfg)[0] != 0)
 
 
 def lr_factor(

@@ -22,6 +22,7 @@ from typing import Any
 from .checkpoints import CheckpointError, RunCheckpoints
 from .config import DataError, TrainConfig, UsageError
 from .distributed import DistContext
+from .file_list import resume_file_list
 from .options import CollectiveError
 from .preflight import check_cache_fits, check_data, read_resume, same_world_size
 from .refusal import record_refusal
@@ -71,6 +72,8 @@ class RunStart:
         self.classes: list[str] = []
         self.indexes: dict[str, Any] = {}  # the checked files of train/ and val/
         self.left_out: list[str] = []  # what the data scans left out, for the summary
+        self.file_list: dict[str, Any] = {}  # train/'s, as the checkpoints record it
+        self.fresh_input: str | None = None  # a resume's line: train/ changed at an epoch end
 
     def prepare(self) -> None:
         """Run folder, lock, stale files, the checkpoint to resume, options, the data folder."""
@@ -105,6 +108,16 @@ class RunStart:
                     f"{self.saved['model']['num_classes']} classes, --data has "
                     f"{len(self.classes)}"
                 )
+            self.file_list, self.fresh_input = resume_file_list(
+                self.saved, self.indexes["train"], str(self.resume_path)
+            )
+            if self.fresh_input is not None:
+                self.say(self.fresh_input)
+
+    def input_state(self) -> dict[str, Any] | None:
+        """The input state the run restores: none for a new run, nor over a train/ that
+        changed since an epoch-end checkpoint (the next epoch reads the new list afresh)."""
+        return None if self.saved is None or self.fresh_input else self.saved["input"]
 
     def _open_folder(self) -> None:
         """Create the run folder; rank 0 takes its lock. Under torchrun no rank touches the

@@ -33,7 +33,7 @@ from .progress import Progress, StepLog, to_stderr
 from .refusal import end_if_refused
 from .report import TrainSummary, echo_verdict, summarize, write_run_files
 from .resume import given_by_value
-from .schedule import EpochClock, LrSchedule, hybrid_switch_epoch, sgd_factory
+from .schedule import EpochClock, LrSchedule, hybrid_switch_epoch, sgd_factory, stage_staleness_of
 from .start import RunStart, say_through, signals_deferred
 from .state import RunState, get_rng_state, set_rng_state
 
@@ -173,6 +173,8 @@ class Trainer:
         ctx.make_stage_groups(len(balance))
         if saved:
             self.run_state = RunState.from_state_dict(saved["run"])
+            if self.start.fresh_input:  # an epoch's end over a changed train/: a new length
+                self.run_state.steps_per_epoch = ctx.all_reduce_min(self.data.natural_steps())
         else:
             self.run_state.steps_per_epoch = ctx.all_reduce_min(self.data.natural_steps())
             self.run_state.factors_used = [factor]
@@ -263,16 +265,15 @@ class Trainer:
             self.controller = EchoController(1.0, e_max=cfg.echo_max, warmup=1, **kw)
         if saved and self.controller is not None:
             self.controller.load_state_dict(saved["controller"])
-        if saved:
-            factor = float(saved["input_factor"])
-        else:
-            factor = 1.0 if cfg.echo == "auto" else float(cfg.echo)
+        factor = float(saved["input_factor"] if saved else 1.0 if cfg.echo == "auto" else cfg.echo)
         self.data = TrainInput(cfg, self.start.indexes["train"], self.ctx, device_id)
         self._open.append(self.data)
         if saved:
             self.data.builds = int(saved["input_builds"])
             self.data.base = dict(saved["input_counters"])
-        self.data.build(factor, None, saved["input"] if saved else None)
+            if self.start.fresh_input:  # the saved pipeline's counters, as its close would
+                self.data.count_in(saved["input"])
+        self.data.build(factor, None, self.start.input_state())
         self.start.left_out[:0] = say_left_out(self.data.pipe.folder_index, "train", self.say)
         return factor
 
@@ -342,6 +343,7 @@ class Trainer:
             "model": {"name": self.cfg.model, "num_classes": len(self.classes)},
             "pipeline": self.pipeline.state_dict(),
             "input": self.data.state_dict(),
+            "train_files": self.start.file_list,
             "input_builds": self.data.builds,
             "input_counters": self.data.base,
             "input_factor": self.data.factor,
@@ -371,7 +373,7 @@ class Trainer:
         summary = summarize(
             st,
             echo_factor=self.data.factor,
-            staleness=_stale_list(self.cfg, len(self.pipeline.balance)),
+            staleness=stage_staleness_of(self.cfg, len(self.pipeline.balance)),
             balance=list(self.pipeline.balance),
             devices=[str(d) for d in self.pipeline.devices],
             wall_s=st.wall_s + time.perf_counter() - self.wall0,
@@ -383,14 +385,6 @@ class Trainer:
         if ctx.is_main:
             self._write_metrics(summary)
         return summary
-
-
-def _stale_list(cfg: TrainConfig, stages: int) -> list[int]:
-    from ..pipeline import stage_staleness
-
-    # The staleness of the pipelined phase, also after a hybrid switch ended it; a run that was
-    # never pipelined (--hybrid-switch 0) had none.
-    return stage_staleness(stages, hybrid_switch_epoch(cfg)[0] != 0)
 
 
 class _Restore:
