@@ -58,13 +58,13 @@ def _entries(index: ImageFolderIndex) -> list[tuple[str, int]]:
     return out
 
 
-def file_list_record(index: ImageFolderIndex) -> dict[str, Any]:
-    """What a checkpoint records of the training files ``index`` lists (one ``stat`` each)."""
-    text = "".join(f"{name}\t{size}\n" for name, size in _entries(index))
+def file_list_record(entries: list[tuple[str, int]]) -> dict[str, Any]:
+    """What a checkpoint records of the training files ``entries`` (:func:`_entries`) lists."""
+    text = "".join(f"{name}\t{size}\n" for name, size in entries)
     data = text.encode("utf-8", "surrogateescape")
     return {
         "format": FILE_LIST_FORMAT,
-        "count": len(index.files),
+        "count": len(entries),
         "sha256": hashlib.sha256(data).hexdigest(),
         "list": zlib.compress(data, 6),
     }
@@ -123,14 +123,15 @@ def _what_changed(old: list[tuple[str, int]] | None, new: list[tuple[str, int]])
 def check_file_list(
     saved: dict[str, Any] | None,
     index: ImageFolderIndex,
+    entries: list[tuple[str, int]],
     current: dict[str, Any],
     st: RunState,
     where: str,
 ) -> str | None:
     """The line a resume over a changed ``train/`` says at an epoch's end, where the input
     then starts afresh; None when nothing changed. The checkpoint ``where`` recorded ``saved``
-    (None: written before the record, not compared); ``current`` is :func:`file_list_record`
-    of ``index``, what the reader reads now.
+    (None: written before the record, not compared); ``entries`` are ``index``'s files as
+    the reader reads them now, and ``current`` is their :func:`file_list_record`.
 
     Raises:
         DataError: the list changed and ``st`` stopped inside an epoch (or before its
@@ -138,7 +139,7 @@ def check_file_list(
     """
     if saved is None or saved["sha256"] == current["sha256"]:
         return None
-    changed = _what_changed(_saved_entries(saved), _entries(index))
+    changed = _what_changed(_saved_entries(saved), entries)
     folder = index.root or "train/"
     if st.step_in_epoch == 0:
         return (
@@ -163,8 +164,9 @@ def resume_file_list(
     says of it (None: the input is restored as saved)."""
     from .state import RunState
 
-    record = file_list_record(index)
+    entries = _entries(index)  # one stat per file, shared by the record and the check
+    record = file_list_record(entries)
     if saved is None:
         return record, None
     st = RunState.from_state_dict(saved["run"])
-    return record, check_file_list(saved.get("train_files"), index, record, st, where)
+    return record, check_file_list(saved.get("train_files"), index, entries, record, st, where)
