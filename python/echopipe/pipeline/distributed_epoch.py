@@ -76,7 +76,6 @@ def agree_steps(
     """Minibatches in this epoch: ``steps`` if given, else the smallest ``len(loader)`` over the
     stage-0 ranks (collective: one ``all_reduce`` on every rank, bounded by ``link``'s
     timeout)."""
-    device = link.device
     if steps is not None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
@@ -88,11 +87,10 @@ def agree_steps(
     # A stage-0 rank without a length sends -1 (the minimum) rather than raising alone: every
     # rank raises, instead of the others waiting in this all_reduce for the process group's
     # timeout, or pairing it with the next collective of a rank that caught the error.
-    count = torch.tensor(
-        [_UNSIZED if unsized else mine], dtype=torch.int64, device=_collective_device(device)
-    )
-    work = dist.all_reduce(count, op=dist.ReduceOp.MIN, async_op=True)
-    link.wait_collective(work, "run_epoch's agreement on the step count")
+    count = _all_reduced(
+        [_UNSIZED if unsized else mine], torch.int64, link,
+        "run_epoch's agreement on the step count", dist.ReduceOp.MIN,
+    )  # fmt: skip
     if int(count.item()) == _UNSIZED:
         raise TypeError(
             f"run_epoch on stage 0 needs a loader with len() (DALI's and echopipe's iterators, "
@@ -102,10 +100,16 @@ def agree_steps(
     return int(count.item())
 
 
-def _collective_device(device: torch.device) -> torch.device | str:
-    """Where a collective's tensor lives: the rank's GPU under NCCL, else the CPU."""
-    on_gpu = device.type == "cuda" and "nccl" in str(dist.get_backend())
-    return device if on_gpu else "cpu"
+def _all_reduced(
+    values: list[float], dtype: torch.dtype, link: PeerLink, what: str, op: Any = None
+) -> torch.Tensor:
+    """``values`` reduced over every rank (``op``, a sum by default) in one ``all_reduce``,
+    on the rank's GPU under NCCL, else the CPU, waited for within ``link``'s timeout."""
+    on_gpu = link.device.type == "cuda" and "nccl" in str(dist.get_backend())
+    reduced = torch.tensor(values, dtype=dtype, device=link.device if on_gpu else "cpu")
+    work = dist.all_reduce(reduced, op=dist.ReduceOp.SUM if op is None else op, async_op=True)
+    link.wait_collective(work, what)
+    return reduced
 
 
 def agreed_metric(metrics: float | None, is_last: bool, link: PeerLink) -> float | None:
@@ -121,9 +125,7 @@ def agreed_metric(metrics: float | None, is_last: bool, link: PeerLink) -> float
     given = metrics is not None
     mine = float(metrics) if given and is_last else 0.0  # type: ignore[arg-type]
     flags = [mine, float(given and is_last), float(given), float(is_last)]
-    agreed = torch.tensor(flags, dtype=torch.float64, device=_collective_device(link.device))
-    work = dist.all_reduce(agreed, async_op=True)
-    link.wait_collective(work, "step_schedulers' agreement on the metric")
+    agreed = _all_reduced(flags, torch.float64, link, "step_schedulers' agreement on the metric")
     total, last_given, any_given, lasts = agreed.tolist()
     if any_given == 0:
         return None
@@ -176,10 +178,10 @@ def agreed_save(save: Callable[[], object] | None, link: PeerLink) -> None:
             save()
         except Exception as exc:
             failed = exc
-    flag = [float(failed is not None)]
-    failures = torch.tensor(flag, dtype=torch.float64, device=_collective_device(link.device))
-    work = dist.all_reduce(failures, async_op=True)
-    link.wait_collective(work, "save_checkpoint's agreement on the writes' outcome")
+    failures = _all_reduced(
+        [float(failed is not None)], torch.float64, link,
+        "save_checkpoint's agreement on the writes' outcome",
+    )  # fmt: skip
     if failed is not None:
         raise failed
     if failures.item() > 0:
