@@ -1,12 +1,16 @@
 """Echo cache throughput: native put->take(+gather) against memcpy and a pure-Python buffer.
 
-For sample sizes 4 KB, 150 KB and 600 KB, with 1 and 2 threads per side and e = 2, it measures in
-one run:
+For sample sizes 4 KB, 150 KB and 600 KB and e = 2, it measures in one run:
 
 * ``cache``: the native driver ``_bench_native.put_take`` (producer threads ``put`` from
   a 64 MB source pool, consumer threads ``take(batch)`` and gather each batch into one buffer),
   over an arena several times the last-level cache. Per fresh sample the cache path moves its
-  bytes once in (put copies) and e times out (gather copies).
+  bytes once in (put copies) and e times out (gather copies). With 1 and 2 threads per side,
+  each after two warm-ups (``min_fill``, :data:`WARMUPS`): half the arena (the ``threads``
+  rows, as recorded before), after which the cache stays full and takes draw from the whole
+  arena; and the pipelines' default shuffle buffer of 4 batches (the ``default`` rows), where
+  takes start at once and keep pace with the puts, so they mostly draw samples put a moment
+  before, still in the caches.
 * ``memcpy`` (the physical limit): memcpy of exactly those bytes (fresh * size in + copies * size
   out, from an arena-sized region into a batch buffer) by as many threads as the cache run uses
   (producers + consumers). Every round pairs one cache run with one memcpy run, back to back in
@@ -15,9 +19,10 @@ one run:
   GB/s / memcpy GB/s for the same bytes; 1.0 = the cache costs nothing beyond its copies), with
   their interquartile range, worst round, every round's ratio and the 1-minute load average
   before each pair.
-* the layout's limits (rows with a core per thread): memcpy of the consumers' share (e of every
-  1 + e bytes) by the consumer threads alone, read in order and read from random positions as
-  takes read, each against the baseline (:func:`layout_limit`).
+* the limits of one thread per side (1+1 rows, with a core per thread): memcpy of the
+  consumer's share (e of every 1 + e bytes) by one thread, read in order and from random
+  positions as takes read; both copies at once with no cache; and the same copies split evenly
+  over both threads (:func:`layout_limit`), each against the baseline.
 * ``python``: a pure-Python shuffle buffer (list + random swap-pop, numpy copies in and out), the
   peer, single thread, same e and buffer size, reading fresh samples from the same 64 MB pool;
 * ``api``: the Python batch API (one thread ``put_batch`` of ``--batch`` rows, one thread
@@ -50,6 +55,7 @@ import numpy as np
 
 import benchutil as bu
 from echopipe.echo import EchoCache
+from echopipe.echo.config import DEFAULT_SHUFFLE_BATCHES
 
 # Where the driver is built (ECHOPIPE_BUILD_BENCH=ON; never installed, so never in the wheel).
 DRIVER_DIR = Path(__file__).resolve().parents[1] / "build" / "bench"
@@ -88,6 +94,8 @@ def unavailable() -> str | None:
 
 
 SIZES = {"4KB": 4 << 10, "150KB": 150 << 10, "600KB": 600 << 10}
+# The warm-ups (min_fill) of the two regimes, as the rows and the table name them.
+WARMUPS = {"threads": "half the arena", "default": f"{DEFAULT_SHUFFLE_BATCHES} batches"}
 
 
 def llc_bytes() -> int:
@@ -149,8 +157,10 @@ def api_path(sample_bytes: int, n_fresh: int, capacity: int, batch: int) -> tupl
         memory="pageable",
     )
     pool = source_pool(sample_bytes)
-    # Fault the arena in, as a long-running job would have (the native driver does the same).
-    cache.put_batch(pool[: min(len(pool), cache.stats().capacity_samples)])
+    # Fault the whole arena in, as a long-running job would have (the native driver does the
+    # same): its samples fill it once, the pool's rows over and over.
+    for start in range(0, cache.stats().capacity_samples, len(pool)):
+        cache.put_batch(pool[: min(len(pool), cache.stats().capacity_samples - start)])
     cache.end_of_input()
     while cache.take_batch(batch) is not None:
         pass
@@ -180,9 +190,9 @@ def api_path(sample_bytes: int, n_fresh: int, capacity: int, batch: int) -> tupl
 
 
 def native_rows(
-    driver: ModuleType, size: int, n_fresh: int, threads: int, arena: int, args: Any
+    driver: ModuleType, size: int, n_fresh: int, threads: int, arena: int, args: Any, fill: int
 ) -> dict[str, Any]:
-    """Cache and memcpy rounds, interleaved, for one size and thread count."""
+    """Cache and memcpy rounds, interleaved, for one size, thread count and warm-up."""
     # The shared VM's speed drifts between seconds: each round pairs a cache run with memcpy of
     # the same bytes (bu.paired_ratios alternates which goes first); the ratio of every pair is
     # kept, and the median and spread of those ratios summarise the row.
@@ -190,7 +200,7 @@ def native_rows(
     runs: list[dict[str, Any]] = []
 
     def cache() -> float:
-        r = driver.put_take(size, n_fresh, threads, threads, args.echo, arena, args.batch)
+        r = driver.put_take(size, n_fresh, threads, threads, args.echo, arena, args.batch, fill)
         runs.append(r)
         return (int(r["fresh"]) + int(r["copies"])) * size / r["seconds"]
 
@@ -202,8 +212,8 @@ def native_rows(
     mid = sorted(range(len(runs)), key=lambda i: pairs["round_ratios"][i])[len(runs) // 2]
     r = runs[mid]
     return {
+        "min_fill": fill,
         "pairs_vs_memcpy": pairs,
-        **layout_limit(driver, size, n_fresh, threads, arena, args, pairs),
         "ratio_vs_memcpy": pairs["median_ratio"],
         "iqr_ratio_vs_memcpy": pairs["iqr_ratio"],
         "worst_ratio_vs_memcpy": pairs["min_ratio"],
@@ -225,50 +235,51 @@ def layout_limit(
     driver: ModuleType,
     size: int,
     n_fresh: int,
-    threads: int,
     arena: int,
     args: Any,
-    pairs: dict[str, Any],
+    row: dict[str, Any],
+    names: tuple[str, ...] = ("layout", "random_read", "bare_copies", "balanced"),
 ) -> dict[str, Any]:
-    """The best ``ratio_vs_memcpy`` this thread layout allows, measured.
+    """The best ``ratio_vs_memcpy`` one thread per side allows, measured, for a row (``names``
+    picks the limits; those that read at random positions apply to a full cache, whose takes
+    read samples spread over the whole arena).
 
     Producers only copy in (1 per fresh sample) and consumers only copy out (e per fresh
-    sample), so with a core per thread the consumers set the pace: at e = 2 they copy 2 of
+    sample), so with a core per thread the consumer sets the pace: at e = 2 it copies 2 of
     every 3 bytes, where the memcpy baseline spreads all of them evenly over the same number of
-    threads. The layout's limit is memcpy of the consumers' share by the consumers' threads
-    alone, against the baseline; the random-read limit is the same with every sample read from
-    a uniformly drawn position of the region, as takes read them (the baseline reads in order).
-    The bare-copies limit is both copies at once with no cache around them (one thread puts into
+    threads. The layout's limit is memcpy of the consumer's share by one thread alone, against
+    the baseline; the random-read limit is the same with every sample read from a uniformly
+    drawn position of the region, as takes read them (the baseline reads in order). The
+    bare-copies limit is both copies at once with no cache around them (one thread puts into
     consecutive extents of an arena of the same size, one gathers from random ones): an arena
     larger than the LLC makes every put write through to memory, which the baseline, reading
     into a batch buffer that stays cached, does not; the two sides share the memory bandwidth.
-    With more threads than cores the scheduler gives the busier side more time: no such limit.
+    The balanced limit is the same copies split evenly over the two threads after the row's
+    warm-up (the putting thread joins the copying out when its own copies are done): what one
+    thread per side reaches when neither ever idles and nothing but the copies costs time.
     """
-    if 2 * threads > (os.cpu_count() or 1):
-        keys = ("layout_limit_vs_memcpy", "ratio_vs_layout_limit", "random_read_limit_vs_memcpy",
-                "ratio_vs_random_read_limit", "bare_copies_limit_vs_memcpy",
-                "ratio_vs_bare_copies_limit")  # fmt: skip
-        return dict.fromkeys(keys)
     copies = round(n_fresh * args.echo)
     moved = (n_fresh + copies) * size
-    base = statistics.median(pairs["round_baseline_rates"])
+    base = statistics.median(row["pairs_vs_memcpy"]["round_baseline_rates"])
+    fill = row["min_fill"]
     runs = {
-        "layout": lambda: driver.memcpy(size, copies, threads, arena, args.batch, False),
-        "random_read": lambda: driver.memcpy(size, copies, threads, arena, args.batch, True),
-        "bare": lambda: driver.bare_copies(size, n_fresh, args.echo, arena, args.batch),
+        "layout": lambda: driver.memcpy(size, copies, 1, arena, args.batch, False),
+        "random_read": lambda: driver.memcpy(size, copies, 1, arena, args.batch, True),
+        "bare_copies": lambda: driver.bare_copies(size, n_fresh, args.echo, arena, args.batch),
+        "balanced": lambda: driver.balanced_copies(
+            size, n_fresh, args.echo, arena, args.batch, fill
+        ),
     }  # each over `moved` bytes of the cache's run: memcpy of its copies out, or all its copies
     limits = {
-        name: statistics.median(moved / run()["seconds"] for _ in range(3)) / base
-        for name, run in runs.items()
+        name: statistics.median(moved / runs[name]()["seconds"] for _ in range(3)) / base
+        for name in names
     }
-    return {
-        "layout_limit_vs_memcpy": limits["layout"],
-        "ratio_vs_layout_limit": pairs["median_ratio"] / limits["layout"],
-        "random_read_limit_vs_memcpy": limits["random_read"],
-        "ratio_vs_random_read_limit": pairs["median_ratio"] / limits["random_read"],
-        "bare_copies_limit_vs_memcpy": limits["bare"],
-        "ratio_vs_bare_copies_limit": pairs["median_ratio"] / limits["bare"],
-    }
+    ratio = row["ratio_vs_memcpy"]
+    out: dict[str, Any] = {}
+    for name, limit in limits.items():
+        out[f"{name}_limit_vs_memcpy"] = limit
+        out[f"ratio_vs_{name}_limit"] = ratio / limit
+    return out
 
 
 def api_rows(driver: ModuleType, size: int, py_fresh: int, arena: int, args: Any) -> dict[str, Any]:
@@ -297,41 +308,47 @@ def api_rows(driver: ModuleType, size: int, py_fresh: int, arena: int, args: Any
 
 
 def check_aims(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's aims, each met or not met, from this run's ratios."""
+    """The issue's aims, each met or not met, from this run's ratios, for both warm-ups."""
     small = rows["4KB"]
-    big = [(label, rows[label]["threads"][1]) for label in ("150KB", "600KB")]
-    big_median = min(row["ratio_vs_memcpy"] for _, row in big)
-    big_worst = min(row["worst_ratio_vs_memcpy"] for _, row in big)
-    scale = small["threads"][2]["cache_samples_s"] / small["threads"][1]["cache_samples_s"]
+    big = [rows[label] for label in ("150KB", "600KB")]
     api_vs_py = small["api_samples_s"] / small["python_buffer_samples_s"]
     api_150 = rows["150KB"]["api_ratio_vs_memcpy"]
-    one = small["threads"][1]["ratio_vs_memcpy"]
 
     def of_limit(row: dict[str, Any]) -> str:
-        limit = row["layout_limit_vs_memcpy"]
-        if limit is None:
-            return ""
-        share = row["ratio_vs_layout_limit"]
-        rnd, rnd_share = row["random_read_limit_vs_memcpy"], row["ratio_vs_random_read_limit"]
-        bare, bare_share = row["bare_copies_limit_vs_memcpy"], row["ratio_vs_bare_copies_limit"]
-        return (f"; this layout's limit (the consumer copies e of every 1 + e bytes) is "
-                f"{limit:.3f}x memcpy, of which this is {share:.2f}; with the consumer's reads "
-                f"at random positions, as takes read, {rnd:.3f}x, of which this is "
-                f"{rnd_share:.2f}; both copies at once with no cache (puts write through to "
-                f"memory) {bare:.3f}x, of which this is {bare_share:.2f}")  # fmt: skip
+        parts = [
+            ("this layout's limit (one thread copies e of every 1 + e bytes)", "layout"),
+            ("with its reads at random positions, as takes read", "random_read"),
+            ("both copies at once with no cache (puts write through to memory)", "bare_copies"),
+            ("the same copies split evenly over both threads, nothing else", "balanced"),
+        ]
+        return "".join(
+            f"; {what} {row[f'{name}_limit_vs_memcpy']:.3f}x, of which this is "
+            f"{row[f'ratio_vs_{name}_limit']:.2f}"
+            for what, name in parts
+            if f"{name}_limit_vs_memcpy" in row
+        )
 
-    big_row = min((row for _, row in big), key=lambda row: row["ratio_vs_memcpy"])
+    claims = []
+    for regime, what in (("threads", "cache kept full"), ("default", "warm-up of 4 batches")):
+        one = small[regime][1]
+        worst_big = min((row[regime][1] for row in big), key=lambda r: r["ratio_vs_memcpy"])
+        median_big = worst_big["ratio_vs_memcpy"]
+        worst = min(row[regime][1]["worst_ratio_vs_memcpy"] for row in big)
+        scale = small[regime][2]["cache_samples_s"] / one["cache_samples_s"]
+        claims += [
+            bu.claim(f"put->take at 4 KB, 1+1 threads, {what}, vs memcpy of the same bytes",
+                     ">= 0.5x", round(one["ratio_vs_memcpy"], 3), one["ratio_vs_memcpy"] >= 0.5,
+                     "median of paired rounds" + of_limit(one)),
+            bu.claim(f"put->take at 150 KB and 600 KB, 1+1 threads, {what}, vs memcpy, median "
+                     "of paired rounds", ">= 0.85x", round(median_big, 3), median_big >= 0.85,
+                     "worse of the two sizes" + of_limit(worst_big)),
+            bu.claim(f"put->take at 150 KB and 600 KB, 1+1 threads, {what}, vs memcpy, worst "
+                     "round", ">= 0.75x", round(worst, 3), worst >= 0.75, "worse of the two sizes"),
+            bu.claim(f"2+2 threads vs 1+1 at 4 KB, {what}", ">= 1.0x", round(scale, 3),
+                     scale >= 1.0, "no collapse under contention"),
+        ]  # fmt: skip
     return [
-        bu.claim("put->take at 4 KB, 1+1 threads, vs memcpy of the same bytes", ">= 0.5x",
-                 round(one, 3), one >= 0.5,
-                 "median of paired rounds" + of_limit(small["threads"][1])),
-        bu.claim("put->take at 150 KB and 600 KB (1+1 threads) vs memcpy, median of paired rounds",
-                 ">= 0.85x", round(big_median, 3), big_median >= 0.85,
-                 "worse of the two sizes" + of_limit(big_row)),
-        bu.claim("put->take at 150 KB and 600 KB (1+1 threads) vs memcpy, worst round",
-                 ">= 0.75x", round(big_worst, 3), big_worst >= 0.75, "worse of the two sizes"),
-        bu.claim("2+2 threads vs 1+1 at 4 KB", ">= 1.0x", round(scale, 3), scale >= 1.0,
-                 "no collapse under contention"),
+        *claims,
         bu.claim("Python batch API at 4 KB vs the pure-Python buffer", ">= 5x",
                  round(api_vs_py, 2), api_vs_py >= 5, "put_batch/take_batch, one thread each"),
         bu.claim("Python batch API at 150 KB vs memcpy of the same bytes", ">= 0.7x",
@@ -366,7 +383,22 @@ def main(argv: list[str] | None = None) -> int:
         # Several passes over the arena so the steady state dominates the warm-up.
         n_fresh = max(int(cap_samples * (1.5 if args.quick else 3)), 2000)
         n_fresh = min(n_fresh, (2 << 30) // size if args.quick else (12 << 30) // size)
-        per_threads = {t: native_rows(driver, size, n_fresh, t, arena, args) for t in (1, 2)}
+        # Two warm-ups (WARMUPS). Half the arena ("threads", as recorded before): the cache
+        # then stays full, and takes draw from the whole arena. The pipelines' default, a
+        # shuffle buffer of 4 batches ("default"): takes start at once and keep pace with the
+        # puts, so they mostly draw samples put a moment before.
+        fills = {"threads": cap_samples // 2, "default": DEFAULT_SHUFFLE_BATCHES * args.batch}
+        regimes = {
+            regime: {t: native_rows(driver, size, n_fresh, t, arena, args, fill) for t in (1, 2)}
+            for regime, fill in fills.items()
+        }
+        if (os.cpu_count() or 1) >= 2:  # a core per thread, else the scheduler balances them
+            full = regimes["threads"][1]
+            full.update(layout_limit(driver, size, n_fresh, arena, args, full))
+            # Takes that keep pace with the puts read samples put a moment before, not spread
+            # over the arena: of the limits, only the consumer's share read in order applies.
+            one = regimes["default"][1]
+            one.update(layout_limit(driver, size, n_fresh, arena, args, one, ("layout",)))
         # Peer and API path: fewer samples (the peer is slow), same buffer size and e.
         py_fresh = min(n_fresh, max(2000, int((0.4 if args.quick else 1.5) * 2e8 / size)))
         py_buffer = min(cap_samples, max(py_fresh // 2, 1))
@@ -375,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             "sample_bytes": size,
             "arena_bytes": arena,
             "capacity_samples": cap_samples,
-            "threads": per_threads,
+            **regimes,
             "python_buffer_samples_s": py_fresh * args.echo / py_secs,
             "python_buffer_fresh": py_fresh,
             "python_buffer_size": py_buffer,
@@ -386,37 +418,40 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     ratios: dict[str, Any] = {}
     for label, row in rows.items():
-        for t, f in row["threads"].items():
+        runs = [
+            (f"{t}t{suffix}", WARMUPS[regime], f)
+            for regime, suffix in (("threads", ""), ("default", "_default_fill"))
+            for t, f in row[regime].items()
+        ]
+        for key, fill, f in runs:
             table.append(
-                [label, t, f["cache_samples_s"], f["cache_GBps_moved"], f["memcpy_GBps"],
-                 f["ratio_vs_memcpy"], f["iqr_ratio_vs_memcpy"], f["worst_ratio_vs_memcpy"],
-                 f["layout_limit_vs_memcpy"], f["random_read_limit_vs_memcpy"],
-                 row["python_buffer_samples_s"],
-                 row["api_samples_s"], row["api_ratio_vs_memcpy"]]
+                [label, key[0], fill, f["cache_samples_s"], f["cache_GBps_moved"],
+                 f["memcpy_GBps"], f["ratio_vs_memcpy"], f["iqr_ratio_vs_memcpy"],
+                 f["worst_ratio_vs_memcpy"], f.get("layout_limit_vs_memcpy"),
+                 f.get("random_read_limit_vs_memcpy"), f.get("balanced_limit_vs_memcpy"),
+                 row["python_buffer_samples_s"], row["api_samples_s"],
+                 row["api_ratio_vs_memcpy"]]
             )  # fmt: skip
-            ratios[f"{label}_{t}t_vs_memcpy_same_bytes"] = f["ratio_vs_memcpy"]
-            ratios[f"{label}_{t}t_vs_memcpy_worst_round"] = f["worst_ratio_vs_memcpy"]
-            ratios[f"{label}_{t}t_vs_memcpy_iqr"] = f["iqr_ratio_vs_memcpy"]
-            if f["layout_limit_vs_memcpy"] is not None:
-                ratios[f"{label}_{t}t_layout_limit_vs_memcpy"] = f["layout_limit_vs_memcpy"]
-                ratios[f"{label}_{t}t_vs_layout_limit"] = f["ratio_vs_layout_limit"]
-                ratios[f"{label}_{t}t_random_read_limit_vs_memcpy"] = f[
-                    "random_read_limit_vs_memcpy"
-                ]
-        ratios[f"{label}_2t_vs_1t"] = (
-            row["threads"][2]["cache_samples_s"] / row["threads"][1]["cache_samples_s"]
-        )
+            ratios[f"{label}_{key}_vs_memcpy_same_bytes"] = f["ratio_vs_memcpy"]
+            ratios[f"{label}_{key}_vs_memcpy_worst_round"] = f["worst_ratio_vs_memcpy"]
+            ratios[f"{label}_{key}_vs_memcpy_iqr"] = f["iqr_ratio_vs_memcpy"]
+            for name in ("layout", "random_read", "bare_copies", "balanced"):
+                if f"{name}_limit_vs_memcpy" in f:
+                    ratios[f"{label}_{key}_{name}_limit_vs_memcpy"] = f[f"{name}_limit_vs_memcpy"]
+                    ratios[f"{label}_{key}_vs_{name}_limit"] = f[f"ratio_vs_{name}_limit"]
+        for regime, suffix in (("threads", ""), ("default", "_default_fill")):
+            ratios[f"{label}_2t_vs_1t{suffix}"] = (
+                row[regime][2]["cache_samples_s"] / row[regime][1]["cache_samples_s"]
+            )
         ratios[f"{label}_api_vs_python_buffer"] = (
             row["api_samples_s"] / row["python_buffer_samples_s"]
         )
         ratios[f"{label}_api_vs_memcpy_same_bytes"] = row["api_ratio_vs_memcpy"]
     print(
         bu.format_table(
-            ["size", "thr/side", "cache/s", "cache GB/s (in+out)", "memcpy GB/s",
+            ["size", "thr/side", "warm-up", "cache/s", "cache GB/s (in+out)", "memcpy GB/s",
              "vs memcpy (median pair)", "IQR", "vs memcpy (worst)", "layout limit",
-             "random-read limit",
-             "python/s", "api/s",
-             "api vs memcpy"],
+             "random-read limit", "balanced limit", "python/s", "api/s", "api vs memcpy"],
             table,
         )
     )  # fmt: skip
@@ -426,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "arena_bytes": arena,
         "llc_bytes": llc,
+        "min_fill": WARMUPS,
         "sizes": SIZES,
     }
     figures = {"rows": [{"size": label, **row} for label, row in rows.items()]}

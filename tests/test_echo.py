@@ -238,6 +238,23 @@ def test_drain_after_end_of_input_and_reset() -> None:
     assert [int(s.array) for s in cache] == [5, 5]
 
 
+def test_draws_probe_only_the_used_slots_after_a_full_cache_drained() -> None:
+    # A cache filled once and drained: the next epoch's few samples sit in the lowest slots, and
+    # the slots draws probe come back down to them with the first put (stats().probe_slots),
+    # instead of staying at the whole capacity, where nearly every probe would miss.
+    cache = EchoCache(capacity_bytes=1 << 20, capacity_samples=4096, echo_factor=2.0)
+    cache.put_batch(np.arange(4096, dtype=np.int64).reshape(4096, 1))
+    assert cache.stats().probe_slots == 4096
+    cache.end_of_input()
+    while cache.take_batch(256) is not None:
+        pass
+    cache.reset_input()
+    cache.put_batch(np.arange(3, dtype=np.int64).reshape(3, 1))
+    assert cache.stats().probe_slots == 3
+    cache.end_of_input()
+    assert sorted(int(s.array[0]) for s in cache) == [0, 0, 1, 1, 2, 2]
+
+
 def test_batch_mode_returns_whole_batches_in_put_order() -> None:
     cache = EchoCache(
         capacity_bytes=1 << 16, capacity_samples=32, echo_factor=2.0, mode="batch", batch_size=4
@@ -469,11 +486,14 @@ def test_native_bench_driver_accounts_for_every_copy() -> None:
     if driver is None:
         pytest.skip(echo_cache.unavailable() or "")
     assert not [name for name in dir(_C) if "bench" in name]
-    r = driver.put_take(4096, 3000, 2, 2, 2.0, 4 << 20, 16)
-    assert r["fresh"] == 3000 and r["copies"] == 6000
-    assert r["bytes_out"] == 6000 * 4096 and r["seconds"] > 0
+    for min_fill in (64, 512):  # the two warm-ups of the suite: 4 batches, half the arena
+        r = driver.put_take(4096, 3000, 2, 2, 2.0, 4 << 20, 16, min_fill)
+        assert r["fresh"] == 3000 and r["copies"] == 6000
+        assert r["bytes_out"] == 6000 * 4096 and r["seconds"] > 0
     m = driver.memcpy(4096, 100, 2, 1 << 20, 16)
     assert m["bytes"] == 100 * 4096 and m["seconds"] > 0
+    b = driver.balanced_copies(4096, 3000, 2.0, 4 << 20, 16, 512)
+    assert b["bytes"] == 9000 * 4096 and b["seconds"] > 0
 
 
 _EXIT_PRELUDE = """

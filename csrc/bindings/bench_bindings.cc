@@ -45,7 +45,8 @@ std::vector<uint8_t> source_pool(size_t sample_bytes) {
 }
 
 py::dict bench_put_take(size_t sample_bytes, size_t n_fresh, int producers, int consumers,
-                        double echo_factor, size_t capacity_bytes, size_t batch, uint64_t seed) {
+                        double echo_factor, size_t capacity_bytes, size_t batch, size_t min_fill,
+                        uint64_t seed) {
   if (sample_bytes == 0 || n_fresh == 0 || producers < 1 || consumers < 1 || batch < 1) {
     throw std::invalid_argument("bench: sizes and thread counts must be >= 1");
   }
@@ -54,7 +55,7 @@ py::dict bench_put_take(size_t sample_bytes, size_t n_fresh, int producers, int 
   cfg.capacity_bytes = capacity_bytes;
   cfg.capacity_samples = std::max<size_t>(capacity_bytes / d.extent_bytes(), 1);
   cfg.echo_factor = echo_factor;
-  cfg.min_fill = cfg.capacity_samples / 2;
+  cfg.min_fill = std::min(min_fill, cfg.capacity_samples);
   cfg.seed = seed;
   cfg.memory = MemoryKind::kPageable;
   auto cache = EchoCache::create(cfg, "bench");
@@ -226,13 +227,91 @@ py::dict bench_bare_copies(size_t sample_bytes, size_t n_fresh, double echo_fact
   return r;
 }
 
+// The same copies as bare_copies, split between the two threads as evenly as any schedule of
+// them could be: one thread copies the fresh samples in, the other starts copying out (from
+// random extents already written) once `fill` samples are in (the cache's warm-up), and the
+// first joins the copying out when its own copies are done, both claiming chunks of 32 KB from
+// one counter, so they finish together. The consumer of put_take copies e of every 1 + e bytes
+// alone; this is the most one thread per side can reach on this machine when no thread ever
+// idles, with no bookkeeping at all.
+py::dict bench_balanced_copies(size_t sample_bytes, size_t n_fresh, double echo_factor,
+                               size_t capacity_bytes, size_t batch, size_t fill) {
+  if (sample_bytes == 0 || n_fresh == 0 || batch < 1 || !(echo_factor >= 1.0)) {
+    throw std::invalid_argument("bench_balanced_copies: bad sizes or echo factor");
+  }
+  const SampleDesc d = bytes_sample(sample_bytes);
+  const size_t extent = d.extent_bytes();
+  if (capacity_bytes < extent) {
+    throw std::invalid_argument("bench_balanced_copies: arena too small");
+  }
+  EchoConfig cfg;
+  cfg.capacity_bytes = capacity_bytes;
+  cfg.capacity_samples = 1;
+  cfg.memory = MemoryKind::kPageable;
+  auto region = EchoCache::create(cfg, "bench-balanced-copies");
+  auto* arena = static_cast<uint8_t*>(const_cast<void*>(region->arena_host()));
+  std::memset(arena, 0, capacity_bytes);
+  const size_t slots = capacity_bytes / extent;
+  const std::vector<uint8_t> pool = source_pool(sample_bytes);
+  const size_t pool_samples = pool.size() / sample_bytes;
+  const auto copies = static_cast<size_t>(std::llround(static_cast<double>(n_fresh) * echo_factor));
+  const size_t chunk = std::max<size_t>(1, (size_t{32} << 10) / sample_bytes);
+  const size_t warm = std::min(std::max<size_t>(fill, 1), n_fresh);
+  std::atomic<size_t> written{0}, next_out{0};
+  std::atomic<uint64_t> sink{0};
+  double seconds = 0;
+  // Copies chunk [j, j + chunk) out of random extents already written; false once all are out.
+  auto copy_out = [&](std::vector<uint8_t>& dst, uint64_t& s) {
+    const size_t j = next_out.fetch_add(chunk, std::memory_order_relaxed);
+    if (j >= copies) return false;
+    const size_t have = std::min(written.load(std::memory_order_acquire), slots);
+    for (size_t k = j; k < std::min(copies, j + chunk); ++k) {
+      const size_t at = detail::splitmix64(k + 1) % have;
+      std::memcpy(dst.data() + (k % batch) * sample_bytes, arena + at * extent, sample_bytes);
+      if (k % batch == batch - 1) s += dst[0];
+    }
+    return true;
+  };
+  without_gil([&] {
+    auto start = Clock::now();
+    std::thread in([&] {
+      std::vector<uint8_t> dst(batch * sample_bytes);
+      uint64_t s = 0;
+      for (size_t i = 0; i < n_fresh; ++i) {
+        std::memcpy(arena + (i % slots) * extent, pool.data() + (i % pool_samples) * sample_bytes,
+                    sample_bytes);
+        written.store(i + 1, std::memory_order_release);
+      }
+      while (copy_out(dst, s)) {
+      }
+      sink.fetch_add(s);
+    });
+    std::thread out([&] {
+      std::vector<uint8_t> dst(batch * sample_bytes);
+      uint64_t s = 0;
+      while (written.load(std::memory_order_acquire) < warm) std::this_thread::yield();
+      while (copy_out(dst, s)) {
+      }
+      sink.fetch_add(s);
+    });
+    in.join();
+    out.join();
+    seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  });
+  py::dict r;
+  r["seconds"] = seconds;
+  r["bytes"] = (n_fresh + copies) * sample_bytes;
+  r["sink"] = sink.load();
+  return r;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_bench_native, m) {
   m.doc() = "echopipe benchmark drivers (bench/echo_cache.py)";
   m.def("put_take", &bench_put_take, py::arg("sample_bytes"), py::arg("n_fresh"),
         py::arg("producers"), py::arg("consumers"), py::arg("echo_factor"),
-        py::arg("capacity_bytes"), py::arg("batch"), py::arg("seed") = 0,
+        py::arg("capacity_bytes"), py::arg("batch"), py::arg("min_fill"), py::arg("seed") = 0,
         "Native put->take(+gather) throughput of one cache; returns timings and counts.");
   m.def("memcpy", &bench_memcpy, py::arg("sample_bytes"), py::arg("n_copies"), py::arg("threads"),
         py::arg("src_bytes"), py::arg("batch"), py::arg("random_order") = false,
@@ -240,4 +319,7 @@ PYBIND11_MODULE(_bench_native, m) {
   m.def("bare_copies", &bench_bare_copies, py::arg("sample_bytes"), py::arg("n_fresh"),
         py::arg("echo_factor"), py::arg("capacity_bytes"), py::arg("batch"),
         "put_take's copies in and out on one thread each, with no cache (its physical limit).");
+  m.def("balanced_copies", &bench_balanced_copies, py::arg("sample_bytes"), py::arg("n_fresh"),
+        py::arg("echo_factor"), py::arg("capacity_bytes"), py::arg("batch"), py::arg("fill"),
+        "bare_copies with the copies out shared by both threads after the warm-up fill.");
 }

@@ -100,6 +100,7 @@ py::dict stats_dict(const EchoStats& s) {
   d["bytes_used"] = s.bytes_used;
   d["capacity_bytes"] = s.capacity_bytes;
   d["capacity_samples"] = s.capacity_samples;
+  d["probe_slots"] = s.probe_slots;
   d["emit_histogram"] = s.emit_histogram;
   d["mean_reuse_distance"] = s.mean_reuse_distance;
   d["reuse_pairs"] = s.reuse_pairs;

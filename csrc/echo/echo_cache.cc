@@ -128,6 +128,7 @@ size_t EchoCache::reserve_slots(const SampleDesc& desc, double timeout_s, uint32
       }
       gen = I.space_gen.load(std::memory_order_seq_cst);
       I.collect_retired_locked();
+      I.lower_high_water_locked();
       while (got < max && I.alloc_slot_locked(desc, need, slot_out + got)) ++got;
       if (got > 0) {
         I.pending.fetch_add(static_cast<int64_t>(got), std::memory_order_seq_cst);
@@ -597,6 +598,7 @@ EchoStats EchoCache::stats() const {
     st.emit_histogram = I.histogram;
     st.retired = I.retired;
     st.resident = I.resident.load();
+    st.probe_slots = I.high_water.load();
     st.bytes_used = I.bytes_used.load();
   }
   st.fresh_in = I.fresh_in.load();

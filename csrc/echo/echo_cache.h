@@ -372,6 +372,9 @@ struct EchoStats {
   uint64_t bytes_used = 0;             ///< arena bytes in live extents
   uint64_t capacity_bytes = 0;
   uint64_t capacity_samples = 0;
+  /// Slots a draw probes: above every used one (the allocator's high-water mark, which puts
+  /// bring down again once the top slots are free).
+  uint64_t probe_slots = 0;
   /// emit_histogram[k] = retired samples that were emitted exactly k times (index 0..kMaxHist-1).
   std::vector<uint64_t> emit_histogram;
   /// Mean number of emissions (cache-wide) between two consecutive copies of the same unit.

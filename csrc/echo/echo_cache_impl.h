@@ -125,7 +125,26 @@ class ExtentAllocator {
 class FreeSlotSet {
  public:
   // Every slot of [0, n) is free when `all_free`, none otherwise.
-  FreeSlotSet(uint32_t n, bool all_free);
+  FreeSlotSet(uint32_t n, bool all_free) {
+    words0_ = std::max<size_t>(1, (static_cast<size_t>(n) + 63) / 64);
+    size_t total = 0;
+    for (size_t words = words0_;; words = (words + 63) / 64) {
+      offset_[levels_++] = total;  // levels until one word summarises the level below
+      total += words;
+      if (words == 1) break;
+    }
+    bits_.assign(total, 0);
+    if (!all_free) return;
+    for (size_t i = 0; i < n / 64; ++i) bits_[i] = ~uint64_t{0};
+    if (n % 64 != 0) bits_[n / 64] = (uint64_t{1} << (n % 64)) - 1;
+    for (int l = 1; l < levels_; ++l) {
+      for (size_t i = offset_[l - 1]; i < offset_[l]; ++i) {
+        const size_t w = i - offset_[l - 1];
+        if (bits_[i] != 0) bits_[offset_[l] + w / 64] |= uint64_t{1} << (w % 64);
+      }
+    }
+    count_ = n;
+  }
   size_t size() const noexcept { return count_; }
   bool empty() const noexcept { return count_ == 0; }
   // The lowest free slot, which is then no longer free. Requires !empty().
@@ -153,6 +172,17 @@ class FreeSlotSet {
       if (!was_empty) break;  // the levels above already see this word
     }
     ++count_;
+  }
+  bool contains(uint32_t s) const noexcept { return (bits_[s >> 6] >> (s & 63)) & 1; }
+  // 1 + the highest slot below `end` (<= the set's size) that is not free, or 0 when all are.
+  uint32_t used_end(uint32_t end) const noexcept {
+    size_t w = end / 64;
+    uint64_t used = w < words0_ ? ~bits_[w] & ((uint64_t{1} << (end % 64)) - 1) : 0;
+    for (;;) {
+      if (used != 0) return static_cast<uint32_t>(w * 64 + 64 - __builtin_clzll(used));
+      if (w == 0) return 0;
+      used = ~bits_[--w];
+    }
   }
   // Calls f(slot) for every free slot, in ascending order.
   template <typename F>
@@ -221,10 +251,11 @@ struct CacheImpl {
   // Dense, so that a random probe touches one 8-byte word; drawers probe it without locks.
   std::unique_ptr<std::atomic<uint64_t>[]> state;
   std::unique_ptr<UnitInfo[]> info;
-  // 1 + the highest slot ever allocated. A put takes the lowest free slot (FreeSlotSet), so live
-  // units stay packed below this mark: draws probe [0, high_water) instead of the whole capacity,
-  // which keeps the hit rate up when a large cache holds few samples. Written under alloc_mu
-  // before the slot's unit is published.
+  // Above every used slot: 1 + the highest slot allocated, brought down again by puts once the
+  // slots at the top are free (lower_high_water_locked). A put takes the lowest free slot
+  // (FreeSlotSet), so live units stay packed below this mark: draws probe [0, high_water)
+  // instead of the whole capacity, which keeps the hit rate up when a large cache holds few
+  // samples. Written under alloc_mu, raised before the slot's unit is published.
   std::atomic<uint32_t> high_water{0};
   std::array<ReuseStripe, kStripes> reuse;
   std::atomic<double> echo_factor{2.0};  // read once per published unit
@@ -302,6 +333,9 @@ struct CacheImpl {
   void free_slot_locked(uint32_t s);
   // Gives every retired unit on the stack back to the allocator.
   void collect_retired_locked();
+  // Brings the high-water mark down to just above the highest used slot, when the slot below it
+  // is free. Only the put path calls it (see the definition).
+  void lower_high_water_locked() noexcept;
 
   // -- publication and draws --
   void publish(uint32_t u, uint32_t members, uint64_t first_sample_id);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "echo/echo_cache.h"
+#include "echo/echo_cache_impl.h"  // detail::FreeSlotSet
 #include "echo_test_support.h"
 
 using namespace echopipe;
@@ -567,6 +568,65 @@ void test_sparse_draws() {
   CHECK(seen == std::vector<int>({3, 3, 3}));
 }
 
+// Draws probe the slots below the allocator's high-water mark. Once a cache has been full and
+// drained, the mark comes down with the next put (to just above the highest used slot), or every
+// draw among the few new samples would probe thousands of free slots first. The free-slot set's
+// query for it is checked against a brute-force count on random sets.
+void test_probe_range_follows_use() {
+  std::mt19937_64 rng(7);
+  for (uint32_t n : {1u, 63u, 64u, 65u, 4096u, 5000u, 300000u}) {
+    detail::FreeSlotSet set(n, true);
+    std::vector<bool> is_free(n, true);
+    for (uint32_t k = 0; k < std::min<uint32_t>(n, 2000); ++k) {
+      const uint32_t s = set.pop_lowest();  // lowest-first, as a put takes slots
+      is_free[s] = false;
+    }
+    for (uint32_t k = 0; k < std::min<uint32_t>(n, 600); ++k) {
+      const auto s = static_cast<uint32_t>(rng() % n);
+      if (!is_free[s]) {
+        set.insert(s);
+        is_free[s] = true;
+      }
+    }
+    for (uint32_t end : {0u, 1u, n / 3, n - 1, n}) {
+      uint32_t want = 0;
+      for (uint32_t s = 0; s < end; ++s) {
+        if (!is_free[s]) want = s + 1;
+      }
+      CHECK(set.used_end(end) == want);
+      if (end < n) CHECK(set.contains(end) == is_free[end]);
+    }
+  }
+
+  EchoConfig cfg;
+  cfg.capacity_samples = 4096;
+  cfg.capacity_bytes = 4096 * 64;
+  cfg.echo_factor = 2.0;
+  auto c = EchoCache::create(cfg);
+  SampleDesc d = int64_desc(1);
+  for (uint64_t i = 0; i < cfg.capacity_samples; ++i) {
+    const void* p = &i;
+    CHECK(c->put(d, &p, 0) == PutStatus::kOk);
+  }
+  CHECK(c->stats().probe_slots == cfg.capacity_samples);
+  c->end_of_input();
+  std::vector<SampleLease> out;
+  while (c->take(64, out, 1) == TakeStatus::kOk) release_leases(out);
+  c->reset_input();
+  for (uint64_t i = 0; i < 3; ++i) {
+    const void* p = &i;
+    CHECK(c->put(d, &p, 0) == PutStatus::kOk);
+  }
+  CHECK(c->stats().probe_slots == 3);
+  c->end_of_input();
+  std::vector<int> seen(3, 0);
+  while (c->take(1, out, 1) == TakeStatus::kOk) {
+    ++seen[*static_cast<const uint64_t*>(out[0].data(0))];
+    release_leases(out);
+  }
+  CHECK(seen == std::vector<int>({2, 2, 2}));
+}
+
 // Tickets follow set_echo_factor() for units published after the call; units already in the
 // cache keep theirs; accounting stays exact.
 void test_set_echo_factor() {
@@ -768,6 +828,7 @@ int main() {
   test_strong_guarantees();
   test_wait_for_room_quota_layouts();
   test_sparse_draws();
+  test_probe_range_follows_use();
   test_set_echo_factor();
   test_ragged();
   test_gather_ragged();

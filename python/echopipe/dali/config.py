@@ -6,15 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..echo.config import MAX_CAPACITY_SAMPLES, EchoConfig, check_factor, check_int
+from ..echo.config import (
+    DEFAULT_SHUFFLE_BATCHES,
+    MAX_CAPACITY_SAMPLES,
+    EchoConfig,
+    check_factor,
+    check_int,
+)
 from .builder_checks import MAX_PAIR_SEED
-
-#: Default shuffle buffer, in downstream batches. The cache draws uniformly from what it holds,
-#: so a buffer of F fresh samples spreads echoed copies like a full shuffle of F samples: at
-#: e = 2 and batch 16, one batch's worth puts two copies of a sample into nearly every batch
-#: (copies about 1 batch apart), four batches' worth into about 60 % (5 batches apart), which is
-#: what a full shuffle of a 60-file data set gives (tests/test_dali_spread.py).
-DEFAULT_SHUFFLE_BATCHES = 4
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from ..native import core
 from .memory import MEMORY_KINDS
 
 __all__ = [
+    "DEFAULT_SHUFFLE_BATCHES",
     "FACTOR_AUTO",
     "MAX_CAPACITY_BYTES",
     "MAX_CAPACITY_SAMPLES",
@@ -47,6 +48,13 @@ MAX_EPOCH_SIZE: int = int(core.MAX_EPOCH_SIZE)
 MAX_CAPACITY_BYTES: int = (1 << 63) - 1
 #: Largest cache seed: the core's seed is an unsigned 64-bit integer.
 MAX_SEED: int = (1 << 64) - 1
+
+#: Default shuffle buffer, in downstream batches. The cache draws uniformly from what it holds,
+#: so a buffer of F fresh samples spreads echoed copies like a full shuffle of F samples: at
+#: e = 2 and batch 16, one batch's worth puts two copies of a sample into nearly every batch
+#: (copies about 1 batch apart), four batches' worth into about 60 % (5 batches apart), which is
+#: what a full shuffle of a 60-file data set gives (tests/test_dali_spread.py).
+DEFAULT_SHUFFLE_BATCHES = 4
 
 FACTOR_AUTO = "auto"
 PLACEMENTS = ("after_decode", "after_augment")
@@ -147,9 +155,9 @@ class EchoConfig:
     shuffle_buffer: int | None = field(
         default=None,
         metadata={
-            "help": "samples the echo cache holds before the first draw (default: 4 batches' "
-            "worth, which spreads the copies of a sample about as far apart as a full shuffle "
-            "of the buffer)"
+            "help": "samples the echo cache holds before the first draw (default: "
+            f"{DEFAULT_SHUFFLE_BATCHES} batches' worth, which spreads the copies of a sample "
+            "about as far apart as a full shuffle of the buffer)"
         },
     )
     cache_bytes: int = field(

@@ -112,6 +112,7 @@ class EchoStats:
     bytes_used: int
     capacity_bytes: int
     capacity_samples: int
+    probe_slots: int
     emit_histogram: list[int]
     mean_reuse_distance: float
     reuse_pairs: int

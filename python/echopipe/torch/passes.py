@@ -162,14 +162,15 @@ def cache_config(
     capacity_bytes: int | None, seed: int, epoch_samples: int | None,
 ) -> dict[str, int]:  # fmt: skip
     """The echo cache's arguments for a stream of ``layout`` (LayoutError: a buffer too small)."""
-    buffer = shuffle_buffer or 4 * batch_size
+    buffer = shuffle_buffer or echo_config.DEFAULT_SHUFFLE_BATCHES * batch_size
     if buffer < 2 * batch_size:
         raise bl.LayoutError(
             f"shuffle_buffer={buffer} holds fewer than two batches of {batch_size}"
         )
     if buffer > echo_config.MAX_CAPACITY_SAMPLES:  # only the default can be: the option is checked
         raise bl.LayoutError(
-            f"batch_size={batch_size} is too large: its default shuffle_buffer of 4 batches "
+            f"batch_size={batch_size} is too large: its default shuffle_buffer of "
+            f"{echo_config.DEFAULT_SHUFFLE_BATCHES} batches "
             f"({buffer} samples) is more than an echo cache holds "
             f"({echo_config.MAX_CAPACITY_SAMPLES}); give a smaller batch_size or a shuffle_buffer"
         )
