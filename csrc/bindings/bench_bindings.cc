@@ -169,6 +169,48 @@ py::dict bench_memcpy(size_t sample_bytes, size_t n_copies, int threads, size_t 
   return r;
 }
 
+// What the copy limits share: a faulted-in arena region of `capacity_bytes` in extents of one
+// sample, the source pool, and the copies out a cache run at `echo_factor` makes.
+struct CopyLimit {
+  CopyLimit(const char* who, size_t sample_bytes, size_t n_fresh, double echo_factor,
+            size_t capacity_bytes, size_t batch)
+      : sample_bytes(sample_bytes), extent(bytes_sample(sample_bytes).extent_bytes()) {
+    if (sample_bytes == 0 || n_fresh == 0 || batch < 1 || !(echo_factor >= 1.0)) {
+      throw std::invalid_argument(std::string(who) + ": bad sizes or echo factor");
+    }
+    if (capacity_bytes < extent)
+      throw std::invalid_argument(std::string(who) + ": arena too small");
+    EchoConfig cfg;
+    cfg.capacity_bytes = capacity_bytes;
+    cfg.capacity_samples = 1;
+    cfg.memory = MemoryKind::kPageable;
+    region = EchoCache::create(cfg, who);
+    arena = static_cast<uint8_t*>(const_cast<void*>(region->arena_host()));
+    std::memset(arena, 0, capacity_bytes);
+    slots = capacity_bytes / extent;
+    pool = source_pool(sample_bytes);
+    pool_samples = pool.size() / sample_bytes;
+    copies = static_cast<size_t>(std::llround(static_cast<double>(n_fresh) * echo_factor));
+  }
+  size_t sample_bytes;
+  size_t extent;
+  std::shared_ptr<EchoCache> region;
+  uint8_t* arena = nullptr;
+  size_t slots = 0;
+  std::vector<uint8_t> pool;
+  size_t pool_samples = 0;
+  size_t copies = 0;
+
+  // A limit run's figures: its seconds, the bytes the cache run would move, what the copies read.
+  py::dict result(double seconds, size_t n_fresh, uint64_t sink) const {
+    py::dict r;
+    r["seconds"] = seconds;
+    r["bytes"] = (n_fresh + copies) * sample_bytes;
+    r["sink"] = sink;
+    return r;
+  }
+};
+
 // The copies of put_take with no cache around them: one thread copies `n_fresh` samples from the
 // same 64 MB pool into consecutive extents of an arena of `capacity_bytes` (a put's copy in),
 // while another copies round(n_fresh * echo_factor) samples out of uniformly drawn extents into
@@ -179,23 +221,10 @@ py::dict bench_memcpy(size_t sample_bytes, size_t n_copies, int threads, size_t 
 // not.
 py::dict bench_bare_copies(size_t sample_bytes, size_t n_fresh, double echo_factor,
                            size_t capacity_bytes, size_t batch) {
-  if (sample_bytes == 0 || n_fresh == 0 || batch < 1 || !(echo_factor >= 1.0)) {
-    throw std::invalid_argument("bench_bare_copies: bad sizes or echo factor");
-  }
-  const SampleDesc d = bytes_sample(sample_bytes);
-  const size_t extent = d.extent_bytes();
-  if (capacity_bytes < extent) throw std::invalid_argument("bench_bare_copies: arena too small");
-  EchoConfig cfg;
-  cfg.capacity_bytes = capacity_bytes;
-  cfg.capacity_samples = 1;
-  cfg.memory = MemoryKind::kPageable;
-  auto region = EchoCache::create(cfg, "bench-bare-copies");
-  auto* arena = static_cast<uint8_t*>(const_cast<void*>(region->arena_host()));
-  std::memset(arena, 0, capacity_bytes);
-  const size_t slots = capacity_bytes / extent;
-  const std::vector<uint8_t> pool = source_pool(sample_bytes);
-  const size_t pool_samples = pool.size() / sample_bytes;
-  const auto copies = static_cast<size_t>(std::llround(static_cast<double>(n_fresh) * echo_factor));
+  const CopyLimit L("bench_bare_copies", sample_bytes, n_fresh, echo_factor, capacity_bytes, batch);
+  const size_t extent = L.extent, slots = L.slots, pool_samples = L.pool_samples, copies = L.copies;
+  uint8_t* const arena = L.arena;
+  const std::vector<uint8_t>& pool = L.pool;
   std::atomic<uint64_t> sink{0};
   double seconds = 0;
   without_gil([&] {
@@ -220,11 +249,7 @@ py::dict bench_bare_copies(size_t sample_bytes, size_t n_fresh, double echo_fact
     out.join();
     seconds = std::chrono::duration<double>(Clock::now() - start).count();
   });
-  py::dict r;
-  r["seconds"] = seconds;
-  r["bytes"] = (n_fresh + copies) * sample_bytes;
-  r["sink"] = sink.load();
-  return r;
+  return L.result(seconds, n_fresh, sink.load());
 }
 
 // The same copies as bare_copies, split between the two threads as evenly as any schedule of
@@ -236,25 +261,11 @@ py::dict bench_bare_copies(size_t sample_bytes, size_t n_fresh, double echo_fact
 // idles, with no bookkeeping at all.
 py::dict bench_balanced_copies(size_t sample_bytes, size_t n_fresh, double echo_factor,
                                size_t capacity_bytes, size_t batch, size_t fill) {
-  if (sample_bytes == 0 || n_fresh == 0 || batch < 1 || !(echo_factor >= 1.0)) {
-    throw std::invalid_argument("bench_balanced_copies: bad sizes or echo factor");
-  }
-  const SampleDesc d = bytes_sample(sample_bytes);
-  const size_t extent = d.extent_bytes();
-  if (capacity_bytes < extent) {
-    throw std::invalid_argument("bench_balanced_copies: arena too small");
-  }
-  EchoConfig cfg;
-  cfg.capacity_bytes = capacity_bytes;
-  cfg.capacity_samples = 1;
-  cfg.memory = MemoryKind::kPageable;
-  auto region = EchoCache::create(cfg, "bench-balanced-copies");
-  auto* arena = static_cast<uint8_t*>(const_cast<void*>(region->arena_host()));
-  std::memset(arena, 0, capacity_bytes);
-  const size_t slots = capacity_bytes / extent;
-  const std::vector<uint8_t> pool = source_pool(sample_bytes);
-  const size_t pool_samples = pool.size() / sample_bytes;
-  const auto copies = static_cast<size_t>(std::llround(static_cast<double>(n_fresh) * echo_factor));
+  const CopyLimit L("bench_balanced_copies", sample_bytes, n_fresh, echo_factor, capacity_bytes,
+                    batch);
+  const size_t extent = L.extent, slots = L.slots, pool_samples = L.pool_samples, copies = L.copies;
+  uint8_t* const arena = L.arena;
+  const std::vector<uint8_t>& pool = L.pool;
   const size_t chunk = std::max<size_t>(1, (size_t{32} << 10) / sample_bytes);
   const size_t warm = std::min(std::max<size_t>(fill, 1), n_fresh);
   std::atomic<size_t> written{0}, next_out{0};
@@ -298,11 +309,7 @@ py::dict bench_balanced_copies(size_t sample_bytes, size_t n_fresh, double echo_
     out.join();
     seconds = std::chrono::duration<double>(Clock::now() - start).count();
   });
-  py::dict r;
-  r["seconds"] = seconds;
-  r["bytes"] = (n_fresh + copies) * sample_bytes;
-  r["sink"] = sink.load();
-  return r;
+  return L.result(seconds, n_fresh, sink.load());
 }
 
 }  // namespace
