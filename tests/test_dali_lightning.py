@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections import Counter
@@ -42,6 +41,7 @@ from pipeline_support.dali_lightning_program import (  # noqa: E402
     make_jpegs,
     trainer,
 )
+from pipeline_support.train_runs import run_own_group  # noqa: E402
 
 PROGRAM = Path(__file__).parent / "pipeline_support" / "dali_lightning_program.py"
 STEPS = 12  # 24 files, e = 2, batches of 4
@@ -158,16 +158,7 @@ def test_closing_the_pipeline_in_a_hook_leaves_fit_alone(data, where: str) -> No
 def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     """The program in its own process group, killed whole (Lightning's rank 1 too) on a hang."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    with subprocess.Popen([sys.executable, str(PROGRAM), *args], env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          start_new_session=True) as proc:  # fmt: skip
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            pytest.fail(f"hung for {timeout_s} s: {' '.join(args)}\n{out[-3000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, out)
+    return run_own_group([sys.executable, str(PROGRAM), *args], env, timeout_s, " ".join(args))
 
 
 @pytest.mark.slow

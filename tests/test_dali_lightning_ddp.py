@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -24,6 +22,7 @@ pytest.importorskip("lightning")
 pytestmark = [pytest.mark.dali, pytest.mark.slow, pytest.mark.distributed]
 
 from pipeline_support.dali_lightning_program import make_jpegs  # noqa: E402
+from pipeline_support.train_runs import run_own_group  # noqa: E402
 
 PROGRAM = Path(__file__).parent / "pipeline_support" / "dali_lightning_ddp_program.py"
 FILES, STEPS = 21, 6  # ceil(2 * 11 / 4)
@@ -44,16 +43,9 @@ def _fit(root: str, out: Path, iterator: str, timeout_s: float = 400) -> str:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in [python_dir, env.get("PYTHONPATH")] if p)
     args = [sys.executable, str(PROGRAM), root, str(out), iterator]
-    with subprocess.Popen(args, env=env, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, start_new_session=True) as proc:  # fmt: skip
-        try:
-            output, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            pytest.fail(f"the fit hung for {timeout_s} s ({iterator}):\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-3000:]
-    return output
+    done = run_own_group(args, env, timeout_s, f"the fit ({iterator})")
+    assert done.returncode == 0, done.stdout[-3000:]
+    return done.stdout
 
 
 @pytest.mark.parametrize("iterator", ["echo", "dali", "dali_size"])

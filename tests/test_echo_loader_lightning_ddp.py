@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -26,6 +24,7 @@ pytest.importorskip("lightning")
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 from pipeline_support.echo_loader_lightning_ddp_program import SEED, STOP, Ids  # noqa: E402
+from pipeline_support.train_runs import run_own_group  # noqa: E402
 
 PROGRAM = Path(__file__).parent / "pipeline_support" / "echo_loader_lightning_ddp_program.py"
 HANG_S = 300.0
@@ -39,15 +38,8 @@ def _fit(mode: str, out: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in [python_dir, env.get("PYTHONPATH")] if p)
     args = [sys.executable, str(PROGRAM), mode, str(out)]
-    with subprocess.Popen(args, env=env, text=True, stdout=subprocess.PIPE, cwd=out,
-                          stderr=subprocess.STDOUT, start_new_session=True) as proc:  # fmt: skip
-        try:
-            output, _ = proc.communicate(timeout=HANG_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            pytest.fail(f"the {mode} fit hung for {HANG_S} s:\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-3000:]
+    done = run_own_group(args, env, HANG_S, f"the {mode} fit", cwd=out)
+    assert done.returncode == 0, done.stdout[-3000:]
 
 
 def _share(rank: int, epoch: int) -> Counter[int]:

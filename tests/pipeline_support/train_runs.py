@@ -52,6 +52,25 @@ def torchrun_worker(worker: Path, out: Path, timeout: float) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
+def run_own_group(
+    args: list[str], env: dict[str, str], timeout_s: float, what: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Runs ``args`` in a process group of its own (a Lightning DDP program's other ranks too),
+    its stdout and stderr together; on a hang the whole group is killed and the test fails with
+    ``what`` and the output's end."""
+    import pytest
+
+    with subprocess.Popen(args, env=env, text=True, stdout=subprocess.PIPE, cwd=cwd,
+                          stderr=subprocess.STDOUT, start_new_session=True) as proc:  # fmt: skip
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"{what} hung for {timeout_s} s:\n{out[-3000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, out)
+
+
 def stop_when(cmd: list[str], ready: Callable[[str], bool]) -> tuple[int, str]:
     """Runs ``cmd`` and sends it SIGTERM once ``ready`` holds for its stderr so far (an event in
     the run's own words, not a time); its status and whole stderr. A run that never gets there
