@@ -150,17 +150,15 @@ def python_buffer(sample_bytes: int, n_fresh: int, buffer: int, e: float, batch:
 
 def api_path(sample_bytes: int, n_fresh: int, capacity: int, batch: int) -> tuple[float, int]:
     """Seconds and copies for the Python batch API: put_batch() thread, take_batch() consumer."""
+    slots = max(capacity // ((sample_bytes + 63) // 64 * 64), 1)
     cache = EchoCache(
-        capacity_bytes=capacity,
-        capacity_samples=max(capacity // ((sample_bytes + 63) // 64 * 64), 1),
-        echo_factor=2.0,
-        memory="pageable",
+        capacity_bytes=capacity, capacity_samples=slots, echo_factor=2.0, memory="pageable"
     )
     pool = source_pool(sample_bytes)
     # Fault the whole arena in, as a long-running job would have (the native driver does the
     # same): its samples fill it once, the pool's rows over and over.
-    for start in range(0, cache.stats().capacity_samples, len(pool)):
-        cache.put_batch(pool[: min(len(pool), cache.stats().capacity_samples - start)])
+    for start in range(0, slots, len(pool)):
+        cache.put_batch(pool[: min(len(pool), slots - start)])
     cache.end_of_input()
     while cache.take_batch(batch) is not None:
         pass
