@@ -458,6 +458,27 @@ def test_persistent_workers_survive_epochs_and_an_early_break() -> None:
     assert counts(EchoLoader(dl, 2.0)) == {i: 2 for i in range(96)}  # made anew when needed
 
 
+def test_waking_leaves_a_persistent_iterator_with_running_workers_alone() -> None:
+    # A wake message sent just after the reader left next() stays in the queue of an iterator
+    # the DataLoader keeps; arriving after the next iter()'s worker replies, it made that pass
+    # raise KeyError: None. Such an iterator is woken only once a worker died.
+    from echopipe.torch import workers
+
+    dl = loader(96, 8, persistent_workers=True)
+    it = iter(dl)
+    next(it)
+    woken = workers.wake(it)
+    assert len(list(it)) == 11  # the rest of the pass, nothing in its queue but results
+    assert woken is False
+    it = iter(dl)  # the kept iterator, reset
+    next(it)
+    for w in it._workers:
+        w.terminate()
+        w.join(10)
+    assert workers.wake(it) is True  # its workers died: the reader must not wait 5 s
+    dl._iterator._shutdown_workers()
+
+
 def test_a_state_taken_after_an_epoch_left_early_says_what_it_leaves_out() -> None:
     el = EchoLoader(loader(64, 8, workers=0), 2.0)
     try:

@@ -20,7 +20,7 @@ import torch
 from ..echo import CacheClosedError
 from . import batch_layout as bl
 from . import order, workers, wrapped
-from .workers import release_iterator, wake
+from .workers import release_iterator
 
 if TYPE_CHECKING:
     from .loader import EchoLoader
@@ -334,8 +334,6 @@ class Producer(threading.Thread):
         if self.is_alive() and threading.current_thread() is not self:
             with self.wake_lock:
                 waiting_in = self.waiting_in
-            if waiting_in is not None:
-                wake(waiting_in)
             workers.join_waking(self, waiting_in, self.source, timeout)
             if self.is_alive():
                 warnings.warn(

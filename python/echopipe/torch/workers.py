@@ -28,7 +28,7 @@ _DEEP_AFTER_S = 0.1  # then it also scans for a generator's hidden DataLoader it
 _SEARCH_DEPTH = 4  # generators within generators, objects within their frames' locals
 
 
-def wake(it: Any) -> None:
+def wake(it: Any) -> bool:
     """Ends the wait of a reader inside ``next()`` of a ``DataLoader``'s multi-process iterator.
 
     That iterator waits for its workers in slices of 5 s and checks them between slices, so a
@@ -36,19 +36,29 @@ def wake(it: Any) -> None:
     program for up to 5 s. A message ends the slice at once: ``(None, None)``, which torch's own
     shutdown sends to wake its pin-memory thread. It is no task's result, so the iterator raises
     and the reader, told to stop, ends and ends the workers; a persistent iterator drops the
-    message at its next ``iter()``, as it drops the other results of a pass left early.
+    message at its next ``iter()``, as it drops the other results of a pass left early, but
+    only when it arrives before the workers' replies to that ``iter()``: a message sent just
+    after the reader returned from ``next()`` (it was waiting when shutdown looked) can arrive
+    after them, and the next pass raises ``KeyError: None`` at its first batch (3 of 300
+    early-ended passes with another thread holding the GIL). So an iterator that keeps its
+    workers between passes is woken only once one of them died (:func:`join_waking`): while
+    they run, its ``next()`` returns when the batch in progress is done, as its ``iter()``
+    would wait for that batch anyway. Returns whether the message was sent.
     """
+    if getattr(it, "_persistent_workers", False) and not workers_died(it):
+        return False
     data_queue = getattr(it, "_data_queue", None)
     put = getattr(data_queue, "put", None)
     if not callable(put) or not callable(getattr(it, "_shutdown_workers", None)):
-        return  # not a multi-process DataLoader iterator: shutdown() waits as before
+        return False  # not a multi-process DataLoader iterator: shutdown() waits as before
     try:
         put((None, None))
         cancel = getattr(data_queue, "cancel_join_thread", None)
         if callable(cancel):
             cancel()  # its feeder thread must not hold up the interpreter's exit
     except (ValueError, OSError):
-        pass  # closed: the iterator has already been shut down
+        return False  # closed: the iterator has already been shut down
+    return True
 
 
 def is_loader_iterator(obj: Any) -> bool:
@@ -185,13 +195,17 @@ def lightning_reset(loader: Any, value: Any) -> None:
 
 
 def join_waking(thread: threading.Thread, waiting_in: Any, source: Any, timeout: float) -> None:
-    """Joins the reader ``thread``, which waits in ``waiting_in`` (or in nothing: ``None``). A
-    ``DataLoader`` iterator that the wrapped loader's generator reads from (``wake`` reaches
-    only the one ``iter()`` gave) is woken once its workers died: it
+    """Joins the reader ``thread``, which waits in ``waiting_in`` (or in nothing: ``None``),
+    waking that wait (:func:`wake`). A ``DataLoader`` iterator that the wrapped loader's
+    generator reads from (``wake`` reaches only the one ``iter()`` gave), and a ``waiting_in``
+    that keeps its workers between passes, are woken once their workers died: it
     may be one the loader keeps for its life (timm's ``MultiEpochsDataLoader``), which a
     message would break while its workers run, but which cannot deliver once one died."""
+    woken = waiting_in is not None and wake(waiting_in)
     inner = inner_iterators(waiting_in, source) if waiting_in is not None else []
-    inner = [it for it in inner if it is not waiting_in]  # woken already
+    inner = [it for it in inner if it is not waiting_in]
+    if waiting_in is not None and not woken and is_loader_iterator(waiting_in):
+        inner.append(waiting_in)  # persistent: woken if a worker dies while the reader waits
     now = time.monotonic()
     deadline = now + timeout
     # still waiting after a first slice: look for an iterator on a generator's stack too
