@@ -465,6 +465,33 @@ def test_read_delay_is_counted_in_the_upstream_only(data: Path) -> None:
     assert pipe.stats().upstream_batches == 6
 
 
+def test_the_samples_put_while_auto_times_the_reader_are_echoed_from_the_start(
+    data: Path,
+) -> None:
+    """``--echo auto`` times the upstream while it fills the cache, and the samples it puts
+    then are the first steps' input. All put at e = 1, they were used up in as many steps as
+    upstream batches, each step then waiting for the reader; after the second upstream batch
+    they are put at the target of the estimate of the moment (here e_max: steps of 1 ns)."""
+    from echopipe.echo.controller import EchoController
+    from echopipe.training.echo_start import prime_echo
+
+    pipe = imagenet_train_pipeline(
+        data, batch_size=4, image_size=SIZE, echo_factor=1.0, epochs=1, read_delay_ms=25.0,
+        num_threads=1, upstream_threads=1,
+    )  # fmt: skip
+    decisions: list[str] = []
+    factor = prime_echo(EchoController(e_max=3.0), pipe, 1e-9, decisions, timeout_s=60.0)
+    assert factor == 3.0 and decisions[0].startswith("echo: e = 3 from step 0"), decisions
+    deadline = time.monotonic() + 60
+    while pipe.stats().upstream_batches < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the epoch's 24 samples, 4 per upstream batch of 100 ms
+    stats = pipe.stats()
+    assert stats.fresh_in == 24 and stats.emitted == 0
+    # Batches 0 and 1 at e = 1 (8 tickets); each later one at 3: 8 + 16 * 3 = 56 without load.
+    assert stats.tickets_left >= 24 + 2 * 4, stats  # at least one batch at 3: all at 1 before
+    pipe.close()
+
+
 def test_read_delay_in_plain_and_decode_pipelines(data: Path) -> None:
     plain = imagenet_train_pipeline(
         data, batch_size=3, image_size=SIZE, echo_factor=None, read_delay_ms=2.0, num_threads=1

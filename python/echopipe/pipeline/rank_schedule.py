@@ -25,7 +25,7 @@ import torch
 from .modes import module_modes
 from .p2p import TAG_ACT, TAG_GRAD, TAG_TARGET, PeerLink
 from .ranks import StageTopology
-from .results import LossRecord
+from .results import LossRecord, refilled
 from .stage import StageCore, caller_autocast
 from .worker import PipelineError
 
@@ -157,12 +157,7 @@ class RankSchedule:
             link.send(grad_in, topology.prev, TAG_GRAD)
 
     def _check_unchanged(self, held: _Held) -> None:
-        for name, tensor, version in held.tensors:
-            if tensor._version != version:
-                raise PipelineError(
-                    0,
-                    f"rank {self.topology.rank}: the {name} of minibatch {held.index} was "
-                    "modified in place after train_step, before stage 0 finished with it (a "
-                    "reused buffer?): the pipeline reads it until that minibatch's backward, "
-                    "so feed a new tensor per minibatch (or a .clone())",
-                )
+        error = refilled(held.tensors, held.index, "stage 0 finished with it",
+                         "until that minibatch's backward")  # fmt: skip
+        if error is not None:
+            raise PipelineError(0, f"rank {self.topology.rank}: {error}")

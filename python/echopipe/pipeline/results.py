@@ -10,7 +10,7 @@ come as ``(N, 1)`` int32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ __all__ = [
     "checked_batch_size",
     "concat_outputs",
     "output_to_cpu",
+    "refilled",
     "unpack_batch",
 ]
 
@@ -147,6 +148,30 @@ def check_minibatch(x: object, target: object) -> None:
                 "torch.inference_mode()), which training cannot use: make it outside "
                 f"inference mode, or pass {name}.clone() made outside it"
             )
+
+
+def refilled(
+    tensors: Iterable[tuple[str, torch.Tensor | None, int | None]],
+    index: int,
+    before: str,
+    reads: str,
+) -> str | None:
+    """The error line for the first of ``(name, tensor, version at train_step)`` that was
+    modified in place since (its version counter moved), else ``None``.
+
+    ``train_step`` returns before the stages are done with ``x`` and the target: a caller that
+    refills one buffer per minibatch (as a plain loop may) would train on the next minibatch's
+    values. ``before`` and ``reads`` say when the engine asking reads it (the threaded engine:
+    when a stage takes the minibatch; the distributed one: until its backward on rank 0).
+    """
+    for name, tensor, version in tensors:
+        if tensor is not None and version is not None and tensor._version != version:
+            return (
+                f"the {name} of minibatch {index} was modified in place after train_step, "
+                f"before {before} (a reused buffer?): the pipeline reads it {reads}, so feed "
+                "a new tensor per minibatch (or a .clone())"
+            )
+    return None
 
 
 def checked_batch_size(batch_size: object) -> int:

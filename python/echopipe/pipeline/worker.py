@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .modes import ModeSnapshot
-from .results import LossRecord
+from .results import LossRecord, refilled
 from .stage import AutocastState, StageCore
 from .stream import BusyTimer, DeviceStream, KeepAlive, StreamEvent, transfer
 
@@ -76,18 +76,13 @@ class SchedulerStep:
 
 
 def _check_unchanged(stage: int, msg: Batch, last: bool) -> None:
-    # train_step returns before the stages read x and the target: a caller that refills one
-    # buffer per minibatch (as a plain loop may) would train on the next minibatch's values.
-    for name, tensor, version in (
-        ("input", msg.x if stage == 0 else None, msg.x_version),
-        ("target", msg.target if last else None, msg.target_version),
-    ):
-        if tensor is not None and version is not None and tensor._version != version:
-            raise RuntimeError(
-                f"the {name} of minibatch {msg.index} was modified in place after train_step, "
-                f"before stage {stage} read it (a reused buffer?): the pipeline reads it later, "
-                "so feed a new tensor per minibatch (or a .clone())"
-            )
+    error = refilled(
+        (("input", msg.x if stage == 0 else None, msg.x_version),
+         ("target", msg.target if last else None, msg.target_version)),
+        msg.index, f"stage {stage} read it", "later",
+    )  # fmt: skip
+    if error is not None:
+        raise RuntimeError(error)
 
 
 class _Stopped(Exception):

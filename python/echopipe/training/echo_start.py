@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..echo.controller import EchoController
+from ..echo.controller import EchoController, model_ratio
 from .decide import measure_step_seconds
 from .fill import FillReport
 from .progress import format_duration
@@ -25,17 +26,21 @@ __all__ = ["FILL_TIMEOUT_S", "fill_seconds_per_batch", "prime_echo"]
 FILL_TIMEOUT_S = 30.0  # how long the step-0 decision waits for the upstream's timed batches
 
 _FILL_BATCHES = 3  # timed upstream iterations after the first (which carries start-up costs)
-_POLL_S = 0.02
+_POLL_S = 0.005  # the samples put between a batch and the poll that sees it get the old factor
 _STALL_S = 1.0  # no upstream iteration for this long (or 5 of its iterations): it is blocked
 
 
 def fill_seconds_per_batch(
-    pipe: Any, timeout_s: float, report: FillReport | None = None
+    pipe: Any,
+    timeout_s: float,
+    report: FillReport | None = None,
+    on_estimate: Callable[[float], None] | None = None,
 ) -> float | None:
     """Starts ``pipe`` (an :class:`~echopipe.dali.EchoPipeline`) and returns its upstream
     seconds per downstream batch of fresh samples over a few iterations after the first, or
     ``None`` when the upstream did not run them within ``timeout_s`` (a full cache, a slow
-    reader) or ``pipe`` keeps no timers. ``report`` is told the samples read meanwhile."""
+    reader) or ``pipe`` keeps no timers. ``report`` is told the samples read meanwhile;
+    ``on_estimate`` gets each new estimate while the timing goes on."""
     from ..dali.base import per_batch_seconds  # DALI only once a pipeline exists
 
     if not hasattr(pipe, "upstream_time") or not hasattr(pipe, "start"):
@@ -48,7 +53,8 @@ def fill_seconds_per_batch(
     while True:
         batches, seconds = pipe.upstream_time()
         now = time.monotonic()
-        if batches != last:
+        new = batches != last
+        if new:
             last, moved = batches, now
         if first is None and batches >= 1:
             first = (batches, seconds)
@@ -64,6 +70,8 @@ def fill_seconds_per_batch(
             n, span = first
         # A cache too small for the fill stops the upstream early: use what it timed.
         stalled = n >= 1 and now - moved > max(_STALL_S, 5 * span / n)
+        if on_estimate is not None and new and n >= 1:
+            on_estimate(per_batch_seconds(n, span, pipe.batch_size, pipe.upstream_batch_size))
         if timed >= _FILL_BATCHES or stalled:
             return per_batch_seconds(n, span, pipe.batch_size, pipe.upstream_batch_size)
         if now >= deadline:
@@ -89,7 +97,27 @@ def prime_echo(
     the factor to start with (1 when either time is missing; the wait for ``t_up`` is
     ``timeout_s``, by default :data:`FILL_TIMEOUT_S`; ``report`` is told how it goes)."""
     timeout_s = FILL_TIMEOUT_S if timeout_s is None else timeout_s
-    t_up = fill_seconds_per_batch(pipe, timeout_s, report=report) if timeout_s > 0 else None
+    on_estimate: Callable[[float], None] | None = None
+    if timeout_s > 0 and t_down is not None and t_down > 0 and hasattr(pipe, "set_echo_factor"):
+        # Tickets are fixed when a sample is published, and the samples the fill publishes
+        # while it is timed are the first steps' input: all published at e = 1, they were used
+        # up in as many steps as upstream batches, and the stages then waited for the upstream
+        # at every step until the factor set after the timing had echoed enough
+        # (bench/wallclock_train.py: the first 10 steps took 1.76 s against 0.42 s at a fixed
+        # e = 6). So after the second upstream batch, the first one timed without start-up,
+        # they are published at the target of the timing's estimate of the moment. (Published
+        # at e_max before that, a fast upstream's first batches were echoed: 66 copies in the
+        # first epoch of the default run, whose factor is 1.)
+        def provisional(t_up: float) -> None:
+            pipe.set_echo_factor(controller.target(model_ratio(t_up, t_down)))
+
+        on_estimate = provisional
+
+    t_up = (
+        fill_seconds_per_batch(pipe, timeout_s, report=report, on_estimate=on_estimate)
+        if timeout_s > 0
+        else None
+    )
     if t_up is None or t_down is None or not math.isfinite(t_up) or t_down <= 0:
         decisions.append(
             "echo: starts at e = 1: no estimate of t_up before the first step (the upstream "
