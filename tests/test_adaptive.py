@@ -251,3 +251,13 @@ def test_the_fill_timing_does_not_wait_out_its_timeout_for_an_upstream_already_d
     t_up = fill_seconds_per_batch(_FinishedUpstream(), timeout_s=20.0)
     assert time.monotonic() - t0 < 5.0
     assert t_up == pytest.approx(0.032 / 16 * 16 / 4)
+
+
+def test_every_auto_controller_takes_the_same_warm_up() -> None:
+    """``EchoLoader(echo_factor="auto")`` used the class default of 3 warm-up observations where
+    ``echopipe train --echo auto`` used 1: its first decision came 4 batches later."""
+    from echopipe.echo.controller import AUTO_WARMUP
+    from echopipe.torch.arguments import check_echo
+
+    factor, controller = check_echo("auto", 8.0)
+    assert factor == 1.0 and controller is not None and controller.warmup == AUTO_WARMUP == 1

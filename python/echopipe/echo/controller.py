@@ -33,7 +33,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["AUTO_HEADROOM", "EchoChange", "EchoController", "model_ratio"]
+__all__ = ["AUTO_HEADROOM", "AUTO_WARMUP", "EchoChange", "EchoController", "model_ratio"]
 
 _RATIO_CAP = 1e9  # recorded instead of inf (checkpoints and JSON files hold finite numbers)
 
@@ -43,6 +43,14 @@ _RATIO_CAP = 1e9  # recorded instead of inf (checkpoints and JSON files hold fin
 #: pipeline's fill as step time); with that bias gone, ``e = 1.1 R`` reached the target later than
 #: ``e = 0.85 R`` at every target of bench/wallclock_train.py (docs/design.md, "`--echo auto`").
 AUTO_HEADROOM = 0.0
+
+#: ``warmup`` of every ``"auto"`` echo factor: one observation. Until the first decision the
+#: input runs at ``e = 1`` with the trainer waiting for each batch; the first reading carries
+#: start-up costs, the second is the trainer's own. ``EchoLoader`` used the class default of
+#: 3: its first decision came at batch 6 instead of 2, and a new loader's first epoch ran at
+#: 2,315 against 2,458 images/s (bench/echo_loader.py's slow reader, R = 4, median of 4
+#: alternating pairs, the later decision slower in each pair).
+AUTO_WARMUP = 1
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 
 from ..echo import config as echo_config
 from ..echo.config import FACTOR_AUTO, EchoConfig
-from ..echo.controller import AUTO_HEADROOM, EchoController
+from ..echo.controller import AUTO_HEADROOM, AUTO_WARMUP, EchoController
 
 __all__ = [
     "check_count", "check_deterministic", "check_device", "check_echo", "check_factor",
@@ -29,7 +29,7 @@ def check_echo(echo_factor: Any, echo_max: Any) -> tuple[float, EchoController |
     factor = EchoConfig.check_field("factor", echo_factor, "echo_factor")
     e_max = EchoConfig.check_field("factor_max", echo_max, "echo_max")
     if factor == FACTOR_AUTO:
-        return 1.0, EchoController(1.0, e_max=e_max, headroom=AUTO_HEADROOM)
+        return 1.0, EchoController(1.0, e_max=e_max, warmup=AUTO_WARMUP, headroom=AUTO_HEADROOM)
     return factor, None
 
 

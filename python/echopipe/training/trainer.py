@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..echo.controller import AUTO_HEADROOM, EchoController
+from ..echo.controller import AUTO_HEADROOM, AUTO_WARMUP, EchoController
 from .amp import AMP_DTYPES, Autocast, LossScaler, chain_hooks, scaler_note
 from .config import Interrupted, TrainConfig
 from .decide import choose_balance
@@ -258,11 +258,10 @@ class Trainer:
             # The controller acts on measured times, which differ from run to run.
             self.decisions.append("echo: e = 1 (--deterministic: no timing-based choice)")
         elif cfg.echo == "auto":
-            # Primed in setup (step 0); one warm-up observation: only the stages' first busy
-            # spans carry start-up costs. Readings scatter by ~20 % on a loaded machine: a
-            # slow average and a raise asked three times.
+            # Primed in setup (step 0). Readings scatter by ~20 % on a loaded machine: a slow
+            # average and a raise asked three times.
             kw = {"smoothing": 0.1, "raise_patience": 3, "headroom": AUTO_HEADROOM}
-            self.controller = EchoController(1.0, e_max=cfg.echo_max, warmup=1, **kw)
+            self.controller = EchoController(1.0, e_max=cfg.echo_max, warmup=AUTO_WARMUP, **kw)
         if saved and self.controller is not None:
             self.controller.load_state_dict(saved["controller"])
         factor = float(saved["input_factor"] if saved else 1.0 if cfg.echo == "auto" else cfg.echo)
