@@ -70,10 +70,11 @@ def fill_seconds_per_batch(
             n, span = first
         # A cache too small for the fill stops the upstream early: use what it timed.
         stalled = n >= 1 and now - moved > max(_STALL_S, 5 * span / n)
+        estimate = per_batch_seconds(n, span, pipe.batch_size, pipe.upstream_batch_size)
         if on_estimate is not None and new and n >= 1:
-            on_estimate(per_batch_seconds(n, span, pipe.batch_size, pipe.upstream_batch_size))
+            on_estimate(estimate)
         if timed >= _FILL_BATCHES or stalled:
-            return per_batch_seconds(n, span, pipe.batch_size, pipe.upstream_batch_size)
+            return estimate
         if now >= deadline:
             return None
         if report is not None:
@@ -98,16 +99,16 @@ def prime_echo(
     ``timeout_s``, by default :data:`FILL_TIMEOUT_S`; ``report`` is told how it goes)."""
     timeout_s = FILL_TIMEOUT_S if timeout_s is None else timeout_s
     on_estimate: Callable[[float], None] | None = None
-    if timeout_s > 0 and t_down is not None and t_down > 0 and hasattr(pipe, "set_echo_factor"):
+    if timeout_s > 0 and t_down is not None and t_down > 0:
         # Tickets are fixed when a sample is published, and the samples the fill publishes
         # while it is timed are the first steps' input: all published at e = 1, they were used
         # up in as many steps as upstream batches, and the stages then waited for the upstream
         # at every step until the factor set after the timing had echoed enough
-        # (bench/wallclock_train.py: the first 10 steps took 1.76 s against 0.42 s at a fixed
-        # e = 6). So after the second upstream batch, the first one timed without start-up,
-        # they are published at the target of the timing's estimate of the moment. (Published
-        # at e_max before that, a fast upstream's first batches were echoed: 66 copies in the
-        # first epoch of the default run, whose factor is 1.)
+        # (bench/wallclock_train.py: the first 10 steps took 1.76 s against 0.64 s at a fixed
+        # e = 6; 1.07 s now). So after the second upstream batch, the first one timed without
+        # start-up, they are published at the target of the timing's estimate of the moment.
+        # (Published at e_max before that, a fast upstream's first batches were echoed: 66
+        # copies in the first epoch of the default run, whose factor is 1.)
         def provisional(t_up: float) -> None:
             pipe.set_echo_factor(controller.target(model_ratio(t_up, t_down)))
 
