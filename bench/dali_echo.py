@@ -98,6 +98,34 @@ def _echo_rate(pipe: Any, *, warmup: int, seconds: float) -> tuple[float, dict[s
     return rate, info
 
 
+def figures_table(figures: dict[str, Any]) -> str:
+    """The run's rates as markdown: one line on the calibration, then a row per echo factor.
+
+    ``main`` prints it and ``readme_tables.py`` writes it into bench/README.md from the JSON,
+    so the table there is the one the run printed.
+    """
+    down, up = figures["downstream_alone_img_s"], figures["upstream_alone_img_s"]
+    line = (
+        f"Read delay {figures['read_delay_ms_per_sample']:.3f} ms/sample; downstream alone "
+        f"{down:,.0f} img/s (Python echo's {figures['python_echo_downstream_alone_img_s']:,.0f}), "
+        f"upstream alone {up:,.0f} img/s, R = t_up / t_down = {down / up:.2f}; plain DALI with "
+        f"the same reader {figures['plain_dali_img_s']:,.0f} img/s."
+    )
+    rows = [
+        [f"{r['echo_factor']:g}", f"{r['plain_dali_img_s']:,.0f}", f"{r['echopipe_img_s']:,.0f}",
+         f"{r['ideal_img_s']:,.0f}", f"{r['python_echo_img_s']:,.0f}",
+         f"{r['echopipe_vs_ideal']:.2f}", f"{r['echopipe_vs_python_echo']:.2f}",
+         f"{r['echopipe_vs_plain']:.2f}"]
+        for r in figures["rows"]
+    ]  # fmt: skip
+    table = bu.format_table(
+        ["e", "plain DALI", "echopipe", "ideal min(e*up, down)", "Python echo", "vs ideal",
+         "vs Python echo", "vs plain"],
+        rows,
+    )  # fmt: skip
+    return f"{line}\n\n{table}"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = bu.bench_parser("dali_echo", __doc__, "1.2 s per measurement, 1 repeat (< 40 s)")
     p.add_argument("--batch-size", type=int, default=64)
@@ -217,9 +245,6 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ratio = down_rate / up_rate
     peer_down = med["python_echo_downstream_alone"]
-    print(f"downstream alone {down_rate:.0f} img/s (Python echo: {peer_down:.0f}) | upstream "
-          f"alone {up_rate:.0f} img/s | R = t_up/t_down = {ratio:.2f} | plain DALI "
-          f"{plain_rate:.0f} img/s")  # fmt: skip
     rows = []
     for e in args.echo_factors:
         echo_rate, peer_rate = med[f"echopipe_e{e:g}"], med[f"python_echo_e{e:g}"]
@@ -239,15 +264,6 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
 
-    header = f"{'e':>4} {'plain DALI':>11} {'echopipe':>10} {'ideal':>10} {'python echo':>12}"
-    header += f" {'vs ideal':>9} {'vs python':>10}"
-    print(header)
-    for r in rows:
-        print(
-            f"{r['echo_factor']:>4g} {r['plain_dali_img_s']:>11.0f} {r['echopipe_img_s']:>10.0f}"
-            f" {r['ideal_img_s']:>10.0f} {r['python_echo_img_s']:>12.0f}"
-            f" {r['echopipe_vs_ideal']:>9.2f} {r['echopipe_vs_python_echo']:>10.2f}"
-        )
     min_ideal = min(r["echopipe_vs_ideal"] for r in rows)
     min_peer = min(r["echopipe_vs_python_echo"] for r in rows)
     worst_ideal = min(rows, key=lambda r: r["echopipe_vs_ideal"])["echo_factor"]
@@ -278,19 +294,21 @@ def main(argv: list[str] | None = None) -> int:
         **{f"e{r['echo_factor']:g}_vs_python_echo": r["echopipe_vs_python_echo"] for r in rows},
         **{f"e{r['echo_factor']:g}_vs_plain_dali": r["echopipe_vs_plain"] for r in rows},
     }
+    figures = {
+        "calibration_downstream_alone_img_s": down0,
+        "decode_alone_img_s": decode_rate,
+        "read_delay_ms_per_sample": delay_ms,
+        "downstream_alone_img_s": down_rate,
+        "python_echo_downstream_alone_img_s": peer_down,
+        "upstream_alone_img_s": up_rate,
+        "plain_dali_img_s": plain_rate,
+        "rows": rows,
+        "medians_img_s": med,
+        "all_repeats_img_s": samples,
+    }
+    print(figures_table(figures))
     run.finish(
-        figures={
-            "calibration_downstream_alone_img_s": down0,
-            "decode_alone_img_s": decode_rate,
-            "read_delay_ms_per_sample": delay_ms,
-            "downstream_alone_img_s": down_rate,
-            "python_echo_downstream_alone_img_s": peer_down,
-            "upstream_alone_img_s": up_rate,
-            "plain_dali_img_s": plain_rate,
-            "rows": rows,
-            "medians_img_s": med,
-            "all_repeats_img_s": samples,
-        },
+        figures=figures,
         ratios=ratios,
         claims=claims,
         config={

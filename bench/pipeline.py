@@ -376,6 +376,19 @@ def _median_rounds(fns: list[tuple[str, Any]], rounds: int, run: Any) -> list[di
     return rows
 
 
+def figures_table(figures: dict[str, Any]) -> str:
+    """Samples/s per configuration as markdown. ``main`` prints it and ``readme_tables.py``
+    writes it into bench/README.md from the JSON, so the table there is the one the run printed.
+    """
+    rows = [
+        [r["name"], r.get("balance"),
+         f"{r['samples_per_s']:,.0f}" if r["samples_per_s"] is not None else r.get("error"),
+         f"{r['x_1thread']:.2f}" if r.get("x_1thread") is not None else None]
+        for r in figures["rows"]
+    ]  # fmt: skip
+    return bu.format_table(["configuration", "balance", "samples/s", "x 1 thread"], rows)
+
+
 # Driver -----------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark, prints the table, writes ``pipeline.json``; 0 unless it errs."""
@@ -526,12 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         aim_claim("stale K=2 (threads) vs 1F1B K=2", "K2_over_1f1b", 1.2, "1F1B"),
     ]
     print()
-    print(
-        bu.format_table(
-            ["configuration", "samples/s", "x 1 thread"],
-            [[r["name"], r["samples_per_s"], r["x_1thread"]] for r in rows],
-        )
-    )
+    print(figures_table({"rows": rows}))
     print()
     print(bu.format_table(["ratio", "value"], list(ratios.items())))
     run.finish(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,25 @@ def test_a_changed_figure_is_caught(tmp_path: Path) -> None:
     stale = text.replace(section, section.replace("| met ", "| not met ", 1))
     assert stale != text
     assert readme_tables.splice(stale, section) != stale
+
+
+def test_bench_readme_figure_tables_are_rendered_from_the_json() -> None:
+    """bench/README's figure tables are the suites' own ``figures_table`` of the recorded JSON,
+    and a changed figure there is put back (so --check would fail on it)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import readme_tables
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    text = readme_tables.BENCH_README.read_text()
+    assert readme_tables.splice_figures(text) == text
+    for rel in readme_tables.FIGURES:
+        block = readme_tables.figures_block(rel)
+        assert block in text
+        data = json.loads((readme_tables.RESULTS / rel).read_text())
+        first = data["figures"]["rows"][0]
+        rate = first.get("echopipe_img_s") or first.get("samples_per_s")
+        assert f"{rate:,.0f}" in block
+    stale = text.replace("| 6 | ", "| 6 | 1", 1)
+    assert stale != text
+    assert readme_tables.splice_figures(stale) == text
