@@ -21,8 +21,11 @@ run is a separate ``echopipe train`` process; the study only chooses its flags a
   ``input_builds`` stays 1).
 * Resolution: the training set is small (40 images per class), so an epoch, the interval
   between two validations, is a few seconds of training even at ``e = 1``.
-* Time to target: training time (``train_s``: the epoch loops, input waits included; start-up
-  and validation excluded) until validation top-1 first reaches ``--target``. Validation runs
+* Time to target: training time (``train_s``: the epoch loops and every wait for input, the
+  waits before step 1 included, i.e. the fill of the shuffle buffer and ``auto``'s timings;
+  start-up and validation excluded) until validation top-1 first reaches ``--target``. Before
+  2026-12-04 the waits before step 1 were left out, which left out ``auto``'s longer fill (the
+  upstream work it had done before step 1) from its time. Validation runs
   once per epoch, so the time is interpolated linearly between the two validations around the
   crossing (the epoch-end time is recorded too). Mean and standard deviation over the seeds.
 

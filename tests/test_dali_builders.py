@@ -471,7 +471,8 @@ def test_the_samples_put_while_auto_times_the_reader_are_echoed_from_the_start(
     """``--echo auto`` times the upstream while it fills the cache, and the samples it puts
     then are the first steps' input. All put at e = 1, they were used up in as many steps as
     upstream batches, each step then waiting for the reader; after the second upstream batch
-    they are put at the target of the estimate of the moment (here e_max: steps of 1 ns)."""
+    they are put at the target of the estimate of the moment (here e_max: steps of 1 ns), and
+    the first factor's top-up gives the ones put before it its tickets too."""
     from echopipe.echo.controller import EchoController
     from echopipe.training.echo_start import prime_echo
 
@@ -487,8 +488,9 @@ def test_the_samples_put_while_auto_times_the_reader_are_echoed_from_the_start(
         time.sleep(0.01)  # the epoch's 24 samples, 4 per upstream batch of 100 ms
     stats = pipe.stats()
     assert stats.fresh_in == 24 and stats.emitted == 0
-    # Batches 0 and 1 at e = 1 (8 tickets); each later one at 3: 8 + 16 * 3 = 56 without load.
-    assert stats.tickets_left >= 24 + 2 * 4, stats  # at least one batch at 3: all at 1 before
+    # Each of the 24 at 3. Before: 24 (all at 1); then, put at the estimate after batch 1,
+    # 8 + 16 * 3 = 56 (batches 0 and 1 at 1).
+    assert stats.tickets_left == 24 * 3, stats
     pipe.close()
 
 

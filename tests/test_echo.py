@@ -775,3 +775,33 @@ def test_a_state_whose_open_unit_could_never_close_is_refused(mode: str) -> None
     with pytest.raises(echo.CacheStateError, match="corrupt"):
         target.load_state_dict(crafted)
     assert target.stats().resident == 0
+
+
+def test_top_up_gives_the_samples_in_the_cache_a_raised_factor() -> None:
+    """After the factor rose, the samples put at the lower one (held ones too) get its
+    tickets: each is emitted as often as the ones put after, with copy indices 0 .. e - 1."""
+    with EchoCache(capacity_bytes=1 << 20, capacity_samples=64, echo_factor=1.0) as cache:
+        for i in range(10):
+            cache.put(np.int64(i))
+        held = cache.take(3)
+        assert [s.tickets for s in held] == [1, 1, 1]
+        assert cache.top_up() == 0
+        cache.echo_factor = 3.0
+        assert cache.top_up() == 20  # 2 more for each of the 10
+        assert cache.top_up() == 0
+        assert [s.tickets for s in held] == [3, 3, 3]
+        copies = {int(s[0]): [s.emission] for s in held}
+        del held
+        cache.echo_factor = 2.0
+        assert cache.top_up() == 0  # never lowered
+        for i in range(10, 12):
+            cache.put(np.int64(i))
+        cache.end_of_input()
+        while got := cache.take(1, timeout=5):
+            for s in got:
+                copies.setdefault(int(s[0]), []).append(s.emission)
+        assert {k: sorted(v) for k, v in copies.items()} == {
+            **{k: [0, 1, 2] for k in range(10)},
+            10: [0, 1],
+            11: [0, 1],
+        }

@@ -766,3 +766,32 @@ def test_a_state_takes_every_buffer_the_loader_takes() -> None:
         state, version=ls.STATE_VERSION, counts=passes.COUNTS, auto=False, memory_bytes=1 << 40
     )
     assert clean["cache_config"]["capacity_samples"] == MAX_CAPACITY_SAMPLES
+
+
+def test_an_auto_rise_gives_the_samples_in_the_cache_its_tickets(monkeypatch) -> None:
+    """Tickets are fixed when a sample is put: without a top-up, the samples in the cache at
+    ``"auto"``'s first decision (the warm-up's, put at e = 1) were each used once, and the steps
+    after it waited for the reader. The controller decides e = 4 at its first observation here
+    (injected: what the loader does with a decision is under test, not the timing)."""
+    from echopipe.echo.controller import EchoController
+    from echopipe.torch import arguments
+
+    class DecidesFour(EchoController):
+        def observe(self, t_up: float, t_down: float, step: int, t_aug: float = 0.0) -> float:
+            self.factor = 4.0
+            return self.factor
+
+    monkeypatch.setattr(arguments, "EchoController", DecidesFour)
+    data = [(torch.arange(i * 8, i * 8 + 8),) for i in range(40)]  # 320 samples, batches of 8
+    with EchoLoader(data, "auto", shuffle_buffer=256, echo_max=4.0, seed=3) as el:
+        got: collections.Counter = collections.Counter()
+        for (ids,) in el:
+            got.update(ids.tolist())
+        history = el.stats().echo_history
+    assert history[:2] == [(0, 1.0), (1, 4.0)], history
+    assert sorted(got) == list(range(320))
+    assert set(got.values()) <= {1, 4}
+    once = sum(n == 1 for n in got.values())
+    # The batch drawn before the decision; a chunk being put at that moment may keep e = 1
+    # (EchoCache.top_up). Without the top-up: every sample the cache held then, about 250.
+    assert 8 <= once <= 8 + 64, once

@@ -929,3 +929,35 @@ def test_a_run_never_pipelined_says_so_from_its_start(tiny_imagenet: Path, tmp_p
         assert s.staleness == [0] * stages
         rows = json.loads((tmp_path / f"run{stages}" / "metrics.json").read_text())["epochs"]
         assert [r["pipelined"] for r in rows] == [False, False]
+
+
+def test_the_wait_for_the_first_steps_input_is_training_time(
+    tiny_imagenet: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fill before step 1 (and ``--echo auto``'s timings) is a wait for input, counted in
+    the first epoch's training time as later waits are. Uncounted, ``auto``'s longer fill was
+    upstream work that its time to a target left out (bench/wallclock_train.py). The fill is
+    made to read as 1000 s on the trainer's clock (an injected timing: nothing sleeps)."""
+    import types
+
+    from echopipe.training import TrainConfig, train
+    from echopipe.training import trainer as trainer_module
+
+    offset = [0.0]
+    real_fill = trainer_module.wait_for_fill
+
+    def fill(*args: Any, **kwargs: Any) -> None:
+        real_fill(*args, **kwargs)
+        offset[0] = 1000.0
+
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + offset[0])
+    monkeypatch.setattr(trainer_module, "wait_for_fill", fill)
+    monkeypatch.setattr(trainer_module, "time", clock)
+    out = tmp_path / "run"
+    cfg = TrainConfig(data=tiny_imagenet, image_size=32, batch_size=8, epochs=2, echo=2.0,
+                      warmup_epochs=0, stages=1, output=out, progress=False)  # fmt: skip
+    s = train(cfg, log=lambda m: None)
+    first, second = json.loads((out / "metrics.json").read_text())["epochs"]
+    assert 1000.0 <= first["train_s"] < s.wall_s, first  # (the wall clock read 1000 s on too)
+    assert first["epoch_img_per_s"] < 1.0, first  # the first epoch's rates are over it as well
+    assert 0 < second["train_s"] - first["train_s"] < 1000.0 and s.train_s == second["train_s"]

@@ -472,6 +472,10 @@ void bind_echo(py::module_& m) {
       .def_property("echo_factor", &EchoCache::echo_factor, &EchoCache::set_echo_factor,
                     "Current echo factor; setting it applies to units published afterwards.")
       .def(
+          "top_up", [](EchoCache& c) { return without_gil([&] { return c.top_up(); }); },
+          "Raises the tickets of the units in the cache to what the current factor gives; "
+          "returns the tickets added.")
+      .def(
           "put_raw",
           [](EchoCache& c, const std::vector<uintptr_t>& ptrs,
              const std::vector<std::string>& dtypes,

@@ -71,6 +71,12 @@ void EchoCache::set_echo_factor(double e) {
   impl_->echo_factor.store(e, std::memory_order_relaxed);
 }
 
+uint64_t EchoCache::top_up() {
+  check_process();
+  std::lock_guard<std::mutex> lk(impl_->alloc_mu);
+  return impl_->top_up_locked();
+}
+
 MemoryKind EchoCache::memory_kind() const { return impl_->arena.kind; }
 const void* EchoCache::arena_host() const { return impl_->arena.host; }
 const void* EchoCache::arena_device() const { return impl_->arena.device; }

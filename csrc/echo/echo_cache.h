@@ -481,6 +481,14 @@ class ECHOPIPE_API EchoCache : public std::enable_shared_from_this<EchoCache> {
   /// emitted exactly its ticket count. Throws std::invalid_argument naming the value unless
   /// 1 <= e <= kMaxEchoFactor and finite.
   void set_echo_factor(double e);
+  /// Gives every unit still in the cache (holding tickets or readers) the tickets the current
+  /// factor gives a unit published now, where that is more than it was given, and returns the
+  /// tickets added. After set_echo_factor() raised e, the samples published at the lower factor
+  /// are then echoed as often as the ones that follow them; units already retired are not
+  /// brought back. Takes the allocator's lock for one pass over the cache's slots (producers
+  /// wait meanwhile); draws go on. The factors an "auto" controller chooses use it, so that the
+  /// samples published before its first decision are not used once each.
+  uint64_t top_up();
   const std::string& name() const { return name_; }
   /// True in a process forked from the one that created this cache (fork_generation() moved on
   /// since). There every operation that reads or changes the cache throws CacheForkedError,

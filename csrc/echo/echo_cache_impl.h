@@ -221,7 +221,13 @@ struct CacheImpl {
   // race while the slot is being republished.
   struct UnitInfo {
     std::atomic<uint32_t> members{0};
+    // Tickets the unit was given: at its publication, raised by top_up_locked() (under
+    // alloc_mu, so never while the slot is republished).
     std::atomic<uint32_t> tickets_total{0};
+    // Copies drawn and not handed back: the next draw's emission index. Counted apart from
+    // tickets_total, which a top-up may raise between a draw's claim and its read.
+    std::atomic<uint32_t> drawn{0};
+    std::atomic<uint64_t> first_sample_id{0};  // what tickets_for() is keyed by
     std::atomic<uint64_t> last_emit{kNoEmit};  // emission position of the previous copy
     uint32_t retire_next = kNone;              // link in the retired stack
   };
@@ -343,6 +349,10 @@ struct CacheImpl {
   // tickets; the caller then adds them to `available` (and counted live_samples before).
   uint32_t make_drawable(uint32_t u, uint32_t members, uint64_t first_sample_id);
   void flush_open_locked();  // caller holds assembly_mu
+  // Raises every live unit's tickets to what the current factor gives it (tickets_for()), where
+  // that is more than it was given; returns the tickets added. Caller holds alloc_mu: a unit
+  // that retires meanwhile cannot be collected and republished before its total is raised.
+  uint64_t top_up_locked();
   void try_seal();
   // Draws one unit for a taker that already owns a ticket in `available`. Lock-free.
   // Reuse distances of one take, added to a stripe once per take instead of once per draw.

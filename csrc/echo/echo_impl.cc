@@ -275,6 +275,8 @@ uint32_t CacheImpl::make_drawable(uint32_t u, uint32_t members, uint64_t first_s
   UnitInfo& U = info[u];
   const uint32_t t = tickets_for(first_sample_id);
   U.tickets_total.store(t, std::memory_order_relaxed);
+  U.drawn.store(0, std::memory_order_relaxed);
+  U.first_sample_id.store(first_sample_id, std::memory_order_relaxed);
   U.members.store(members, std::memory_order_relaxed);
   U.last_emit.store(kNoEmit, std::memory_order_relaxed);
   // The slot is ours (reserved): nobody else writes its state word until it is published.
@@ -300,6 +302,40 @@ void CacheImpl::flush_open_locked() {
   open_unit = open_tail = kNone;
   open_count = 0;
   publish(u, k, slots[u].sample_id);
+}
+
+uint64_t CacheImpl::top_up_locked() {
+  uint64_t added = 0;
+  const uint32_t limit = high_water.load(std::memory_order_relaxed);
+  for (uint32_t u = 0; u < limit; ++u) {
+    // acquire: pairs with the publication's release store, as a draw's load does.
+    uint64_t s = state[u].load(std::memory_order_acquire);
+    if ((s & kLiveMask) == 0) continue;  // free, reserved, retired, or a batch unit's member
+    UnitInfo& U = info[u];
+    const uint32_t given = U.tickets_total.load(std::memory_order_relaxed);
+    const uint32_t want =
+        std::min(tickets_for(U.first_sample_id.load(std::memory_order_relaxed)), kMaxTickets);
+    if (want <= given) continue;
+    const uint32_t delta = want - given;
+    const uint32_t members = U.members.load(std::memory_order_relaxed);
+    // As return_ticket(): a unit whose last ticket was drawn (its readers still hold it) enters
+    // the index again, counted in live_samples before it becomes drawable.
+    while ((s & kLiveMask) != 0) {
+      const bool reenters = tickets_of(s) == 0;
+      if (reenters) live_samples.fetch_add(members, std::memory_order_seq_cst);
+      if (state[u].compare_exchange_weak(s, s + delta * kTicket, std::memory_order_acq_rel,
+                                         std::memory_order_acquire)) {
+        U.tickets_total.fetch_add(delta, std::memory_order_relaxed);
+        // Only now may takers claim them, as at a publication.
+        available.fetch_add(delta, std::memory_order_seq_cst);
+        added += delta;
+        break;
+      }
+      if (reenters) live_samples.fetch_sub(members, std::memory_order_seq_cst);
+    }
+  }
+  if (added > 0) notify_data_published();
+  return added;
 }
 
 void CacheImpl::try_seal() {
@@ -340,7 +376,7 @@ uint32_t CacheImpl::draw_one(uint64_t rnd, uint64_t pos, uint32_t* emission,
       if (state[p].compare_exchange_weak(s, s - kTicket + members, std::memory_order_acq_rel,
                                          std::memory_order_acquire)) {
         const uint32_t left = tickets_of(s) - 1;
-        *emission = info[p].tickets_total.load(std::memory_order_relaxed) - 1 - left;
+        *emission = info[p].drawn.fetch_add(1, std::memory_order_relaxed);
         if (left == 0) live_samples.fetch_sub(members, std::memory_order_seq_cst);
         const uint64_t prev = info[p].last_emit.exchange(pos, std::memory_order_relaxed);
         if (prev != kNoEmit && pos > prev) {
@@ -373,6 +409,7 @@ void CacheImpl::return_ticket(uint32_t u, uint32_t members) noexcept {
     // visible here through the caller's draw).
     if (state[u].compare_exchange_weak(s, s + kTicket - members, std::memory_order_acq_rel,
                                        std::memory_order_acquire)) {
+      info[u].drawn.fetch_sub(1, std::memory_order_relaxed);  // its index goes to the next draw
       return;
     }
     if (reenters) live_samples.fetch_sub(members, std::memory_order_seq_cst);

@@ -345,6 +345,8 @@ void EchoCache::restore_state(const uint8_t* data, size_t size) {
     const uint32_t u = place(unit);
     auto& U = I.info[u];
     U.tickets_total.store(unit.total, std::memory_order_relaxed);
+    U.drawn.store(unit.total - unit.left, std::memory_order_relaxed);
+    U.first_sample_id.store(unit.members.front().sample_id, std::memory_order_relaxed);
     U.members.store(static_cast<uint32_t>(unit.members.size()), std::memory_order_relaxed);
     U.last_emit.store(unit.last_emit, std::memory_order_relaxed);
     const uint64_t gen =

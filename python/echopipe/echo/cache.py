@@ -168,6 +168,17 @@ class EchoCache:
     def echo_factor(self, value: float) -> None:
         self._native.echo_factor = float(check_factor(value, "echo_factor"))
 
+    def top_up(self) -> int:
+        """Gives the samples in the cache the copies the current :attr:`echo_factor` gives a
+        sample put now, where that is more than they were given; returns the copies added.
+
+        After the factor rose, the samples put at the lower one would otherwise be used fewer
+        times than those after them (their tickets are fixed when they are put). Samples whose
+        copies were all drawn and released are gone and not brought back. An ``"auto"``
+        factor's rises call it (:class:`echopipe.torch.EchoLoader`, ``echopipe train``).
+        """
+        return int(self._native.top_up())
+
     @property
     def refused_sample(self) -> SampleTooLargeError | None:
         """The largest sample this cache refused as larger than its arena, as the typed error,

@@ -164,7 +164,8 @@ class EchoLoader(PassThrough):
     def set_echo_factor(self, value: float) -> None:
         """Changes ``e`` for samples read from now on; samples in the cache keep their tickets.
 
-        With ``echo_factor="auto"`` the controller may change it again later.
+        With ``echo_factor="auto"`` the controller may change it again later; its rises give the
+        samples in the cache the new tickets too (:meth:`echopipe.echo.EchoCache.top_up`).
         """
         e = arguments.check_factor(value)
         self._factor = e

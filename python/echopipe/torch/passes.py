@@ -201,8 +201,16 @@ def observe(loader: EchoLoader, producer: Producer, busy: float) -> None:
     # The first decision (after the controller's warm-up) applies at once: waiting for the
     # interval would run those batches at e = 1, the time "auto" loses most.
     first = len(loader._history) == 1
-    if loader._controller.factor != loader._factor and (first or step % loader._interval == 0):
-        loader.set_echo_factor(loader._controller.factor)
+    wanted = loader._controller.factor
+    if wanted != loader._factor and (first or step % loader._interval == 0):
+        rises = wanted > loader._factor
+        loader.set_echo_factor(wanted)
+        cache = loader._shared.cache
+        if rises and cache is not None:
+            # Tickets are fixed when a sample is put: the samples in the cache, put at the lower
+            # factor (at first the warm-up's, at e = 1), would be used fewer times than those
+            # after them, and the next steps would wait for the reader instead.
+            cache.top_up()
 
 
 def check_auto_alone(auto: bool) -> None:

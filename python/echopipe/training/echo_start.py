@@ -91,12 +91,34 @@ def prime_echo(
     decisions: list[str],
     timeout_s: float | None = None,
     report: FillReport | None = None,
+    agree: Callable[[float], float] | None = None,
 ) -> float:
     """The step-0 echo factor: ``controller.prime`` from the fill's ``t_up`` and ``t_down``
     (seconds per training step, timed before the fill started so the upstream thread did not
-    slow it; ``None`` when not measured); the decision is appended to ``decisions``. Returns
-    the factor to start with (1 when either time is missing; the wait for ``t_up`` is
-    ``timeout_s``, by default :data:`FILL_TIMEOUT_S`; ``report`` is told how it goes)."""
+    slow it; ``None`` when not measured); the decision is appended to ``decisions``. The factor
+    (1 when either time is missing; the wait for ``t_up`` is ``timeout_s``, by default
+    :data:`FILL_TIMEOUT_S`; ``report`` is told how it goes), passed through ``agree`` (the
+    ranks' broadcast; every rank calls it once), is set on ``pipe`` and returned.
+
+    The samples the fill put before it, at e = 1 or at an estimate's target, get its tickets
+    too (``EchoCache.top_up``): put at e = 1, the first upstream batches were used once each,
+    and the first steps waited for the reader twice (bench/wallclock_train.py)."""
+    factor = _first_factor(controller, pipe, t_down, decisions, timeout_s, report)
+    if agree is not None:
+        factor = agree(factor)
+    pipe.set_echo_factor(factor)
+    pipe.cache.top_up()
+    return factor
+
+
+def _first_factor(
+    controller: EchoController,
+    pipe: Any,
+    t_down: float | None,
+    decisions: list[str],
+    timeout_s: float | None,
+    report: FillReport | None,
+) -> float:
     timeout_s = FILL_TIMEOUT_S if timeout_s is None else timeout_s
     on_estimate: Callable[[float], None] | None = None
     if timeout_s > 0 and t_down is not None and t_down > 0:
@@ -105,8 +127,9 @@ def prime_echo(
         # up in as many steps as upstream batches, and the stages then waited for the upstream
         # at every step until the factor set after the timing had echoed enough
         # (bench/wallclock_train.py: the first 10 steps took 1.76 s against 0.64 s at a fixed
-        # e = 6; 1.07 s now). So after the second upstream batch, the first one timed without
-        # start-up, they are published at the target of the timing's estimate of the moment.
+        # e = 6; 1.07 s with this). So after the second upstream batch, the first one timed
+        # without start-up, they are published at the target of the timing's estimate of the
+        # moment; prime_echo's top-up then raises those put before it.
         # (Published at e_max before that, a fast upstream's first batches were echoed: 66
         # copies in the first epoch of the default run, whose factor is 1.)
         def provisional(t_up: float) -> None:
@@ -154,8 +177,8 @@ def start_factor(
     the input starts at it. ``report`` is told how the wait for ``t_up`` goes."""
     sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
     step_s = timings.get("step_s") or measure_step_seconds(model, sample, balance, devices)
-    factor = ctx.broadcast_object(
-        prime_echo(controller, data.pipe, step_s, decisions, report=report)
+    factor = prime_echo(
+        controller, data.pipe, step_s, decisions, report=report, agree=ctx.broadcast_object
     )
     data.set_factor(factor)
     return factor

@@ -38,10 +38,11 @@ class EpochLoop:
     input (``data``, with its checked validation files ``data_dir``), the stale pipeline and its
     ``model``, the epoch clock and LR schedule, the progress display and step log, the echo
     controller (None without ``--echo auto``), where to say things, the run's start time
-    ``wall0``, and the trainer's ``save`` (writes the checkpoint files; the loop drains the
-    pipeline first) and ``write_metrics`` (rewrites the run folder's metrics). What an epoch
-    counts is in the run state (a checkpoint holds it); the loop owns ``stopped``, the reason
-    the run stopped early.
+    ``wall0``, the seconds it waited for the first steps' input (``input_wait_s``: training
+    time of the first epoch), and the trainer's ``save`` (writes the checkpoint files; the loop
+    drains the pipeline first) and ``write_metrics`` (rewrites the run folder's metrics). What
+    an epoch counts is in the run state (a checkpoint holds it); the loop owns ``stopped``, the
+    reason the run stopped early.
     """
 
     def __init__(
@@ -63,6 +64,7 @@ class EpochLoop:
         wall0: float,
         save: Callable[..., None],
         write_metrics: Callable[[], None],
+        input_wait_s: float = 0.0,
     ) -> None:
         self.cfg = cfg
         self.ctx = ctx
@@ -86,6 +88,8 @@ class EpochLoop:
         # Since when training time goes uncounted (None outside the epoch's steps): counted into
         # the run state at each checkpoint's save (its drain included) and at the epoch's end.
         self._mark: float | None = None
+        # The wait for the first steps' input, before this loop (counted into the first epoch).
+        self._input_wait_s = input_wait_s
         self.epoch_times: list[float] = []
         self._val: list[Any] = []  # the validation iterator, built on first use
         # Whether the BatchNorm statistics are averaged over the replicas for the steps taken:
@@ -132,7 +136,8 @@ class EpochLoop:
         self.epoch_t0 = time.perf_counter() - st.epoch_wall_s  # (the earlier processes' part)
         self.last_loss = None
         fresh0 = st.epoch_fresh_start
-        self._mark = time.perf_counter()
+        self._mark = time.perf_counter() - self._input_wait_s
+        self._input_wait_s = 0.0
         while st.step_in_epoch < st.steps_per_epoch:
             if cfg.max_steps is not None and st.global_step >= cfg.max_steps:
                 self.stopped = f"--max-steps {cfg.max_steps} reached"

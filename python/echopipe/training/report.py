@@ -179,8 +179,9 @@ class TrainSummary:
     """What a finished run reports (also the ``summary`` block of ``metrics.json``).
 
     ``images_per_s`` counts delivered samples (fresh and echoed copies) and
-    ``fresh_images_per_s`` fresh ones, both over ``train_s``, the time the training steps took
-    (start-up and validation excluded). ``decisions`` says what ``auto`` options chose and why.
+    ``fresh_images_per_s`` fresh ones, both over ``train_s``, the time the training steps and
+    their waits for input took (the fill before step 1 included; start-up and validation
+    excluded). ``decisions`` says what ``auto`` options chose and why.
     ``left_out`` counts the files the data scans left out (``--on-corrupt skip``, links), each
     kind once per split, so that none is lost unsaid in a long log.
     """

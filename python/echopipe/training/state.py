@@ -36,8 +36,9 @@ class RunState:
         epoch_clock: the LR schedule's segments (see :class:`~.schedule.EpochClock`).
         checkpoints_written: checkpoint files written, over all resumes.
         wall_s: wall time of the earlier (resumed) runs.
-        train_s: time spent in training steps, without start-up, validation and checkpoints
-            (up to the last checkpoint or epoch end).
+        train_s: time spent in training steps and waiting for their input (the waits before
+            the first step included), without start-up, validation and checkpoints (up to the
+            last checkpoint or epoch end).
         samples_trained: samples delivered to the model (fresh and echoed).
         step_time_s, steps_timed: the trainer's compute time per step (``t_down``) sums.
         factors_used: echo factors in the order they were used.

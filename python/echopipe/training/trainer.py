@@ -156,6 +156,8 @@ class Trainer:
         factor = self._build_input(devices)
         model = self._model()
         timings: dict[str, float] = {}
+        # Waits for the first steps' input (auto's timings, the fill), counted as later ones are.
+        input_wait_s = 0.0
         if saved:
             balance = list(saved["pipeline"]["balance"])
         else:
@@ -167,8 +169,10 @@ class Trainer:
                 self._open.append(_Restore(lambda: torch.set_num_threads(threads)))
             if self.controller is not None:  # --echo auto's step-0 decision
                 report = fill_report(cfg, ctx, self.say)
+                t0 = time.perf_counter()
                 factor = start_factor(cfg, ctx, self.controller, self.data, model, balance,
                                       devices, timings, self.decisions, report)  # fmt: skip
+                input_wait_s = time.perf_counter() - t0
         devices = [devices[i % len(devices)] for i in range(len(balance))]
         ctx.make_stage_groups(len(balance))
         if saved:
@@ -191,7 +195,9 @@ class Trainer:
         self._build_pipeline(model, balance, devices)
         self._announce(factor, balance, devices, notes)
         self.configured = True
+        t0 = time.perf_counter()
         wait_for_fill(self.data.pipe, fill_report(cfg, ctx, self.say))  # said, not silent
+        input_wait_s += time.perf_counter() - t0
         return EpochLoop(
             cfg=cfg,
             ctx=ctx,
@@ -207,6 +213,7 @@ class Trainer:
             controller=self.controller,
             say=self.say,
             wall0=self.wall0,
+            input_wait_s=input_wait_s,
             save=self.save_checkpoint,
             write_metrics=self._write_metrics,
         )
