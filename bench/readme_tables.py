@@ -47,7 +47,11 @@ ORDER = (
     "staleness_resnet_val/staleness_remedies.json",
 )
 # Suites whose figure tables bench/README.md shows, by the module that renders them.
-FIGURES = {"dali_echo.json": "dali_echo", "pipeline.json": "pipeline"}
+FIGURES = {
+    "dali_echo.json": "dali_echo",
+    "pipeline.json": "pipeline",
+    "wallclock_train.json": "wallclock_train",
+}
 # Suites with many paired comparisons: the README gives their tally, bench/README the rows.
 TALLIED = {"convergence.json"}
 
@@ -159,7 +163,7 @@ def figures_block(rel: str) -> str:
     heading = _heading(rel, data).replace("](bench/results/", "](results/", 1)
     claims = [
         f"* {c['claim']}: aim {c['aim']}, measured {_measured(c['measured'])}: "
-        f"**{verdict(c['met'])}** ({c['reason']})."
+        f"**{verdict(c['met'])}**" + (f" ({c['reason']})." if c["reason"] else ".")
         for c in data.get("claims", [])
     ]
     body = "\n\n".join([heading, table, "\n".join(claims)])

@@ -52,7 +52,8 @@ def test_bench_readme_figure_tables_are_rendered_from_the_json() -> None:
         data = json.loads((readme_tables.RESULTS / rel).read_text())
         first = data["figures"]["rows"][0]
         rate = first.get("echopipe_img_s") or first.get("samples_per_s")
-        assert f"{rate:,.0f}" in block
+        if rate is not None:  # wallclock_train's rows are times, formatted with their spread
+            assert f"{rate:,.0f}" in block
     stale = text.replace("| 6 | ", "| 6 | 1", 1)
     assert stale != text
     assert readme_tables.splice_figures(stale) == text
