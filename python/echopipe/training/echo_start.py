@@ -94,8 +94,8 @@ def prime_echo(
     agree: Callable[[float], float] | None = None,
 ) -> float:
     """The step-0 echo factor: ``controller.prime`` from the fill's ``t_up`` and ``t_down``
-    (seconds per training step, timed before the fill started so the upstream thread did not
-    slow it; ``None`` when not measured); the decision is appended to ``decisions``. The factor
+    (seconds per training step, timed while the upstream reads, as the steps will run; ``None``
+    when not measured); the decision is appended to ``decisions``. The factor
     (1 when either time is missing; the wait for ``t_up`` is ``timeout_s``, by default
     :data:`FILL_TIMEOUT_S`; ``report`` is told how it goes), passed through ``agree`` (the
     ranks' broadcast; every rank calls it once), is set on ``pipe`` and returned.
@@ -176,7 +176,13 @@ def start_factor(
     over the stage trial's step time (measured on ``balance`` when the trial did not run);
     the input starts at it. ``report`` is told how the wait for ``t_up`` goes."""
     sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
-    step_s = timings.get("step_s") or measure_step_seconds(model, sample, balance, devices)
+    step_s = timings.get("step_s")
+    if step_s is None:
+        # The reader goes on while the step is timed: started after the trial, it stood still
+        # for the trial's length, and with the upstream the slower side that was time the run
+        # lost (what it reads meanwhile is the first steps' input: prime_echo tops it up).
+        data.pipe.start()
+        step_s = measure_step_seconds(model, sample, balance, devices)
     factor = prime_echo(
         controller, data.pipe, step_s, decisions, report=report, agree=ctx.broadcast_object
     )
