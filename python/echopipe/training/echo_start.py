@@ -177,7 +177,7 @@ def start_factor(
     the input starts at it. ``report`` is told how the wait for ``t_up`` goes."""
     sample = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
     step_s = timings.get("step_s")
-    if step_s is None:
+    if not step_s:
         # The reader goes on while the step is timed: started after the trial, it stood still
         # for the trial's length, and with the upstream the slower side that was time the run
         # lost (what it reads meanwhile is the first steps' input: prime_echo tops it up).
