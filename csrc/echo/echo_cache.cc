@@ -73,8 +73,15 @@ void EchoCache::set_echo_factor(double e) {
 
 uint64_t EchoCache::top_up() {
   check_process();
-  std::lock_guard<std::mutex> lk(impl_->alloc_mu);
-  return impl_->top_up_locked();
+  Impl& I = *impl_;
+  // A publisher reads `top_ups`, publishes (its state store, then an RMW on `available`) and
+  // reads `top_ups` again. RMWs on one atomic are totally ordered: if the publisher's comes
+  // first, this one synchronises with it and the scan sees the unit; if this one comes first,
+  // the count moved before it and the publisher sees that and tops its units up itself.
+  I.top_ups.fetch_add(1, std::memory_order_seq_cst);
+  I.available.fetch_add(0, std::memory_order_seq_cst);
+  std::lock_guard<std::mutex> lk(I.alloc_mu);
+  return I.top_up_locked();
 }
 
 MemoryKind EchoCache::memory_kind() const { return impl_->arena.kind; }
@@ -228,6 +235,7 @@ PutStatus EchoCache::commit_slot(uint32_t s) {
 
 void EchoCache::commit_slots_example(const uint32_t* chunk, size_t n) {
   Impl& I = *impl_;
+  const uint64_t ups = I.top_ups.load(std::memory_order_acquire);  // as in publish()
   const uint64_t first_id = I.next_sample_id.fetch_add(n, std::memory_order_relaxed);
   // As in publish(), but each counter that consumers share changes once per chunk: the samples
   // are counted before any becomes drawable, the tickets after all are.
@@ -245,6 +253,7 @@ void EchoCache::commit_slots_example(const uint32_t* chunk, size_t n) {
   }
   I.fresh_in.fetch_add(n, std::memory_order_relaxed);
   I.available.fetch_add(tickets, std::memory_order_seq_cst);
+  I.top_up_published(ups, chunk, n);
   I.notify_data_published();
   if (I.pending.fetch_sub(static_cast<int64_t>(n), std::memory_order_seq_cst) ==
           static_cast<int64_t>(n) &&

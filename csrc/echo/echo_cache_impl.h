@@ -268,6 +268,10 @@ struct CacheImpl {
   uint64_t seed = 0;                     // replaced by restore_state
 
   // Allocator (alloc_mu). The counters share the lock's cache line: taking it brings them along.
+  // Top-ups begun (EchoCache::top_up). A publisher compares it before and after it publishes:
+  // with the top-up's RMW on `available`, either the scan sees its units or it sees the count
+  // move (see EchoCache::top_up).
+  alignas(64) std::atomic<uint64_t> top_ups{0};
   alignas(64) mutable std::mutex alloc_mu;
   std::atomic<uint64_t> resident{0};
   std::atomic<uint64_t> bytes_used{0};
@@ -353,6 +357,11 @@ struct CacheImpl {
   // that is more than it was given; returns the tickets added. Caller holds alloc_mu: a unit
   // that retires meanwhile cannot be collected and republished before its total is raised.
   uint64_t top_up_locked();
+  // The same for unit u alone (0 unless it is live and was given fewer).
+  uint32_t top_up_unit_locked(uint32_t u);
+  // A publisher's part of a top-up that ran while it published (`ups`: top_ups read before
+  // its units' tickets): the scan may have passed them, so it raises them itself.
+  void top_up_published(uint64_t ups, const uint32_t* units, size_t n);
   void try_seal();
   // Draws one unit for a taker that already owns a ticket in `available`. Lock-free.
   // Reuse distances of one take, added to a stripe once per take instead of once per draw.

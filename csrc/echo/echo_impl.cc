@@ -287,12 +287,27 @@ uint32_t CacheImpl::make_drawable(uint32_t u, uint32_t members, uint64_t first_s
 }
 
 void CacheImpl::publish(uint32_t u, uint32_t members, uint64_t first_sample_id) {
+  // acquire: a top-up counted here set its factor before (make_drawable reads it).
+  const uint64_t ups = top_ups.load(std::memory_order_acquire);
   // Counted before the unit becomes drawable, so a draw of its last ticket never sees it negative.
   live_samples.fetch_add(members, std::memory_order_seq_cst);
   const uint32_t t = make_drawable(u, members, first_sample_id);
   // Only now may takers claim the tickets: a claimed ticket always has a unit to draw it from.
   available.fetch_add(t, std::memory_order_seq_cst);
+  top_up_published(ups, &u, 1);
   notify_data_published();
+}
+
+void CacheImpl::top_up_published(uint64_t ups, const uint32_t* units, size_t n) {
+  // After this publisher's RMW on `available`: a top-up whose own RMW came later sees the units
+  // in its scan; one whose RMW came earlier has its count visible here.
+  if (top_ups.load(std::memory_order_relaxed) == ups) return;
+  uint64_t added = 0;
+  {
+    std::lock_guard<std::mutex> lk(alloc_mu);
+    for (size_t i = 0; i < n; ++i) added += top_up_unit_locked(units[i]);
+  }
+  if (added > 0) notify_data_published();
 }
 
 void CacheImpl::flush_open_locked() {
@@ -307,35 +322,37 @@ void CacheImpl::flush_open_locked() {
 uint64_t CacheImpl::top_up_locked() {
   uint64_t added = 0;
   const uint32_t limit = high_water.load(std::memory_order_relaxed);
-  for (uint32_t u = 0; u < limit; ++u) {
-    // acquire: pairs with the publication's release store, as a draw's load does.
-    uint64_t s = state[u].load(std::memory_order_acquire);
-    if ((s & kLiveMask) == 0) continue;  // free, reserved, retired, or a batch unit's member
-    UnitInfo& U = info[u];
-    const uint32_t given = U.tickets_total.load(std::memory_order_relaxed);
-    const uint32_t want =
-        std::min(tickets_for(U.first_sample_id.load(std::memory_order_relaxed)), kMaxTickets);
-    if (want <= given) continue;
-    const uint32_t delta = want - given;
-    const uint32_t members = U.members.load(std::memory_order_relaxed);
-    // As return_ticket(): a unit whose last ticket was drawn (its readers still hold it) enters
-    // the index again, counted in live_samples before it becomes drawable.
-    while ((s & kLiveMask) != 0) {
-      const bool reenters = tickets_of(s) == 0;
-      if (reenters) live_samples.fetch_add(members, std::memory_order_seq_cst);
-      if (state[u].compare_exchange_weak(s, s + delta * kTicket, std::memory_order_acq_rel,
-                                         std::memory_order_acquire)) {
-        U.tickets_total.fetch_add(delta, std::memory_order_relaxed);
-        // Only now may takers claim them, as at a publication.
-        available.fetch_add(delta, std::memory_order_seq_cst);
-        added += delta;
-        break;
-      }
-      if (reenters) live_samples.fetch_sub(members, std::memory_order_seq_cst);
-    }
-  }
+  for (uint32_t u = 0; u < limit; ++u) added += top_up_unit_locked(u);
   if (added > 0) notify_data_published();
   return added;
+}
+
+uint32_t CacheImpl::top_up_unit_locked(uint32_t u) {
+  // acquire: pairs with the publication's release store, as a draw's load does.
+  uint64_t s = state[u].load(std::memory_order_acquire);
+  if ((s & kLiveMask) == 0) return 0;  // free, reserved, retired, or a batch unit's member
+  UnitInfo& U = info[u];
+  const uint32_t given = U.tickets_total.load(std::memory_order_relaxed);
+  const uint32_t want =
+      std::min(tickets_for(U.first_sample_id.load(std::memory_order_relaxed)), kMaxTickets);
+  if (want <= given) return 0;
+  const uint32_t delta = want - given;
+  const uint32_t members = U.members.load(std::memory_order_relaxed);
+  // As return_ticket(): a unit whose last ticket was drawn (its readers still hold it) enters
+  // the index again, counted in live_samples before it becomes drawable.
+  while ((s & kLiveMask) != 0) {
+    const bool reenters = tickets_of(s) == 0;
+    if (reenters) live_samples.fetch_add(members, std::memory_order_seq_cst);
+    if (state[u].compare_exchange_weak(s, s + delta * kTicket, std::memory_order_acq_rel,
+                                       std::memory_order_acquire)) {
+      U.tickets_total.fetch_add(delta, std::memory_order_relaxed);
+      // Only now may takers claim them, as at a publication.
+      available.fetch_add(delta, std::memory_order_seq_cst);
+      return delta;
+    }
+    if (reenters) live_samples.fetch_sub(members, std::memory_order_seq_cst);
+  }
+  return 0;
 }
 
 void CacheImpl::try_seal() {
@@ -401,6 +418,9 @@ void CacheImpl::return_ticket(uint32_t u, uint32_t members) noexcept {
   // tickets) race with this, so the word's readers never drop below what is subtracted. A unit
   // whose last ticket was drawn re-enters the index: counted in live_samples before it becomes
   // drawable, as publish() does, and uncounted again if a draw changed the word meanwhile.
+  // Its copy index goes to the next draw. Given back before the ticket: a draw of the returned
+  // ticket then counts from below it, and drawn stays below the unit's tickets.
+  info[u].drawn.fetch_sub(1, std::memory_order_relaxed);
   uint64_t s = state[u].load(std::memory_order_acquire);
   for (;;) {
     const bool reenters = tickets_of(s) == 0;
@@ -409,7 +429,6 @@ void CacheImpl::return_ticket(uint32_t u, uint32_t members) noexcept {
     // visible here through the caller's draw).
     if (state[u].compare_exchange_weak(s, s + kTicket - members, std::memory_order_acq_rel,
                                        std::memory_order_acquire)) {
-      info[u].drawn.fetch_sub(1, std::memory_order_relaxed);  // its index goes to the next draw
       return;
     }
     if (reenters) live_samples.fetch_sub(members, std::memory_order_seq_cst);

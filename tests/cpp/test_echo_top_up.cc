@@ -199,6 +199,59 @@ void test_top_up_stress(EchoMode mode) {
   CHECK(st.retired == n && st.resident == 0);
 }
 
+// Producers put while another thread raises the factor and tops up, with no take meanwhile, so
+// every sample is in the cache at the top-up: each must end with the raised factor's tickets
+// (put() publishes one unit at a time, put_rows() a chunk). One way to miss is a publisher that
+// read the old factor and stored its unit after the scan had passed its slot; it now tops its
+// units up itself when a top-up began meanwhile. That window is a few instructions wide: with
+// the publisher's own top-up removed, 10 runs of this test all passed, so it does not show that
+// case, only that nothing else leaves a sample at the old factor.
+void test_top_up_races_with_publication(bool rows) {
+  const int rounds = 300;
+  uint64_t wrong = 0;
+  for (int round = 0; round < rounds; ++round) {
+    EchoConfig cfg = config(1.0, EchoMode::kExample);
+    cfg.min_fill = 0;
+    auto c = EchoCache::create(cfg);
+    const uint64_t n = 256;
+    std::atomic<uint64_t> next{0};
+    std::atomic<bool> go{false};
+    std::vector<std::thread> producers;
+    for (int p = 0; p < 2; ++p) {
+      producers.emplace_back([&] {
+        while (!go.load()) {
+        }
+        for (uint64_t k; (k = next.fetch_add(8)) < n;) {
+          uint64_t keys[8];
+          for (uint64_t i = 0; i < 8; ++i) keys[i] = k + i;
+          if (rows) {
+            const void* ptr = keys;
+            size_t done = 0;
+            CHECK(c->put_rows(int64_desc(1), &ptr, 8, -1, &done) == PutStatus::kOk && done == 8);
+          } else {
+            for (uint64_t i = 0; i < 8; ++i) {
+              const void* ptr = &keys[i];
+              CHECK(c->put(int64_desc(1), &ptr, -1) == PutStatus::kOk);
+            }
+          }
+        }
+      });
+    }
+    go.store(true);
+    while (next.load() < n / 2) {
+    }
+    c->set_echo_factor(2.0);
+    c->top_up();
+    for (auto& t : producers) t.join();
+    c->end_of_input();
+    Seen seen(n);
+    drain(*c, seen, 16);
+    for (uint64_t k = 0; k < n; ++k) wrong += seen.copies[k] != 2 || seen.indices[k] != 3;
+  }
+  CHECK(wrong == 0);
+  if (wrong) std::fprintf(stderr, "%llu samples kept the old factor\n", (unsigned long long)wrong);
+}
+
 }  // namespace
 
 int main() {
@@ -207,6 +260,8 @@ int main() {
   test_retired_units_stay_retired();
   test_top_up_stress(EchoMode::kExample);
   test_top_up_stress(EchoMode::kBatch);
+  test_top_up_races_with_publication(false);
+  test_top_up_races_with_publication(true);
   if (g_failures) {
     std::fprintf(stderr, "%d check(s) failed\n", g_failures);
     return 1;
