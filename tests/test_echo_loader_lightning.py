@@ -3,13 +3,10 @@ the epoch length and runs exactly that many steps per epoch, each sample e times
 
 from __future__ import annotations
 
-import atexit
 import collections
 import json
 import math
-import multiprocessing
 import os
-import sys
 import warnings
 
 import lightning  # in the test extra: a missing Lightning fails here rather than skipping
@@ -99,26 +96,6 @@ def test_trainer_fit_knows_the_epoch_length_and_runs_it_exactly(echo_factor, wor
     module.loader.close()
 
 
-# A ddp_spawn rank whose fit has finished ends at interpreter exit, where torch's Gloo threads
-# were once destroyed still joinable ("terminate called without an active exception", SIGABRT,
-# after all of the rank's work; pytorch/pytorch#190489, as in tests/pyex_ddp_program.py), and
-# the parent's join failed the test. Such a rank leaves at the start of its exit instead: what
-# the test reads is written in on_train_end, and rank 0's results went back before. A rank that
-# did not finish (an error) exits as usual.
-_FIT_DONE = False
-
-
-def _leave_after_fit() -> None:
-    if _FIT_DONE:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-if multiprocessing.parent_process() is not None:  # only in a spawned rank
-    atexit.register(_leave_after_fit)
-
-
 class Sharded(Module):
     """Under DDP: the DistributedSampler built in train_dataloader (or not), counts to a file."""
 
@@ -132,12 +109,10 @@ class Sharded(Module):
         return super().train_dataloader()
 
     def on_train_end(self) -> None:
-        global _FIT_DONE
         with open(f"{self.out}.{self.global_rank}", "w") as f:
             json.dump([self.lengths, [self.steps[e] for e in (0, 1)],
                        [sorted(self.seen[e]) for e in (0, 1)],
                        [sum(self.seen[e].values()) for e in (0, 1)]], f)  # fmt: skip
-        _FIT_DONE = True
 
 
 @pytest.mark.slow
@@ -155,7 +130,18 @@ def test_ddp_needs_the_sampler_in_the_wrapped_loader_and_says_so(tmp_path, build
             trainer.fit(Sharded(out, build_sampler))
         assert "sampler=DistributedSampler(dataset)" in str(info.value)
         return
-    trainer.fit(Sharded(out, build_sampler))
+    try:
+        trainer.fit(Sharded(out, build_sampler))
+    except torch.multiprocessing.ProcessExitedException as exc:
+        # In 2 of 3 full local CI runs one rank aborted after all its work ("`Trainer.fit`
+        # stopped", then "terminate called without an active exception", SIGABRT): the torch
+        # Gloo teardown that tests/pyex_ddp_program.py leaves before (pytorch/pytorch#190489),
+        # not reproduced in 18 runs of this test alone nor in one of the first 36 test files.
+        # Taken only once both ranks wrote what
+        # this test reads, at on_train_end; any other exit still fails it.
+        written = all(os.path.exists(f"{out}.{rank}") for rank in range(2))
+        if exc.signal_name != "SIGABRT" or not written:
+            raise
     shares = []
     for rank in range(2):
         with open(f"{out}.{rank}") as f:
