@@ -359,6 +359,9 @@ struct CacheImpl {
   uint64_t top_up_locked();
   // The same for unit u alone (0 unless it is live and was given fewer).
   uint32_t top_up_unit_locked(uint32_t u);
+  // Adds `change` (tickets in, readers out) to unit u's word while the unit is live; false
+  // when it was not (retired or free). return_ticket() and the top-ups share it.
+  bool add_to_live_unit(uint32_t u, uint64_t change, uint32_t members) noexcept;
   // A publisher's part of a top-up that ran while it published (`ups`: top_ups read before
   // its units' tickets): the scan may have passed them, so it raises them itself.
   void top_up_published(uint64_t ups, const uint32_t* units, size_t n);

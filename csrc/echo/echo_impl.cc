@@ -337,22 +337,30 @@ uint32_t CacheImpl::top_up_unit_locked(uint32_t u) {
       std::min(tickets_for(U.first_sample_id.load(std::memory_order_relaxed)), kMaxTickets);
   if (want <= given) return 0;
   const uint32_t delta = want - given;
-  const uint32_t members = U.members.load(std::memory_order_relaxed);
-  // As return_ticket(): a unit whose last ticket was drawn (its readers still hold it) enters
-  // the index again, counted in live_samples before it becomes drawable.
+  if (!add_to_live_unit(u, delta * kTicket, U.members.load(std::memory_order_relaxed))) return 0;
+  U.tickets_total.fetch_add(delta, std::memory_order_relaxed);
+  // Only now may takers claim them, as at a publication.
+  available.fetch_add(delta, std::memory_order_seq_cst);
+  return delta;
+}
+
+bool CacheImpl::add_to_live_unit(uint32_t u, uint64_t change, uint32_t members) noexcept {
+  // A unit whose last ticket was drawn (its readers still hold it) re-enters the index: counted
+  // in live_samples before it becomes drawable, as publish() does, and uncounted again if the
+  // word changed meanwhile.
+  uint64_t s = state[u].load(std::memory_order_acquire);
   while ((s & kLiveMask) != 0) {
     const bool reenters = tickets_of(s) == 0;
     if (reenters) live_samples.fetch_add(members, std::memory_order_seq_cst);
-    if (state[u].compare_exchange_weak(s, s + delta * kTicket, std::memory_order_acq_rel,
+    // release: a drawer of an added ticket sees everything the unit's publisher wrote (already
+    // visible here through the acquire load or the caller's draw).
+    if (state[u].compare_exchange_weak(s, s + change, std::memory_order_acq_rel,
                                        std::memory_order_acquire)) {
-      U.tickets_total.fetch_add(delta, std::memory_order_relaxed);
-      // Only now may takers claim them, as at a publication.
-      available.fetch_add(delta, std::memory_order_seq_cst);
-      return delta;
+      return true;
     }
     if (reenters) live_samples.fetch_sub(members, std::memory_order_seq_cst);
   }
-  return 0;
+  return false;
 }
 
 void CacheImpl::try_seal() {
@@ -414,25 +422,12 @@ bool CacheImpl::drop_reader(uint32_t u) noexcept {
 }
 
 void CacheImpl::return_ticket(uint32_t u, uint32_t members) noexcept {
-  // The caller's `members` readers keep the unit from retiring, and only draws (which take
-  // tickets) race with this, so the word's readers never drop below what is subtracted. A unit
-  // whose last ticket was drawn re-enters the index: counted in live_samples before it becomes
-  // drawable, as publish() does, and uncounted again if a draw changed the word meanwhile.
-  // Its copy index goes to the next draw. Given back before the ticket: a draw of the returned
-  // ticket then counts from below it, and drawn stays below the unit's tickets.
+  // The caller's `members` readers keep the unit live (so the change always applies), and only
+  // draws (which take tickets) race with this, so the word's readers never drop below what is
+  // subtracted. Its copy index goes to the next draw. Given back before the ticket: a draw of
+  // the returned ticket then counts from below it, and drawn stays below the unit's tickets.
   info[u].drawn.fetch_sub(1, std::memory_order_relaxed);
-  uint64_t s = state[u].load(std::memory_order_acquire);
-  for (;;) {
-    const bool reenters = tickets_of(s) == 0;
-    if (reenters) live_samples.fetch_add(members, std::memory_order_seq_cst);
-    // release: a drawer of this ticket sees everything the unit's publisher wrote (already
-    // visible here through the caller's draw).
-    if (state[u].compare_exchange_weak(s, s + kTicket - members, std::memory_order_acq_rel,
-                                       std::memory_order_acquire)) {
-      return;
-    }
-    if (reenters) live_samples.fetch_sub(members, std::memory_order_seq_cst);
-  }
+  add_to_live_unit(u, kTicket - members, members);
 }
 
 void CacheImpl::unit_size(uint32_t u, int64_t* samples, int64_t* bytes) const noexcept {
