@@ -15,6 +15,7 @@ regenerated is caught.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -75,7 +76,7 @@ def _measured(value: Any) -> Any:
     return value
 
 
-def _heading(rel: str, data: dict[str, Any]) -> str:
+def _heading(rel: str, data: dict[str, Any], results: str = "bench/results") -> str:
     m = data.get("machine", {})
     start = (m.get("load_average_1_5_15_start") or [None])[0]
     end = (m.get("load_average_1_5_15_end") or [None])[0]
@@ -91,7 +92,7 @@ def _heading(rel: str, data: dict[str, Any]) -> str:
             f", L3 {l3})" if l3 else ")"
         )
     return (
-        f"**[{rel}](bench/results/{rel})** — `{cmd}`, {date}, "
+        f"**[{rel}]({results}/{rel})** — `{cmd}`, {date}, "
         f"{m.get('cpu_count', '?')} CPUs{model}{load}, {gpus}"
     )
 
@@ -137,12 +138,13 @@ def render() -> str:
     return "\n\n".join([BEGIN, *parts, END])
 
 
-def splice(text: str, section: str) -> str:
-    """``text`` with its marked section replaced; the markers must each appear once."""
-    if text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise SystemExit(f"{README}: needs exactly one '{BEGIN}' and one '{END}' line")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
+def splice(text: str, section: str, begin: str = BEGIN, end: str = END, path: Path = README) -> str:
+    """``text`` (of ``path``) with the section between ``begin`` and ``end`` replaced by
+    ``section``, markers included; the markers must each appear once."""
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise SystemExit(f"{path}: needs exactly one '{begin}' and one '{end}' line")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
     return head + section + tail
 
 
@@ -156,11 +158,9 @@ def figures_end(rel: str) -> str:
 
 def figures_block(rel: str) -> str:
     """A suite's heading line, figure table and claims for bench/README.md, markers included."""
-    import importlib
-
     data = json.loads((RESULTS / rel).read_text())
     table = importlib.import_module(FIGURES[rel]).figures_table(data["figures"])
-    heading = _heading(rel, data).replace("](bench/results/", "](results/", 1)
+    heading = _heading(rel, data, results="results")  # bench/README links from bench/
     claims = [
         f"* {c['claim']}: aim {c['aim']}, measured {_measured(c['measured'])}: "
         f"**{verdict(c['met'])}**" + (f" ({c['reason']})." if c["reason"] else ".")
@@ -173,12 +173,7 @@ def figures_block(rel: str) -> str:
 def splice_figures(text: str) -> str:
     """bench/README.md's ``text`` with every figures block rendered from its JSON."""
     for rel in FIGURES:
-        begin, end = figures_begin(rel), figures_end(rel)
-        if text.count(begin) != 1 or text.count(end) != 1:
-            raise SystemExit(f"{BENCH_README}: needs exactly one '{begin}' and one '{end}' line")
-        head, rest = text.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        text = head + figures_block(rel) + tail
+        text = splice(text, figures_block(rel), figures_begin(rel), figures_end(rel), BENCH_README)
     return text
 
 
