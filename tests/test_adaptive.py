@@ -175,6 +175,41 @@ def test_augmentation_after_the_echo_point_raises_the_factor() -> None:
     assert 0.6 / c2.factor + 0.04 <= 0.1 + 1e-12 < 0.6 / 6.0 + 0.04
 
 
+def test_reads_during_the_downstreams_pauses_lower_the_factor_at_once() -> None:
+    """The wall-clock study's figures (2026-12-04): t_up 369 ms per fresh batch, t_down 52 ms,
+    an epoch of 12.5 fresh batches and about 1 s of validation and checkpoint between two
+    epochs' steps, through which the reader reads on: 1.08 s / 12.5 = 86 ms per fresh batch the
+    steps do not wait for. A fixed e = 6 kept up (its epochs took 75 steps of 52 ms), though
+    R = 7.1 said it could not."""
+    assert math.isclose(model_ratio(0.369, 0.052, 0.0, 0.0864), (0.369 - 0.0864) / 0.052)
+    assert model_ratio(0.369, 0.052, 0.0, 0.5) == 0.0  # a pause that reads the next epoch whole
+    c = EchoController(e_max=8, smoothing=1.0, warmup=0, patience=10)
+    assert c.set_pause(0.0864, 0) is None  # nothing measured yet: only kept
+    assert c.t_pause == 0.0864 and c.factor == 1.0
+    c.t_pause = None
+    assert c.prime(0.369, 0.052) == 7.0
+    # 5.5 is within the band of 7 (+-15 %), which a lowering from step readings also needs 10
+    # times in a row: the pause, measured whole, moves the factor at once.
+    assert c.set_pause(0.0864, 75) == 5.5
+    assert c.history[-1] == EchoChange(75, 5.5, c.ratio) and math.isclose(
+        c.ratio, 5.435, abs_tol=1e-3
+    )
+    assert feed(c, 0.369, 0.052, range(76, 120)) == []  # the steps' own readings agree
+    # Later pauses go into an average (weight PAUSE_WEIGHT); one that moves the target no more
+    # than a grid step from the factor changes nothing, so scattered pauses do not flap e.
+    assert c.set_pause(0.0870, 150) is None and c.t_pause == pytest.approx(0.0867)
+    assert c.set_pause(0.0600, 160) is None and c.target(c.ratio) == 5.75
+    # Saved and restored with the rest.
+    d = EchoController(e_max=8)
+    d.load_state_dict(c.state_dict())
+    assert d.t_pause == c.t_pause and d.ratio == c.ratio
+    with pytest.raises(ValueError, match="t_pause"):
+        c.set_pause(-1.0, 161)
+    # Pauses that no longer read (a cache with no room) raise it as the average falls.
+    assert c.set_pause(0.0, 225) == 6.5 and c.set_pause(0.0, 300) is None  # 6.75: one step
+    assert c.set_pause(0.0, 375) == 7.0
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_factor_stays_steady_under_noisy_timings(seed: int) -> None:
     """R = 6 with 20 % log-normal noise on both sides (a loaded 2-core machine): the trainer's

@@ -336,6 +336,33 @@ def test_close_during_a_run_joins_the_upstream_thread(jpegs: list[str]) -> None:
         pipe.next_batch()
 
 
+def test_upstream_supply_counts_the_waits_for_room_in_a_full_cache(jpegs: list[str]) -> None:
+    """What ``--echo auto`` reads at both ends of a pause: the fresh samples stored, and the
+    seconds the upstream waited because the cache was full (it would have read then). Nobody
+    draws after the first batch, so the upstream fills the 8 slots and then only waits."""
+    pipe = _make(jpegs, batch_size=4, echo_factor=3.0, shuffle_buffer=4, cache_samples=8)
+    assert pipe.upstream_supply() == (0, 0.0)
+    with edali.EchoIterator(pipe, ["data", "label"], steps_per_epoch=1000) as it:
+        next(it)
+
+        def waited_past(seconds: float) -> tuple[int, float]:
+            deadline = time.monotonic() + 30  # a bound, not a measurement
+            while pipe.upstream_supply()[1] < seconds and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return pipe.upstream_supply()
+
+        fresh, waited = waited_past(0.2)
+        assert waited >= 0.2 and fresh == pipe.stats().fresh_in >= 8
+        later, waited_more = waited_past(waited + 0.2)
+        assert later == fresh and waited_more >= waited + 0.2  # it stored nothing meanwhile
+        for _ in range(8):  # 32 copies: more than the 8 full slots' 24 tickets, so room
+            next(it)
+        deadline = time.monotonic() + 30
+        while pipe.upstream_supply()[0] == fresh and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pipe.upstream_supply()[0] > fresh
+
+
 def test_interpreter_exit_without_close_does_not_hang(jpegs: list[str]) -> None:
     script = textwrap.dedent(
         f"""

@@ -539,11 +539,15 @@ def test_max_steps_and_a_diverging_loss(tiny_imagenet: Path, tmp_path: Path) -> 
         train(TrainConfig(**base, weight_decay=3e38, output=tmp_path / "wd"), log=lambda m: None)
 
 
-def inject_timings(monkeypatch: pytest.MonkeyPatch, t_up: float, t_down: float) -> None:
+def inject_timings(
+    monkeypatch: pytest.MonkeyPatch, t_up: float, t_down: float, pause_room: int | None = 0
+) -> None:
     """The trainer reads ``t_up`` and ``t_down`` as ``t_up`` and ``t_down`` seconds, whatever
     the machine's load: the fill's and the live pipeline's upstream timers, the step timing
     before the first step and the stages' busy time. Data, model and pipelines stay real (the
-    fill is still waited for); only the timings the echo controller decides from are fixed."""
+    fill is still waited for); only the timings the echo controller decides from are fixed.
+    ``pause_room``: the samples the cache takes in while the steps pause (0: the pauses between
+    epochs, whose length is the machine's, read nothing into it; None: the cache's own)."""
     from echopipe.pipeline import StalePipeline
     from echopipe.training import echo_start
     from echopipe.training.input import TrainInput
@@ -557,6 +561,8 @@ def inject_timings(monkeypatch: pytest.MonkeyPatch, t_up: float, t_down: float) 
     monkeypatch.setattr(echo_start, "fill_seconds_per_batch", fill)
     monkeypatch.setattr(echo_start, "measure_step_seconds", lambda *a, **k: t_down)
     monkeypatch.setattr(TrainInput, "upstream_step_seconds", lambda self: t_up)
+    if pause_room is not None:
+        monkeypatch.setattr(TrainInput, "pause_room", lambda self: pause_room)
     real_busy = StalePipeline.step_seconds
     monkeypatch.setattr(
         StalePipeline, "step_seconds", lambda self: None if real_busy(self) is None else t_down
@@ -609,6 +615,67 @@ def test_echo_auto_raises_the_factor_when_reading_is_slow(
     expected = cfg.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * 2 / 3)))
     assert doc["epochs"][1]["lr"] == pytest.approx(expected, rel=1e-6)
     assert doc["epochs"][-1]["lr"] == pytest.approx(cfg.lr * 0.02, rel=1e-6)
+
+
+def test_echo_auto_counts_what_the_reader_reads_while_validation_runs(
+    tiny_imagenet: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader goes on between two epochs' steps (validation, the checkpoint) until the
+    cache is full; those reads are fresh samples no step waits for. Reading at 120 ms a batch
+    of 8 against 20 ms steps: R = 6, so e = 6 from step 0. During validation the upstream is
+    made to read as having waited 1000 s for room (an injected reading: nothing sleeps), so
+    what a drained cache could take bounds its reads: 20 samples of the epoch's 32, so
+    t_pause = 120 ms * 20 / 32 = 75 ms, and (120 - 75) / 20 = 2.25 from the first retune step
+    of epoch 2 on, where a lowering from step readings would need 10 in a row and could not
+    leave the band around 6 by this much at once. The cache's own room is what the run
+    measured: 256 slots, less the shuffle buffer (32) and an upstream batch (8)."""
+    from echopipe.dali.pipeline import EchoPipeline
+    from echopipe.training import TrainConfig, train
+    from echopipe.training import epoch as epoch_module
+    from echopipe.training.input import TrainInput
+
+    inject_timings(monkeypatch, t_up=0.12, t_down=0.02, pause_room=None)
+    rooms: list[int] = []
+    real_room, real_supply = TrainInput.pause_room, EchoPipeline.upstream_supply
+
+    def room(self: TrainInput) -> int:
+        rooms.append(real_room(self))
+        return 20
+
+    waited = [0.0]
+    real_evaluate = epoch_module.evaluate
+
+    def evaluate(*args: Any, **kwargs: Any) -> Any:
+        waited[0] += 1000.0
+        return real_evaluate(*args, **kwargs)
+
+    def supply(self: EchoPipeline) -> tuple[int, float]:
+        fresh, wait = real_supply(self)
+        return fresh, wait + waited[0]
+
+    monkeypatch.setattr(TrainInput, "pause_room", room)
+    monkeypatch.setattr(EchoPipeline, "upstream_supply", supply)
+    monkeypatch.setattr(epoch_module, "evaluate", evaluate)
+    out = tmp_path / "run"
+    cfg = TrainConfig(data=tiny_imagenet, image_size=32, batch_size=8, epochs=3, echo="auto",
+                      echo_max=8.0, echo_interval=1, warmup_epochs=0, stages=1, output=out,
+                      progress=False)  # fmt: skip
+    messages: list[str] = []
+    s = train(cfg, log=messages.append)
+    doc = json.loads((out / "metrics.json").read_text())
+    first_epoch_steps = doc["epochs"][0]["step"]
+    assert first_epoch_steps == 32 * 6 // 8  # all of epoch 1 at the step-0 factor
+    history = [(h["step"], h["factor"]) for h in doc["echo_history"]]
+    assert history == [(0, 6.0), (first_epoch_steps, 2.25)], history
+    assert doc["echo_history"][1]["ratio"] == pytest.approx(2.25)
+    assert s.echo_factors_used == [6.0, 2.25] and s.echo_factor == 2.25
+    (said,) = [m for m in messages if m.startswith("echo: factor 2.25")]
+    assert f"from step {first_epoch_steps + 1} (epoch 2" in said, said
+    # Epoch 3 repeats epoch 2's pause: no change. The room measured: 256 - 32 - 8 slots.
+    assert doc["epochs"][-1]["echo_factor"] == 2.25
+    assert rooms == [216, 216], rooms
+    saved = read_checkpoint(out / "checkpoints" / "last.pt")["controller"]
+    assert saved["t_pause"] == pytest.approx(0.075)
 
 
 def test_echo_auto_changes_the_factor_within_an_epoch(

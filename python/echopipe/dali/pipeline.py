@@ -346,6 +346,12 @@ class EchoPipeline(EchoPair):
         batches, seconds, _ = self._runner.timing()
         return batches, seconds
 
+    def upstream_supply(self) -> tuple[int, float]:
+        """``(fresh samples the upstream stored, seconds it waited for room in a full cache)``
+        since this pipeline was built: read at both ends of an interval, what the upstream
+        read in it and for how long it could have read more."""
+        return (0, 0.0) if self._runner is None else self._runner.supply()
+
     def stats(self) -> PipelineStats:
         """Cache statistics plus upstream counters and timing (see :class:`PipelineStats`)."""
         s = self.cache.stats()

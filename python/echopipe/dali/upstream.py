@@ -95,6 +95,8 @@ class UpstreamRunner:
         self.max_sample_bytes = 0
         # Seconds inside upstream.run(), written by the runner thread, read by the consumer.
         self.seconds = 0.0
+        # Seconds the free-running thread waited for room in a full cache (not saved).
+        self.room_wait_s = 0.0
         self._timing_lock = threading.Lock()
         self._stop = threading.Event()
         self._pause_requested = threading.Event()
@@ -263,10 +265,14 @@ class UpstreamRunner:
                 if self._ended:
                     self._stop.wait(_POLL_S)
                     continue
+                t0 = time.perf_counter()
                 try:  # a native wait (no stats() polling), bounded so stop/pause are seen
                     self._cache.wait_for_room(self._plan.upstream_batch_size, 0.05)
                 except TimeoutError:
                     continue
+                finally:
+                    with self._timing_lock:
+                        self.room_wait_s += time.perf_counter() - t0
                 self.step()
         except BaseException as exc:  # reported to the consumer, which re-raises it
             if not self._stop.is_set():
@@ -319,6 +325,11 @@ class UpstreamRunner:
         """``(iterations, seconds, fresh samples stored)``, read consistently."""
         with self._timing_lock:
             return self.iterations, self.seconds, self.fresh_in
+
+    def supply(self) -> tuple[int, float]:
+        """``(fresh samples stored, seconds waited for room)``, read consistently."""
+        with self._timing_lock:
+            return self.fresh_in, self.room_wait_s
 
     def state(self) -> dict[str, int | bool | float]:
         return {

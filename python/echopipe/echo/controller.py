@@ -24,7 +24,9 @@ workers with the upstream, :func:`model_ratio` counts it: the input side keeps u
 ``t_up / e + t_aug <= t_down``. A lowering goes only as far as every observation of the run
 that asked for it agrees (the highest target among them), so noise does not drop ``e`` deep.
 With ``headroom`` the target sits that share above ``R``: too little echo costs more than too
-much (see the argument of that name).
+much (see the argument of that name). The upstream goes on reading while the downstream pauses
+(validation, checkpoints) as far as the cache has room; :meth:`EchoController.set_pause` counts
+that share of its time (``t_pause``), which the steps do not wait for.
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["AUTO_HEADROOM", "AUTO_WARMUP", "EchoChange", "EchoController", "model_ratio"]
+__all__ = [
+    "AUTO_HEADROOM",
+    "AUTO_WARMUP",
+    "PAUSE_WEIGHT",
+    "EchoChange",
+    "EchoController",
+    "model_ratio",
+]
 
 _RATIO_CAP = 1e9  # recorded instead of inf (checkpoints and JSON files hold finite numbers)
 
@@ -43,6 +52,11 @@ _RATIO_CAP = 1e9  # recorded instead of inf (checkpoints and JSON files hold fin
 #: pipeline's fill as step time); with that bias gone, ``e = 1.1 R`` reached the target later than
 #: ``e = 0.85 R`` at every target of bench/wallclock_train.py (docs/design.md, "`--echo auto`").
 AUTO_HEADROOM = 0.0
+
+#: Weight of a new pause in :meth:`EchoController.set_pause`'s average. The pauses between
+#: epochs of the wall-clock study scattered between 0.33 and 0.70 s (checkpoint writes): taken
+#: one by one, they moved the factor by a grid step or two after every epoch.
+PAUSE_WEIGHT = 0.5
 
 #: ``warmup`` of every ``"auto"`` echo factor: one observation. Until the first decision the
 #: input runs at ``e = 1`` with the trainer waiting for each batch; the first reading carries
@@ -69,7 +83,7 @@ class EchoChange:
     ratio: float
 
 
-def model_ratio(t_up: float, t_down: float, t_aug: float = 0.0) -> float:
+def model_ratio(t_up: float, t_down: float, t_aug: float = 0.0, t_pause: float = 0.0) -> float:
     """The echo factor at which the input side just keeps up with the downstream.
 
     Per delivered batch the input workers spend ``t_up / e`` on fresh data (read, decode: the
@@ -77,10 +91,15 @@ def model_ratio(t_up: float, t_down: float, t_aug: float = 0.0) -> float:
     copy. They keep up with a downstream step of ``t_down`` when ``t_up / e + t_aug <= t_down``,
     so at ``e = t_up / (t_down - t_aug)``; ``inf`` when ``t_aug >= t_down`` (no factor makes
     the input keep up; the most echo loses least). ``t_aug = 0`` gives ``R = t_up / t_down``.
+
+    ``t_pause`` is the part of ``t_up`` per fresh batch that the upstream does while the
+    downstream pauses (validation, checkpoints: it reads into the cache's room meanwhile), so
+    no step waits for it: ``(t_up - t_pause) / e + t_aug <= t_down``. A pause that reads all of
+    the next fresh data gives 0, which a controller clamps to 1.
     """
     if t_aug >= t_down:
         return math.inf
-    return t_up / (t_down - t_aug)
+    return max(t_up - t_pause, 0.0) / (t_down - t_aug)
 
 
 def _check_positive_finite(name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -173,6 +192,7 @@ class EchoController:
         self.t_up: float | None = None
         self.t_down: float | None = None
         self.t_aug: float | None = None
+        self.t_pause: float | None = None  # set_pause's average (None: no pause measured)
         self.history: list[EchoChange] = [EchoChange(0, initial_v, math.nan)]
 
     @property
@@ -181,7 +201,7 @@ class EchoController:
         first observation)."""
         if self.t_up is None or self.t_down is None or self.t_down <= 0:
             return math.nan
-        return model_ratio(self.t_up, self.t_down, self.t_aug or 0.0)
+        return model_ratio(self.t_up, self.t_down, self.t_aug or 0.0, self.t_pause or 0.0)
 
     def target(self, ratio: float) -> float:
         """The factor the controller aims at for ``ratio``: ``ratio * (1 + headroom)``, clamped
@@ -270,6 +290,33 @@ class EchoController:
         self.history.append(EchoChange(int(step), target, min(ratio, _RATIO_CAP)))
         return target
 
+    def set_pause(self, t_pause: float, step: int) -> float | None:
+        """One pause's upstream seconds per fresh batch that ran while the downstream paused
+        (:func:`model_ratio`'s ``t_pause``); returns the new factor when it changes, else
+        ``None``.
+
+        The first reading is taken as it is, later ones into an average of weight
+        ``PAUSE_WEIGHT``. Where the average moves the target more than one grid step
+        (``quantum``) from the factor, the factor goes there at once, band and patience aside:
+        those are for the scatter of single steps, while a pause is measured whole and recurs
+        (validation after every epoch), and what its reads give (at R = 7.1, about 1 of e in
+        the wall-clock study) is within the band. Before the first observation it is only kept.
+
+        Args:
+            t_pause: seconds per fresh batch, ``>= 0`` (``0``: the pause read nothing).
+            step: the current downstream step (recorded with a change).
+        """
+        new = _check_positive_finite("t_pause", t_pause, allow_zero=True)
+        old, a = self.t_pause, PAUSE_WEIGHT
+        self.t_pause = new if old is None else (1 - a) * old + a * new
+        target = self.target(self.ratio)
+        if abs(target - self.factor) <= self.quantum:
+            return None
+        self.below = self.above = 0
+        self.factor = target
+        self.history.append(EchoChange(int(step), target, min(self.ratio, _RATIO_CAP)))
+        return target
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue after a restart (for checkpoints)."""
         return {
@@ -282,6 +329,7 @@ class EchoController:
             "t_up": self.t_up,
             "t_down": self.t_down,
             "t_aug": self.t_aug,
+            "t_pause": self.t_pause,
             "history": [asdict(c) for c in self.history],
         }
 
@@ -300,6 +348,8 @@ class EchoController:
         self.t_down = None if state["t_down"] is None else float(state["t_down"])
         aug = state.get("t_aug")
         self.t_aug = None if aug is None else float(aug)
+        pause = state.get("t_pause")
+        self.t_pause = None if pause is None else float(pause)
         self.history = [EchoChange(int(c["step"]), float(c["factor"]), float(c["ratio"]))
                         for c in state["history"]]  # fmt: skip
 

@@ -283,15 +283,16 @@ def _check_small_parts(state: dict[str, Any], config: dict[str, Any]) -> None:
     c = state["controller"]
     need((c is not None) == auto, "controller", "does not match the run's --echo")
     if c is not None:
+        optional = {"below", "below_target", "above", "above_target", "t_aug", "t_pause"}
         check_dict(c, "controller", {"factor", "observations", "t_up", "t_down", "history"},
-                   {"below", "below_target", "above", "above_target", "t_aug"})  # fmt: skip
+                   optional)  # fmt: skip
         check_num(c["factor"], "controller 'factor'", 1.0, MAX_ECHO_FACTOR)
         check_int(c["observations"], "controller 'observations'")
         check_int(c.get("below", 0), "controller 'below'")
         check_int(c.get("above", 0), "controller 'above'")
         for key in ("below_target", "above_target"):
             check_num(c.get(key, 0.0), f"controller {key!r}", 0.0)
-        for key in ("t_up", "t_down", "t_aug"):
+        for key in ("t_up", "t_down", "t_aug", "t_pause"):
             need(c.get(key) is None or check_num(c[key], f"controller {key!r}", 0.0) >= 0, key, "")
         for h in check_list(c["history"], "controller 'history'"):
             check_dict(h, "controller history entry", {"step", "factor", "ratio"}, set())

@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from ..echo.controller import EchoController
-from .config import DataError, TrainConfig
+from .config import TrainConfig
 from .distributed import DistContext, average_buffers, fault_exit
 from .input import TrainInput, evaluate
 from .progress import Progress, StepLog
-from .schedule import EpochClock, LrSchedule, hybrid_switch_epoch
+from .schedule import EpochClock, LrSchedule, check_losses, hybrid_switch_epoch
 from .start import signals_deferred
 from .state import RunState, is_partial
 
@@ -90,6 +90,8 @@ class EpochLoop:
         self._mark: float | None = None
         # The wait for the first steps' input, before this loop (counted into the first epoch).
         self._input_wait_s = input_wait_s
+        # The upstream's supply when the last epoch's steps ended (then validation).
+        self._paused_at: tuple[int, float] | None = None
         self.epoch_times: list[float] = []
         self._val: list[Any] = []  # the validation iterator, built on first use
         # Whether the BatchNorm statistics are averaged over the replicas for the steps taken:
@@ -138,6 +140,12 @@ class EpochLoop:
         fresh0 = st.epoch_fresh_start
         self._mark = time.perf_counter() - self._input_wait_s
         self._input_wait_s = 0.0
+        if self.controller is not None and self._paused_at is not None:
+            # The upstream read on through the pause (validation, the checkpoint): taken in
+            # at the next retune step.
+            t_pause = self.data.pause_reads(self._paused_at)
+            if t_pause is not None:
+                self.controller.set_pause(t_pause, st.global_step)
         while st.step_in_epoch < st.steps_per_epoch:
             if cfg.max_steps is not None and st.global_step >= cfg.max_steps:
                 self.stopped = f"--max-steps {cfg.max_steps} reached"
@@ -163,7 +171,7 @@ class EpochLoop:
         self.drain()
         self.progress.drained()
         self._count_time()
-        self._mark = None
+        self._mark, self._paused_at = None, self.data.pipe.upstream_supply()
         self.epoch_fresh = self.data.counters()["fresh"] - fresh0
 
     def _log_step(self) -> None:
@@ -193,7 +201,7 @@ class EpochLoop:
     def _keep_losses(self, finished: list[Any]) -> None:
         """The losses of finished minibatches: into the epoch's mean and each step's line."""
         losses = [r.value for r in finished]
-        self._check_losses(losses)
+        check_losses(losses, self.run_state.global_step, self.cfg)
         self.run_state.epoch_loss_sum += sum(losses)
         self.run_state.epoch_losses += len(losses)
         self.last_loss = losses[-1] if losses else self.last_loss
@@ -227,15 +235,6 @@ class EpochLoop:
             t_up = self.data.upstream_step_seconds()
             if self.controller is not None and t_up is not None:
                 self.controller.observe(t_up, busy, st.global_step)
-
-    def _check_losses(self, losses: list[float]) -> None:
-        bad = next((v for v in losses if not math.isfinite(v)), None)
-        if bad is not None:
-            raise DataError(
-                f"the training loss became {bad} at step {self.run_state.global_step}: training "
-                f"diverged; lower --lr (now {self.cfg.lr:g}) or --weight-decay (now "
-                f"{self.cfg.weight_decay:g}), or lengthen the warm-up (--warmup-epochs)"
-            )
 
     def _retune_echo(self) -> None:
         """Adopt rank 0's echo factor within an epoch, re-planning the fresh samples it owes."""

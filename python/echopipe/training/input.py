@@ -156,6 +156,29 @@ class TrainInput:
             "up_iters": self.base["up_iters"] + batches,
         }
 
+    def pause_room(self) -> int:
+        """Samples the cache can take in while the steps pause, above what it keeps for
+        shuffling: its capacity (in slots, and in bytes at the mean size resident) less the
+        shuffle buffer and one upstream batch, where the upstream stops for room."""
+        s, c = self.pipe.cache.stats(), self.pipe.config
+        fits = s.capacity_samples
+        if s.resident and s.bytes_used:
+            fits = min(fits, s.capacity_bytes * s.resident // s.bytes_used)
+        return max(fits - int(c.echo.shuffle_buffer) - int(c.upstream_batch_size), 0)
+
+    def pause_reads(self, before: tuple[int, float]) -> float | None:
+        """The controller's ``t_pause`` for the pause between two epochs' steps that began at
+        ``before`` (:meth:`echopipe.dali.EchoPipeline.upstream_supply` then): the samples the
+        upstream read in it, and those it would have read while it waited for room in a full
+        cache, at most the cache's room (:meth:`pause_room`), as a share of an epoch's fresh
+        samples, times ``t_up``. ``None`` before ``t_up`` is measured."""
+        t_up = self.upstream_step_seconds()
+        if t_up is None:
+            return None
+        (fresh0, wait0), (fresh1, wait1) = before, self.pipe.upstream_supply()
+        read = fresh1 - fresh0 + (wait1 - wait0) / t_up * self.cfg.batch_size
+        return t_up * min(read, self.pause_room()) / max(self.iterator.shard_size, 1)
+
     def upstream_step_seconds(self) -> float | None:
         """``t_up`` of the live pipeline: upstream seconds per downstream batch of fresh
         samples (mean since it was built; restored with a checkpoint), or ``None`` before any."""

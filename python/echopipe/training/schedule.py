@@ -9,11 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import TrainConfig
+from .config import DataError, TrainConfig
 
 __all__ = [
     "EpochClock",
     "LrSchedule",
+    "check_losses",
     "decay_groups",
     "hybrid_switch_epoch",
     "lr_factor",
@@ -172,3 +173,14 @@ def sgd_factory(cfg: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov)
 
     return make
+
+
+def check_losses(losses: list[float], step: int, cfg: TrainConfig) -> None:
+    """A loss that is not finite ends the run with the options that set the step size."""
+    bad = next((v for v in losses if not math.isfinite(v)), None)
+    if bad is not None:
+        raise DataError(
+            f"the training loss became {bad} at step {step}: training diverged; lower --lr (now "
+            f"{cfg.lr:g}) or --weight-decay (now {cfg.weight_decay:g}), or lengthen the warm-up "
+            "(--warmup-epochs)"
+        )
