@@ -671,11 +671,12 @@ def test_echo_auto_counts_what_the_reader_reads_while_validation_runs(
     assert s.echo_factors_used == [6.0, 2.25] and s.echo_factor == 2.25
     (said,) = [m for m in messages if m.startswith("echo: factor 2.25")]
     assert f"from step {first_epoch_steps + 1} (epoch 2" in said, said
+    assert said.endswith("R = 2.25, t_pause 75 ms: read between epochs)"), said
     # Epoch 3 repeats epoch 2's pause: no change. The room measured: 256 - 32 - 8 slots.
     assert doc["epochs"][-1]["echo_factor"] == 2.25
     assert rooms == [216, 216], rooms
     saved = read_checkpoint(out / "checkpoints" / "last.pt")["controller"]
-    assert saved["t_pause"] == pytest.approx(0.075)
+    assert saved["pauses"] == [pytest.approx(0.075)] * 2
 
 
 def test_echo_auto_changes_the_factor_within_an_epoch(

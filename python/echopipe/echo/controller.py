@@ -38,7 +38,7 @@ from typing import Any
 __all__ = [
     "AUTO_HEADROOM",
     "AUTO_WARMUP",
-    "PAUSE_WEIGHT",
+    "PAUSE_WINDOW",
     "EchoChange",
     "EchoController",
     "model_ratio",
@@ -53,10 +53,12 @@ _RATIO_CAP = 1e9  # recorded instead of inf (checkpoints and JSON files hold fin
 #: ``e = 0.85 R`` at every target of bench/wallclock_train.py (docs/design.md, "`--echo auto`").
 AUTO_HEADROOM = 0.0
 
-#: Weight of a new pause in :meth:`EchoController.set_pause`'s average. The pauses between
-#: epochs of the wall-clock study scattered between 0.33 and 0.70 s (checkpoint writes): taken
-#: one by one, they moved the factor by a grid step or two after every epoch.
-PAUSE_WEIGHT = 0.5
+#: Pauses :meth:`EchoController.set_pause` keeps: ``t_pause`` is the least of the last ones.
+#: The pauses between epochs of the wall-clock study scattered between 0.33 and 0.70 s
+#: (checkpoint writes), and the first also built the validation pipeline (about 1 s): one by one
+#: they moved the factor after every epoch, and an average kept the first one's reads for epochs
+#: (a factor too low from then on). The least of three errs to the cheaper side (more echo).
+PAUSE_WINDOW = 3
 
 #: ``warmup`` of every ``"auto"`` echo factor: one observation. Until the first decision the
 #: input runs at ``e = 1`` with the trainer waiting for each batch; the first reading carries
@@ -192,7 +194,7 @@ class EchoController:
         self.t_up: float | None = None
         self.t_down: float | None = None
         self.t_aug: float | None = None
-        self.t_pause: float | None = None  # set_pause's average (None: no pause measured)
+        self.pauses: list[float] = []  # set_pause's last PAUSE_WINDOW readings
         self.history: list[EchoChange] = [EchoChange(0, initial_v, math.nan)]
 
     @property
@@ -201,7 +203,13 @@ class EchoController:
         first observation)."""
         if self.t_up is None or self.t_down is None or self.t_down <= 0:
             return math.nan
-        return model_ratio(self.t_up, self.t_down, self.t_aug or 0.0, self.t_pause or 0.0)
+        return model_ratio(self.t_up, self.t_down, self.t_aug or 0.0, self.t_pause)
+
+    @property
+    def t_pause(self) -> float:
+        """:func:`model_ratio`'s ``t_pause``: the least of the last :data:`PAUSE_WINDOW`
+        readings of :meth:`set_pause` (0 before any)."""
+        return min(self.pauses, default=0.0)
 
     def target(self, ratio: float) -> float:
         """The factor the controller aims at for ``ratio``: ``ratio * (1 + headroom)``, clamped
@@ -295,20 +303,19 @@ class EchoController:
         (:func:`model_ratio`'s ``t_pause``); returns the new factor when it changes, else
         ``None``.
 
-        The first reading is taken as it is, later ones into an average of weight
-        ``PAUSE_WEIGHT``. Where the average moves the target more than one grid step
-        (``quantum``) from the factor, the factor goes there at once, band and patience aside:
-        those are for the scatter of single steps, while a pause is measured whole and recurs
-        (validation after every epoch), and what its reads give (at R = 7.1, about 1 of e in
-        the wall-clock study) is within the band. Before the first observation it is only kept.
+        The model takes the least of the last :data:`PAUSE_WINDOW` readings. Where that moves
+        the target more than one grid step (``quantum``) from the factor, the factor goes there
+        at once, band and patience aside: those are for the scatter of single steps, while a
+        pause is measured whole and recurs (validation after every epoch), and what its reads
+        give (at R = 7.1, about 1 of e in the wall-clock study) is within the band. Before the
+        first observation it is only kept.
 
         Args:
             t_pause: seconds per fresh batch, ``>= 0`` (``0``: the pause read nothing).
             step: the current downstream step (recorded with a change).
         """
         new = _check_positive_finite("t_pause", t_pause, allow_zero=True)
-        old, a = self.t_pause, PAUSE_WEIGHT
-        self.t_pause = new if old is None else (1 - a) * old + a * new
+        self.pauses = [*self.pauses, new][-PAUSE_WINDOW:]
         target = self.target(self.ratio)
         if abs(target - self.factor) <= self.quantum:
             return None
@@ -329,7 +336,7 @@ class EchoController:
             "t_up": self.t_up,
             "t_down": self.t_down,
             "t_aug": self.t_aug,
-            "t_pause": self.t_pause,
+            "pauses": list(self.pauses),
             "history": [asdict(c) for c in self.history],
         }
 
@@ -348,8 +355,7 @@ class EchoController:
         self.t_down = None if state["t_down"] is None else float(state["t_down"])
         aug = state.get("t_aug")
         self.t_aug = None if aug is None else float(aug)
-        pause = state.get("t_pause")
-        self.t_pause = None if pause is None else float(pause)
+        self.pauses = [float(v) for v in state.get("pauses", [])][-PAUSE_WINDOW:]
         self.history = [EchoChange(int(c["step"]), float(c["factor"]), float(c["ratio"]))
                         for c in state["history"]]  # fmt: skip
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..echo.config import MAX_ECHO_FACTOR
+from ..echo.controller import PAUSE_WINDOW
 from ..models import MODEL_NAMES, build_model
 from .config import TrainConfig
 from .file_list import check_file_list_entry
@@ -283,7 +284,7 @@ def _check_small_parts(state: dict[str, Any], config: dict[str, Any]) -> None:
     c = state["controller"]
     need((c is not None) == auto, "controller", "does not match the run's --echo")
     if c is not None:
-        optional = {"below", "below_target", "above", "above_target", "t_aug", "t_pause"}
+        optional = {"below", "below_target", "above", "above_target", "t_aug", "pauses"}
         check_dict(c, "controller", {"factor", "observations", "t_up", "t_down", "history"},
                    optional)  # fmt: skip
         check_num(c["factor"], "controller 'factor'", 1.0, MAX_ECHO_FACTOR)
@@ -292,8 +293,12 @@ def _check_small_parts(state: dict[str, Any], config: dict[str, Any]) -> None:
         check_int(c.get("above", 0), "controller 'above'")
         for key in ("below_target", "above_target"):
             check_num(c.get(key, 0.0), f"controller {key!r}", 0.0)
-        for key in ("t_up", "t_down", "t_aug", "t_pause"):
+        for key in ("t_up", "t_down", "t_aug"):
             need(c.get(key) is None or check_num(c[key], f"controller {key!r}", 0.0) >= 0, key, "")
+        pauses = check_list(c.get("pauses", []), "controller 'pauses'")
+        need(len(pauses) <= PAUSE_WINDOW, "controller 'pauses'", f"holds {len(pauses)} entries")
+        for v in pauses:
+            check_num(v, "controller 'pauses' entry", 0.0)
         for h in check_list(c["history"], "controller 'history'"):
             check_dict(h, "controller history entry", {"step", "factor", "ratio"}, set())
             check_int(h["step"], "controller history 'step'")

@@ -277,7 +277,9 @@ class EpochLoop:
         assert self.controller is not None
         self.data.set_factor(wanted)
         self.run_state.factors_used.append(wanted)
-        self.say(f"echo: factor {wanted:g} from {where}R = {self.controller.ratio:.2f})")
+        c = self.controller
+        pause = f", t_pause {1000 * c.t_pause:.0f} ms: read between epochs" if c.t_pause else ""
+        self.say(f"echo: factor {wanted:g} from {where}R = {c.ratio:.2f}{pause})")
 
     def end_epoch(self) -> None:
         """Validate, record the row, retune echo, checkpoint, rewrite the run folder's files.
