@@ -298,6 +298,8 @@ _EDITS = {
     "rng-wrong-size": _set("rng", "torch", value=torch.zeros(7, dtype=torch.uint8)),
     "echo-factor-nan": _set("input_factor", value=float("nan")),
     "controller-as-text": _set("controller", value="auto"),
+    "controller-pause-negative": _set("controller", "pauses", value=[0.1, -1.0]),
+    "controller-pauses-past-the-window": _set("controller", "pauses", value=[0.1] * 10**6),
     "scheduler-lambda-state": _set(
         "pipeline",
         "schedulers",
