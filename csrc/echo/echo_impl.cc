@@ -337,8 +337,16 @@ uint32_t CacheImpl::top_up_unit_locked(uint32_t u) {
       std::min(tickets_for(U.first_sample_id.load(std::memory_order_relaxed)), kMaxTickets);
   if (want <= given) return 0;
   const uint32_t delta = want - given;
-  if (!add_to_live_unit(u, delta * kTicket, U.members.load(std::memory_order_relaxed))) return 0;
+  // The total rises before the tickets do: a draw of an added ticket (its CAS acquires ours)
+  // then reads the raised total, so a copy's index stays below its lease's tickets(). Raised
+  // after, a copy drawn in between read the old total with an index equal to it. A unit the
+  // CAS finds retired (its last reader left meanwhile) takes the raise back; alloc_mu keeps it
+  // from being published again until then.
   U.tickets_total.fetch_add(delta, std::memory_order_relaxed);
+  if (!add_to_live_unit(u, delta * kTicket, U.members.load(std::memory_order_relaxed))) {
+    U.tickets_total.fetch_sub(delta, std::memory_order_relaxed);
+    return 0;
+  }
   // Only now may takers claim them, as at a publication.
   available.fetch_add(delta, std::memory_order_seq_cst);
   return delta;
