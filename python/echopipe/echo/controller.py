@@ -293,6 +293,11 @@ class EchoController:
             if self.below < self.patience:
                 return None
             target = self.below_target
+        return self._change(target, step, ratio)
+
+    def _change(self, target: float, step: int, ratio: float) -> float:
+        """Takes ``target`` as the factor from ``step`` on, recorded with the ``ratio`` that led
+        to it; a decision clears the runs of readings that asked for one."""
         self.below = self.above = 0
         self.factor = target
         self.history.append(EchoChange(int(step), target, min(ratio, _RATIO_CAP)))
@@ -319,10 +324,7 @@ class EchoController:
         target = self.target(self.ratio)
         if abs(target - self.factor) <= self.quantum:
             return None
-        self.below = self.above = 0
-        self.factor = target
-        self.history.append(EchoChange(int(step), target, min(self.ratio, _RATIO_CAP)))
-        return target
+        return self._change(target, step, self.ratio)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue after a restart (for checkpoints)."""
