@@ -67,7 +67,7 @@ from .plugin import (
 from .specs import AugmentSpec, EchoSpec, ReaderSpec
 from .torch_copy import to_torch
 from .tracing import current_stage, echo
-from .upstream import EmptyUpstreamEpochError
+from .upstream_flight import EmptyUpstreamEpochError
 
 
 def load_plugin() -> None:

@@ -135,6 +135,7 @@ class EchoPair(EpochPasses, EchoPipelineBase):
             deterministic=cfg.deterministic,
             iterations_per_epoch=self.iterations_per_epoch,
             reader_epochs=self.reader_epochs,
+            depth=pair.depth,
         )
         if self._runner is not None:  # built before without DALI's checkpoints; never started
             self._runner.stop()

@@ -46,6 +46,7 @@ class BuiltPair:
     geometry: EpochGeometry
     config: EchoPipelineConfig  # epochs resolved, memory placed
     cache_epoch_size: int
+    depth: int  # the upstream's prefetch_queue_depth (upstream_depth)
 
 
 #: Called with the config and epoch size a new, empty cache under the same name must have.
@@ -89,12 +90,13 @@ def build_pair(
         up_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_upstream"))
         down_kwargs.update(enable_checkpointing=True, checkpoint=restore.get("dali_downstream"))
 
-    def build_upstream(cfg: EchoPipelineConfig) -> tuple[Any, Trace, EchoPipelineConfig]:
-        # Depth 1 upstream: when run() returns, no later iteration has touched the cache yet.
+    def build_upstream(
+        cfg: EchoPipelineConfig, depth: int
+    ) -> tuple[Any, Trace, EchoPipelineConfig]:
         upstream = Pipeline(
             batch_size=cfg.upstream_batch_size,
             num_threads=settings.upstream_num_threads,
-            prefetch_queue_depth=1,
+            prefetch_queue_depth=depth,
             **up_kwargs,
         )
         up_state, _ = trace_stage(settings, "upstream", upstream)
@@ -105,16 +107,20 @@ def build_pair(
         upstream.build()
         return upstream, up_state, placed
 
-    upstream, up_state, config = build_upstream(config)
+    depth = upstream_depth(config, settings, None, restore)
+    upstream, up_state, config = build_upstream(config, depth)
     geometry = epoch_geometry(upstream.reader_meta(), config.epochs, config.upstream_batch_size)
     config = replace(config, epochs=geometry.epochs)
     blocks = geometry.units(config.echo.mode, config.upstream_batch_size)
-    if blocks != cache_epoch_size:
-        # Exact copy totals per epoch need the cache to count the epoch's units, which only
-        # the built reader tells; its sink holds the old cache, so the upstream is built again.
-        cache_epoch_size = blocks
-        replace_cache(config, cache_epoch_size)
-        upstream, up_state, config = build_upstream(config)
+    built_depth, depth = depth, upstream_depth(config, settings, geometry, restore)
+    if blocks != cache_epoch_size or depth != built_depth:
+        # Exact copy totals per epoch need the cache to count the epoch's units, and the depth
+        # the reader's epochs, which only the built reader tells; the sink holds the old
+        # cache, so the upstream is built again (with a new cache if the units differ).
+        if blocks != cache_epoch_size:
+            cache_epoch_size = blocks
+            replace_cache(config, cache_epoch_size)
+        upstream, up_state, config = build_upstream(config, depth)
     downstream = Pipeline(
         batch_size=config.batch_size,
         num_threads=settings.num_threads,
@@ -128,8 +134,49 @@ def build_pair(
     # reject a checkpoint taken between a DALI iterator's steps.
     downstream.enable_api_check(False)
     return BuiltPair(
-        upstream, downstream, up_state.num_fields, len(outputs), geometry, config, cache_epoch_size
+        upstream,
+        downstream,
+        up_state.num_fields,
+        len(outputs),
+        geometry,
+        config,
+        cache_epoch_size,
+        depth,
     )
+
+
+def upstream_depth(
+    config: EchoPipelineConfig,
+    settings: PairSettings,
+    geometry: EpochGeometry | None,
+    restore: dict[str, Any],
+) -> int:
+    """The upstream's ``prefetch_queue_depth``: 2, so that its next iteration runs while this
+    one is collected (:mod:`echopipe.dali.upstream_flight`), unless two in flight would break
+    something, then 1. ``geometry`` is ``None`` before the reader is built (the guess the first
+    build makes).
+
+    * a deterministic pipeline runs its iterations on demand, one at a time;
+    * DALI's executor told not to pipeline would run the second only after the first;
+    * a cache whose slots cannot hold two upstream batches beyond what the first draw waits
+      for would hold the second back anyway;
+    * with epochs, DALI's first ``schedule_run()`` starts two iterations, and both must lie in
+      the reader epoch the runner stands in (restored from ``restore`` or at its start): the
+      next epoch's quota is set only after its last is back.
+    """
+    kwargs = settings.pipeline_kwargs
+    if config.deterministic or not all(
+        kwargs.get(k, True) for k in ("exec_pipelined", "exec_async")
+    ):
+        return 1
+    up = int(config.upstream_batch_size or config.batch_size)
+    fill = max(int(config.echo.shuffle_buffer or 0), config.batch_size)
+    if config.cache_samples is not None and config.cache_samples < fill + 2 * up:
+        return 1
+    if geometry is None or geometry.epochs is None:
+        return 2
+    at = int((restore.get("runner") or {}).get("iter_in_epoch", 0))
+    return 2 if geometry.reader is not None and at + 2 <= geometry.iterations else 1
 
 
 def _placed(

@@ -13,6 +13,7 @@ from typing import Any
 from ..echo.values import CacheTooSmallError
 from .epochs import ReaderEpochs
 from .host_copy import host_dense
+from .upstream_flight import UpstreamFlight, empty_epoch
 
 _POLL_S = 0.005
 
@@ -26,11 +27,6 @@ _STUCK_S = 1.0
 _WATCH_S = 0.1
 
 
-class EmptyUpstreamEpochError(ValueError):
-    """The upstream pipeline's input (an ``external_source``) ended an epoch with no batch,
-    so reading it epoch after epoch would never store a sample."""
-
-
 @dataclass(frozen=True)
 class UpstreamPlan:
     """What the runner follows, fixed once the DALI pipelines are built.
@@ -42,6 +38,9 @@ class UpstreamPlan:
         deterministic: run on demand in the consumer's thread instead of a thread of its own.
         iterations_per_epoch: upstream iterations per reader epoch.
         reader_epochs: the reader's geometry (``None`` without a reader).
+        depth: the upstream's ``prefetch_queue_depth``: 2 schedules the next iteration while
+            this one is collected (:mod:`echopipe.dali.upstream_flight`), 1 runs them one at a
+            time (deterministic mode, and where two could not be in flight safely).
     """
 
     batch_size: int
@@ -51,6 +50,7 @@ class UpstreamPlan:
     deterministic: bool
     iterations_per_epoch: int
     reader_epochs: ReaderEpochs | None
+    depth: int = 1
 
 
 class UpstreamResources:
@@ -116,16 +116,25 @@ class UpstreamRunner:
 
     def step(self) -> bool:
         """Runs one upstream iteration; False (and end_of_input) once a finite run is complete."""
-        plan, cache = self._plan, self._cache
         if self._ended:
             return False
-        if plan.epochs is not None and self.iter_in_epoch == 0 and plan.reader_epochs:
-            # Only the reader epoch's own files: its padding (pad_last_batch) is never stored.
-            cache.quota = plan.reader_epochs.fresh(self.epoch_index)
-        bytes_before = cache.stats().bytes_used if plan.deterministic else 0
+        self._epoch_start()
+        bytes_before = self._cache.stats().bytes_used if self._plan.deterministic else 0
         t0 = time.perf_counter()
         outputs = self._run_upstream()
-        elapsed = time.perf_counter() - t0
+        self._record(outputs, time.perf_counter() - t0, bytes_before)
+        return True
+
+    def _epoch_start(self) -> None:
+        """Before the first iteration of a reader epoch (none of the last one in flight)."""
+        plan = self._plan
+        if plan.epochs is not None and self.iter_in_epoch == 0 and plan.reader_epochs:
+            # Only the reader epoch's own files: its padding (pad_last_batch) is never stored.
+            self._cache.quota = plan.reader_epochs.fresh(self.epoch_index)
+
+    def _record(self, outputs: Any, elapsed: float, bytes_before: int = 0) -> None:
+        """Counts one finished iteration; at a pass's last, tells the cache its input ended."""
+        plan, cache = self._plan, self._cache
         stored = int(host_dense(outputs[0]).sum())
         if plan.deterministic and stored:
             # Nothing else touches the cache meanwhile: the growth is this batch's bytes.
@@ -142,7 +151,6 @@ class UpstreamRunner:
             if plan.epochs is not None and self.epoch_index % plan.epochs == 0:
                 self._ended = True
                 cache.end_of_input()
-        return True
 
     def _run_upstream(self) -> Any:
         """One upstream iteration. An ``external_source`` whose source ends its epoch (DALI's
@@ -156,16 +164,7 @@ class UpstreamRunner:
         try:
             return self._upstream.run()
         except StopIteration:
-            raise EmptyUpstreamEpochError(
-                "the upstream pipeline's input ended an epoch without a single batch (its "
-                "external_source raised StopIteration at once after a reset); give the source "
-                "at least one batch per epoch (an iterable or generator function source starts "
-                'again only with cycle="raise", or never ends with cycle="quiet")'
-            ) from None
-
-    def room_for_batch(self) -> bool:
-        stats = self._cache.stats()
-        return stats.capacity_samples - stats.resident >= self._plan.upstream_batch_size
+            raise empty_epoch() from None
 
     def bytes_for_batch(self) -> bool:
         """Room by bytes for one more upstream batch of samples as large as the largest yet."""
@@ -188,7 +187,7 @@ class UpstreamRunner:
             raise
 
     def _fill(self) -> None:
-        while not self._ended and self.room_for_batch() and self.bytes_for_batch():
+        while not self._ended and self._room_for(1, wait=False) and self.bytes_for_batch():
             self._watched_step()
         if self._ended or self.bytes_for_batch():
             return  # stopped by slots, which always leave room for the first draw
@@ -255,31 +254,76 @@ class UpstreamRunner:
         self._thread.start()
 
     def _loop(self) -> None:
+        flight = UpstreamFlight(self._upstream, self._plan.depth) if self._plan.depth > 1 else None
         try:
             while not self._stop.is_set():
                 if self._pause_requested.is_set():
+                    while flight is not None and flight.in_flight:  # a checkpoint sees them back
+                        self._collect(flight)
                     self._paused.set()
                     self._stop.wait(_POLL_S)
                     continue
                 self._paused.clear()
-                if self._ended:
+                if flight is not None:
+                    self._turn(flight)
+                elif self._ended:
                     self._stop.wait(_POLL_S)
-                    continue
-                t0 = time.perf_counter()
-                try:  # a native wait (no stats() polling), bounded so stop/pause are seen
-                    self._cache.wait_for_room(self._plan.upstream_batch_size, 0.05)
-                except TimeoutError:
-                    continue
-                finally:
-                    with self._timing_lock:
-                        self.room_wait_s += time.perf_counter() - t0
-                self.step()
+                elif self._room_for(1, wait=True):
+                    self.step()
         except BaseException as exc:  # reported to the consumer, which re-raises it
             if not self._stop.is_set():
                 self.error = exc
                 self._cache.close()
         finally:
             self._paused.set()
+
+    def _turn(self, flight: UpstreamFlight) -> None:
+        """Depth 2: start the next iteration if the epoch and the cache allow, else collect."""
+        n, ahead = flight.next_count, flight.in_flight
+        if self._may_schedule(ahead + n) and self._room_for(ahead + n, wait=ahead == 0):
+            if ahead == 0:
+                self._epoch_start()
+            flight.schedule()
+        elif ahead:
+            self._collect(flight)
+        elif self._ended:
+            self._stop.wait(_POLL_S)
+        elif not self._may_schedule(n):  # pair.upstream_depth rules this out
+            raise RuntimeError(
+                f"the upstream stands {self.iter_in_epoch} batches into a reader epoch of "
+                f"{self._plan.iterations_per_epoch}, too near its end for DALI's first "
+                f"{n} iterations"
+            )
+
+    def _may_schedule(self, through: int) -> bool:
+        """Whether ``through`` iterations from the last one collected stay in this pass and,
+        with epochs, in this reader epoch (the next epoch's quota waits for its first)."""
+        if self._ended:
+            return False
+        plan = self._plan
+        return plan.epochs is None or self.iter_in_epoch + through <= plan.iterations_per_epoch
+
+    def _room_for(self, batches: int, wait: bool) -> bool:
+        """Room in the cache for ``batches`` upstream batches; ``wait``: a native wait, bounded
+        so that stop and pause are seen (its time is the upstream's wait for room)."""
+        need = batches * self._plan.upstream_batch_size
+        if not wait:
+            stats = self._cache.stats()
+            return stats.capacity_samples - stats.resident >= need
+        t0 = time.perf_counter()
+        try:
+            self._cache.wait_for_room(need, 0.05)
+        except TimeoutError:
+            return False
+        finally:
+            with self._timing_lock:
+                self.room_wait_s += time.perf_counter() - t0
+        return True
+
+    def _collect(self, flight: UpstreamFlight) -> None:
+        got = flight.collect()
+        if got is not None:  # None: an external_source ended its epoch and was reset
+            self._record(*got)
 
     def pause(
         self, timeout_s: float = 60.0, while_waiting: Callable[[], None] | None = None
