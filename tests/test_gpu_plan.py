@@ -308,7 +308,7 @@ def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 RUN_SH = REPO / "bench" / "gpu" / "run.sh"
-HEADLINE = ["environment", "unpack_dali", "build", "bench_dali_gpu", "bench_gather_bw",
+HEADLINE = ["unpack_dali", "environment", "build", "bench_dali_gpu", "bench_gather_bw",
             "test_overlap"]  # fmt: skip
 TESTS = ["test_gpu_kernels", "test_gpu_streams", "test_gpu_dali", "test_gpu_races"]
 EXTRAS = ["test_echo_pinned", "bench_pipeline", "train_mixed", "train_mixed_amp"]
@@ -370,12 +370,12 @@ def test_plan_refuses_a_pass_whose_timeouts_exceed_its_budget(tmp_path: Path) ->
     [
         (None, HEADLINE + TESTS, 390),
         ("headline", HEADLINE, 240),
-        ("tests", ["environment", "unpack_dali", "build", *TESTS], 390),
+        ("tests", ["unpack_dali", "environment", "build", *TESTS], 390),
         ("all", HEADLINE + TESTS + EXTRAS, 660),
         ("extras,headline", HEADLINE + EXTRAS, 510),  # run order, not the order named
-        ("test_gpu_races", ["environment", "unpack_dali", "build", "test_gpu_races"], 390),
+        ("test_gpu_races", ["unpack_dali", "environment", "build", "test_gpu_races"], 390),
         # A step that needs the installed package brings the build (skipped there if current).
-        (" bench_gather_bw ", ["environment", "unpack_dali", "build", "bench_gather_bw"], 240),
+        (" bench_gather_bw ", ["unpack_dali", "environment", "build", "bench_gather_bw"], 240),
         ("environment", ["environment"], 240),
         ("test_gpu_dali,test_gpu_dali", [*HEADLINE[:3], "test_gpu_dali"], 390),
     ],
@@ -561,6 +561,25 @@ def test_packed_packages_that_the_interpreter_has_too_are_named(tmp_path: Path) 
     )  # fmt: skip
     assert got.returncode == 0, got.stderr
     assert got.stdout.strip() == "['numpy']"
+
+
+def test_steps_after_the_unpack_see_the_packed_site(tmp_path: Path) -> None:
+    """The first H200 run built the DALI plugin, then lost three pytest steps because only the
+    DALI steps saw .gpu/site and the tests' conftest imports the plugin. Every step after the
+    unpack sees it now; the environment step, run after the unpack, shows the path it got."""
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    shutil.copytree(REPO / "bench" / "gpu", tree / "bench" / "gpu")
+    (tree / ".gpu" / "site" / "zz_only_packed").mkdir(parents=True)
+    (tree / ".gpu" / "site" / "zz_only_packed" / "__init__.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ECHOPIPE_GPU_", "PYTHON"))}
+    env.update(ECHOPIPE_GPU_STEPS="environment", ECHOPIPE_GPU_WORK=str(tmp_path / "work"),
+               ECHOPIPE_GPU_STATE=str(tmp_path / "state"), PYTHON=sys.executable)  # fmt: skip
+    got = subprocess.run(["bash", str(tree / "bench" / "gpu" / "run.sh"), str(tmp_path / "out")],
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    log = (tmp_path / "work" / "logs" / "environment.log").read_text()
+    assert f"PYTHONPATH={tree / '.gpu' / 'site'}\n" in log, got.stdout + log
+    assert ".gpu/site packages the image has too: none" in log
 
 
 def test_cuda_only_pipeline_bench_says_in_one_line_that_it_needs_a_device(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ def _events_ms(fn: Any, iters: int, stream: torch.cuda.Stream) -> float:
 
 def measure(side: int, batch: int, iters: int) -> dict[str, Any]:
     from echopipe.echo import EchoCache
-    from echopipe.native import _C
+    from echopipe.native import core as _C
 
     sample_bytes = side * side * 3
     resident = max(2 * batch, 64)
@@ -153,7 +153,7 @@ def measure_paths(
     """GB/s of the source's three copy paths from a ``memory`` arena, and of the peer copy;
     ``packed``: ragged samples written back to back (DALI's layout), else one per aligned slot."""
     from echopipe.echo import EchoCache
-    from echopipe.native import _C
+    from echopipe.native import core as _C
 
     sample_bytes = side * side * 3
     resident = max(2 * batch, 64)

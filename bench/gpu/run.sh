@@ -5,7 +5,7 @@
 #   bench/gpu/run.sh --plan       print each pass's steps, timeouts and budget; run nothing
 #
 # Passes, in run order, each with a budget that holds the sum of its steps' timeouts:
-#   headline (240 s): environment unpack_dali build bench_dali_gpu bench_gather_bw test_overlap
+#   headline (240 s): unpack_dali environment build bench_dali_gpu bench_gather_bw test_overlap
 #     the figures the visit is for first: DALI mixed-decode echo vs plain DALI, gather vs
 #     cudaMemcpy, the stage-stream overlap
 #   tests (150 s): test_gpu_kernels test_gpu_streams test_gpu_dali test_gpu_races
@@ -31,7 +31,9 @@
 # environment step and again at the top of the build log.
 # DALI: when `.gpu/` holds the parts that /work/shared/gpu/pack-dali made (re-cut into three by
 # bench/gpu/recut-dali, so each fits one 64 MiB transfer), `unpack_dali` unpacks them into
-# `.gpu/site`, and `.gpu/site` goes on PYTHONPATH for the steps that use DALI only. If the build
+# `.gpu/site`, and `.gpu/site` goes on PYTHONPATH for every step after it (the build is made
+# against that DALI, and every pytest process imports its plugin; `environment` names any package
+# of `.gpu/site` that the image has too: none on the H200 image of 2026-12-04). If the build
 # with the DALI plugin fails, echopipe is built again without it (recorded as the step
 # `build_dali_plugin`) and every non-DALI step runs.
 # The commit comes from git when the tree has it, else from ECHOPIPE_GIT_COMMIT and
@@ -44,14 +46,13 @@
 set -uo pipefail
 
 # name:timeout_s, in run order, per pass.
-HEADLINE=(environment:15 unpack_dali:30 build:105 bench_dali_gpu:45 bench_gather_bw:20
+HEADLINE=(unpack_dali:30 environment:20 build:70 bench_dali_gpu:75 bench_gather_bw:20
   test_overlap:25)
 TESTS=(test_gpu_kernels:35 test_gpu_streams:35 test_gpu_dali:45 test_gpu_races:35)
 EXTRAS=(test_echo_pinned:60 bench_pipeline:90 train_mixed:60 train_mixed_amp:60)
 declare -A PASS_BUDGET=([headline]=240 [tests]=150 [extras]=270)
 PASSES=(headline tests extras)
-# Steps that import DALI (only these see .gpu/site) and steps that need no installed package.
-DALI_STEPS=" environment unpack_dali build bench_dali_gpu test_gpu_dali test_gpu_races train_mixed train_mixed_amp "
+# Steps that need no installed package.
 NO_INSTALL_STEPS=" environment unpack_dali build "
 
 declare -A TIMEOUT PASS_OF
@@ -228,8 +229,7 @@ step() {
     set -- bash -c "$*"
   fi
   local t0=$SECONDS path=$BASE_PYTHONPATH
-  # Only DALI steps see .gpu/site: its packed packages must not shadow the image's elsewhere.
-  [[ $DALI_STEPS == *" $name "* && -n $DALI_SITE ]] && path="$DALI_SITE${path:+:$path}"
+  [[ -d $DALI_SITE ]] && path="$DALI_SITE${path:+:$path}"
   PYTHONPATH=$path timeout --kill-after=5 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
   record "$name" "$rc" "$((SECONDS - t0))"
@@ -302,7 +302,6 @@ env_info() {
   "$PY" "$REPO/bench/gpu/env_info.py"
 }
 export -f toolchain env_info
-step environment env_info
 
 # ---- DALI parts -> .gpu/site (skipped when already there or not carried) ------------------------
 unpack_dali() {
@@ -337,6 +336,9 @@ unpack_dali() {
 }
 export -f unpack_dali
 step unpack_dali unpack_dali
+# After the unpack, so that DALI's versions, its mixed decode and the packages .gpu/site shadows
+# are read from what the steps will use.
+step environment env_info
 HAVE_DALI=0
 dali_importable && HAVE_DALI=1
 export HAVE_DALI

@@ -64,12 +64,8 @@ def test_results(out: Path) -> dict[str, list[dict[str, Any]]]:
     return steps
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: summarize.py OUT_DIR", file=sys.stderr)
-        return 2
-    out = Path(args[0])
+def collect(out: Path) -> dict[str, Any]:
+    """Everything a run left in ``out`` as one record (gpu_results.json)."""
     steps = []
     steps_file = out / "steps.tsv"
     if steps_file.exists():
@@ -101,52 +97,56 @@ def main(argv: list[str] | None = None) -> int:
         results["torch_cuda"] = torch.version.cuda
     except ImportError:
         pass
-    (out / "gpu_results.json").write_text(json.dumps(results, indent=1))
+    return results
 
-    print("\n==== echopipe GPU run summary ====")
+
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    """The run's table as printed at its end; the README's GPU section is the same text."""
+    lines: list[str] = []
     gpu = results["gpus"][0] if results["gpus"] else {}
     if "error" in gpu:
-        print(f"nvidia-smi failed: {gpu['error']}")
-    print(
+        lines.append(f"nvidia-smi failed: {gpu['error']}")
+    lines.append(
         f"GPU: {gpu.get('name', '?')}  driver {gpu.get('driver_version', '?')}  "
         f"({len(results['gpus'])} device(s))  {results['date_utc']}"
     )
     src = results["source"] or {}
-    print(
+    lines.append(
         f"commit {src.get('commit', 'unknown')}  uncommitted changes: {src.get('dirty')}  "
         f"sources {src.get('sources_sha256', '?')}  steps: {src.get('steps', '?')}"
     )
-    print(f"{'step':<24}{'status':>8}{'seconds':>9}")
-    for s in steps:
+    lines.append(f"{'step':<24}{'status':>8}{'seconds':>9}")
+    for s in results["steps"]:
         status = "ok" if s["rc"] == 0 else ("skipped" if s["rc"] == 77 else f"FAIL {s['rc']}")
-        print(f"{s['step']:<24}{status:>8}{s['seconds']:>9.1f}")
+        lines.append(f"{s['step']:<24}{status:>8}{s['seconds']:>9.1f}")
     for name, tests in results["tests"].items():
         counts: dict[str, int] = {}
         for t in tests:
             counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
-        print(f"{name}: " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items())))
+        lines.append(f"{name}: " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items())))
     bw = results["gather_bw"]
     if bw:
-        print(f"\n{'H2D gather (GB/s)':<24}{'gather':>8}{'+norm':>8}{'memcpy':>8}{'ratio':>7}")
+        head = f"{'gather':>8}{'+norm':>8}{'memcpy':>8}{'ratio':>7}"
+        lines.append(f"\n{'H2D gather (GB/s)':<24}{head}")
         for r in bw["rows"]:
-            print(
+            lines.append(
                 f"{r['image']:<24}{r['gather_GBps']:8.1f}{r['gather_normalize_GBps']:8.1f}"
                 f"{r['memcpy_pinned_GBps']:8.1f}{r['gather_vs_memcpy']:7.2f}"
             )
         paths = bw.get("copy_paths", [])
         if paths:
             head = f"{'scatter':>8}{'each':>8}{'peer':>8}{'ratio':>7}{'aim':>8}"
-            print(f"\n{'source copy (GB/s)':<32}{head}")
+            lines.append(f"\n{'source copy (GB/s)':<32}{head}")
         for r in paths:
             label = f"{r['arena']} {r.get('destinations', 'aligned')} {r['image']}"
-            print(
+            lines.append(
                 f"{label:<32}{r['scatter_GBps']:8.1f}"
                 f"{r['memcpy_each_GBps']:8.1f}{r['peer_GBps']:8.1f}{r['scatter_vs_peer']:7.2f}"
                 f"{'  met' if r['scatter_vs_peer'] >= r['aim'] else ' not met'}"
             )
     ov = results["stream_overlap"]
     if ov:
-        print(
+        lines.append(
             f"\nstage streams overlap: {ov['overlap_us']:.0f} us of {ov['busy_us']:.0f} us busy "
             f"({100 * ov['overlap_fraction_of_busy']:.0f}%)"
         )
@@ -154,37 +154,52 @@ def main(argv: list[str] | None = None) -> int:
     if pl and isinstance(pl.get("figures"), dict):
         pl = pl["figures"]
     if pl and isinstance(pl.get("rows"), list):
-        print("\npipeline (samples/s):")
+        lines.append("\npipeline (samples/s):")
         for r in pl["rows"]:
             if isinstance(r, dict):
                 name = r.get("name") or r.get("row") or r.get("config")
                 val = r.get("samples_per_s") or r.get("rate")
-                print(f"  {name!s:<40} {val}")
+                lines.append(f"  {name!s:<40} {val}")
     dg = results["dali_gpu"]
     if dg:
-        print("\nDALI mixed decode -> echo -> GPU augment (images/s):")
+        lines.append("\nDALI mixed decode -> echo -> GPU augment (images/s):")
         for r in dg["rows"]:
             if r.get("error"):
-                print(f"  {r['row']:<20}  FAILED: {r['error'][:60]}")
+                lines.append(f"  {r['row']:<20}  FAILED: {r['error'][:60]}")
                 continue
             vs = r.get("vs_plain")
             vs_text = f"x{vs:.2f} vs plain" if vs else "no plain rate"
             if r.get("vs_ideal"):
                 vs_text += f", x{r['vs_ideal']:.2f} the ideal {r['ideal']:.0f}"
-            print(f"  {r['row']:<20}{r['images_per_s']:10.0f}  ({vs_text})")
+            lines.append(f"  {r['row']:<20}{r['images_per_s']:10.0f}  ({vs_text})")
         if not dg.get("complete", True):
-            print("  (cut short: the rows above are all that were measured)")
+            lines.append("  (cut short: the rows above are all that were measured)")
     runs = {k: v for k, v in results["train"].items() if v}
     if runs:
-        print("\nechopipe train, 1 epoch on the synthetic set:")
+        lines.append("\nechopipe train, 1 epoch on the synthetic set:")
         for name, summary in runs.items():
-            print(
+            lines.append(
                 f"  {name:<20}{summary.get('images_per_s', float('nan')):10.0f} img/s  "
                 f"top-1 {100 * summary.get('top1', float('nan')):.1f} %"
             )
-    failed = [s["step"] for s in steps if s["rc"] not in (0, 77)]
-    print(f"\nfailed steps: {', '.join(failed) if failed else 'none'}")
-    return 1 if failed else 0
+    lines.append(f"\nfailed steps: {', '.join(failed_steps(results)) or 'none'}")
+    return "\n".join(lines).split("\n")  # entries may hold line breaks
+
+
+def failed_steps(results: dict[str, Any]) -> list[str]:
+    return [s["step"] for s in results["steps"] if s["rc"] not in (0, 77)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: summarize.py OUT_DIR", file=sys.stderr)
+        return 2
+    out = Path(args[0])
+    results = collect(out)
+    (out / "gpu_results.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(["", "==== echopipe GPU run summary ====", *summary_lines(results)]))
+    return 1 if failed_steps(results) else 0
 
 
 if __name__ == "__main__":
