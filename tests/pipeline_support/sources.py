@@ -20,3 +20,15 @@ class EpochSource:
             raise StopIteration
         k = info.idx_in_epoch
         return np.full((4, 4, 3), k, np.uint8), np.array([k], np.int32)
+
+
+class EndlessSource:
+    """Sample ``k`` of the stream is an image of ``shape`` filled with ``k % 251`` and label ``k``;
+    the stream never ends. Large images put each batch in fresh shared memory of DALI's pool."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+    def __call__(self, info: Any) -> tuple[np.ndarray, np.ndarray]:
+        k = info.idx_in_epoch
+        return np.full(self.shape, k % 251, np.uint8), np.array(k, np.int32)

@@ -23,8 +23,10 @@ class PipelineStats:
         emitted: copies drawn from it for the downstream pipeline.
         resident: samples held now.
         tickets_left: copies still owed by the samples held now.
-        upstream_batches: upstream iterations run (``upstream.run()``, one reader batch each).
-        t_up_total_s: seconds spent inside those iterations, in total.
+        upstream_batches: upstream iterations timed (one reader batch each): every one run
+            at DALI depth 1; at depth 2 those that ran behind another, whose time is the
+            pipelined rate (one started alone, after a wait for room, costs its whole latency).
+        t_up_total_s: seconds those iterations cost, in total.
         t_up_per_batch_s: upstream seconds per downstream batch of fresh samples: the mean
             iteration time scaled from ``upstream_batch_size`` to ``batch_size`` samples (nan
             before any). With ``t_down`` the consumer's time per step, ``R = t_up_per_batch_s /

@@ -10,6 +10,7 @@ iterators call.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -29,9 +30,26 @@ from .epochs import ReaderEpochs
 from .pair import PairSettings, build_pair
 from .passes import EpochPasses
 from .queue import DownstreamQueue
-from .upstream import UpstreamPlan, UpstreamResources, UpstreamRunner
+from .upstream import UpstreamPlan, UpstreamRunner
 
 _name_counter = itertools.count()
+
+
+class UpstreamResources:
+    """What closing a pipeline frees: its cache and its runner. The finalizer holds this, not
+    the pipeline, so it sees a cache or a runner the pipeline replaced."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        self.runner: UpstreamRunner | None = None
+
+    def close(self) -> None:
+        # Closing the cache first wakes a sink or source blocked inside DALI; then the thread
+        # can end.
+        with contextlib.suppress(Exception):
+            self.cache.close()
+        if self.runner is not None:
+            self.runner.stop()
 
 
 class EchoPair(EpochPasses, EchoPipelineBase):

@@ -109,10 +109,13 @@ def build_pair(
 
     depth = upstream_depth(config, settings, None, restore)
     upstream, up_state, config = build_upstream(config, depth)
+    # An input that can end its epoch (external_source with a source): DALI's first schedule
+    # after its reset starts `depth` iterations again, wherever the reader's epoch stands.
+    resets = bool(getattr(upstream, "_input_callbacks", None))
     geometry = epoch_geometry(upstream.reader_meta(), config.epochs, config.upstream_batch_size)
     config = replace(config, epochs=geometry.epochs)
     blocks = geometry.units(config.echo.mode, config.upstream_batch_size)
-    built_depth, depth = depth, upstream_depth(config, settings, geometry, restore)
+    built_depth, depth = depth, upstream_depth(config, settings, geometry, restore, resets)
     if blocks != cache_epoch_size or depth != built_depth:
         # Exact copy totals per epoch need the cache to count the epoch's units, and the depth
         # the reader's epochs, which only the built reader tells; the sink holds the old
@@ -150,6 +153,7 @@ def upstream_depth(
     settings: PairSettings,
     geometry: EpochGeometry | None,
     restore: dict[str, Any],
+    resets: bool = False,
 ) -> int:
     """The upstream's ``prefetch_queue_depth``: 2, so that its next iteration runs while this
     one is collected (:mod:`echopipe.dali.upstream_flight`), unless two in flight would break
@@ -162,7 +166,9 @@ def upstream_depth(
       for would hold the second back anyway;
     * with epochs, DALI's first ``schedule_run()`` starts two iterations, and both must lie in
       the reader epoch the runner stands in (restored from ``restore`` or at its start): the
-      next epoch's quota is set only after its last is back.
+      next epoch's quota is set only after its last is back. An input that ``resets`` (an
+      ``external_source`` ending its epoch) starts two again anywhere in the reader's epoch.
+      A restore at an epoch's last batch keeps depth 1 for the pipeline's life.
     """
     kwargs = settings.pipeline_kwargs
     if config.deterministic or not all(
@@ -175,6 +181,8 @@ def upstream_depth(
         return 1
     if geometry is None or geometry.epochs is None:
         return 2
+    if resets:
+        return 1
     at = int((restore.get("runner") or {}).get("iter_in_epoch", 0))
     return 2 if geometry.reader is not None and at + 2 <= geometry.iterations else 1
 

@@ -339,8 +339,9 @@ class EchoPipeline(EchoPair):
     # -- measurements --
 
     def upstream_time(self) -> tuple[int, float]:
-        """``(upstream batches run, seconds they took)`` so far, in either mode, each timed by
-        the thread that runs it (restored with a checkpoint)."""
+        """``(upstream batches timed, seconds they cost)`` so far, in either mode, each timed by
+        the thread that runs it (restored with a checkpoint); see
+        :attr:`PipelineStats.upstream_batches`."""
         if self._runner is None:
             return 0, 0.0
         batches, seconds, _ = self._runner.timing()

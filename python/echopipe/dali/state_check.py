@@ -286,11 +286,13 @@ def check_echo_state(state: Any, where: str = "echo state") -> None:
         raise _fail(f"{where} 'layouts'", f"has {len(state['layouts'])} entries, not {num_fields}")
     _int(state["quota"], f"{where} 'quota'", -1)
     runner = state["runner"]
-    _keys(runner, f"{where} 'runner'", set(_RUNNER) | {"ended"}, frozenset({"seconds"}))
+    _keys(runner, f"{where} 'runner'", set(_RUNNER) | {"ended"}, frozenset({"seconds", "timed"}))
     for key in _RUNNER:
         _int(runner[key], f"{where} runner {key!r}")
     _of(runner["ended"], bool, f"{where} runner 'ended'")
     _number(runner.get("seconds", 0.0), f"{where} runner 'seconds'")
+    if _int(runner.get("timed", 0), f"{where} runner 'timed'") > runner["iterations"]:
+        raise _fail(f"{where} runner 'timed'", "exceeds its 'iterations'")
     _check_stash(state["stash"], where)
     _of(state.get("input_done", False), bool, f"{where} 'input_done'")
     _of(state.get("pass_pending", False), bool, f"{where} 'pass_pending'")

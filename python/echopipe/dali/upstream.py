@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
@@ -53,31 +52,15 @@ class UpstreamPlan:
     depth: int = 1
 
 
-class UpstreamResources:
-    """What closing a pipeline frees: its cache and its runner. The finalizer holds this, not
-    the pipeline, so it sees a cache or a runner the pipeline replaced."""
-
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
-        self.runner: UpstreamRunner | None = None
-
-    def close(self) -> None:
-        # Closing the cache first wakes a sink or source blocked inside DALI; then the thread
-        # can end.
-        with contextlib.suppress(Exception):
-            self.cache.close()
-        if self.runner is not None:
-            self.runner.stop()
-
-
 class UpstreamRunner:
     """Runs the upstream DALI pipeline: one iteration = one upstream batch into the cache.
 
     Free-running mode uses a daemon thread that only starts an iteration when the cache has room
-    for a whole upstream batch, so the sink never blocks mid-batch and a pause (for a checkpoint)
-    is reached within one iteration. Deterministic mode runs iterations on demand from the
-    consumer's thread while no downstream iteration is in flight, which fixes the interleaving of
-    puts and draws and so makes the stream a pure function of the seed and the input order.
+    for its upstream batch and every one in flight, so no sink blocks mid-batch for slots, and a
+    pause (for a checkpoint) is reached once those are back (at most ``depth``). Deterministic
+    mode runs iterations on demand from the consumer's thread while no downstream iteration is
+    in flight, which fixes the interleaving of puts and draws and so makes the stream a pure
+    function of the seed and the input order.
     """
 
     def __init__(self, cache: Any, upstream: Any, plan: UpstreamPlan, name: str) -> None:
@@ -93,8 +76,12 @@ class UpstreamRunner:
         self.error: BaseException | None = None
         # Deterministic mode: the largest batch's mean bytes per sample in the cache.
         self.max_sample_bytes = 0
-        # Seconds inside upstream.run(), written by the runner thread, read by the consumer.
+        # The upstream's time per iteration, written by the runner thread, read by the consumer:
+        # `seconds` over `timed` iterations. At depth 1 every iteration's run(); at depth 2
+        # only those run behind another (UpstreamFlight.collect), whose cost is the pipelined
+        # rate: one started alone, for lack of room, costs its whole latency.
         self.seconds = 0.0
+        self.timed = 0
         # Seconds the free-running thread waited for room in a full cache (not saved).
         self.room_wait_s = 0.0
         self._timing_lock = threading.Lock()
@@ -132,7 +119,9 @@ class UpstreamRunner:
             # Only the reader epoch's own files: its padding (pad_last_batch) is never stored.
             self._cache.quota = plan.reader_epochs.fresh(self.epoch_index)
 
-    def _record(self, outputs: Any, elapsed: float, bytes_before: int = 0) -> None:
+    def _record(
+        self, outputs: Any, elapsed: float, bytes_before: int = 0, timed: bool = True
+    ) -> None:
         """Counts one finished iteration; at a pass's last, tells the cache its input ended."""
         plan, cache = self._plan, self._cache
         stored = int(host_dense(outputs[0]).sum())
@@ -143,7 +132,9 @@ class UpstreamRunner:
         with self._timing_lock:
             self.fresh_in += stored
             self.iterations += 1
-            self.seconds += elapsed
+            if timed:
+                self.timed += 1
+                self.seconds += elapsed
         self.iter_in_epoch += 1
         if self.iter_in_epoch >= plan.iterations_per_epoch:
             self.iter_in_epoch = 0
@@ -280,7 +271,10 @@ class UpstreamRunner:
     def _turn(self, flight: UpstreamFlight) -> None:
         """Depth 2: start the next iteration if the epoch and the cache allow, else collect."""
         n, ahead = flight.next_count, flight.in_flight
-        if self._may_schedule(ahead + n) and self._room_for(ahead + n, wait=ahead == 0):
+        # Never more than the depth: DALI takes more schedule_run() calls without blocking,
+        # but a parallel external_source reuses its buffers after `depth` of them.
+        fits = ahead + n <= self._plan.depth and self._may_schedule(ahead + n)
+        if fits and self._room_for(ahead + n, wait=ahead == 0):
             if ahead == 0:
                 self._epoch_start()
             flight.schedule()
@@ -323,7 +317,8 @@ class UpstreamRunner:
     def _collect(self, flight: UpstreamFlight) -> None:
         got = flight.collect()
         if got is not None:  # None: an external_source ended its epoch and was reset
-            self._record(*got)
+            outputs, cost, behind = got
+            self._record(outputs, cost, timed=behind)
 
     def pause(
         self, timeout_s: float = 60.0, while_waiting: Callable[[], None] | None = None
@@ -351,6 +346,9 @@ class UpstreamRunner:
                 )
             if while_waiting is not None:
                 while_waiting()
+        if self.error is not None:  # it ended (failing) while it collected what was in flight
+            self._pause_requested.clear()
+            raise self.error
 
     def resume(self) -> None:
         self._pause_requested.clear()
@@ -366,9 +364,9 @@ class UpstreamRunner:
         return self._thread is not None and self._thread.is_alive()
 
     def timing(self) -> tuple[int, float, int]:
-        """``(iterations, seconds, fresh samples stored)``, read consistently."""
+        """``(iterations timed, their seconds, fresh samples stored)``, read consistently."""
         with self._timing_lock:
-            return self.iterations, self.seconds, self.fresh_in
+            return self.timed, self.seconds, self.fresh_in
 
     def supply(self) -> tuple[int, float]:
         """``(fresh samples stored, seconds waited for room)``, read consistently."""
@@ -380,6 +378,7 @@ class UpstreamRunner:
             "fresh_in": self.fresh_in,
             "iterations": self.iterations,
             "seconds": self.seconds,
+            "timed": self.timed,
             "epoch_index": self.epoch_index,
             "iter_in_epoch": self.iter_in_epoch,
             "ended": self._ended,
@@ -389,6 +388,7 @@ class UpstreamRunner:
         self.fresh_in = int(state["fresh_in"])
         self.iterations = int(state["iterations"])
         self.seconds = float(state.get("seconds", 0.0))
+        self.timed = int(state.get("timed", self.iterations))
         self.epoch_index = int(state["epoch_index"])
         self.iter_in_epoch = int(state["iter_in_epoch"])
         self._ended = bool(state["ended"])

@@ -81,11 +81,16 @@ class UpstreamFlight:
         self._scheduled.extend([now] * self.next_count)
         self._first = False
 
-    def collect(self) -> tuple[Any, float] | None:
-        """The oldest iteration's outputs and the seconds it cost the upstream: from when this
-        side was ready for it (its schedule, or the last collect if later) until it was back,
-        so that iterations overlapping each other are not counted twice. ``None`` when the
-        input ended its epoch (the pipeline is reset, nothing is in flight)."""
+    def collect(self) -> tuple[Any, float, bool] | None:
+        """The oldest iteration's outputs, the seconds it cost the upstream and whether that
+        is the pipelined rate. The cost runs from when this side was ready for it (its
+        schedule, or the last collect if later) until it was back, so that iterations
+        overlapping each other are not counted twice. It is the pipelined rate (``True``) when
+        the iteration ran behind another, scheduled before the last collect; one started alone
+        (after a wait for room, a pause or an epoch's end) costs its whole latency, and
+        counting that would make an upstream held back by a full cache look slower the more it
+        is held back. ``None`` when the input ended its epoch (the pipeline is reset, nothing is
+        in flight)."""
         try:
             outputs = self._pipe.outputs()
         except StopIteration:
@@ -99,7 +104,8 @@ class UpstreamFlight:
             return None
         done = self._clock()
         scheduled = self._scheduled.popleft() if self._scheduled else done
+        behind = scheduled < self._ready_at
         cost = done - max(scheduled, self._ready_at)
         self._ready_at = done
         self._since_reset += 1
-        return outputs, cost
+        return outputs, cost, behind
