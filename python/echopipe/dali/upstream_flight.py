@@ -8,10 +8,12 @@ same reader and decoder alone (DALI's default depth of 2) ran at 14,800.
 
 :class:`UpstreamFlight` drives the upstream with DALI's scheduled API (``schedule_run`` /
 ``outputs``) at depth 2, so iteration i + 1 runs while iteration i is collected. The runner
-(:class:`~echopipe.dali.upstream.UpstreamRunner`) decides when to schedule: only with room in
-the cache for every iteration in flight, never past a reader epoch's end (the next epoch's quota
-is set once the epoch's last iteration is back), and none while it pauses, after collecting the
-ones in flight, so a checkpoint sees every scheduled iteration finished.
+(:class:`~echopipe.dali.upstream.UpstreamRunner`) decides when to schedule: never more than
+``depth`` in flight (DALI takes more ``schedule_run()`` calls, but a parallel
+``external_source`` reuses its buffers after ``depth`` batches), only with room in the cache
+for every iteration in flight, never past a reader epoch's end (the next epoch's quota is set
+once the epoch's last iteration is back), and none while it pauses, after collecting the ones
+in flight, so a checkpoint sees every scheduled iteration finished.
 
 The schedule, as DALI runs it:
 
