@@ -16,6 +16,14 @@ from ..echo.config import (
 from .builder_checks import MAX_PAIR_SEED
 
 
+def slots_needed(
+    batch_size: int, shuffle_buffer: int, upstream_batch_size: int, in_flight: int = 1
+) -> int:
+    """Sample slots a cache needs so that neither side stalls: what the first draw waits for
+    (``max(shuffle_buffer, batch_size)``) plus ``in_flight`` upstream batches being stored."""
+    return max(shuffle_buffer, batch_size) + in_flight * upstream_batch_size
+
+
 @dataclass(frozen=True)
 class EchoPipelineConfig:
     """How an :class:`EchoPipeline` echoes: the echo itself (:class:`~echopipe.echo.EchoConfig`,
@@ -53,7 +61,7 @@ class EchoPipelineConfig:
             if isinstance(self.cache_samples, int):  # an explicit slot count bounds the default
                 fill = max(self.batch_size, min(fill, self.cache_samples - up))
             fill = EchoConfig.check_field("shuffle_buffer", fill)
-        need = max(fill, self.batch_size) + up
+        need = slots_needed(self.batch_size, fill, up)
         samples = self.cache_samples if self.cache_samples is not None else max(2 * need, 256)
         if self.cache_samples is None and samples > MAX_CAPACITY_SAMPLES:
             raise ValueError(

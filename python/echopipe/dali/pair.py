@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..echo.memory import resolve_memory
-from .config import EchoPipelineConfig
+from .config import EchoPipelineConfig, slots_needed
 from .epochs import EpochGeometry, epoch_geometry
 from .tracing import Trace, trace
 
@@ -175,9 +175,9 @@ def upstream_depth(
         kwargs.get(k, True) for k in ("exec_pipelined", "exec_async")
     ):
         return 1
-    up = int(config.upstream_batch_size or config.batch_size)
-    fill = max(int(config.echo.shuffle_buffer or 0), config.batch_size)
-    if config.cache_samples is not None and config.cache_samples < fill + 2 * up:
+    # (config is resolved: its slots, shuffle buffer and upstream batch are numbers)
+    up, fill = int(config.upstream_batch_size), int(config.echo.shuffle_buffer)
+    if int(config.cache_samples) < slots_needed(config.batch_size, fill, up, in_flight=2):
         return 1
     if geometry is None or geometry.epochs is None:
         return 2
