@@ -485,7 +485,7 @@ def test_the_samples_put_while_auto_times_the_reader_are_echoed_from_the_start(
     factor = prime_echo(EchoController(e_max=3.0), pipe, 1e-9, decisions, timeout_s=60.0)
     assert factor == 3.0 and decisions[0].startswith("echo: e = 3 from step 0"), decisions
     deadline = time.monotonic() + 60
-    while pipe.stats().upstream_batches < 6 and time.monotonic() < deadline:
+    while pipe.stats().fresh_in < 24 and time.monotonic() < deadline:
         time.sleep(0.01)  # the epoch's 24 samples, 4 per upstream batch of 100 ms
     stats = pipe.stats()
     assert stats.fresh_in == 24 and stats.emitted == 0
