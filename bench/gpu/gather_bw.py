@@ -28,6 +28,14 @@ slightly different sizes back to back, so most start at an odd byte), the common
 DALI GPU source, whose kernel then stores through the shifted path of csrc/cuda/copy_range.h.
 The 32 px rows use a batch of 4096 (12 MB) so that a launch's fixed cost does not dominate.
 
+The gather and scatter kernels are timed twice: as Python calls them one after another (the
+``gather_GBps`` and ``scatter_GBps`` figures, what a caller from Python gets; a call first turns
+its lists of up to 4096 leases or pointers into the kernel's table, and where that takes longer
+than the kernel the host paces the device), and queued behind a spin kernel so that the events
+time the kernels back to back (``gather_device_GBps``, ``scatter_device_GBps``; ``null`` if the
+spin ended before the calls were queued). The DALI GPU source builds its table in C++ from
+DALI's own lists, so the second figure is the one its copy sees.
+
 ``<out>/gather_bw.json`` is rewritten after every row (bench/gpu/rowlog.py), the 224 px rows
 first, so a run cut short keeps what it measured. Usage:
 ``python bench/gpu/gather_bw.py --out DIR [--quick]``.
@@ -59,6 +67,33 @@ def _events_ms(fn: Any, iters: int, stream: torch.cuda.Stream) -> float:
     end.record(stream)
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def _device_ms(fn: Any, iters: int, stream: torch.cuda.Stream) -> float | None:
+    """Mean milliseconds of ``fn()`` on ``stream`` with the host out of the figure, or ``None``.
+
+    ``_events_ms`` paces the device by the host when a call's host side (argument conversion,
+    lease bookkeeping) takes longer than its kernel. Here a spin kernel holds the stream while
+    all ``iters`` calls are queued behind it, so the events time the kernels back to back. The
+    spin lasts four times the measured queueing time; if the stream has still reached the start
+    event before the last call was queued, the figure would not be the device's: ``None``."""
+    for _ in range(3):
+        fn()
+    stream.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host_s = time.perf_counter() - t0
+    stream.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(4 * host_s * iters * 2e9) + 2_000_000)  # cycles, ~2 GHz
+    start.record(stream)
+    for _ in range(iters):
+        fn()
+    end.record(stream)
+    queued_ahead = not start.query()
+    end.synchronize()
+    return start.elapsed_time(end) / iters if queued_ahead else None
 
 
 def measure(side: int, batch: int, iters: int) -> dict[str, Any]:
@@ -107,6 +142,7 @@ def measure(side: int, batch: int, iters: int) -> dict[str, Any]:
                 dst.copy_(pinned, non_blocking=True)
 
         ms_gather = _events_ms(gather, iters, stream)
+        ms_gather_device = _device_ms(gather, iters, stream)
         # Correctness of what was timed: the device batch equals the drawn samples.
         stream.synchronize()
         expected = np.concatenate([s.array.reshape(-1) for s in samples])
@@ -134,6 +170,7 @@ def measure(side: int, batch: int, iters: int) -> dict[str, Any]:
         "batch": batch,
         "batch_bytes": nbytes,
         "gather_GBps": gbps(ms_gather),
+        "gather_device_GBps": gbps(ms_gather_device) if ms_gather_device else None,
         "gather_normalize_GBps": gbps(ms_norm),
         "memcpy_pinned_GBps": gbps(ms_copy),
         "take_plus_gather_GBps": nbytes / e2e_s / 1e9,
@@ -204,6 +241,9 @@ def measure_paths(
                 dst[:nbytes].copy_(peer_src[:nbytes], non_blocking=True)
 
         results = {mode: path(mode) for mode in ("gather", "batch", "each")}
+        ms_device = _device_ms(
+            lambda: _C.copy_ranges("gather", src, dsts, sizes, handle), iters, stream
+        )
         peer_gbps = nbytes / (_events_ms(peer, iters, stream) * 1e-3) / 1e9
         samples.clear()
     finally:
@@ -222,6 +262,7 @@ def measure_paths(
         "peer": "device-to-device copy" if memory == "device" else "cudaMemcpyAsync from pinned",
         "peer_GBps": peer_gbps,
         "scatter_vs_peer": scatter / peer_gbps,
+        "scatter_device_GBps": nbytes / (ms_device * 1e-3) / 1e9 if ms_device else None,
         "aim": 0.8 if memory == "device" else 0.85,
         "matches_cpu": all(ok for _, ok in results.values()),
     }

@@ -100,6 +100,11 @@ def collect(out: Path) -> dict[str, Any]:
     return results
 
 
+def _gbps(value: float | None) -> str:
+    """A GB/s cell; '-' where the run has no figure (older runs, or the host paced the device)."""
+    return f"{value:8.1f}" if value else f"{'-':>8}"
+
+
 def summary_lines(results: dict[str, Any]) -> list[str]:
     """The run's table as printed at its end; the README's GPU section is the same text."""
     lines: list[str] = []
@@ -126,23 +131,25 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         lines.append(f"{name}: " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items())))
     bw = results["gather_bw"]
     if bw:
-        head = f"{'gather':>8}{'+norm':>8}{'memcpy':>8}{'ratio':>7}"
+        head = f"{'gather':>8}{'+norm':>8}{'memcpy':>8}{'ratio':>7}{'device':>8}"
         lines.append(f"\n{'H2D gather (GB/s)':<24}{head}")
         for r in bw["rows"]:
             lines.append(
                 f"{r['image']:<24}{r['gather_GBps']:8.1f}{r['gather_normalize_GBps']:8.1f}"
                 f"{r['memcpy_pinned_GBps']:8.1f}{r['gather_vs_memcpy']:7.2f}"
+                f"{_gbps(r.get('gather_device_GBps'))}"
             )
         paths = bw.get("copy_paths", [])
         if paths:
-            head = f"{'scatter':>8}{'each':>8}{'peer':>8}{'ratio':>7}{'aim':>8}"
+            head = f"{'scatter':>8}{'each':>8}{'peer':>8}{'ratio':>7}{'aim':>8}{'device':>8}"
             lines.append(f"\n{'source copy (GB/s)':<32}{head}")
         for r in paths:
             label = f"{r['arena']} {r.get('destinations', 'aligned')} {r['image']}"
             lines.append(
                 f"{label:<32}{r['scatter_GBps']:8.1f}"
                 f"{r['memcpy_each_GBps']:8.1f}{r['peer_GBps']:8.1f}{r['scatter_vs_peer']:7.2f}"
-                f"{'  met' if r['scatter_vs_peer'] >= r['aim'] else ' not met'}"
+                f"{'     met' if r['scatter_vs_peer'] >= r['aim'] else ' not met'}"
+                f"{_gbps(r.get('scatter_device_GBps'))}"
             )
     ov = results["stream_overlap"]
     if ov:
