@@ -301,7 +301,9 @@ def run_cuda(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     gpus = torch.cuda.device_count()
     model = bench_cnn(args.width)
     sample = make_data(args.batch, 1, args.image_size)[0][0].to("cuda:0")
-    balance = partition_balance(model.to("cuda:0"), sample, 2, devices=["cuda:0", "cuda:0"], repeats=3)
+    balance = partition_balance(
+        model.to("cuda:0"), sample, 2, devices=["cuda:0", "cuda:0"], repeats=3
+    )
     del model, sample
     one, two = "CUDA stale pipeline K=2, 1 GPU (2 streams)", "CUDA stale pipeline K=2, 2 GPUs"
     rows_fns: list[tuple[str, Any]] = [

@@ -146,7 +146,9 @@ def render() -> str:
 def gpu_section() -> str:
     """The README's GPU block: for each recorded run (``gpu_results*.json``, oldest first) where
     and what ran, and the run's own summary table. A rerun of failed steps is its own file."""
-    paths = sorted(RESULTS.glob(GPU_GLOB), key=lambda p: json.loads(p.read_text()).get("date_utc", ""))
+    paths = sorted(
+        RESULTS.glob(GPU_GLOB), key=lambda p: json.loads(p.read_text()).get("date_utc", "")
+    )
     if not paths:
         return "\n".join([GPU_BEGIN, "No GPU run is recorded yet.", GPU_END])
     sys.path.insert(0, str(ROOT / "bench" / "gpu"))
