@@ -438,8 +438,10 @@ step test_gpu_dali bash bench/gpu/pytest_steps.sh test_gpu_dali "$OUT" tests/tes
 step test_gpu_races bash bench/gpu/pytest_steps.sh test_gpu_races "$OUT" tests/test_gpu_races.py
 
 # ---- extras (not in the default run) ------------------------------------------------------------
-# With a GPU present, caches default to pinned, mapped memory: run the cache's own tests there.
-step test_echo_pinned bash bench/gpu/pytest_steps.sh test_echo_pinned "$OUT" tests/test_echo.py
+# With a GPU present, caches default to pinned, mapped memory: run the cache's own tests there,
+# and EchoLoader's pinned take with asynchronous copies to the device.
+step test_echo_pinned bash bench/gpu/pytest_steps.sh test_echo_pinned "$OUT" tests/test_echo.py \
+  tests/test_echo_loader_pinning.py
 step bench_pipeline "$PY" bench/pipeline.py --cuda-only --results-dir "$OUT"
 # One short epoch with DALI's mixed decoder, then the same with bfloat16 autocast.
 train_gpu() {  # train_gpu OUT_NAME [EXTRA ARGS...]
