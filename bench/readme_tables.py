@@ -146,17 +146,17 @@ def render() -> str:
 def gpu_section() -> str:
     """The README's GPU block: for each recorded run (``gpu_results*.json``, oldest first) where
     and what ran, and the run's own summary table. A rerun of failed steps is its own file."""
-    paths = sorted(
-        RESULTS.glob(GPU_GLOB), key=lambda p: json.loads(p.read_text()).get("date_utc", "")
+    runs = sorted(
+        ((json.loads(p.read_text()), p) for p in RESULTS.glob(GPU_GLOB)),
+        key=lambda run: run[0].get("date_utc", ""),
     )
-    if not paths:
+    if not runs:
         return "\n".join([GPU_BEGIN, "No GPU run is recorded yet.", GPU_END])
     sys.path.insert(0, str(ROOT / "bench" / "gpu"))
     from summarize import summary_lines
 
     blocks = []
-    for path in paths:
-        data = json.loads(path.read_text())
+    for data, path in runs:
         src = data.get("source") or {}
         head = (
             f"**[{path.name}](bench/results/{path.name})** — `bash bench/gpu/run.sh OUT`, "
